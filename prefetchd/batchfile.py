@@ -1,0 +1,267 @@
+"""The batch file: one ready batch in the ring buffer, written once and never modified.
+
+Shared by the daemon (which writes) and the client (which reads); it imports only numpy and
+xxhash, so a reader in another language needs nothing but this docstring.
+
+File name: ``r{rank:04d}-e{epoch:06d}-b{batch:08d}.batch`` in the buffer directory. Writers create
+``.tmp-...`` names with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and publish by ``rename(2)``, so a reader
+sees either nothing or the whole file.
+
+Layout, all integers little-endian::
+
+    offset size  field
+         0    8  magic            b"PFDBATCH"
+         8    2  version          1
+        10    2  header_size      128
+        12    4  flags            bit 0: some sample was replaced (quarantined source)
+        16    8  checksum         xxh3_64 of the whole file with these 8 bytes read as zero
+        24    8  fingerprint      u64: the stream fingerprint (config + dataset) it was made for
+        32    4  rank
+        36    4  epoch
+        40    8  batch
+        48    4  batches_in_epoch for this rank
+        52    4  n                samples in this batch
+        56    4  height
+        60    4  width
+        64    4  channels         3
+        68    1  dtype            1 = uint8
+        69    1  layout           1 = NHWC (the client exposes it as [N, C, H, W], channels-last)
+        70    2  reserved         0
+        72    8  indices_offset   int64[n]: dataset index of each sample actually used
+        80    8  labels_offset    int64[n]: class label of each sample
+        88    8  replaced_offset  int64[n]: the sampled index a quarantined one replaced, else -1
+        96    8  images_offset    uint8[n, height, width, channels], 4096-byte aligned
+       104    8  images_nbytes
+       112    8  file_size        the whole file, for a length check before reading
+       120    8  reserved         0
+
+A file is valid when the magic, version, header size, offsets and file size agree with each
+other and with the file's length, and the checksum matches.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+MAGIC = b"PFDBATCH"
+VERSION = 1
+HEADER = struct.Struct("<8sHHIQQIIQIIIIIBBHQQQQQQQ")
+assert HEADER.size == 128
+HEADER_SIZE = HEADER.size
+IMAGE_ALIGN = 4096
+DTYPE_UINT8 = 1
+LAYOUT_NHWC = 1
+FLAG_REPLACED = 1
+_CHECKSUM_SLICE = slice(16, 24)
+_ZERO8 = bytes(8)
+
+SUFFIX = ".batch"
+TMP_PREFIX = ".tmp-"
+_NAME_RE = re.compile(r"^r(\d{4,})-e(\d{6,})-b(\d{8,})\.batch$")
+
+
+class BatchFileError(ValueError):
+    """A batch file is torn, foreign or corrupt."""
+
+
+def batch_name(rank: int, epoch: int, batch: int) -> str:
+    return f"r{rank:04d}-e{epoch:06d}-b{batch:08d}{SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[int, int, int] | None:
+    m = _NAME_RE.match(name)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def fingerprint_u64(hex_fingerprint: str) -> int:
+    return int(hex_fingerprint[:16], 16)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Layout:
+    n: int
+    height: int
+    width: int
+    channels: int = 3
+
+    @property
+    def indices_offset(self) -> int:
+        return HEADER_SIZE
+
+    @property
+    def labels_offset(self) -> int:
+        return HEADER_SIZE + 8 * self.n
+
+    @property
+    def replaced_offset(self) -> int:
+        return HEADER_SIZE + 16 * self.n
+
+    @property
+    def images_offset(self) -> int:
+        return _align(HEADER_SIZE + 24 * self.n, IMAGE_ALIGN)
+
+    @property
+    def images_nbytes(self) -> int:
+        return self.n * self.height * self.width * self.channels
+
+    @property
+    def file_size(self) -> int:
+        return self.images_offset + self.images_nbytes
+
+
+def max_file_size(batch_size: int, height: int, width: int, channels: int = 3) -> int:
+    return Layout(batch_size, height, width, channels).file_size
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    rank: int
+    epoch: int
+    batch: int
+    batches_in_epoch: int
+    fingerprint: int
+
+
+def encode_header(meta: BatchMeta, layout: Layout, flags: int, checksum: int = 0) -> bytes:
+    return HEADER.pack(
+        MAGIC, VERSION, HEADER_SIZE, flags, checksum, meta.fingerprint,
+        meta.rank, meta.epoch, meta.batch, meta.batches_in_epoch,
+        layout.n, layout.height, layout.width, layout.channels, DTYPE_UINT8, LAYOUT_NHWC, 0,
+        layout.indices_offset, layout.labels_offset, layout.replaced_offset,
+        layout.images_offset, layout.images_nbytes, layout.file_size, 0,
+    )
+
+
+def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarray,
+                replaced: np.ndarray, images: np.ndarray) -> int:
+    """Write a whole batch file to ``fd`` (positioned at 0). Returns the file size.
+
+    ``images`` is uint8 ``[n, h, w, c]``, C-contiguous; it is written without a copy.
+    """
+    n, h, w, c = images.shape
+    if images.dtype != np.uint8 or not images.flags.c_contiguous:
+        raise ValueError("images must be a C-contiguous uint8 array [n, h, w, c]")
+    layout = Layout(n, h, w, c)
+    arrays = b"".join(np.ascontiguousarray(a, dtype="<i8").tobytes() for a in (indices, labels, replaced))
+    if len(arrays) != 24 * n:
+        raise ValueError("indices, labels and replaced must each have one entry per image")
+    pad = bytes(layout.images_offset - HEADER_SIZE - len(arrays))
+    flags = FLAG_REPLACED if bool((replaced >= 0).any()) else 0
+    body = memoryview(images).cast("B")
+    h_ = xxhash.xxh3_64()
+    header0 = encode_header(meta, layout, flags, 0)
+    h_.update(header0)
+    h_.update(arrays)
+    h_.update(pad)
+    h_.update(body)
+    header = encode_header(meta, layout, flags, h_.intdigest())
+    parts = [header, arrays + pad, body]
+    total = 0
+    for part in parts:  # os.write may write less than asked on large buffers
+        view = memoryview(part)
+        while view.nbytes:
+            k = os.write(fd, view)
+            total += k
+            view = view[k:]
+    if total != layout.file_size:  # pragma: no cover - guarded by the loop above
+        raise OSError(f"wrote {total} bytes, expected {layout.file_size}")
+    return total
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A parsed batch; arrays are views into the buffer it was parsed from."""
+
+    rank: int
+    epoch: int
+    batch: int
+    batches_in_epoch: int
+    fingerprint: int
+    flags: int
+    indices: np.ndarray
+    labels: np.ndarray
+    replaced: np.ndarray
+    images: np.ndarray  # uint8 [n, h, w, c]
+    file_size: int
+
+
+def read_header(buf) -> tuple:
+    if len(buf) < HEADER_SIZE:
+        raise BatchFileError(f"file of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    fields = HEADER.unpack_from(buf, 0)
+    if fields[0] != MAGIC:
+        raise BatchFileError(f"bad magic {fields[0]!r}; not a prefetchd batch file")
+    if fields[1] != VERSION:
+        raise BatchFileError(f"batch format version {fields[1]} is not supported (this reader knows {VERSION})")
+    if fields[2] != HEADER_SIZE:
+        raise BatchFileError(f"header size {fields[2]} is not {HEADER_SIZE}")
+    return fields
+
+
+def expected_size(buf) -> int:
+    """The file size the header claims (after checking the magic and version)."""
+    return read_header(buf)[22]
+
+
+def parse(buf, verify: bool = True) -> Batch:
+    """Parse and check a whole batch file held in ``buf`` (bytes, bytearray, memoryview or a
+    uint8 numpy array). Raises BatchFileError on any inconsistency."""
+    mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(buf.reshape(-1))
+    (_, _, _, flags, checksum, fp, rank, epoch, batch, bie, n, h, w, c, dtype, layout_code, _,
+     io, lo, ro, imo, imn, fsize, _) = read_header(mv)
+    if dtype != DTYPE_UINT8 or layout_code != LAYOUT_NHWC:
+        raise BatchFileError(f"unsupported dtype {dtype} or layout {layout_code}")
+    lay = Layout(n, h, w, c)
+    if (io, lo, ro, imo, imn, fsize) != (lay.indices_offset, lay.labels_offset, lay.replaced_offset,
+                                         lay.images_offset, lay.images_nbytes, lay.file_size):
+        raise BatchFileError("header offsets disagree with its shape")
+    if len(mv) != fsize:
+        raise BatchFileError(f"file is {len(mv)} bytes, its header says {fsize} (torn or truncated)")
+    if verify:
+        h_ = xxhash.xxh3_64()
+        h_.update(mv[:16])
+        h_.update(_ZERO8)
+        h_.update(mv[24:])
+        if h_.intdigest() != checksum:
+            raise BatchFileError("checksum mismatch (corrupt batch file)")
+    arr = np.frombuffer(mv, dtype=np.uint8)
+    ints = arr[io: io + 24 * n].view("<i8")
+    return Batch(
+        rank=rank, epoch=epoch, batch=batch, batches_in_epoch=bie, fingerprint=fp, flags=flags,
+        indices=ints[:n], labels=ints[n: 2 * n], replaced=ints[2 * n: 3 * n],
+        images=arr[imo: imo + imn].reshape(n, h, w, c), file_size=fsize,
+    )
+
+
+def read_file(path: str, verify: bool = True) -> Batch:
+    """Read a batch file into fresh memory and parse it (for tools and tests)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        buf = np.empty(size, dtype=np.uint8)
+        readinto_fd(fd, memoryview(buf))
+    finally:
+        os.close(fd)
+    return parse(buf, verify=verify)
+
+
+def readinto_fd(fd: int, view: memoryview) -> int:
+    """Fill ``view`` from ``fd`` with ``readv``; raises BatchFileError if the file is shorter."""
+    got = 0
+    total = view.nbytes
+    while got < total:
+        k = os.readv(fd, [view[got:]])
+        if k == 0:
+            raise BatchFileError(f"file ended after {got} of {total} bytes")
+        got += k
+    return got

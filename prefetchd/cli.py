@@ -1,0 +1,207 @@
+"""Command line: ``prefetchd run|check|status|demo|bench`` (also ``python -m prefetchd``).
+
+Exit codes: 0 clean stop, 1 runtime failure, 2 usage, 78 bad configuration (EX_CONFIG, so
+systemd's ``RestartPreventExitStatus=78`` stops a restart loop on a config error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from . import __version__
+from .config import EX_CONFIG, Config, ConfigError, format_size
+from .config import load as load_config
+
+log = logging.getLogger("prefetchd")
+
+_JOURNAL_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+class _JournalFormatter(logging.Formatter):
+    """For stderr captured by journald: a ``<N>`` priority prefix, no timestamp (the journal has one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = _JOURNAL_PRIORITY.get(record.levelno, 6)
+        return f"<{prio}>{record.name}: {super().format(record)}"
+
+
+def setup_logging(level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        handler.setFormatter(_JournalFormatter("%(message)s"))
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(getattr(logging, level.upper()))
+    logging.getLogger("watchdog").setLevel(logging.WARNING)
+
+
+def _fail_config(err: Exception) -> int:
+    print(f"prefetchd: configuration error: {err}", file=sys.stderr)
+    return EX_CONFIG
+
+
+def _load(path: str) -> Config:
+    return load_config(path)
+
+
+def cmd_run(args) -> int:
+    from .dataset import DatasetError
+    from .ring import BufferBusy, RingError
+
+    try:
+        cfg = _load(args.config)
+    except ConfigError as e:
+        return _fail_config(e)
+    setup_logging(args.log_level or cfg.log.level)
+    from .daemon import Daemon
+    from .sdnotify import Notifier
+
+    notifier = Notifier()
+    try:
+        return Daemon(cfg, notify=notifier).run()
+    except BufferBusy as e:
+        log.error("%s", e)
+        return 1
+    except (ConfigError, DatasetError, RingError) as e:
+        log.error("configuration error: %s", e)
+        return EX_CONFIG
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        notifier.close()
+
+
+def cmd_check(args) -> int:
+    from . import batchfile
+    from .dataset import DatasetError, load_index
+    from .ring import is_tmpfs
+    from .sampler import Sampler
+
+    try:
+        cfg = _load(args.config)
+        t0 = time.monotonic()
+        index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
+                                   cfg.dataset.cache_dir)
+        dt = time.monotonic() - t0
+    except (ConfigError, DatasetError) as e:
+        return _fail_config(e)
+    L, B = cfg.loader, cfg.buffer
+    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    if sampler.batches_per_epoch == 0:
+        return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
+                                        f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
+    s = cfg.augment.output_size
+    per_batch = batchfile.max_file_size(L.batch_size, s, s)
+    need = per_batch * B.capacity * len(L.ranks)
+    print(f"config {cfg.source}: ok")
+    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)")
+    print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
+          f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
+          f"augment {cfg.augment.mode} -> {s}x{s}")
+    print(f"buffer: {B.dir} ({'tmpfs' if os.path.isdir(B.dir) and is_tmpfs(B.dir) else 'not tmpfs or not created yet'}); "
+          f"{format_size(per_batch)} per batch, capacity {B.capacity} x {len(L.ranks)} rank(s) = {format_size(need)}, "
+          f"max_bytes {format_size(B.max_bytes)}")
+    if need > B.max_bytes:
+        print(f"note: buffer.max_bytes holds only {B.max_bytes // per_batch} batches, fewer than capacity x ranks")
+    print(f"workers: {cfg.workers.resolved_count()}")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from . import status
+    from .status import daemon_alive
+
+    try:
+        cfg = _load(args.config)
+    except ConfigError as e:
+        return _fail_config(e)
+    while True:
+        rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
+        alive = daemon_alive(cfg.buffer.dir)
+        if args.json:
+            print(json.dumps({"alive": alive, "status": rec}, indent=1, sort_keys=True))
+        elif rec is None:
+            print(f"no status in {cfg.buffer.dir}: the daemon has not run there"
+                  + ("" if alive is False else " (a daemon holds the lock; starting?)"))
+        else:
+            text = status.format_status(rec, alive)
+            if args.watch:
+                sys.stdout.write("\x1b[H\x1b[2J" + text + "\n")
+                sys.stdout.flush()
+            else:
+                print(text)
+        if not args.watch:
+            return 0 if alive else 3  # 3: not running (LSB status convention)
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    setup_logging("warning" if not args.verbose else "info")
+    return run_demo(images=args.images, classes=args.classes, epochs=args.epochs, batch_size=args.batch_size,
+                    workers=args.workers, keep=args.keep)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    setup_logging("warning")
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefetchd", description="A data-loading daemon: JPEG folder -> augmented "
+                                "uint8 batches in a RAM-disk ring buffer -> your trainer.")
+    p.add_argument("--version", action="version", version=f"prefetchd {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run the daemon in the foreground (what systemd runs)")
+    r.add_argument("--config", "-c", required=True)
+    r.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    r.set_defaults(fn=cmd_run)
+    c = sub.add_parser("check", help="validate the config and scan the dataset")
+    c.add_argument("--config", "-c", required=True)
+    c.set_defaults(fn=cmd_check)
+    s = sub.add_parser("status", help="show the running daemon's status")
+    s.add_argument("--config", "-c", required=True)
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    s.add_argument("--interval", type=float, default=1.0)
+    s.set_defaults(fn=cmd_status)
+    d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
+    d.add_argument("--images", type=int, default=640)
+    d.add_argument("--classes", type=int, default=8)
+    d.add_argument("--epochs", type=int, default=2)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--workers", default="auto")
+    d.add_argument("--keep", action="store_true", help="keep the sample data and buffer directory")
+    d.add_argument("--verbose", action="store_true", help="show the daemon's log")
+    d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="measure the pipeline against the decode-only limit")
+    b.add_argument("--config", "-c", help="a config to measure (default: a generated sample corpus)")
+    b.add_argument("--images", type=int, default=2000, help="sample images to generate when no --config")
+    b.add_argument("--workers", type=int, default=None, help="worker processes (default: the config's, or cores)")
+    b.add_argument("--batch-size", type=int, default=None)
+    b.add_argument("--jitter", action="store_true", help="turn colour jitter on (0.4, 0.4, 0.4)")
+    b.add_argument("--mode", choices=("scale", "random_resized_crop", "eval"), default=None)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--sweep-workers", action="store_true", help="throughput against worker count")
+    b.add_argument("--plot", help="PNG path for the sweep's error-bar plot (needs matplotlib)")
+    b.add_argument("--json", help="write the figures to this JSON file")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)

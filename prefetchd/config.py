@@ -1,0 +1,412 @@
+"""Configuration: YAML parsed with ``yaml.safe_load`` into frozen, validated dataclasses.
+
+Every value is checked once, here. An error names the key path, the bad value and what would be
+accepted (``buffer.capacity must be a positive integer, got 0``); unknown keys are rejected with
+the closest known key suggested. ``config.example.yaml`` documents every key with its default.
+
+This module is part of the pure core: it imports only the standard library and PyYAML, so the
+trainer's client can read the same file without pulling in the daemon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+EX_CONFIG = 78  # sysexits.h: configuration error; systemd's RestartPreventExitStatus uses it
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``str(err)`` is a one-line message naming the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key} {message}" if key else message)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``8GiB``, ``512MB``, ``1.5G`` or a plain integer number of bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"must be a size such as 8GiB or 512MB, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(key, f"must be a positive size, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = (m.group(2) or "").lower() if m else None
+        if m and unit in _SIZE_UNITS:
+            n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+            if n > 0:
+                return n
+    raise ConfigError(key, f"must be a size such as 8GiB, 512MB or a number of bytes, got {value!r}")
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+# --- small validators: each raises ConfigError naming the key ---------------------------------
+
+
+def _int(v: Any, key: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(key, f"must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ConfigError(key, f"must be {what}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(key, f"must be an integer <= {hi}, got {v}")
+    return v
+
+
+def _float(v: Any, key: str, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(key, f"must be a number, got {v!r}")
+    if lo is not None and v < lo:
+        raise ConfigError(key, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(key, f"must be <= {hi}, got {v}")
+    return float(v)
+
+
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(v: Any, key: str, allow_empty: bool = False) -> str:
+    if not isinstance(v, str) or (not allow_empty and not v.strip()):
+        raise ConfigError(key, f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        hint = difflib.get_close_matches(str(v), choices, n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}{extra}")
+    return v
+
+
+def _pair(v: Any, key: str, lo: float, hi: float) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(key, f"must be a list of two numbers [low, high], got {v!r}")
+    a, b = (_float(x, key, lo, hi) for x in v)
+    if a > b:
+        raise ConfigError(key, f"must be [low, high] with low <= high, got {list(v)}")
+    return (a, b)
+
+
+def _path(v: Any, key: str) -> str:
+    s = _str(v, key)
+    return os.path.abspath(os.path.expanduser(s))
+
+
+# --- sections -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    root: str | None = None
+    file_list: str | None = None
+    extensions: tuple[str, ...] = (".jpeg", ".jpg", ".png")
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.root is None and self.file_list is None:
+            raise ConfigError("dataset.root", "is required (an ImageFolder root/<class>/<image>), or set dataset.file_list")
+        if self.root is not None and self.file_list is not None:
+            raise ConfigError("dataset.file_list", "and dataset.root are exclusive: set one")
+        for k in ("root", "file_list", "cache_dir"):
+            v = getattr(self, k)
+            if v is not None:
+                object.__setattr__(self, k, _path(v, f"dataset.{k}"))
+        exts = self.extensions
+        if isinstance(exts, str) or not isinstance(exts, (list, tuple)) or not exts:
+            raise ConfigError("dataset.extensions", f"must be a non-empty list such as [.jpeg, .jpg, .png], got {exts!r}")
+        norm = []
+        for e in exts:
+            e = _str(e, "dataset.extensions").lower()
+            norm.append(e if e.startswith(".") else "." + e)
+        object.__setattr__(self, "extensions", tuple(norm))
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int = 256
+    seed: int = 0
+    epochs: int | None = None
+    shuffle: bool = True
+    drop_last: bool = True
+    world_size: int = 1
+    ranks: tuple[int, ...] | str = "all"
+
+    def __post_init__(self) -> None:
+        _int(self.batch_size, "loader.batch_size", 1, 1 << 20)
+        _int(self.seed, "loader.seed", 0, 2**63 - 1)
+        if self.epochs is not None:
+            _int(self.epochs, "loader.epochs", 1)
+        _bool(self.shuffle, "loader.shuffle")
+        _bool(self.drop_last, "loader.drop_last")
+        _int(self.world_size, "loader.world_size", 1, 1 << 16)
+        ranks = self.ranks
+        if ranks == "all":
+            ranks = tuple(range(self.world_size))
+        elif isinstance(ranks, bool) or isinstance(ranks, int):
+            ranks = (ranks,)
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ConfigError("loader.ranks", f"must be 'all' or a non-empty list of ranks, got {self.ranks!r}")
+        for r in ranks:
+            _int(r, "loader.ranks", 0, self.world_size - 1)
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError("loader.ranks", f"must not repeat a rank, got {list(ranks)}")
+        object.__setattr__(self, "ranks", tuple(sorted(ranks)))
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int | str = "auto"
+    reserve_cores: int = 0
+    max_tasks_in_flight: int = 2
+
+    def __post_init__(self) -> None:
+        if self.count != "auto":
+            if isinstance(self.count, str):
+                raise ConfigError("workers.count", f"must be a positive integer or 'auto', got {self.count!r}")
+            _int(self.count, "workers.count", 1, 1024)
+        _int(self.reserve_cores, "workers.reserve_cores", 0)
+        _int(self.max_tasks_in_flight, "workers.max_tasks_in_flight", 1, 16)
+
+    def resolved_count(self) -> int:
+        if self.count != "auto":
+            return int(self.count)
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        return max(1, cores - self.reserve_cores)
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    dir: str = "/run/prefetchd"
+    capacity: int = 64
+    refill_at: int | None = None
+    max_bytes: int | str = "8GiB"
+    min_free_bytes: int | str = "256MiB"
+    group: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", _path(self.dir, "buffer.dir"))
+        _int(self.capacity, "buffer.capacity", 1, 1 << 20)
+        refill = self.refill_at
+        if refill is None:
+            refill = max(1, (self.capacity * 3) // 4)
+        _int(refill, "buffer.refill_at", 1)
+        if refill > self.capacity:
+            raise ConfigError("buffer.refill_at", f"must be <= buffer.capacity ({self.capacity}), got {refill}")
+        object.__setattr__(self, "refill_at", refill)
+        object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "buffer.max_bytes"))
+        object.__setattr__(self, "min_free_bytes", parse_size(self.min_free_bytes, "buffer.min_free_bytes"))
+        if self.group is not None:
+            _str(self.group, "buffer.group")
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    dir: str | None = None
+    poll_interval_s: float = 0.5
+    inotify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dir is not None:
+            object.__setattr__(self, "dir", _path(self.dir, "progress.dir"))
+        _float(self.poll_interval_s, "progress.poll_interval_s", 0.01, 60)
+        _bool(self.inotify, "progress.inotify")
+
+
+AUGMENT_MODES = ("scale", "random_resized_crop", "eval")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
+DECODERS = ("auto", "pillow")
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    mode: str = "scale"
+    output_size: int = 224
+    scale_min: int = 256
+    scale_max: int = 480
+    rrc_scale: tuple[float, float] = (0.08, 1.0)
+    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    eval_resize: int = 256
+    flip: bool = True
+    brightness: float = 0.0
+    contrast: float = 0.0
+    saturation: float = 0.0
+    lighting: float = 0.0
+    interpolation: str = "bilinear"
+    decoder: str = "auto"
+
+    def __post_init__(self) -> None:
+        _choice(self.mode, "augment.mode", AUGMENT_MODES)
+        _int(self.output_size, "augment.output_size", 8, 4096)
+        _int(self.scale_min, "augment.scale_min", 1, 1 << 14)
+        _int(self.scale_max, "augment.scale_max", 1, 1 << 14)
+        if self.scale_min > self.scale_max:
+            raise ConfigError("augment.scale_min", f"must be <= augment.scale_max ({self.scale_max}), got {self.scale_min}")
+        if self.mode == "scale" and self.scale_min < self.output_size:
+            raise ConfigError("augment.scale_min", f"must be >= augment.output_size ({self.output_size}) so the crop fits, got {self.scale_min}")
+        object.__setattr__(self, "rrc_scale", _pair(self.rrc_scale, "augment.rrc_scale", 1e-6, 1.0))
+        object.__setattr__(self, "rrc_ratio", _pair(self.rrc_ratio, "augment.rrc_ratio", 1e-3, 1e3))
+        _int(self.eval_resize, "augment.eval_resize", 1, 1 << 14)
+        if self.mode == "eval" and self.eval_resize < self.output_size:
+            raise ConfigError("augment.eval_resize", f"must be >= augment.output_size ({self.output_size}), got {self.eval_resize}")
+        _bool(self.flip, "augment.flip")
+        for k in ("brightness", "contrast", "saturation"):
+            object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
+        object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
+        _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
+        _choice(self.decoder, "augment.decoder", DECODERS)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+
+    def __post_init__(self) -> None:
+        _choice(self.level, "log.level", ("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class Config:
+    dataset: DatasetConfig
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    progress: ProgressConfig = field(default_factory=ProgressConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    source: str | None = None
+
+    @property
+    def progress_dir(self) -> str:
+        return self.progress.dir or self.buffer.dir
+
+    def stream_fingerprint(self) -> str:
+        """Hash of every setting that changes the bytes of the batch stream (the dataset's own
+        fingerprint is added by the daemon). Worker count, capacity and paths are not in it."""
+        d = {
+            "loader": {k: getattr(self.loader, k) for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")},
+            "augment": dataclasses.asdict(self.augment),
+        }
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+_SECTIONS: dict[str, type] = {
+    "dataset": DatasetConfig,
+    "loader": LoaderConfig,
+    "workers": WorkersConfig,
+    "buffer": BufferConfig,
+    "progress": ProgressConfig,
+    "augment": AugmentConfig,
+    "log": LogConfig,
+}
+
+
+def _unknown(key: str, known: list[str], where: str) -> ConfigError:
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    full = f"{where}.{key}" if where else key
+    msg = f"is not a known key (did you mean {(where + '.' if where else '') + hint[0]!r}?)" if hint else (
+        f"is not a known key; known keys here: {', '.join(known)}")
+    return ConfigError(full, msg)
+
+
+def from_dict(data: Any, source: str | None = None) -> Config:
+    """Build a validated Config from a plain dict (as YAML gives it)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"the config must be a YAML mapping of sections, got {type(data).__name__}")
+    sections: dict[str, Any] = {}
+    for name, body in data.items():
+        if not isinstance(name, str) or name not in _SECTIONS:
+            raise _unknown(str(name), list(_SECTIONS), "")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise ConfigError(name, f"must be a mapping of keys, got {body!r}")
+        cls = _SECTIONS[name]
+        known = [f.name for f in dataclasses.fields(cls)]
+        for k in body:
+            if k not in known:
+                raise _unknown(str(k), known, name)
+        try:
+            sections[name] = cls(**body)
+        except TypeError as e:  # pragma: no cover - all keys checked above
+            raise ConfigError(name, str(e)) from None
+    if "dataset" not in sections:
+        raise ConfigError("dataset.root", "is required (an ImageFolder root/<class>/<image>)")
+    return Config(**sections, source=source)
+
+
+def load(path: str) -> Config:
+    """Read and validate a YAML config file. Raises ConfigError with a one-line message."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError("", f"cannot read config file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
+    base = os.path.dirname(os.path.abspath(path))
+    if isinstance(data, dict):
+        data = _resolve_relative(data, base)
+    return from_dict(data, source=os.path.abspath(path))
+
+
+def _resolve_relative(data: dict, base: str) -> dict:
+    """Relative paths in the file are relative to the file, not to the daemon's cwd."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for sec, key in (("dataset", "root"), ("dataset", "file_list"), ("dataset", "cache_dir"),
+                     ("buffer", "dir"), ("progress", "dir")):
+        body = out.get(sec)
+        if isinstance(body, dict) and isinstance(body.get(key), str):
+            p = os.path.expanduser(body[key])
+            if not os.path.isabs(p):
+                body[key] = os.path.join(base, p)
+    return out

@@ -1,0 +1,260 @@
+"""The dataset index: every sample's path and label, held compactly and cached on disk.
+
+Two sources:
+
+* an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
+  among the sorted class names, files are sorted, as torchvision's ``ImageFolder`` does;
+  extensions are matched case-insensitively; directory symlinks are followed, loops are not.
+* a file list: one ``path label`` per line (``#`` comments and blank lines allowed); relative
+  paths are relative to the list's directory.
+
+The index is three numpy arrays: a byte blob of the paths relative to the root, an int64 offset
+array and an int32 label array (about 40 bytes per sample for ImageNet, instead of ~150 for a
+list of Python strings). They are saved as ``.npy`` files in the cache directory and opened with
+``mmap_mode='r'``: forked or spawned workers share the page cache instead of copying a list of
+objects page by page, and a restart skips the scan. A cache entry is valid while the root's and
+every scanned directory's ``mtime_ns`` (or the list file's size and mtime) are unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+log = logging.getLogger("prefetchd.dataset")
+
+_CACHE_VERSION = 1
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used: the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Index:
+    root: str
+    classes: tuple[str, ...]
+    blob: np.ndarray  # uint8: concatenated fs-encoded relative paths
+    offsets: np.ndarray  # int64 [n + 1]
+    labels: np.ndarray  # int32 [n]
+    fingerprint: str  # hex: content hash of paths and labels
+    files_dir: str | None = None  # where the .npy files live (for workers to mmap)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def relpath(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i]: self.offsets[i + 1]].tobytes())
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.relpath(i))
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes
+
+
+def _fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+    h = xxhash.xxh3_128()
+    for a in (blob, offsets, labels):
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()[:16]
+
+
+def _build(root: str, classes: list[str], rel: list[bytes], labels: list[int]) -> Index:
+    lens = np.fromiter((len(p) for p in rel), dtype=np.int64, count=len(rel))
+    offsets = np.zeros(len(rel) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    blob = np.frombuffer(b"".join(rel), dtype=np.uint8) if rel else np.zeros(0, np.uint8)
+    lab = np.asarray(labels, dtype=np.int32)
+    return Index(root, tuple(classes), blob, offsets, lab, _fingerprint(blob, offsets, lab))
+
+
+def _check_root(root: str) -> None:
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        raise DatasetError(f"dataset.root {root} does not exist") from None
+    except PermissionError:
+        raise DatasetError(f"dataset.root {root} is not readable (permission denied)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise DatasetError(f"dataset.root {root} is not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise DatasetError(f"dataset.root {root} is not readable (permission denied)")
+
+
+def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str, int]]]:
+    """Scan ``root/<class>/...``. Returns the index and the (dir, mtime_ns) list that validates
+    a cache of it."""
+    _check_root(root)
+    exts = tuple(e.lower() for e in extensions)
+    stamps: list[tuple[str, int]] = [(root, os.stat(root).st_mtime_ns)]
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
+    if not classes:
+        raise DatasetError(f"dataset.root {root} has no class folders (expected root/<class>/<image>)")
+    rel: list[bytes] = []
+    labels: list[int] = []
+    empty: list[str] = []
+    for label, cls in enumerate(classes):
+        top = os.path.join(root, cls)
+        seen: set[tuple[int, int]] = set()
+        found = 0
+        for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=_walk_error):
+            st = os.stat(dirpath)
+            key = (st.st_dev, st.st_ino)
+            if key in seen:  # a symlink loop: do not descend again
+                log.warning("skipping %s: a directory symlink loop", dirpath)
+                dirnames[:] = []
+                continue
+            seen.add(key)
+            stamps.append((dirpath, st.st_mtime_ns))
+            dirnames.sort()
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            for name in sorted(filenames):
+                if name.lower().endswith(exts):
+                    rel.append(os.fsencode(os.path.relpath(os.path.join(dirpath, name), root)))
+                    labels.append(label)
+                    found += 1
+        if not found:
+            empty.append(cls)
+    if empty:
+        log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
+                    len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if not rel:
+        raise DatasetError(f"dataset.root {root} holds no images with extensions {', '.join(exts)}")
+    return _build(root, classes, rel, labels), stamps
+
+
+def _walk_error(err: OSError) -> None:
+    log.warning("cannot read %s: %s", err.filename, err.strerror)
+
+
+def scan_file_list(list_path: str) -> tuple[Index, list[tuple[str, int]]]:
+    try:
+        st = os.stat(list_path)
+        with open(list_path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise DatasetError(f"dataset.file_list {list_path}: {e.strerror}") from None
+    root = os.path.dirname(list_path)
+    rel: list[bytes] = []
+    labels: list[int] = []
+    for lineno, raw in enumerate(lines, 1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        parts = line.rsplit(None, 1)
+        if len(parts) != 2 or not parts[1].lstrip(b"-").isdigit() or int(parts[1]) < 0:
+            raise DatasetError(f"dataset.file_list {list_path}:{lineno}: expected 'path label' with a non-negative integer label, got {raw[:80]!r}")
+        rel.append(parts[0])
+        labels.append(int(parts[1]))
+    if not rel:
+        raise DatasetError(f"dataset.file_list {list_path} lists no images")
+    if max(labels) >= 2**31:
+        raise DatasetError(f"dataset.file_list {list_path}: labels must be below 2**31")
+    classes = [str(i) for i in range(max(labels) + 1)]
+    return _build(root, classes, rel, labels), [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory=
+        return os.environ["CACHE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prefetchd")
+
+
+def _cache_key(source: str, kind: str, extensions: tuple[str, ...]) -> str:
+    return hashlib.sha256(f"{_CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+
+
+def _stamps_valid(stamps: list) -> bool:
+    try:
+        for path, value in stamps:
+            if path.endswith("#size"):
+                if os.stat(path[:-5]).st_size != value:
+                    return False
+            elif os.stat(path).st_mtime_ns != value:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _load_cache(cdir: str) -> Index | None:
+    meta_path = os.path.join(cdir, "meta.json")
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != _CACHE_VERSION or not _stamps_valid(meta["stamps"]):
+            return None
+        arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
+                  for k in ("blob", "offsets", "labels")}
+        return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
+                     arrays["labels"], meta["fingerprint"], files_dir=cdir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    files = {}
+    for k in ("blob", "offsets", "labels"):
+        name = f"{k}-{index.fingerprint}.npy"
+        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, getattr(index, k), allow_pickle=False)
+        os.replace(tmp, os.path.join(cdir, name))
+        files[k] = name
+    meta = {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
+            "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index)}
+    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    os.replace(tmp, os.path.join(cdir, "meta.json"))
+    keep = set(files.values()) | {"meta.json"}
+    for name in os.listdir(cdir):
+        if name not in keep and name.endswith(".npy"):
+            try:
+                os.unlink(os.path.join(cdir, name))
+            except OSError:
+                pass
+    cached = _load_cache(cdir)
+    return cached if cached is not None else index
+
+
+def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
+               cache_dir: str | None, use_cache: bool = True) -> tuple[Index, bool]:
+    """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale."""
+    kind, source = ("list", file_list) if file_list else ("folder", root)
+    assert source is not None
+    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, kind, extensions))
+    if use_cache:
+        cached = _load_cache(cdir)
+        if cached is not None:
+            return cached, True
+    if kind == "list":
+        index, stamps = scan_file_list(source)
+    else:
+        index, stamps = scan_image_folder(source, extensions)
+    if use_cache:
+        try:
+            index = _save_cache(cdir, index, stamps)
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start scans again", cdir, e.strerror)
+    return index, False
+
+
+def open_index_files(files_dir: str) -> Index:
+    """Open a cached index read-only by memory map (what workers do)."""
+    index = _load_cache(files_dir)
+    if index is None:
+        raise DatasetError(f"the index cache in {files_dir} is missing or stale")
+    return index

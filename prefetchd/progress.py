@@ -1,0 +1,112 @@
+"""The progress file: where a rank's trainer is, written by the client, read by the daemon.
+
+Shared by both sides; standard library only.
+
+One file per rank, ``progress-r{rank:04d}.json`` in the progress directory (``progress.dir``,
+by default the buffer directory), replaced atomically (write ``.progress-*.tmp``, then
+``rename(2)``) so a reader sees the old or the new content, never a mix. Content, UTF-8 JSON::
+
+    {"format": "prefetchd-progress", "version": 1,
+     "rank": 0, "epoch": 3, "batch": 17,      # the next batch the trainer will read
+     "fingerprint": "9f2c...",                # stream fingerprint the trainer expects
+     "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
+     "wait_s": 1.25, "batches": 1234}         # trainer's total wait and batches read so far
+
+Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
+``capacity`` batches ready from that position on. A file that cannot be parsed is ignored
+(the last good value is kept).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+
+FORMAT = "prefetchd-progress"
+VERSION = 1
+
+
+class ProgressError(ValueError):
+    """A progress file is missing, torn or not ours."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    rank: int
+    epoch: int
+    batch: int
+    fingerprint: str = ""
+    pid: int = 0
+    time: float = 0.0
+    wait_s: float = 0.0
+    batches: int = 0
+
+    @property
+    def position(self) -> tuple[int, int]:
+        return (self.epoch, self.batch)
+
+
+def progress_name(rank: int) -> str:
+    return f"progress-r{rank:04d}.json"
+
+
+def progress_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, progress_name(rank))
+
+
+def encode(p: Progress) -> bytes:
+    return json.dumps({"format": FORMAT, "version": VERSION, **asdict(p)}).encode()
+
+
+def decode(data: bytes) -> Progress:
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProgressError(f"not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ProgressError("not a prefetchd progress file")
+    if d.get("version") != VERSION:
+        raise ProgressError(f"progress version {d.get('version')!r} is not {VERSION}")
+    try:
+        vals = {k: d[k] for k in ("rank", "epoch", "batch")}
+    except KeyError as e:
+        raise ProgressError(f"missing field {e.args[0]!r}") from None
+    for k, v in vals.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ProgressError(f"field {k!r} must be a non-negative integer, got {v!r}")
+    extra = {}
+    for k, typ in (("fingerprint", str), ("pid", int), ("time", (int, float)), ("wait_s", (int, float)),
+                   ("batches", int)):
+        if k in d and isinstance(d[k], typ) and not isinstance(d[k], bool):
+            extra[k] = d[k]
+    return Progress(**vals, **extra)
+
+
+def read(path: str) -> Progress:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(65536)
+    except FileNotFoundError:
+        raise ProgressError("no progress file yet") from None
+    except OSError as e:
+        raise ProgressError(f"cannot read: {e.strerror}") from None
+    return decode(data)
+
+
+def write(directory: str, p: Progress) -> str:
+    """Atomically replace the rank's progress file. Returns its path."""
+    path = progress_path(directory, p.rank)
+    fd, tmp = tempfile.mkstemp(prefix=".progress-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode(p))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path

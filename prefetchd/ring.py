@@ -1,0 +1,196 @@
+"""The ring buffer directory: one published file per ready batch, and the daemon's lock.
+
+Invariants kept here:
+
+* the directory is a real directory (not a symlink) owned by the daemon's user, mode 0700, or
+  0750 with ``buffer.group`` so a trainer running as another user of that group can read;
+* only one daemon serves a directory (``flock`` on ``daemon.lock``);
+* a file named ``*.batch`` is complete and was made for this stream: workers write ``.tmp-*``
+  files, only ``publish`` renames them, and ``recover`` checks every leftover file (length and
+  checksum) on start, deleting temp files and torn, corrupt or foreign batches;
+* ``bytes_used`` is the sum of the published files' sizes, so ``buffer.max_bytes`` can be kept.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import grp
+import logging
+import os
+import stat
+import time
+
+import psutil
+
+from . import batchfile
+from .status import LOCK_NAME, daemon_alive  # noqa: F401  (re-exported)
+
+log = logging.getLogger("prefetchd.ring")
+
+Key = tuple[int, int, int]  # (rank, epoch, batch)
+
+
+class RingError(RuntimeError):
+    """The buffer directory cannot be used; the message says why (a configuration error)."""
+
+
+class BufferBusy(RingError):
+    """Another daemon holds the buffer directory's lock (not a configuration error)."""
+
+
+def _gid(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group.isdigit():
+            return int(group)
+        raise RingError(f"buffer.group {group!r} is not a known group") from None
+
+
+def prepare_dir(path: str, group: str | None = None) -> None:
+    """Create or check the buffer directory: private, owned by us, not a symlink."""
+    mode = 0o750 if group else 0o700
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, mode)
+    except PermissionError:
+        raise RingError(f"buffer.dir {path}: cannot create it (permission denied)") from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        raise RingError(f"buffer.dir {path} is a symlink; point buffer.dir at the real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise RingError(f"buffer.dir {path} exists and is not a directory")
+    if st.st_uid != os.geteuid():
+        raise RingError(f"buffer.dir {path} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}")
+    if group:
+        gid = _gid(group)
+        if st.st_gid != gid:
+            os.chown(path, -1, gid)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def is_tmpfs(path: str) -> bool:
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+            best, fstype = mp, part.fstype
+    return fstype in ("tmpfs", "ramfs")
+
+
+class Lock:
+    """An exclusive ``flock`` on ``daemon.lock``; the kernel drops it when the daemon dies."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.fd = -1
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + 0.5  # a `status` or client probe holds it shared for microseconds
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                busy = e.errno in (errno.EWOULDBLOCK, errno.EACCES)
+                if busy and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                if busy:
+                    raise BufferBusy(f"another prefetchd (pid {other or '?'}) already serves "
+                                     f"{os.path.dirname(self.path)}") from None
+                raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Ring:
+    def __init__(self, directory: str):
+        self.dir = directory
+        self.ready: dict[Key, int] = {}  # published batches and their sizes
+        self.bytes_used = 0
+
+    def path(self, key: Key) -> str:
+        return os.path.join(self.dir, batchfile.batch_name(*key))
+
+    def recover(self, fingerprint: int) -> dict[str, int]:
+        """Adopt the valid batches a previous run left; delete everything else of ours."""
+        counts = {"kept": 0, "temp": 0, "bad": 0, "foreign": 0}
+        with os.scandir(self.dir) as it:
+            entries = list(it)
+        for e in entries:
+            if e.name.startswith(batchfile.TMP_PREFIX):
+                self._unlink(e.path)
+                counts["temp"] += 1
+                continue
+            key = batchfile.parse_name(e.name)
+            if key is None:
+                continue
+            if not e.is_file(follow_symlinks=False):
+                self._unlink(e.path)
+                counts["bad"] += 1
+                continue
+            try:
+                b = batchfile.read_file(e.path, verify=True)
+            except (batchfile.BatchFileError, OSError) as err:
+                log.warning("removing %s: %s", e.name, err)
+                self._unlink(e.path)
+                counts["bad"] += 1
+                continue
+            if b.fingerprint != fingerprint or (b.rank, b.epoch, b.batch) != key:
+                self._unlink(e.path)
+                counts["foreign"] += 1
+                continue
+            self.ready[key] = b.file_size
+            self.bytes_used += b.file_size
+            counts["kept"] += 1
+        return counts
+
+    def publish(self, tmp_path: str, key: Key, size: int) -> None:
+        os.rename(tmp_path, self.path(key))
+        self.ready[key] = size
+        self.bytes_used += size
+
+    def evict(self, key: Key) -> None:
+        size = self.ready.pop(key, None)
+        if size is not None:
+            self.bytes_used -= size
+            self._unlink(self.path(key))
+
+    def free_bytes(self) -> int:
+        try:
+            return psutil.disk_usage(self.dir).free
+        except OSError:
+            return 0
+
+    def remove_temp_files(self) -> int:
+        n = 0
+        with os.scandir(self.dir) as it:
+            for e in it:
+                if e.name.startswith(batchfile.TMP_PREFIX):
+                    self._unlink(e.path)
+                    n += 1
+        return n
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

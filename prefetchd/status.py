@@ -1,0 +1,101 @@
+"""The daemon's status and meta files, readable from outside the trainer.
+
+``meta.json`` (written once per start, before any batch is published) tells a client what the
+daemon serves: ``{"format": "prefetchd-meta", "version": 1, "pid", "fingerprint" (16 hex
+digits, the batch header's u64), "num_samples", "num_classes", "batch_size",
+"batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started"}``.
+
+``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
+are listed in ``format_status``. Both live in the buffer directory. Standard library only.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+META_NAME = "meta.json"
+STATUS_NAME = "status.json"
+QUARANTINE_NAME = "quarantine.jsonl"
+LOCK_NAME = "daemon.lock"
+
+
+def daemon_alive(directory: str) -> bool | None:
+    """True if a daemon holds the lock on ``directory``, False if none, None if unknown."""
+    path = os.path.join(directory, LOCK_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.chmod(tmp, 0o644 & ~_umask_now())
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask_now() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def read_json(directory: str, name: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.join(directory, name), encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def format_status(s: dict[str, Any], alive: bool | None) -> str:
+    """A human-readable view of a status record."""
+    age = time.time() - s.get("updated", 0)
+    state = s.get("state", "?")
+    if alive is False:
+        state = f"not running (last status {age:.0f} s ago said {state!r})"
+    lines = [
+        f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
+        f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batches), "
+        f"consumption {_rate(s.get('consumed_img_s'))} img/s, workers {s.get('workers_alive', 0)}/"
+        f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)})",
+        f"  bytes {s.get('bytes_used', 0) / 2**20:,.1f} MiB of {s.get('max_bytes', 0) / 2**20:,.0f} MiB, "
+        f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
+        f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
+    ]
+    if s.get("blocked"):
+        lines.append(f"  waiting: {s['blocked']}")
+    for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
+        e, b = rs.get("position", [0, 0])
+        lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"
+                     f" (+{rs.get('in_flight', 0)} in flight), {rs.get('ahead', 0)} ahead; "
+                     f"trainer waited {rs.get('wait_s', 0):.1f} s{'; done' if rs.get('done') else ''}")
+    return "\n".join(lines)

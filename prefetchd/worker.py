@@ -1,0 +1,191 @@
+"""A pool worker: makes whole batches and writes each one as an unpublished temp file.
+
+The daemon sends a ``Task`` down the worker's pipe; the worker reads the images, decodes and
+augments them into one reused ``[B, S, S, 3]`` array, writes the batch file under a ``.tmp-``
+name (``O_CREAT|O_EXCL|O_NOFOLLOW``) and answers with a ``Result``. Pixel data never crosses
+the pipe. Only the daemon publishes (renames) a batch, so a worker killed mid-batch leaves at
+most a temp file that the daemon removes.
+
+A sample whose file cannot be read or decoded is quarantined and replaced by another sample
+chosen from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every
+batch stay independent of which worker made it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from . import augment, batchfile
+from .config import Config
+from .dataset import Index, open_index_files
+
+_REPLACE_TAG = 0x52504C43  # "RPLC"
+MAX_REPLACEMENT_TRIES = 16
+
+
+@dataclass(frozen=True)
+class Task:
+    rank: int
+    epoch: int
+    batch: int
+    batches_in_epoch: int
+    indices: np.ndarray  # int64 dataset indices, from the sampler
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    index: int
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Result:
+    rank: int
+    epoch: int
+    batch: int
+    tmp_path: str | None
+    size: int = 0
+    seconds: float = 0.0
+    samples: int = 0
+    quarantined: tuple[Quarantined, ...] = ()
+    error: str | None = None  # the whole batch failed (e.g. the buffer filesystem is full)
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    config: Config
+    index_dir: str | None
+    index: Index | None  # only when the index could not be cached to files
+    fingerprint: int
+    buffer_dir: str
+    bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
+
+
+def tmp_name(task: Task | Result, worker_id: int) -> str:
+    return (f"{batchfile.TMP_PREFIX}r{task.rank:04d}-e{task.epoch:06d}-b{task.batch:08d}"
+            f"-w{worker_id}-{os.getpid()}")
+
+
+def replacement(seed: int, epoch: int, index: int, attempt: int, n: int) -> int:
+    """The sample that stands in for a quarantined one: a pure function of its arguments."""
+    ss = np.random.SeedSequence([_REPLACE_TAG, seed, epoch, index, attempt])
+    return int(ss.generate_state(2, np.uint64)[0] % np.uint64(n))
+
+
+class BatchMaker:
+    """Makes batch files; one per worker process (also usable in-process, e.g. by ``bench``)."""
+
+    def __init__(self, setup: WorkerSetup, worker_id: int = 0):
+        self.cfg = setup.config
+        self.index = setup.index if setup.index is not None else open_index_files(setup.index_dir)
+        self.fingerprint = setup.fingerprint
+        self.buffer_dir = setup.buffer_dir
+        self.worker_id = worker_id
+        self.bad: dict[int, str] = {i: "quarantined earlier" for i in setup.bad}
+        s = self.cfg.augment.output_size
+        self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
+
+    def _load(self, i: int, out: np.ndarray, epoch: int) -> None:
+        path = self.index.path(i)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 1 << 30)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise augment.SampleError(f"cannot read: {e.strerror}") from None
+        if not data:
+            raise augment.SampleError("empty file")
+        augment.make_sample(data, self.cfg.augment, augment.draws(self.cfg.loader.seed, epoch, i), out)
+
+    def fill(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:
+        """Decode and augment ``indices`` into the reused image array."""
+        n = len(indices)
+        images = self._images[:n]
+        used = np.array(indices, dtype=np.int64)
+        replaced = np.full(n, -1, dtype=np.int64)
+        quarantined: list[Quarantined] = []
+        for k in range(n):
+            i = int(used[k])
+            attempt = 0
+            while True:
+                try:
+                    if i in self.bad:
+                        raise augment.SampleError(self.bad[i])
+                    self._load(i, images[k], epoch)
+                    break
+                except augment.SampleError as e:
+                    if i not in self.bad:
+                        self.bad[i] = str(e)
+                        quarantined.append(Quarantined(i, self.index.path(i), str(e)))
+                    attempt += 1
+                    if attempt > MAX_REPLACEMENT_TRIES:
+                        raise RuntimeError(f"{MAX_REPLACEMENT_TRIES} replacements for sample {int(used[k])} "
+                                           "could not be decoded either; is the dataset readable?") from None
+                    i = replacement(self.cfg.loader.seed, epoch, int(used[k]), attempt, len(self.index))
+            if i != used[k]:
+                replaced[k] = used[k]
+                used[k] = i
+        labels = self.index.labels[used].astype(np.int64)
+        return images, used, labels, replaced, quarantined
+
+    def make(self, task: Task) -> Result:
+        t0 = time.perf_counter()
+        images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices)
+        meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, self.fingerprint)
+        path = os.path.join(self.buffer_dir, tmp_name(task, self.worker_id))
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        except OSError as e:
+            return Result(task.rank, task.epoch, task.batch, None, error=f"cannot create {path}: {e.strerror}",
+                          quarantined=tuple(quarantined))
+        try:
+            size = batchfile.write_batch(fd, meta, used, labels, replaced, images)
+        except OSError as e:
+            os.close(fd)
+            _unlink(path)
+            return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {e.strerror}",
+                          quarantined=tuple(quarantined))
+        os.close(fd)
+        return Result(task.rank, task.epoch, task.batch, path, size, time.perf_counter() - t0,
+                      len(task.indices), tuple(quarantined))
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup) -> None:
+    """Entry point of a worker process: serve tasks until the pipe closes or says stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the daemon decides
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    maker = BatchMaker(setup, worker_id)
+    conn.send(("ready", worker_id, os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return  # the daemon is gone
+        if task is None:
+            return
+        try:
+            result = maker.make(task)
+        except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
+            result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
+        try:
+            conn.send(result)
+        except (EOFError, OSError, BrokenPipeError):
+            if result.tmp_path:
+                _unlink(result.tmp_path)
+            return
