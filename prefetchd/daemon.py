@@ -210,24 +210,24 @@ class Daemon:
             r, e, b = key
             if r not in windows or (e, b) not in windows[r]:
                 self.ring.evict(key)
-        for r in self.ranks:
-            ready = sum(1 for k in windows[r] if (r, *k) in self.ring.ready)
-            if ready < self.cfg.buffer.refill_at:
-                self.filling[r] = True
 
     # --- scheduling -------------------------------------------------------------------------------------
 
-    def _next_missing(self, r: int) -> tuple[tuple[int, int] | None, int]:
-        """(first missing key of r's window, ready + in flight in the window)."""
+    def _window_state(self, r: int) -> tuple[tuple[int, int] | None, int, int]:
+        """(first missing key of r's window, ready + in flight in it, how many of those are
+        contiguous from the trainer's position: what the trainer can rely on)."""
         have = 0
+        ahead = 0
         first = None
         for e, b in self.window(r):
             k = (r, e, b)
             if k in self.ring.ready or k in self.inflight:
                 have += 1
+                if first is None:
+                    ahead += 1
             elif first is None:
                 first = (e, b)
-        return first, have
+        return first, have, ahead
 
     def _schedule(self) -> None:
         if time.monotonic() < self._error_until:
@@ -241,11 +241,12 @@ class Daemon:
         for w in idle:
             best = None
             for r in self.ranks:
-                if not self.filling[r]:
-                    continue
-                first, have = self._next_missing(r)
+                first, have, ahead = self._window_state(r)
+                if ahead < cap.refill_at:  # the low watermark counts only what the trainer can use next
+                    self.filling[r] = True
                 if first is None or have >= cap.capacity:
                     self.filling[r] = False
+                if not self.filling[r]:
                     continue
                 if best is None or have < best[2]:
                     best = (r, first, have)
@@ -362,7 +363,7 @@ class Daemon:
             "fingerprint": self.fingerprint_hex, "capacity": self.cfg.buffer.capacity,
             "refill_at": self.cfg.buffer.refill_at, "workers": self.pool.count,
             "workers_alive": sum(1 for w in self.pool.workers.values() if w.process.is_alive()),
-            "worker_restarts": self.pool.restarts,
+            "worker_restarts": self.pool.restarts, "worker_pids": self.pool.pids(),
             "worker_utilisation": min(1.0, busy / (up * max(1, self.pool.count))),
             "produced_batches": self.produced_batches, "produced_images": self.produced_images,
             "produced_img_s": self._rate(self._produced, now), "consumed_img_s": self._rate(self._consumed, now),
@@ -400,6 +401,7 @@ class Daemon:
                 self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log)
                 self.pool.max_in_flight = new.workers.max_tasks_in_flight
                 self.pool.resize(new.workers.resolved_count())
+                logging.getLogger().setLevel(getattr(logging, new.log.level.upper()))
                 for r in self.ranks:
                     self.filling[r] = True
                 self._evict()

@@ -1,0 +1,104 @@
+"""Shared fixtures: generated image folders and a helper that runs the real daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import pytest
+import yaml
+
+from prefetchd.samples import make_image_folder
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):
+    """Poll ``cond`` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory) -> str:
+    """4 classes x 12 photo-like JPEGs, small (long side 160) so tests decode fast."""
+    root = str(tmp_path_factory.mktemp("imagefolder"))
+    make_image_folder(root, classes=4, per_class=12, seed=3, long_side=160)
+    return root
+
+
+def small_config(tmp_path, root: str, **sections) -> str:
+    """A config for process tests: 64x64 outputs, batches of 6, a private buffer in tmp_path."""
+    cfg = {
+        "dataset": {"root": root, "cache_dir": str(tmp_path / "cache")},
+        "loader": {"batch_size": 6, "seed": 7, "epochs": 2},
+        "workers": {"count": 2},
+        "buffer": {"dir": str(tmp_path / "buffer"), "capacity": 4, "refill_at": 3, "max_bytes": "64MiB",
+                   "min_free_bytes": "1MiB"},
+        "progress": {"poll_interval_s": 0.05},
+        "augment": {"output_size": 64, "scale_min": 72, "scale_max": 120},
+    }
+    for sec, body in sections.items():
+        cfg.setdefault(sec, {}).update(body)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+class DaemonProc:
+    """The real daemon, started as a user would: ``python -m prefetchd run --config F``."""
+
+    def __init__(self, config: str, log_path: str, env: dict | None = None):
+        self.config = config
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", config],
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_group()
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(5)
+        self._log.close()
+
+
+@pytest.fixture
+def daemon_factory(tmp_path):
+    started: list[DaemonProc] = []
+
+    def start(config: str, env: dict | None = None) -> DaemonProc:
+        d = DaemonProc(config, str(tmp_path / f"daemon-{len(started)}.log"), env)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.kill_group()

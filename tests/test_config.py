@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from prefetchd import config as C
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.yaml")
+
+
+def load_text(tmp_path, text: str) -> C.Config:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return C.load(str(p))
+
+
+def test_example_config_loads_and_documents_every_key():
+    cfg = C.load(EXAMPLE)
+    text = open(EXAMPLE).read()
+    for section, cls in C._SECTIONS.items():
+        for f in C.dataclasses.fields(cls):
+            assert f"  {f.name}:" in text, f"config.example.yaml does not document {section}.{f.name}"
+    assert cfg.loader.batch_size == 256
+
+
+def test_defaults_and_sizes(tmp_path):
+    cfg = load_text(tmp_path, "dataset: {root: data}\nbuffer: {max_bytes: 1.5GiB, min_free_bytes: 512MB}\n")
+    assert cfg.dataset.root == str(tmp_path / "data")  # relative to the config file
+    assert cfg.buffer.max_bytes == int(1.5 * 2**30)
+    assert cfg.buffer.min_free_bytes == 512 * 10**6
+    assert cfg.buffer.refill_at == 48 and cfg.buffer.capacity == 64
+    assert cfg.loader.ranks == (0,)
+
+
+@pytest.mark.parametrize("text, key, words", [
+    ("dataset: {root: d}\nbuffer: {capacity: 0}", "buffer.capacity", "positive integer, got 0"),
+    ("dataset: {root: d}\nbuffer: {capacity: 4, refill_at: 5}", "buffer.refill_at", "<= buffer.capacity"),
+    ("dataset: {root: d}\nbuffer: {max_bytes: lots}", "buffer.max_bytes", "size such as 8GiB"),
+    ("dataset: {root: d}\nbuffer: {max_bytes: -3}", "buffer.max_bytes", "positive size"),
+    ("dataset: {root: d}\nloader: {batch_size: '32'}", "loader.batch_size", "must be an integer"),
+    ("dataset: {root: d}\nloader: {shuffle: 1}", "loader.shuffle", "true or false"),
+    ("dataset: {root: d}\nloader: {world_size: 2, ranks: [0, 2]}", "loader.ranks", "<= 1"),
+    ("dataset: {root: d}\nloader: {world_size: 2, ranks: [1, 1]}", "loader.ranks", "must not repeat"),
+    ("dataset: {root: d}\nloader: {epochs: 0}", "loader.epochs", "positive integer"),
+    ("dataset: {root: d}\nworkers: {count: many}", "workers.count", "'auto'"),
+    ("dataset: {root: d}\nworkers: {count: 0}", "workers.count", "positive integer"),
+    ("dataset: {root: d}\naugment: {mode: crop}", "augment.mode", "one of scale"),
+    ("dataset: {root: d}\naugment: {brightness: 2}", "augment.brightness", "<= 1.0"),
+    ("dataset: {root: d}\naugment: {scale_min: 500, scale_max: 400}", "augment.scale_min", "<= augment.scale_max"),
+    ("dataset: {root: d}\naugment: {scale_min: 100}", "augment.scale_min", "so the crop fits"),
+    ("dataset: {root: d}\naugment: {rrc_scale: [0.5]}", "augment.rrc_scale", "two numbers"),
+    ("dataset: {root: d}\naugment: {interpolation: cubic}", "augment.interpolation", "did you mean 'bicubic'"),
+    ("dataset: {root: d}\nprogress: {poll_interval_s: 0}", "progress.poll_interval_s", ">= 0.01"),
+    ("loader: {batch_size: 4}", "dataset.root", "is required"),
+    ("dataset: {root: d, file_list: l.txt}", "dataset.file_list", "exclusive"),
+    ("dataset: {root: d}\nbufer: {capacity: 3}", "bufer", "did you mean 'buffer'"),
+    ("dataset: {root: d}\nbuffer: {capacty: 3}", "buffer.capacty", "did you mean 'buffer.capacity'"),
+    ("dataset: {root: d}\nloader: [1, 2]", "loader", "must be a mapping"),
+])
+def test_bad_values_name_the_key(tmp_path, text, key, words):
+    with pytest.raises(C.ConfigError) as ei:
+        load_text(tmp_path, text)
+    assert ei.value.key == key
+    msg = str(ei.value)
+    assert msg.startswith(key) and words in msg and "\n" not in msg
+
+
+def test_yaml_python_tags_are_refused(tmp_path):
+    with pytest.raises(C.ConfigError, match="invalid YAML"):
+        load_text(tmp_path, "dataset: !!python/object/apply:os.system ['echo pwned']\n")
+
+
+def test_broken_yaml_says_where(tmp_path):
+    with pytest.raises(C.ConfigError, match=r"invalid YAML at line \d+, column \d+"):
+        load_text(tmp_path, "dataset:\n  root: [unclosed\n")
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(C.ConfigError, match="cannot read config file"):
+        C.load(str(tmp_path / "nope.yaml"))
+
+
+def test_stream_fingerprint_ignores_tunables(tmp_path):
+    a = load_text(tmp_path, "dataset: {root: d}\nworkers: {count: 1}\nbuffer: {capacity: 8}")
+    b = load_text(tmp_path, "dataset: {root: d}\nworkers: {count: 3}\nbuffer: {capacity: 80}")
+    c = load_text(tmp_path, "dataset: {root: d}\nloader: {seed: 1}")
+    assert a.stream_fingerprint() == b.stream_fingerprint() != c.stream_fingerprint()
+
+
+@pytest.mark.parametrize("cmd", ["check", "run"])
+def test_cli_bad_config_exits_78_with_one_line(tmp_path, cmd):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"dataset": {"root": str(tmp_path)}, "buffer": {"capacity": -1,
+                                 "dir": str(tmp_path / "buf")}}))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", cmd, "--config", str(p)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 78
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "buffer.capacity" in lines[0]
+    assert not (tmp_path / "buf").exists()  # nothing started
+
+
+def test_cli_check_reports_missing_dataset_root(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({"dataset": {"root": str(tmp_path / "missing"), "cache_dir": str(tmp_path / "c")}}))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", str(p)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 78 and "dataset.root" in r.stderr and "does not exist" in r.stderr
+
+
+def test_cli_check_summarises_a_good_config(tmp_path, image_root):
+    from conftest import small_config
+
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", small_config(tmp_path, image_root)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "48 samples, 4 classes" in r.stdout and "8 batches of 6 per epoch" in r.stdout

@@ -1,0 +1,239 @@
+"""Process tests: the real daemon, started as a user starts it, driven through the real client."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+
+from prefetchd import batchfile, status
+from prefetchd.config import load as load_config
+from prefetchd.dataset import load_index
+from prefetchd.sampler import Sampler
+from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd_client import PrefetchClient, PrefetchTimeout
+
+
+def reference_batches(cfg_path: str, epochs: int = 2):
+    """Every batch made in-process, one at a time: what the daemon must deliver, byte for byte."""
+    cfg = load_config(cfg_path)
+    index, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    L = cfg.loader
+    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None, 0, cfg.buffer.dir))
+    out = {}
+    for e in range(epochs):
+        for r in L.ranks:
+            for b in range(sampler.batches_per_epoch):
+                images, used, labels, _, _ = maker.fill(e, sampler.batch_indices(e, r, b))
+                out[(r, e, b)] = (images.copy(), labels.copy(), used.copy())
+    return out, index
+
+
+def collect(cfg_path: str, rank: int = 0, epochs=(0, 1), timeout: float = 60):
+    got = {}
+    with PrefetchClient(cfg_path, rank=rank, timeout=timeout, as_numpy=True) as c:
+        for e in epochs:
+            for b, (x, y) in enumerate(c.iter_epoch(e)):
+                got[(rank, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+    return got
+
+
+def digest(batches) -> str:
+    h = hashlib.sha256()
+    for k in sorted(batches):
+        h.update(repr(k).encode())
+        for a in batches[k][:2]:
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def published(buffer_dir: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(buffer_dir) if n.endswith(batchfile.SUFFIX))
+    except FileNotFoundError:
+        return []
+
+
+def test_two_epochs_arrive_in_order_with_correct_labels_and_bytes(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    ref, index = reference_batches(cfg)
+    assert sorted(got) == sorted(ref) and len(got) == 16  # 8 batches x 2 epochs, nothing missing or extra
+    classes = sorted(os.listdir(image_root))
+    for key, (images, labels) in got.items():
+        ref_images, ref_labels, used = ref[key]
+        # labels: the index of the sample's class folder among the sorted names
+        expect = [classes.index(os.path.basename(os.path.dirname(index.path(i)))) for i in used]
+        assert labels.tolist() == expect == ref_labels.tolist()
+        assert np.array_equal(images, ref_images), key
+    assert d.stop() == 0
+    assert "Traceback" not in d.log()
+
+
+def test_bytes_do_not_depend_on_worker_count(tmp_path, image_root, daemon_factory):
+    digests = []
+    for workers in (1, 3):
+        run_dir = tmp_path / f"w{workers}"
+        run_dir.mkdir()
+        cfg = small_config(run_dir, image_root, workers={"count": workers, "max_tasks_in_flight": 1 + workers % 2})
+        d = daemon_factory(cfg)
+        digests.append(digest(collect(cfg)))
+        assert d.stop() == 0
+    assert digests[0] == digests[1]
+
+
+TRAINER = r"""
+import json, sys
+import numpy as np
+from prefetchd_client import PrefetchClient
+cfg, state_path, out_path = sys.argv[1:4]
+with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+    try:
+        c.load_state_dict(json.load(open(state_path)))
+    except FileNotFoundError:
+        pass
+    for epoch in range(c.epoch, 2):
+        for x, y in c.iter_epoch(epoch):
+            with open(out_path, "ab") as f:
+                np.save(f, np.ascontiguousarray(x)); np.save(f, y)
+            json.dump(c.state_dict(), open(state_path + ".tmp", "w"))
+            import os; os.replace(state_path + ".tmp", state_path)
+            print("batch", flush=True)
+"""
+
+
+def _load_stream(path):
+    out = []
+    with open(path, "rb") as f:
+        while True:
+            try:
+                out.append((np.load(f), np.load(f)))
+            except (EOFError, ValueError):
+                return out
+
+
+def test_trainer_killed_and_restarted_resumes_with_identical_batches(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    state, out = str(tmp_path / "state.json"), str(tmp_path / "seen.npy")
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    p = subprocess.Popen([sys.executable, str(script), cfg, state, out], stdout=subprocess.PIPE, text=True)
+    for _ in range(5):  # let it train five batches, then kill it without warning
+        assert p.stdout.readline().startswith("batch")
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+    before = _load_stream(out)
+    # state.json is replaced after each saved batch: the killed trainer resumes right after it
+    assert json.load(open(state))["batch"] == len(before)
+    r = subprocess.run([sys.executable, str(script), cfg, state, out], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    seen = _load_stream(out)
+    ref = collect_reference_in_order(cfg)
+    assert len(seen) == len(ref) == 16
+    for (x, y), (rx, ry) in zip(seen, ref):
+        assert np.array_equal(x, rx) and np.array_equal(y, ry)
+    assert d.stop() == 0
+
+
+def collect_reference_in_order(cfg):
+    ref, _ = reference_batches(cfg)
+    return [(ref[k][0].transpose(0, 3, 1, 2), ref[k][1]) for k in sorted(ref)]
+
+
+def test_consumed_batches_are_deleted_and_the_buffer_stays_bounded(tmp_path, image_root, daemon_factory):
+    batch_bytes = batchfile.max_file_size(6, 64, 64)
+    cfg = small_config(tmp_path, image_root, buffer={"capacity": 4, "refill_at": 2, "max_bytes": 3 * batch_bytes})
+    buf = str(tmp_path / "buffer")
+    peak = {"files": 0, "bytes": 0}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            files = [n for n in os.listdir(buf) if n.endswith(".batch") or n.startswith(".tmp-")] if os.path.isdir(buf) else []
+            size = 0
+            for n in files:
+                try:
+                    size += os.path.getsize(os.path.join(buf, n))
+                except FileNotFoundError:
+                    pass
+            peak["files"] = max(peak["files"], len(files))
+            peak["bytes"] = max(peak["bytes"], size)
+            time.sleep(0.002)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        for b, _ in enumerate(c.iter_epoch(0)):
+            time.sleep(0.05)  # a slow trainer: the daemon runs ahead and must stop at the bounds
+            # batches before the one just read are consumed: the daemon deletes them
+            wait_until(lambda b=b: all(batchfile.parse_name(n)[2] >= b for n in published(buf)
+                                       if batchfile.parse_name(n)[1] == 0), 10, f"eviction of batches before {b}")
+    stop.set()
+    t.join()
+    assert peak["files"] <= 3 and peak["bytes"] <= 3 * batch_bytes, peak  # max_bytes binds before capacity
+    assert d.stop() == 0
+
+
+def test_sigterm_under_load_stops_cleanly_without_temp_files(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None}, buffer={"capacity": 30})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) >= 2, 30, "the first batches")
+    t0 = time.monotonic()
+    assert d.stop(signal.SIGTERM, timeout=10) == 0
+    assert time.monotonic() - t0 < 5
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
+    assert "stopping" in d.log()
+
+
+def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    buf = str(tmp_path / "buffer")
+    wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("ready", 0) >= 4,
+               30, "a full buffer in status.json")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg, "--json"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0
+    s = json.loads(r.stdout)
+    assert s["alive"] is True and s["status"]["pid"] == d.pid
+    assert s["status"]["ranks"]["0"]["position"] == [0, 0] and s["status"]["workers"] == 2
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
+                       timeout=30)
+    assert "rank 0: trainer at epoch 0 batch 0; ready 4/4" in r.stdout
+    d.stop()
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 3 and "not running" in r.stdout
+
+
+def test_client_without_daemon_times_out_saying_what_it_waited_for(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root)
+    t0 = time.monotonic()
+    with pytest.raises(PrefetchTimeout) as ei:
+        with PrefetchClient(cfg, timeout=0.5) as c:
+            next(iter(c.iter_epoch(0)))
+    assert time.monotonic() - t0 < 5
+    assert "meta.json" in str(ei.value) and "no daemon holds" in str(ei.value)
+
+
+def test_second_daemon_on_the_same_buffer_is_refused(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(str(tmp_path / "buffer")), 30, "the first daemon")
+    second = daemon_factory(cfg)
+    assert second.proc.wait(30) == 1
+    assert "already serves" in second.log()
