@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -52,6 +53,10 @@ def _load(path: str) -> Config:
 
 
 def cmd_run(args) -> int:
+    # Record stop/reload signals from the first moment; the daemon acts on them once it runs.
+    early: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: early.append(signum))
     from .dataset import DatasetError
     from .ring import BufferBusy, RingError
 
@@ -65,7 +70,7 @@ def cmd_run(args) -> int:
 
     notifier = Notifier()
     try:
-        return Daemon(cfg, notify=notifier).run()
+        return Daemon(cfg, notify=notifier, early_signals=early).run()
     except BufferBusy as e:
         log.error("%s", e)
         return 1

@@ -52,8 +52,9 @@ _CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a
 
 
 class Daemon:
-    def __init__(self, cfg: Config, notify=None):
+    def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None):
         self.cfg = cfg
+        self._early_signals = early_signals if early_signals is not None else []
         self.notify = notify
         self.t_start = time.time()
         self._stop = False
@@ -414,6 +415,8 @@ class Daemon:
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        for signum in self._early_signals:  # arrived before the handlers above
+            self._on_signal(signum, None)
         try:
             self._setup()
         except BaseException:

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from prefetchd.dataset import DatasetError, load_index, scan_image_folder
+
+
+def touch(path, data=b"x"):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_image_folder_labels_are_sorted_class_indices_and_extensions_case_insensitive(tmp_path):
+    for rel in ("b/2.JPEG", "b/1.jpg", "a/z.PNG", "a/sub/y.jpeg", "c/readme.txt", "a/.hidden/x.jpg"):
+        touch(str(tmp_path / rel))
+    (tmp_path / "d").mkdir()  # an empty class keeps its label
+    index, _ = scan_image_folder(str(tmp_path), (".jpeg", ".jpg", ".png"))
+    assert index.classes == ("a", "b", "c", "d")
+    assert [index.relpath(i) for i in range(len(index))] == ["a/z.PNG", "a/sub/y.jpeg", "b/1.jpg", "b/2.JPEG"]
+    assert index.labels.tolist() == [0, 0, 1, 1]
+    assert index.labels.dtype == np.int32 and index.blob.dtype == np.uint8
+
+
+def test_cache_is_reused_and_invalidated_by_a_change(tmp_path):
+    root, cache = tmp_path / "root", str(tmp_path / "cache")
+    touch(str(root / "a/1.jpg"))
+    i1, cached1 = load_index(str(root), None, (".jpg",), cache)
+    i2, cached2 = load_index(str(root), None, (".jpg",), cache)
+    assert (cached1, cached2) == (False, True) and i1.fingerprint == i2.fingerprint
+    assert isinstance(i2.blob, np.memmap)  # workers share the pages
+    touch(str(root / "a/2.jpg"))
+    i3, cached3 = load_index(str(root), None, (".jpg",), cache)
+    assert not cached3 and len(i3) == 2 and i3.fingerprint != i1.fingerprint
+
+
+def test_file_list(tmp_path):
+    touch(str(tmp_path / "imgs/x.jpg"))
+    lst = tmp_path / "train.txt"
+    lst.write_text("# path label\nimgs/x.jpg 3\n\n/abs/y.jpg 0\n")
+    index, _ = load_index(None, str(lst), (".jpg",), str(tmp_path / "c"))
+    assert index.path(0) == str(tmp_path / "imgs/x.jpg") and index.path(1) == "/abs/y.jpg"
+    assert index.labels.tolist() == [3, 0] and len(index.classes) == 4
+    lst.write_text("imgs/x.jpg three\n")
+    with pytest.raises(DatasetError, match=":1: expected 'path label'"):
+        load_index(None, str(lst), (".jpg",), str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("setup, words", [
+    (lambda p: None, "does not exist"),
+    (lambda p: p.mkdir(), "has no class folders"),
+    (lambda p: (p / "a").mkdir(parents=True), "holds no images"),
+    (lambda p: p.write_text("x"), "is not a directory"),
+])
+def test_unusable_roots_say_why(tmp_path, setup, words):
+    root = tmp_path / "root"
+    setup(root)
+    with pytest.raises(DatasetError, match=words):
+        load_index(str(root), None, (".jpg",), str(tmp_path / "c"))
+
+
+def test_symlink_loops_are_not_followed_forever(tmp_path):
+    touch(str(tmp_path / "a/1.jpg"))
+    os.symlink(str(tmp_path / "a"), str(tmp_path / "a/loop"))
+    index, _ = scan_image_folder(str(tmp_path), (".jpg",))
+    assert len(index) == 1

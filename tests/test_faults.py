@@ -1,0 +1,137 @@
+"""Faults the daemon must survive, each done to the real daemon as the world would do it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import numpy as np
+from conftest import small_config, wait_until
+from test_daemon import collect, digest, published, reference_batches
+
+from prefetchd import progress, status
+from prefetchd_client import PrefetchClient
+
+
+def test_daemon_sigkilled_repeatedly_restarts_and_the_trainer_sees_every_batch_once(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, buffer={"capacity": 6, "refill_at": 6})
+    buf = str(tmp_path / "buffer")
+    got = {}
+    rng = np.random.default_rng(0)
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        for e in (0, 1):
+            for b, (x, y) in enumerate(c.iter_epoch(e)):
+                got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+                if rng.random() < 0.5:  # kill it at a random moment, then start it again
+                    d.stop(signal.SIGKILL)
+                    d = daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(buf), 30, "the last daemon")
+    assert d.stop() == 0
+    ref, _ = reference_batches(cfg)
+    assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
+
+
+def test_restart_keeps_good_batches_and_remakes_torn_or_corrupt_ones(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    d.stop(signal.SIGKILL)
+    names = published(buf)
+    with open(os.path.join(buf, names[0]), "r+b") as f:  # a bit flip
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 1]))
+    with open(os.path.join(buf, names[1]), "r+b") as f:  # torn
+        f.truncate(1000)
+    with open(os.path.join(buf, ".tmp-r0000-e000000-b00000009-w0-1"), "wb") as f:  # an unfinished batch
+        f.write(b"partial")
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    ref, _ = reference_batches(cfg)
+    assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+    assert d.stop() == 0
+    assert "kept 2 batches; removed 1 temp, 2 torn or corrupt" in d.log()
+
+
+def test_worker_killed_mid_batch_is_noticed_replaced_and_its_batch_made_again(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, workers={"count": 1})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    pids = wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("worker_pids"), 30, "worker pids")
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        it = c.iter_epoch(0)
+        next(it)
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until(lambda: "killed by SIGKILL, perhaps out of memory?" in d.log(), 30, "the worker's death in the log")
+        rest = list(it)
+        assert len(rest) == 7
+        got = collect(cfg, epochs=(1,))
+    assert d.stop() == 0
+    ref, _ = reference_batches(cfg)
+    for k, (x, y) in got.items():
+        assert np.array_equal(x, ref[k][0])
+    assert "worker 0 (pid %d) was killed by SIGKILL" % pids[0] in d.log()
+
+
+def test_corrupt_and_unreadable_images_are_quarantined_and_training_goes_on(tmp_path, image_root, daemon_factory):
+    root = tmp_path / "root"
+    shutil.copytree(image_root, root)
+    victims = sorted(p for p in root.rglob("*.JPEG"))[:3]
+    victims[0].write_bytes(victims[0].read_bytes()[:300])  # truncated
+    victims[1].write_bytes(b"")  # empty
+    victims[2].unlink()
+    victims[2].symlink_to(tmp_path / "gone.jpg")  # unreadable (dangling)
+    digests = []
+    for run in range(2):  # the replacements are deterministic: a second daemon gives the same bytes
+        run_dir = tmp_path / f"run{run}"
+        run_dir.mkdir()
+        cfg = small_config(run_dir, str(root))
+        d = daemon_factory(cfg)
+        got = collect(cfg)
+        assert all(x.shape == (6, 64, 64, 3) for x, _ in got.values())
+        digests.append(digest(got))
+        wait_until(lambda: (status.read_json(str(run_dir / "buffer"), status.STATUS_NAME) or {}).get("quarantined") == 3,
+                   10, "3 quarantined samples in status.json")
+        assert d.stop() == 0
+        q = (run_dir / "buffer" / status.QUARANTINE_NAME).read_text()
+        assert all(str(v) in q for v in victims)
+        assert "quarantined sample" in d.log()
+    assert digests[0] == digests[1]
+
+
+def test_garbage_progress_files_keep_the_last_good_position(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    path = progress.progress_path(buf, 0)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    progress.write(buf, progress.Progress(rank=0, epoch=0, batch=3))
+
+    def pos():
+        return (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("position")
+
+    wait_until(lambda: pos() == [0, 3], 10, "position 0/3")
+    for bad in (b"", b"{not json", b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": "x", "batch": 1}'):
+        with open(path, "wb") as f:
+            f.write(bad)
+        wait_until(lambda: "ignoring" in d.log(), 10, "a warning")
+    os.unlink(path)
+    for _ in range(300):  # rewritten hundreds of times a second
+        progress.write(buf, progress.Progress(rank=0, epoch=1, batch=2))
+    wait_until(lambda: pos() == [1, 2], 10, "position 1/2")
+    assert d.log().count("ignoring") == 1  # warned once for the whole bad spell
+    wait_until(lambda: {n[:-6].split("-b")[1] for n in published(buf)} >= {"00000002", "00000003"}, 10, "refill at 1/2")
+    assert d.stop() == 0
+
+
+def test_progress_polling_works_without_inotify(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, progress={"inotify": False, "poll_interval_s": 0.1})
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    assert len(got) == 16
+    assert d.stop() == 0
