@@ -242,7 +242,7 @@ class PrefetchClient:
             if st.st_size != size:
                 raise PrefetchError(f"{self._path(epoch, batch)} is {st.st_size} bytes, its header says {size}")
             handle, arr = self._buffer(size)
-            batchfile.readinto_fd(fd, memoryview(arr))
+            batchfile.copy_into(fd, arr)
         finally:
             os.close(fd)
         try:

@@ -1,1 +1,391 @@
-"""placeholder replaced below"""
+"""``prefetchd bench``: the daemon's throughput beside the decode-only limit, in one run.
+
+Everything is measured side by side on the same corpus and cores, and reported as ratios:
+
+* **decode-only limit**: Pillow (libjpeg-turbo) merely decoding every image, at reduced DCT
+  scale where a 256 shorter side allows, one process per worker, nothing else done. No
+  pipeline that decodes every image can beat it by more than its decoder's edge.
+* **daemon**: the real daemon (``python -m prefetchd run``) in a subprocess with the client
+  consuming as fast as it can; images/s from the first batch the client got to the last, and
+  the client's total wait.
+* **DataLoader peer** (``--peer``, needs torch): ``torch.utils.data.DataLoader`` with the same
+  augmentation written as a user writes it with Pillow (what torchvision's transforms do on PIL
+  images: resize the whole image, crop, flip, jitter).
+* **client read**: reading a published batch into a preallocated buffer with ``readinto``,
+  against ``memcpy`` of the same bytes.
+
+``--sweep-workers`` repeats the daemon run for 1..cores(+1) workers and prints mean and spread,
+plotting error bars to ``--plot`` when matplotlib is installed. ``--index-scale N`` measures the
+memory a cached index of N entries adds to the whole daemon and the time to its first batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+
+import numpy as np
+
+from . import batchfile
+from .demo import write_config
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def list_images(root: str) -> list[str]:
+    out = []
+    for cls in sorted(os.listdir(root)):
+        d = os.path.join(root, cls)
+        if os.path.isdir(d):
+            out += [os.path.join(d, f) for f in sorted(os.listdir(d))]
+    return out
+
+
+# --- the decode-only limit -------------------------------------------------------------------------
+
+
+def _decode_only(paths: list[str], min_side: int = 256) -> int:
+    from PIL import Image
+
+    for p in paths:
+        with Image.open(p) as im:
+            w, h = im.size
+            s = min_side / min(w, h)
+            im.draft("RGB", (max(1, int(w * s)), max(1, int(h * s))))
+            im.convert("RGB").load()
+    return len(paths)
+
+
+def decode_limit(paths: list[str], procs: int) -> float:
+    for p in paths:  # warm the page cache, as the daemon's run will have it
+        with open(p, "rb") as f:
+            f.read()
+    chunks = [paths[i::procs] for i in range(procs)]
+    with get_context("forkserver").Pool(procs) as pool:
+        pool.map(_decode_only, [c[:10] for c in chunks])
+        t = time.perf_counter()
+        n = sum(pool.map(_decode_only, chunks))
+        return n / (time.perf_counter() - t)
+
+
+# --- the daemon ----------------------------------------------------------------------------------------
+
+
+def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: dict, work: str,
+               parent: str, capacity: int = 16) -> dict:
+    from prefetchd_client import PrefetchClient
+
+    run = tempfile.mkdtemp(prefix="run-", dir=work)
+    buffer = tempfile.mkdtemp(prefix="prefetchd-bench-", dir=parent)
+    os.rmdir(buffer)
+    cfg = os.path.join(run, "bench.yaml")
+    write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, epochs, workers, capacity,
+                 extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}})
+    log = open(os.path.join(run, "daemon.log"), "wb")
+    t_start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        import psutil
+
+        rss_by_epoch = []
+        times = []
+        n = 0
+        with PrefetchClient(cfg, timeout=120, as_numpy=True) as c:
+            for e in range(epochs):
+                for x, y in c.iter_epoch(e):
+                    times.append(time.monotonic())
+                    n += len(y)
+                # the daemon's children: the forkserver and the workers
+                rss_by_epoch.append([k.memory_info().rss for k in psutil.Process(proc.pid).children(recursive=True)])
+            wait = c.wait_s
+        first_wait = times[0] - t_start
+        img_s = (n - batch_size) / (times[-1] - times[0])
+        return {"img_s": img_s, "images": n, "wait_s": wait, "first_batch_s": first_wait,
+                "max_child_rss_by_epoch": [max(r) if r else 0 for r in rss_by_epoch]}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(buffer, ignore_errors=True)
+
+
+# --- the DataLoader peer -------------------------------------------------------------------------------
+
+
+class _PeerDataset:
+    """ImageFolder + RandomResize(256, 481) + RandomCrop(224) + flip (+ ColorJitter), on PIL."""
+
+    def __init__(self, paths, jitter: bool, mode: str):
+        self.paths, self.jitter, self.mode = paths, jitter, mode
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, i):
+        import random
+
+        import torch
+        from PIL import Image, ImageEnhance
+
+        with open(self.paths[i], "rb") as f:
+            im = Image.open(f).convert("RGB")
+        w, h = im.size
+        if self.mode == "random_resized_crop":
+            from .augment import Draws, crop_for
+            from .config import AugmentConfig
+            c = crop_for(AugmentConfig(mode="random_resized_crop"), w, h,
+                         Draws(np.random.random(48), np.zeros(3)))
+            im = im.resize((224, 224), Image.Resampling.BILINEAR, box=(c.left, c.top, c.right, c.bottom))
+        else:
+            s = random.randint(256, 480)
+            rw, rh = (s, int(s * h / w)) if w <= h else (int(s * w / h), s)
+            im = im.resize((rw, rh), Image.Resampling.BILINEAR)
+            x, y = random.randint(0, rw - 224), random.randint(0, rh - 224)
+            im = im.crop((x, y, x + 224, y + 224))
+        if random.random() < 0.5:
+            im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if self.jitter:
+            ops = [ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color]
+            random.shuffle(ops)
+            for op in ops:
+                im = op(im).enhance(random.uniform(0.6, 1.4))
+        return torch.from_numpy(np.array(im)).permute(2, 0, 1), i % 1000  # as PILToTensor: a copy
+
+
+def peer_dataloader(paths: list[str], workers: int, batch_size: int, jitter: bool, mode: str) -> float:
+    import torch
+
+    ds = _PeerDataset(paths, jitter, mode)
+    dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
+                                     persistent_workers=True, drop_last=True)
+    it = iter(dl)
+    next(it)  # warm-up: workers started, first batch made
+    t = time.perf_counter()
+    n = sum(x.shape[0] for x, _ in it)
+    return n / (time.perf_counter() - t)
+
+
+# --- the client's read ---------------------------------------------------------------------------------
+
+
+def _buffer_parent(args=None) -> str:
+    if args is not None and getattr(args, "buffer_parent", None):
+        return args.buffer_parent
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def client_read_vs_memcpy(parent: str, batch_size: int = 256, size: int = 224, repeats: int = 20) -> dict:
+    d = tempfile.mkdtemp(prefix="prefetchd-bench-read-", dir=parent)
+    try:
+        images = np.random.default_rng(0).integers(0, 256, (batch_size, size, size, 3), dtype=np.uint8)
+        path = os.path.join(d, "b.batch")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+        z = np.zeros(batch_size, np.int64)
+        nbytes = batchfile.write_batch(fd, batchfile.BatchMeta(0, 0, 0, 1, 0), z, z, z - 1, images)
+        os.close(fd)
+        buf = np.empty(nbytes, np.uint8)
+        src = np.empty(nbytes, np.uint8)
+        src[:] = 1
+        read_t, verify_t, copy_t = [], [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fd = os.open(path, os.O_RDONLY)
+            batchfile.copy_into(fd, buf)  # what the client does
+            os.close(fd)
+            read_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            batchfile.parse(buf, verify=True)
+            verify_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            np.copyto(buf, src)
+            copy_t.append(time.perf_counter() - t)
+        gb = nbytes / 1e9
+        r, v, c = (statistics.median(x) for x in (read_t, verify_t, copy_t))
+        return {"bytes": nbytes, "read_gb_s": gb / r, "read_verify_gb_s": gb / (r + v), "memcpy_gb_s": gb / c}
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# --- the index at ImageNet scale -------------------------------------------------------------------------
+
+
+def index_scale(root: str, n: int, work: str, workers: int) -> dict:
+    """A file list of ``n`` entries (the corpus repeated): the daemon's memory with it, against a
+    small list of the same files, and the time from ``run`` to the first batch on a cached index."""
+    import psutil
+
+    from prefetchd_client import PrefetchClient
+
+    files = list_images(root)
+    out = {}
+    for label, count in (("small", len(files)), ("large", n)):
+        lst = os.path.join(work, f"list-{label}.txt")
+        with open(lst, "w") as f:
+            for i in range(count):
+                f.write(f"{files[i % len(files)]} {i % 1000}\n")
+        run = tempfile.mkdtemp(prefix=f"index-{label}-", dir=work)
+        buffer = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else run, os.path.basename(run) + "-buf")
+        cfg = os.path.join(run, "c.yaml")
+        write_config(cfg, root, buffer, os.path.join(work, "cache"), 64, None, workers, 4,
+                     extra={"dataset": {"root": None, "file_list": lst}})
+        for attempt in ("scan", "cached"):
+            t0 = time.monotonic()
+            proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                with PrefetchClient(cfg, timeout=600, as_numpy=True) as c:
+                    it = c.iter_epoch(0)
+                    next(it)
+                    first = time.monotonic() - t0
+                    for _ in range(3):
+                        next(it)
+                procs = [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True)
+                pss = 0
+                for p in procs:
+                    try:
+                        pss += p.memory_full_info().pss
+                    except psutil.Error:
+                        pass
+                out[f"{label}_{attempt}_first_batch_s"] = first
+                out[f"{label}_{attempt}_pss"] = pss
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(60)
+        shutil.rmtree(buffer, ignore_errors=True)
+    out["index_pss_delta"] = out["large_cached_pss"] - out["small_cached_pss"]
+    out["n"] = n
+    return out
+
+
+# --- the command ---------------------------------------------------------------------------------------------
+
+
+def _augment(args) -> dict:
+    a: dict = {}
+    if args.mode:
+        a["mode"] = args.mode
+    if args.jitter:
+        a.update(brightness=0.4, contrast=0.4, saturation=0.4)
+    return a
+
+
+def run_bench(args) -> int:
+    from .config import load as load_config
+
+    work = tempfile.mkdtemp(prefix="prefetchd-bench-")
+    try:
+        if args.config:
+            cfg = load_config(args.config)
+            if cfg.dataset.root is None:
+                print("bench needs an ImageFolder (dataset.root)", file=sys.stderr)
+                return 2
+            root = cfg.dataset.root
+            batch = args.batch_size or cfg.loader.batch_size
+            workers = args.workers or cfg.workers.resolved_count()
+        elif args.root:
+            root = args.root
+            batch = args.batch_size or 64
+            workers = args.workers or _cores()
+        else:
+            from .samples import make_image_folder
+
+            root = os.path.join(work, "data")
+            t = time.monotonic()
+            n = make_image_folder(root, classes=20, per_class=max(1, args.images // 20), seed=1)
+            print(f"made {n} sample JPEGs in {time.monotonic() - t:.1f} s")
+            batch = args.batch_size or 64
+            workers = args.workers or _cores()
+        paths = list_images(root)
+        aug = _augment(args)
+        from .ring import is_tmpfs
+
+        parent = _buffer_parent(args)
+        print(f"corpus {root}: {len(paths)} images; batch {batch}; augment {aug or 'scale (default)'}; "
+              f"{_cores()} cores; buffers in {parent} ({'tmpfs' if is_tmpfs(parent) else 'not tmpfs'})")
+        results: dict = {"corpus": root, "images": len(paths), "batch_size": batch, "augment": aug, "cores": _cores()}
+        if args.index_scale:
+            r = index_scale(root, args.index_scale, work, workers)
+            results["index_scale"] = r
+            print(f"index of {r['n']:,} entries: adds {r['index_pss_delta'] / 2**20:,.1f} MiB (PSS, daemon + workers); "
+                  f"first batch {r['large_cached_first_batch_s']:.2f} s after run on the cached index "
+                  f"({r['large_scan_first_batch_s']:.2f} s when scanning the list)")
+        elif args.sweep_workers:
+            rows = []
+            for w in range(1, _cores() + 2):
+                vals = [daemon_run(root, w, batch, args.epochs, aug, work, _buffer_parent(args))["img_s"] for _ in range(args.repeats)]
+                lim = [decode_limit(paths, w) for _ in range(args.repeats)]
+                rows.append({"workers": w, "daemon": vals, "limit": lim})
+                sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+                print(f"workers {w}: daemon {statistics.mean(vals):7.0f} ± {sd:5.0f} img/s, decode-only limit "
+                      f"{statistics.mean(lim):7.0f} img/s, ratio {statistics.mean(vals) / statistics.mean(lim):.2f}")
+            results["sweep"] = rows
+            if args.plot:
+                _plot(rows, args.plot)
+        else:
+            for rep in range(args.repeats):
+                lim = decode_limit(paths, workers)
+                d = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args))
+                row = {"limit_img_s": lim, **d}
+                line = (f"[{rep + 1}/{args.repeats}] decode-only limit ({workers} procs) {lim:,.0f} img/s | daemon "
+                        f"({workers} workers) {d['img_s']:,.0f} img/s = {d['img_s'] / lim:.2f} x limit | trainer waited "
+                        f"{d['wait_s']:.2f} s, first batch {d['first_batch_s']:.2f} s")
+                if args.peer:
+                    peer = peer_dataloader(paths, workers, batch, args.jitter, args.mode or "scale")
+                    row["peer_img_s"] = peer
+                    line += f" | DataLoader peer {peer:,.0f} img/s, daemon/peer {d['img_s'] / peer:.2f}"
+                print(line, flush=True)
+                results.setdefault("runs", []).append(row)
+            r = client_read_vs_memcpy(_buffer_parent(args))
+            results["client_read"] = r
+            print(f"client read of a {r['bytes'] / 2**20:.1f} MiB batch: {r['read_gb_s']:.2f} GB/s "
+                  f"({r['read_gb_s'] / r['memcpy_gb_s']:.2f} x memcpy {r['memcpy_gb_s']:.2f} GB/s); with checksum "
+                  f"{r['read_verify_gb_s']:.2f} GB/s ({r['read_verify_gb_s'] / r['memcpy_gb_s']:.2f} x)")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    w = [r["workers"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("daemon", "prefetchd"), ("limit", "decode-only limit")):
+        m = [statistics.mean(r[key]) for r in rows]
+        s = [statistics.stdev(r[key]) if len(r[key]) > 1 else 0 for r in rows]
+        ax.errorbar(w, m, yerr=s, capsize=4, marker="o", label=label)
+    ax.set_xlabel("worker processes")
+    ax.set_ylabel("images/s")
+    ax.set_xticks(w)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
