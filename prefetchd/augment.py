@@ -327,5 +327,12 @@ def make_sample(data: bytes, cfg: AugmentConfig, d: Draws, out: np.ndarray | Non
         img = _lighting(img, cfg.lighting, d)
     if out is None:
         out = np.empty_like(img)
-    np.copyto(out, img[:, ::-1] if crop.flip else img)
+    if crop.flip:
+        # cv2.flip writes straight into the batch slot; a numpy copy through a negative
+        # stride costs ~40x more (0.29 ms against 0.007 ms per 224 crop, measured here)
+        res = cv2.flip(img, 1, dst=out)
+        if res.ctypes.data != out.ctypes.data:  # cv2 allocated instead (dst not usable)
+            np.copyto(out, res)
+    else:
+        np.copyto(out, img)
     return out
