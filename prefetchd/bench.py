@@ -106,7 +106,7 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
         n = 0
         with PrefetchClient(cfg, timeout=120, as_numpy=True) as c:
             for e in range(epochs):
-                for x, y in c.iter_epoch(e):
+                for _, y in c.iter_epoch(e):
                     times.append(time.monotonic())
                     n += len(y)
                 # the daemon's children: the forkserver and the workers
@@ -230,7 +230,6 @@ def index_scale(root: str, n: int, work: str, workers: int) -> dict:
     """A file list of ``n`` entries (the corpus repeated): the daemon's memory with it, against a
     small list of the same files, and the time from ``run`` to the first batch on a cached index."""
     import psutil
-
     from prefetchd_client import PrefetchClient
 
     files = list_images(root)

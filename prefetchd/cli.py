@@ -79,6 +79,9 @@ def cmd_run(args) -> int:
         return EX_CONFIG
     except KeyboardInterrupt:
         return 0
+    except OSError as e:  # e.g. the metrics port is taken
+        log.error("cannot run: %s", e)
+        return 1
     finally:
         notifier.close()
 
@@ -158,6 +161,19 @@ def cmd_demo(args) -> int:
                     workers=args.workers, keep=args.keep)
 
 
+def cmd_preview(args) -> int:
+    from .dataset import DatasetError
+    from .preview import run_preview
+
+    try:
+        cfg = _load(args.config)
+        source = run_preview(cfg, args.out, args.count, args.rank)
+    except (ConfigError, DatasetError) as e:
+        return _fail_config(e)
+    print(f"wrote {args.out}: {args.count} samples of {source}")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import run_bench
 
@@ -192,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--keep", action="store_true", help="keep the sample data and buffer directory")
     d.add_argument("--verbose", action="store_true", help="show the daemon's log")
     d.set_defaults(fn=cmd_demo)
+    v = sub.add_parser("preview", help="save a grid of augmented samples with their labels as a PNG")
+    v.add_argument("--config", "-c", required=True)
+    v.add_argument("--out", "-o", default="preview.png")
+    v.add_argument("--count", type=int, default=16)
+    v.add_argument("--rank", type=int, default=0)
+    v.set_defaults(fn=cmd_preview)
     b = sub.add_parser("bench", help="measure the pipeline against the decode-only limit")
     b.add_argument("--config", "-c", help="a config to measure (default: a generated sample corpus)")
     b.add_argument("--root", help="an existing ImageFolder to measure on")

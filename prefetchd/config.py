@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import ipaddress
 import json
 import math
 import os
@@ -295,6 +296,22 @@ class AugmentConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = False
+    address: str = "127.0.0.1"
+    port: int = 9464
+
+    def __post_init__(self) -> None:
+        _bool(self.enabled, "metrics.enabled")
+        _str(self.address, "metrics.address")
+        try:
+            ipaddress.ip_address(self.address)
+        except ValueError:
+            raise ConfigError("metrics.address", f"must be an IP address such as 127.0.0.1, got {self.address!r}") from None
+        _int(self.port, "metrics.port", 0, 65535)
+
+
+@dataclass(frozen=True)
 class LogConfig:
     level: str = "info"
 
@@ -310,6 +327,7 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source: str | None = None
 
@@ -339,6 +357,7 @@ _SECTIONS: dict[str, type] = {
     "buffer": BufferConfig,
     "progress": ProgressConfig,
     "augment": AugmentConfig,
+    "metrics": MetricsConfig,
     "log": LogConfig,
 }
 

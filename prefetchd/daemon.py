@@ -109,6 +109,12 @@ class Daemon:
         self.last_progress: dict[int, float] = {}
         self.est_size = batchfile.max_file_size(L.batch_size, cfg.augment.output_size, cfg.augment.output_size)
         self._write_meta()
+        self.metrics = None
+        if cfg.metrics.enabled:
+            from .metrics import MetricsServer
+
+            self.metrics = MetricsServer(cfg.metrics.address, cfg.metrics.port)
+            self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
                             self.fingerprint, cfg.buffer.dir, frozenset(self.quarantined))
         self.pool = Pool(setup, cfg.workers.resolved_count(), cfg.workers.max_tasks_in_flight)
@@ -376,6 +382,8 @@ class Daemon:
 
     def _write_status(self) -> dict:
         rec = self.status_record()
+        if self.metrics is not None:
+            self.metrics.update(rec)
         try:
             status.write_json(self.cfg.buffer.dir, status.STATUS_NAME, rec)
         except OSError as e:
@@ -460,6 +468,8 @@ class Daemon:
             if self.notify:
                 self.notify.stopping()
             self.watcher.stop()
+            if self.metrics is not None:
+                self.metrics.stop()
             self.pool.stop()
             removed = self.ring.remove_temp_files()
             if removed:

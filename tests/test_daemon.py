@@ -14,13 +14,13 @@ import time
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
+from prefetchd_client import PrefetchClient, PrefetchTimeout
 
 from prefetchd import batchfile, status
 from prefetchd.config import load as load_config
 from prefetchd.dataset import load_index
 from prefetchd.sampler import Sampler
 from prefetchd.worker import BatchMaker, WorkerSetup
-from prefetchd_client import PrefetchClient, PrefetchTimeout
 
 
 def reference_batches(cfg_path: str, epochs: int = 2):
@@ -142,7 +142,7 @@ def test_trainer_killed_and_restarted_resumes_with_identical_batches(tmp_path, i
     seen = _load_stream(out)
     ref = collect_reference_in_order(cfg)
     assert len(seen) == len(ref) == 16
-    for (x, y), (rx, ry) in zip(seen, ref):
+    for (x, y), (rx, ry) in zip(seen, ref, strict=True):
         assert np.array_equal(x, rx) and np.array_equal(y, ry)
     assert d.stop() == 0
 

@@ -8,10 +8,10 @@ import signal
 
 import numpy as np
 from conftest import small_config, wait_until
+from prefetchd_client import PrefetchClient
 from test_daemon import collect, digest, published, reference_batches
 
 from prefetchd import progress, status
-from prefetchd_client import PrefetchClient
 
 
 def test_daemon_sigkilled_repeatedly_restarts_and_the_trainer_sees_every_batch_once(tmp_path, image_root, daemon_factory):
@@ -73,9 +73,9 @@ def test_worker_killed_mid_batch_is_noticed_replaced_and_its_batch_made_again(tm
         got = collect(cfg, epochs=(1,))
     assert d.stop() == 0
     ref, _ = reference_batches(cfg)
-    for k, (x, y) in got.items():
+    for k, (x, _) in got.items():
         assert np.array_equal(x, ref[k][0])
-    assert "worker 0 (pid %d) was killed by SIGKILL" % pids[0] in d.log()
+    assert f"worker 0 (pid {pids[0]}) was killed by SIGKILL" in d.log()
 
 
 def test_corrupt_and_unreadable_images_are_quarantined_and_training_goes_on(tmp_path, image_root, daemon_factory):
@@ -95,7 +95,8 @@ def test_corrupt_and_unreadable_images_are_quarantined_and_training_goes_on(tmp_
         got = collect(cfg)
         assert all(x.shape == (6, 64, 64, 3) for x, _ in got.values())
         digests.append(digest(got))
-        wait_until(lambda: (status.read_json(str(run_dir / "buffer"), status.STATUS_NAME) or {}).get("quarantined") == 3,
+        buf = str(run_dir / "buffer")
+        wait_until(lambda buf=buf: (status.read_json(buf, status.STATUS_NAME) or {}).get("quarantined") == 3,
                    10, "3 quarantined samples in status.json")
         assert d.stop() == 0
         q = (run_dir / "buffer" / status.QUARANTINE_NAME).read_text()

@@ -1,0 +1,104 @@
+"""Prometheus metrics on a loopback port (``metrics.enabled``), with prometheus-client.
+
+The figures are those of ``status.json``: a custom collector turns the daemon's latest status
+record into metric families at scrape time, so the exporter holds no state of its own and
+never disagrees with ``prefetchd status``. Names follow Prometheus conventions: a
+``prefetchd_`` prefix, base units (bytes, seconds), ``_total`` for counters, ``rank`` as a label.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger("prefetchd.metrics")
+
+
+def families(rec: dict):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def gauge(name, doc, value, unit=""):
+        g = GaugeMetricFamily(name, doc, unit=unit)
+        g.add_metric([], float(value or 0))
+        return g
+
+    def counter(name, doc, value):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(value or 0))
+        return c
+
+    yield counter("prefetchd_produced_images", "Images published in batches since the daemon started",
+                  rec.get("produced_images"))
+    yield counter("prefetchd_produced_batches", "Batches published since the daemon started", rec.get("produced_batches"))
+    yield gauge("prefetchd_production_rate_images_per_second", "Images published per second, last 10 s",
+                rec.get("produced_img_s"))
+    yield gauge("prefetchd_consumption_rate_images_per_second", "Images consumed by trainers per second, last 10 s",
+                rec.get("consumed_img_s"))
+    yield gauge("prefetchd_buffer_used_bytes", "Bytes of published batches in the buffer", rec.get("bytes_used"))
+    yield gauge("prefetchd_buffer_max_bytes", "buffer.max_bytes", rec.get("max_bytes"))
+    yield gauge("prefetchd_buffer_filesystem_free_bytes", "Free bytes on the buffer's filesystem", rec.get("fs_free"))
+    yield gauge("prefetchd_buffer_capacity_batches", "buffer.capacity: batches kept ready per rank", rec.get("capacity"))
+    yield gauge("prefetchd_workers", "Configured worker processes", rec.get("workers"))
+    yield gauge("prefetchd_workers_alive", "Worker processes alive", rec.get("workers_alive"))
+    yield counter("prefetchd_worker_restarts", "Workers replaced after dying", rec.get("worker_restarts"))
+    yield gauge("prefetchd_worker_utilisation_ratio", "Fraction of worker time spent making batches",
+                rec.get("worker_utilisation"))
+    yield gauge("prefetchd_quarantined_samples", "Samples quarantined (unreadable images)", rec.get("quarantined"))
+    yield gauge("prefetchd_resident_memory_bytes", "Resident memory of the daemon and its workers", rec.get("rss_bytes"))
+    yield gauge("prefetchd_blocked", "1 while production waits on max_bytes or free space", 1 if rec.get("blocked") else 0)
+    ready = GaugeMetricFamily("prefetchd_rank_ready_batches", "Batches ready in the rank's window", labels=["rank"])
+    ahead = GaugeMetricFamily("prefetchd_rank_ahead_batches", "Batches ready in a row from the trainer's position",
+                              labels=["rank"])
+    epoch = GaugeMetricFamily("prefetchd_rank_epoch", "The trainer's current epoch", labels=["rank"])
+    batch = GaugeMetricFamily("prefetchd_rank_batch", "The trainer's next batch in its epoch", labels=["rank"])
+    wait = CounterMetricFamily("prefetchd_trainer_wait_seconds", "Time the rank's trainer waited for batches",
+                               labels=["rank"])
+    for r, rs in sorted(rec.get("ranks", {}).items()):
+        ready.add_metric([r], rs.get("ready", 0))
+        ahead.add_metric([r], rs.get("ahead", 0))
+        epoch.add_metric([r], rs.get("position", [0, 0])[0])
+        batch.add_metric([r], rs.get("position", [0, 0])[1])
+        wait.add_metric([r], rs.get("wait_s", 0.0))
+    yield from (ready, ahead, epoch, batch, wait)
+
+
+class _Collector:
+    def __init__(self, snapshot: Callable[[], dict]):
+        self.snapshot = snapshot
+
+    def collect(self):
+        yield from families(self.snapshot())
+
+
+class MetricsServer:
+    """Serves /metrics from ``snapshot()`` (the latest status record) on ``address:port``."""
+
+    def __init__(self, address: str, port: int):
+        self.address, self.port = address, port
+        self._lock = threading.Lock()
+        self._rec: dict = {}
+        self._server = None
+
+    def update(self, rec: dict) -> None:
+        with self._lock:
+            self._rec = rec
+
+    def _snapshot(self) -> dict:
+        with self._lock:
+            return self._rec
+
+    def start(self) -> None:
+        from prometheus_client import CollectorRegistry, start_http_server
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Collector(self._snapshot))
+        self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
+        self.port = self._server.server_port
+        log.info("metrics on http://%s:%d/metrics", self.address, self.port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,70 @@
+"""``prefetchd preview``: a grid of augmented samples with their labels, as the model sees them.
+
+Takes the earliest batch published for the rank in the buffer (without consuming it); when
+none is ready, makes batch 0 of epoch 0 in-process with the same code the workers run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from . import batchfile
+from .config import Config
+
+
+def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
+    names = sorted(n for n in os.listdir(cfg.buffer.dir)
+                   if (k := batchfile.parse_name(n)) is not None and k[0] == rank) if os.path.isdir(cfg.buffer.dir) else []
+    for name in names:
+        try:
+            b = batchfile.read_file(os.path.join(cfg.buffer.dir, name))
+        except (OSError, batchfile.BatchFileError):
+            continue  # consumed or replaced meanwhile: try the next
+        return b.images, b.labels, b.indices, f"{name} from the buffer"
+    from .dataset import load_index
+    from .sampler import Sampler
+    from .worker import BatchMaker, WorkerSetup
+
+    index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    L = cfg.loader
+    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None if index.files_dir else index, 0, cfg.buffer.dir))
+    images, used, labels, _, _ = maker.fill(0, sampler.batch_indices(0, rank, 0))
+    return images, labels, used, "epoch 0 batch 0, made in-process (no batch ready in the buffer)"
+
+
+def class_names(cfg: Config) -> tuple[str, ...]:
+    from .dataset import load_index
+
+    try:
+        index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+        return index.classes
+    except Exception:  # labels alone are still worth showing
+        return ()
+
+
+def grid(images: np.ndarray, captions: list[str], cols: int | None = None) -> Image.Image:
+    n, s = len(images), images.shape[1]
+    cols = cols or max(1, math.ceil(math.sqrt(n)))
+    rows = math.ceil(n / cols)
+    pad, text_h = 4, 14
+    out = Image.new("RGB", (cols * (s + pad) + pad, rows * (s + text_h + pad) + pad), (24, 24, 24))
+    draw = ImageDraw.Draw(out)
+    for i in range(n):
+        x, y = pad + (i % cols) * (s + pad), pad + (i // cols) * (s + text_h + pad)
+        out.paste(Image.fromarray(images[i]), (x, y))
+        draw.text((x + 2, y + s + 1), captions[i][: max(4, s // 6)], fill=(230, 230, 230))
+    return out
+
+
+def run_preview(cfg: Config, out_path: str, count: int = 16, rank: int = 0) -> str:
+    images, labels, indices, source = _batch(cfg, rank)
+    names = class_names(cfg)
+    k = min(count, len(images))
+    caps = [f"{int(labels[i])} {names[int(labels[i])] if int(labels[i]) < len(names) else ''}".strip() for i in range(k)]
+    grid(np.ascontiguousarray(images[:k]), caps).save(out_path)
+    return source

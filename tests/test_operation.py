@@ -1,0 +1,124 @@
+"""Live operation: reload, metrics, preview, journal-friendly logs."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import yaml
+from conftest import small_config, wait_until
+from PIL import Image
+from test_daemon import published
+
+from prefetchd import status
+
+
+def _status(buf: str) -> dict:
+    return status.read_json(buf, status.STATUS_NAME) or {}
+
+
+def _edit(cfg: str, section: str, **values) -> None:
+    data = yaml.safe_load(open(cfg))
+    data.setdefault(section, {}).update(values)
+    open(cfg, "w").write(yaml.safe_dump(data))
+
+
+def test_sighup_applies_tunables_keeps_batches_and_refuses_stream_changes(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer of 4")
+    before = set(published(buf))
+    _edit(cfg, "buffer", capacity=7, refill_at=7)
+    _edit(cfg, "workers", count=1)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: len(published(buf)) == 7, 30, "a buffer of 7 after the reload")
+    assert before <= set(published(buf))  # nothing buffered was lost
+    wait_until(lambda: _status(buf).get("capacity") == 7 and _status(buf).get("workers") == 1, 10, "new tunables")
+    _edit(cfg, "loader", seed=8)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload refused: loader.seed would change the batch stream" in d.log(), 10, "a refusal")
+    _edit(cfg, "loader", seed=7)
+    _edit(cfg, "buffer", capacity=0)
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reload refused: buffer.capacity must be a positive integer" in d.log(), 10, "a bad value refused")
+    assert d.proc.poll() is None and len(published(buf)) == 7
+    assert d.stop() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_metrics_on_loopback(tmp_path, image_root, daemon_factory):
+    port = _free_port()
+    cfg = small_config(tmp_path, image_root, metrics={"enabled": True, "port": port})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: _status(buf).get("ranks", {}).get("0", {}).get("ready") == 4, 30, "a full buffer")
+
+    def scrape():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return ""
+
+    text = wait_until(lambda: (t := scrape()) and 'prefetchd_rank_ready_batches{rank="0"} 4.0' in t and t, 15,
+                      "metrics with a full buffer")
+    for name in ("prefetchd_produced_images_total", "prefetchd_buffer_used_bytes", "prefetchd_workers_alive",
+                 'prefetchd_trainer_wait_seconds_total{rank="0"}', "prefetchd_quarantined_samples",
+                 "prefetchd_resident_memory_bytes", "prefetchd_worker_restarts_total"):
+        assert name in text, name
+    assert re.search(r"^prefetchd_produced_batches_total (\d+)", text, re.M)
+    assert d.stop() == 0
+
+
+def test_metrics_port_taken_is_a_clear_error(tmp_path, image_root, daemon_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        cfg = small_config(tmp_path, image_root, metrics={"enabled": True, "port": s.getsockname()[1]})
+        d = daemon_factory(cfg)
+        assert d.proc.wait(30) == 1
+    assert "cannot run" in d.log() and "Address already in use" in d.log()
+
+
+def test_preview_writes_a_grid_of_labelled_samples(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    out = tmp_path / "grid.png"
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "preview", "--config", cfg, "--out", str(out), "--count", "6"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "made in-process" in r.stdout
+    im = Image.open(out)
+    assert im.size[0] > 3 * 64 and im.size[1] > 2 * 64
+    d = daemon_factory(cfg)
+    wait_until(lambda: published(str(tmp_path / "buffer")), 30, "a batch")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "preview", "--config", cfg, "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "from the buffer" in r.stdout, r.stdout + r.stderr
+    assert d.stop() == 0
+
+
+def test_logs_under_journald_carry_priorities_and_no_timestamps(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg, env={"JOURNAL_STREAM": "8:1234"})
+    wait_until(lambda: "first batch published" in d.log(), 30, "the first batch")
+    assert d.stop() == 0
+    lines = [line for line in d.log().splitlines() if line.strip()]
+    assert lines and all(re.match(r"^<[0-7]>prefetchd", line) for line in lines), lines[:5]
+    assert not any(re.search(r"\d\d:\d\d:\d\d", line) for line in lines)
+
+
+def test_status_json_is_machine_readable_without_a_daemon(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root)
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg, "--json"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 3 and json.loads(r.stdout) == {"alive": False, "status": None}
