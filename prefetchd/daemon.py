@@ -67,9 +67,13 @@ class Daemon:
         self._produced: deque = deque()  # (time, images)
         self._consumed: deque = deque()  # (time, images)
         self.quarantined: dict[int, dict] = {}
+        self._crashes: dict[int, int] = {}  # sample index -> deaths of workers decoding it
+        self._crashers: tuple[tuple[int, str], ...] = ()  # quarantined for killing workers
         self.first_batch_at: float | None = None
         self._ready_notified = False
         self._last_activity = time.monotonic()  # last result, or the start of work after idling
+        self._status_error: str | None = None
+        self._blocked_logged: str | None = None
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -237,6 +241,13 @@ class Daemon:
         return first, have, ahead
 
     def _schedule(self) -> None:
+        self._schedule_some()
+        # say why production waits, once per cause until a batch is published again
+        if self.blocked and not (self._blocked_logged or "").startswith(self.blocked[:24]):
+            log.warning("waiting: %s", self.blocked)
+            self._blocked_logged = self.blocked
+
+    def _schedule_some(self) -> None:
         if time.monotonic() < self._error_until:
             return
         idle = self.pool.idle()
@@ -276,7 +287,7 @@ class Daemon:
                 self.blocked = (f"the buffer filesystem has {format_size(free)} free; a batch needs "
                                 f"{format_size(est)} and buffer.min_free_bytes keeps {format_size(cap.min_free_bytes)}")
                 return
-            task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b))
+            task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b), self._crashers)
             if self.pool.submit(w, task):
                 if not self.inflight:
                     self._last_activity = time.monotonic()
@@ -305,12 +316,26 @@ class Daemon:
             Ring._unlink(res.tmp_path)
             return
         now = time.time()
+        self._blocked_logged = None
         self.produced_batches += 1
         self.produced_images += res.samples
         self._produced.append((now, res.samples))
         if self.first_batch_at is None:
             self.first_batch_at = now
             log.info("first batch published %.2f s after start", now - self.t_start)
+
+    def _note_crashes(self) -> None:
+        """A sample that was being decoded when its worker died twice is quarantined: it gets the
+        same deterministic replacement as an undecodable file, and training goes on."""
+        from .worker import Quarantined
+
+        for index, how in self.pool.suspects:
+            self._crashes[index] = self._crashes.get(index, 0) + 1
+            if self._crashes[index] >= 2 and index not in self.quarantined:
+                reason = f"its worker {how} twice while decoding it"
+                self._crashers += ((index, reason),)
+                self._quarantine(Quarantined(index, self.index.path(index), reason), -1)
+        self.pool.suspects.clear()
 
     def _quarantine(self, q, epoch: int) -> None:
         if q.index in self.quarantined:
@@ -386,8 +411,11 @@ class Daemon:
             self.metrics.update(rec)
         try:
             status.write_json(self.cfg.buffer.dir, status.STATUS_NAME, rec)
+            self._status_error = None
         except OSError as e:
-            log.warning("cannot write status.json: %s", e.strerror)
+            if self._status_error != e.strerror:  # once per spell, not every second
+                log.warning("cannot write status.json: %s", e.strerror)
+            self._status_error = e.strerror
         return rec
 
     # --- reload -----------------------------------------------------------------------------------------
@@ -457,6 +485,7 @@ class Daemon:
                     self.inflight.pop((t.rank, t.epoch, t.batch), None)
                     if self.first_batch_at is None:
                         deaths_before_first += 1
+                self._note_crashes()
                 if deaths_before_first >= _CRASH_LOOP_DEATHS:
                     log.error("workers died %d times before the first batch was made; stopping (see the errors above)",
                               deaths_before_first)

@@ -29,6 +29,7 @@ class Worker:
     process: mp.process.BaseProcess
     conn: Connection
     tasks: deque = field(default_factory=deque)
+    current: object = None  # shared int64 [1]: the sample the worker is decoding, -1 between batches
     ready: bool = False
     started: float = field(default_factory=time.monotonic)
     busy_s: float = 0.0
@@ -55,6 +56,7 @@ class Pool:
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["prefetchd.worker"])
         self.workers: dict[int, Worker] = {}
+        self.suspects: list[tuple[int, str]] = []  # (sample index, how its worker died)
         self._next_id = 0
         self.restarts = 0
 
@@ -66,11 +68,13 @@ class Pool:
         wid = self._next_id
         self._next_id += 1
         parent, child = self.ctx.Pipe(duplex=True)
-        p = self.ctx.Process(target=worker_main, args=(child, wid, self.setup), name=f"prefetchd-worker-{wid}",
-                             daemon=True)
+        current = self.ctx.RawArray("q", 1)
+        current[0] = -1
+        p = self.ctx.Process(target=worker_main, args=(child, wid, self.setup, current),
+                             name=f"prefetchd-worker-{wid}", daemon=True)
         p.start()
         child.close()
-        w = Worker(wid, p, parent)
+        w = Worker(wid, p, parent, current=current)
         self.workers[wid] = w
         return w
 
@@ -97,7 +101,8 @@ class Pool:
 
     def wait(self, timeout: float, extra: list) -> tuple[list[Result], list[Task], list]:
         """Wait for results, deaths or one of ``extra`` (file descriptors). Returns
-        (results, tasks lost with dead workers, ready extras)."""
+        (results, tasks lost with dead workers, ready extras). The dataset index each dead
+        worker was decoding is in ``self.suspects`` (a list the caller empties)."""
         objs: list = list(extra)
         by_obj: dict = {}
         for w in self.workers.values():
@@ -137,8 +142,12 @@ class Pool:
         w.process.join(0.1)
         tasks = [t for t, _ in w.tasks]
         what = ", ".join(f"r{t.rank} e{t.epoch} b{t.batch}" for t in tasks) or "no batch"
-        log.error("worker %d (pid %s) %s while making %s; replacing it and making its batches again",
-                  w.wid, w.process.pid, _describe_exit(w.process.exitcode), what)
+        how = _describe_exit(w.process.exitcode)
+        sample = int(w.current[0]) if w.current is not None and tasks else -1
+        log.error("worker %d (pid %s) %s while making %s%s; replacing it and making its batches again",
+                  w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "")
+        if sample >= 0:
+            self.suspects.append((sample, how))
         try:
             w.conn.close()
         except OSError:

@@ -27,6 +27,9 @@ from .dataset import Index, open_index_files
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
+# Fault injection for the test suite: a sample whose path contains this string kills its worker
+# with SIGSEGV, as a decoder crash would. Unset in normal use.
+_CRASH_ON = os.environ.get("PREFETCHD_FAULT_CRASH_ON")
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,8 @@ class Task:
     batch: int
     batches_in_epoch: int
     indices: np.ndarray  # int64 dataset indices, from the sampler
+    # samples quarantined since the worker started because they killed a worker twice
+    crashers: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,18 +87,24 @@ def replacement(seed: int, epoch: int, index: int, attempt: int, n: int) -> int:
 class BatchMaker:
     """Makes batch files; one per worker process (also usable in-process, e.g. by ``bench``)."""
 
-    def __init__(self, setup: WorkerSetup, worker_id: int = 0):
+    def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
         self.index = setup.index if setup.index is not None else open_index_files(setup.index_dir)
         self.fingerprint = setup.fingerprint
         self.buffer_dir = setup.buffer_dir
         self.worker_id = worker_id
         self.bad: dict[int, str] = {i: "quarantined earlier" for i in setup.bad}
+        self.current = current  # shared int64 slot: the sample being decoded, for the daemon
+
         s = self.cfg.augment.output_size
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
 
     def _load(self, i: int, out: np.ndarray, epoch: int) -> None:
         path = self.index.path(i)
+        if self.current is not None:
+            self.current[0] = i  # if this sample kills the process, the daemon learns which
+        if _CRASH_ON and _CRASH_ON in path:
+            os.kill(os.getpid(), signal.SIGSEGV)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -106,7 +117,8 @@ class BatchMaker:
             raise augment.SampleError("empty file")
         augment.make_sample(data, self.cfg.augment, augment.draws(self.cfg.loader.seed, epoch, i), out)
 
-    def fill(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:
+    def fill(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                                              list[Quarantined]]:
         """Decode and augment ``indices`` into the reused image array."""
         n = len(indices)
         images = self._images[:n]
@@ -139,6 +151,8 @@ class BatchMaker:
 
     def make(self, task: Task) -> Result:
         t0 = time.perf_counter()
+        for i, reason in task.crashers:
+            self.bad.setdefault(i, reason)
         images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices)
         meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, self.fingerprint)
         path = os.path.join(self.buffer_dir, tmp_name(task, self.worker_id))
@@ -155,6 +169,8 @@ class BatchMaker:
             return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {e.strerror}",
                           quarantined=tuple(quarantined))
         os.close(fd)
+        if self.current is not None:
+            self.current[0] = -1
         return Result(task.rank, task.epoch, task.batch, path, size, time.perf_counter() - t0,
                       len(task.indices), tuple(quarantined))
 
@@ -166,11 +182,11 @@ def _unlink(path: str) -> None:
         pass
 
 
-def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup) -> None:
+def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=None) -> None:
     """Entry point of a worker process: serve tasks until the pipe closes or says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the daemon decides
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    maker = BatchMaker(setup, worker_id)
+    maker = BatchMaker(setup, worker_id, current)
     conn.send(("ready", worker_id, os.getpid()))
     while True:
         try:

@@ -7,8 +7,9 @@ import shutil
 import signal
 
 import numpy as np
+import pytest
 from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient
+from prefetchd_client import PrefetchClient, PrefetchTimeout
 from test_daemon import collect, digest, published, reference_batches
 
 from prefetchd import progress, status
@@ -135,4 +136,118 @@ def test_progress_polling_works_without_inotify(tmp_path, image_root, daemon_fac
     d = daemon_factory(cfg)
     got = collect(cfg)
     assert len(got) == 16
+    assert d.stop() == 0
+
+
+def test_a_sample_that_kills_its_worker_every_time_is_quarantined_after_a_second_try(tmp_path, image_root,
+                                                                                       daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    from prefetchd.dataset import load_index
+    from prefetchd.sampler import Sampler
+
+    index, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
+    victim = int(Sampler(len(index), 6, seed=7).batch_indices(0, 0, 2)[3])  # in batch 2 of epoch 0
+    path = index.path(victim)
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_CRASH_ON": os.path.basename(path)})
+    got = collect(cfg)
+    assert len(got) == 16 and all(x.shape == (6, 64, 64, 3) for x, _ in got.values())
+    log = d.log()
+    assert log.count("was killed by SIGSEGV") >= 2 and f"(at sample {victim})" in log
+    assert f"quarantined sample {victim} ({path}): its worker was killed by SIGSEGV twice" in log
+    assert d.stop() == 0
+    # the stand-in is the same deterministic replacement a broken file gets
+    from prefetchd.worker import replacement
+
+    stand_in = replacement(7, 0, victim, 1, len(index))
+    assert got[(0, 0, 2)][1][3] == index.labels[stand_in]
+
+
+def test_max_bytes_below_one_batch_waits_and_says_why(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, buffer={"max_bytes": 10_000})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    s = wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("blocked"), 30, "a blocked status")
+    assert "one batch needs 76.0 KiB but buffer.max_bytes is 9.8 KiB; raise buffer.max_bytes" in s
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
+                       timeout=30)
+    assert "waiting: one batch needs" in r.stdout
+    assert d.proc.poll() is None and not published(buf)
+    assert d.stop() == 0
+
+
+def test_filesystem_free_space_is_respected(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, buffer={"min_free_bytes": "100000TiB"})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    s = wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("blocked"), 30, "a blocked status")
+    assert "the buffer filesystem has" in s and "buffer.min_free_bytes keeps" in s
+    assert not published(buf) and d.stop() == 0
+
+
+def _mount_small_tmpfs(path) -> bool:
+    import subprocess
+
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_a_full_tmpfs_leaves_no_partial_file_and_recovers(tmp_path, image_root, daemon_factory):
+    import subprocess
+
+    from prefetchd.config import load as load_config
+    from prefetchd.dataset import load_index
+    from prefetchd.sampler import Sampler
+    from prefetchd.worker import BatchMaker, Task, WorkerSetup
+
+    mnt = tmp_path / "small"
+    if not _mount_small_tmpfs(mnt):  # needs root (CI and this project's machines run as root)
+        raise AssertionError("cannot mount a tmpfs for this test: run the suite as root")
+    try:
+        buf = mnt / "buffer"
+        cfg = small_config(tmp_path, image_root, buffer={"dir": str(buf), "min_free_bytes": 1, "capacity": 4})
+        # a worker that meets ENOSPC reports it and leaves no partial file
+        buf.mkdir(mode=0o700)
+        filler = mnt / "filler"
+        filler.write_bytes(b"\0" * (150 * 1024))  # leaves room for status.json, not for a batch
+        c = load_config(cfg)
+        index, _ = load_index(image_root, None, c.dataset.extensions, c.dataset.cache_dir)
+        maker = BatchMaker(WorkerSetup(c, index.files_dir, None, 0, str(buf)))
+        res = maker.make(Task(0, 0, 0, 8, Sampler(len(index), 6, seed=7).batch_indices(0, 0, 0)))
+        assert res.tmp_path is None and "No space left on device" in res.error
+        assert os.listdir(buf) == []
+        # the daemon on the full filesystem waits and says why, then fills once space is freed
+        d = daemon_factory(cfg)
+        s = wait_until(lambda: (status.read_json(str(buf), status.STATUS_NAME) or {}).get("blocked"), 30, "blocked")
+        assert "the buffer filesystem has" in s and d.proc.poll() is None
+        assert "waiting: the buffer filesystem has" in d.log()
+        filler.unlink()
+        got = collect(cfg, epochs=(0,))  # two 76 KiB batches fit in 200 KiB at a time
+        ref, _ = reference_batches(cfg, epochs=1)
+        for k, (x, y) in got.items():
+            assert np.array_equal(x, ref[k][0]) and np.array_equal(y, ref[k][1])
+        assert len(got) == 8 and d.stop() == 0
+        assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_stuck_daemon_makes_the_client_time_out_saying_so(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    os.killpg(d.pid, signal.SIGSTOP)
+    try:
+        with PrefetchClient(cfg, timeout=1.5, as_numpy=True) as c:
+            with pytest.raises(PrefetchTimeout) as ei:
+                for _ in c.iter_epoch(0):
+                    pass
+    finally:
+        os.killpg(d.pid, signal.SIGCONT)
+    msg = str(ei.value)
+    assert "rank 0 epoch 0 batch 4" in msg and "is alive" in msg and "status is" in msg
     assert d.stop() == 0
