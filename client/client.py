@@ -7,6 +7,7 @@ and, when installed, torch; never the daemon, Pillow or the pool.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,9 @@ class PrefetchClient:
         self._slot = 0
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._closed = False
+        self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._jumps = 0
+        self._last_written: tuple[int, int] | None = None
 
     # --- position ----------------------------------------------------------------------------------
 
@@ -290,9 +294,13 @@ class PrefetchClient:
     # --- progress ----------------------------------------------------------------------------------
 
     def _write_progress(self, epoch: int, batch: int) -> None:
+        if self._last_written is not None and (epoch, batch) < self._last_written:
+            self._jumps += 1  # going back on purpose: a new session tells the daemon it is a jump
+        self._last_written = (epoch, batch)
         fp = self._meta.get("fingerprint", "") if self._meta else ""
         p = progress.Progress(rank=self.rank, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
-                              time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read)
+                              time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
+                              session=f"{self._session}.{self._jumps}")
         try:
             progress.write(self.progress_dir, p)
         except OSError as e:

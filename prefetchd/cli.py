@@ -123,13 +123,20 @@ def cmd_check(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from . import status
-    from .status import daemon_alive
-
     try:
         cfg = _load(args.config)
     except ConfigError as e:
         return _fail_config(e)
+    try:
+        return _status_loop(cfg, args)
+    except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
+        return 0
+
+
+def _status_loop(cfg: Config, args) -> int:
+    from . import status
+    from .status import daemon_alive
+
     while True:
         rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
         alive = daemon_alive(cfg.buffer.dir)
@@ -147,10 +154,7 @@ def cmd_status(args) -> int:
                 print(text)
         if not args.watch:
             return 0 if alive else 3  # 3: not running (LSB status convention)
-        try:
-            time.sleep(args.interval)
-        except KeyboardInterrupt:
-            return 0
+        time.sleep(args.interval)
 
 
 def cmd_demo(args) -> int:

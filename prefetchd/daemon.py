@@ -111,6 +111,8 @@ class Daemon:
         self.inflight: dict[tuple[int, int, int], int] = {}
         self.wait_s = {r: 0.0 for r in self.ranks}
         self.last_progress: dict[int, float] = {}
+        self._session: dict[int, str] = {}
+        self._backwards_warned: dict[int, str] = {}
         self.est_size = batchfile.max_file_size(L.batch_size, cfg.augment.output_size, cfg.augment.output_size)
         self._write_meta()
         self.metrics = None
@@ -200,6 +202,13 @@ class Daemon:
         for r, p in changed.items():
             new = self._normalise(p.epoch, p.batch)
             old = self.pos[r]
+            if new < old and not initial and p.session and p.session == self._session.get(r):
+                if self._backwards_warned.get(r) != p.session:
+                    log.warning("rank %d's progress went back from epoch %d batch %d to epoch %d batch %d within one "
+                                "trainer session; ignoring it and keeping the last good position", r, *old, *new)
+                    self._backwards_warned[r] = p.session
+                continue
+            self._session[r] = p.session
             if p.fingerprint and p.fingerprint != self.fingerprint_hex and not initial:
                 log.warning("rank %d's trainer expects stream %s but this daemon makes %s (a config differs)",
                             r, p.fingerprint, self.fingerprint_hex)

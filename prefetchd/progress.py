@@ -10,11 +10,17 @@ by default the buffer directory), replaced atomically (write ``.progress-*.tmp``
      "rank": 0, "epoch": 3, "batch": 17,      # the next batch the trainer will read
      "fingerprint": "9f2c...",                # stream fingerprint the trainer expects
      "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
-     "wait_s": 1.25, "batches": 1234}         # trainer's total wait and batches read so far
+     "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
+     "session": "4242-9f1c2a7b.3"}            # changes whenever the writer moves backwards
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that cannot be parsed is ignored
 (the last good value is kept).
+
+Positions only move forward within a ``session``: a client that goes back (a resume, a seek, a
+new process) writes a new session, and the daemon treats that as a jump. A backwards move
+within one session is not a client's doing (a stale copy restored, say): the daemon keeps the
+last good position and warns.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Progress:
     time: float = 0.0
     wait_s: float = 0.0
     batches: int = 0
+    session: str = ""
 
     @property
     def position(self) -> tuple[int, int]:
@@ -78,7 +85,7 @@ def decode(data: bytes) -> Progress:
             raise ProgressError(f"field {k!r} must be a non-negative integer, got {v!r}")
     extra = {}
     for k, typ in (("fingerprint", str), ("pid", int), ("time", (int, float)), ("wait_s", (int, float)),
-                   ("batches", int)):
+                   ("batches", int), ("session", str)):
         if k in d and isinstance(d[k], typ) and not isinstance(d[k], bool):
             extra[k] = d[k]
     return Progress(**vals, **extra)

@@ -251,3 +251,44 @@ def test_stuck_daemon_makes_the_client_time_out_saying_so(tmp_path, image_root, 
     msg = str(ei.value)
     assert "rank 0 epoch 0 batch 4" in msg and "is alive" in msg and "status is" in msg
     assert d.stop() == 0
+
+
+def test_progress_going_backwards_within_a_session_is_ignored_but_a_new_session_jumps(tmp_path, image_root,
+                                                                                      daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+
+    def pos():
+        return (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("position")
+
+    wait_until(lambda: pos() == [0, 0], 30, "the daemon's first status")
+    progress.write(buf, progress.Progress(rank=0, epoch=2, batch=5, session="a.0"))
+    wait_until(lambda: pos() == [2, 5], 10, "position 2/5")
+    progress.write(buf, progress.Progress(rank=0, epoch=1, batch=0, session="a.0"))  # a stale copy, say
+    wait_until(lambda: "went back from epoch 2 batch 5 to epoch 1 batch 0 within one trainer session" in d.log(), 10,
+               "a warning")
+    assert pos() == [2, 5]
+    progress.write(buf, progress.Progress(rank=0, epoch=1, batch=0, session="b.0"))  # a resumed trainer
+    wait_until(lambda: pos() == [1, 0], 10, "the jump to 1/0")
+    assert d.stop() == 0
+
+
+def test_buffer_on_a_disk_is_warned_about(tmp_path, image_root, daemon_factory):
+    from prefetchd.ring import is_tmpfs
+
+    assert not is_tmpfs(str(tmp_path))  # /tmp is on the root disk on these machines
+    d = daemon_factory(small_config(tmp_path, image_root))
+    wait_until(lambda: "is not on tmpfs" in d.log(), 30, "the tmpfs warning")
+    assert d.stop() == 0
+
+
+def test_run_on_a_root_without_images_exits_78(tmp_path):
+    import subprocess
+    import sys
+
+    (tmp_path / "root" / "cls").mkdir(parents=True)
+    cfg = small_config(tmp_path, str(tmp_path / "root"))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "run", "--config", cfg], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 78 and "holds no images" in r.stderr

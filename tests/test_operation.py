@@ -111,10 +111,10 @@ def test_logs_under_journald_carry_priorities_and_no_timestamps(tmp_path, image_
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg, env={"JOURNAL_STREAM": "8:1234"})
     wait_until(lambda: "first batch published" in d.log(), 30, "the first batch")
-    assert d.stop() == 0
+    assert d.stop() == 0, d.log()
     lines = [line for line in d.log().splitlines() if line.strip()]
     assert lines and all(re.match(r"^<[0-7]>prefetchd", line) for line in lines), lines[:5]
-    assert not any(re.search(r"\d\d:\d\d:\d\d", line) for line in lines)
+    assert not [line for line in lines if re.search(r"\d\d:\d\d:\d\d", line)]
 
 
 def test_status_json_is_machine_readable_without_a_daemon(tmp_path, image_root):
@@ -122,3 +122,16 @@ def test_status_json_is_machine_readable_without_a_daemon(tmp_path, image_root):
     r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg, "--json"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 3 and json.loads(r.stdout) == {"alive": False, "status": None}
+
+
+def test_status_watch_redraws_until_interrupted(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    wait_until(lambda: _status(str(tmp_path / "buffer")).get("pid"), 30, "a status")
+    p = subprocess.Popen([sys.executable, "-m", "prefetchd", "status", "--config", cfg, "--watch", "--interval", "0.2"],
+                         stdout=subprocess.PIPE, text=True)
+    first = p.stdout.read(200)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=10)
+    assert p.returncode == 0 and "\x1b[2J" in first and "prefetchd pid" in first + out
+    assert d.stop() == 0

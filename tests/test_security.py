@@ -12,9 +12,8 @@ import sys
 import pytest
 import yaml
 from conftest import small_config, wait_until
-from test_daemon import collect, digest, published, reference_batches
-
 from prefetchd_client import PrefetchClient, PrefetchError
+from test_daemon import collect, digest, published, reference_batches
 
 NOBODY = 65534
 

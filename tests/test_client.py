@@ -1,0 +1,69 @@
+"""The trainer's side: tensors, pinned-memory fallback, rank from torchrun, light imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import small_config
+from prefetchd_client import PrefetchClient, PrefetchError, normalize
+from test_daemon import reference_batches
+
+from prefetchd.config import ConfigError
+
+
+def test_importing_the_client_loads_no_daemon_pillow_or_opencv():
+    code = ("import sys, prefetchd_client; bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('PIL', 'cv2', 'simplejpeg', 'watchdog', 'psutil') or m in ('prefetchd.daemon', 'prefetchd.pool', "
+            "'prefetchd.worker', 'prefetchd.augment', 'multiprocessing.pool')]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("pin", [None, True])
+def test_torch_tensors_channels_last_and_pinned_fallback(tmp_path, image_root, daemon_factory, pin):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 1})
+    d = daemon_factory(cfg)
+    ref, _ = reference_batches(cfg, epochs=1)
+    with PrefetchClient(cfg, timeout=60, pin_memory=pin) as c:  # no CUDA here: pinning falls back cleanly
+        for b, (x, y) in enumerate(c.iter_epoch(0)):
+            assert isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and tuple(x.shape) == (6, 3, 64, 64)
+            assert x.is_contiguous(memory_format=torch.channels_last)
+            assert y.dtype == torch.int64 and tuple(y.shape) == (6,)
+            assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[(0, 0, b)][0])
+        assert c.state_dict()["epoch"] == 1 and c.state_dict()["batch"] == 0
+        assert c.pin_memory is False
+    assert d.stop() == 0
+
+
+def test_cuda_device_without_cuda_is_a_clear_error(tmp_path, image_root):
+    if torch.cuda.is_available():  # pragma: no cover - the GPU path is exercised on a device machine
+        pytest.skip("CUDA present")
+    with pytest.raises(PrefetchError, match="CUDA is not available"):
+        PrefetchClient(small_config(tmp_path, image_root), device="cuda")
+
+
+def test_rank_comes_from_torchrun_and_mismatches_are_errors(tmp_path, image_root, monkeypatch):
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 4, "ranks": [2, 3]})
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert PrefetchClient(cfg).rank == 3
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"loader.ranks \[2, 3\] does not include rank 1"):
+        PrefetchClient(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=8"):
+        PrefetchClient(cfg, rank=2)
+
+
+def test_normalize_on_tensors_and_arrays():
+    x = torch.full((2, 3, 4, 4), 255, dtype=torch.uint8)
+    out = normalize(x)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out[0, :, 0, 0], torch.tensor([(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225]))
+    assert normalize(x, dtype=torch.float16).dtype == torch.float16
+    a = normalize(np.zeros((1, 3, 2, 2), np.uint8))
+    assert a.dtype == np.float32 and np.isclose(a[0, 0, 0, 0], -0.485 / 0.229)
