@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .client import PrefetchClient, PrefetchError, PrefetchTimeout
+from .client import BatchInfo, PrefetchClient, PrefetchError, PrefetchTimeout
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-__all__ = ["PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["BatchInfo", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 
 def normalize(images: Any, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: Any = None) -> Any:

@@ -10,6 +10,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,19 @@ except ImportError:  # numpy arrays only
 
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.005
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the last batch yielded was: its place in the stream, its samples, and whether it was
+    an echo (a repeat served instead of waiting, only with ``client.echo_factor`` > 1)."""
+
+    rank: int
+    epoch: int
+    batch: int
+    indices: np.ndarray  # dataset indices of the samples
+    replaced: np.ndarray  # per sample: the index a quarantined sample stood in for, else -1
+    echo: int = 0  # 0: first service; k: the k-th repeat
 
 
 class PrefetchError(RuntimeError):
@@ -78,6 +92,9 @@ class PrefetchClient:
         self.epoch = 0
         self.batch = 0
         self.wait_s = 0.0
+        self.echo_factor = self.cfg.client.echo_factor
+        self.echoed = 0
+        self.last_batch: BatchInfo | None = None
         self.batches_read = 0
         self.bytes_read = 0
         self._meta: dict | None = None
@@ -156,13 +173,24 @@ class PrefetchClient:
         if start >= n:
             self.epoch, self.batch = epoch + 1, 0
             return
+        echo = self.echo_factor > 1
         pending = self._load(epoch, start)
         for b in range(start, n):
             current = pending
-            pending = self._load(epoch, b + 1) if b + 1 < n else None  # read ahead while b trains
+            if b + 1 < n and not echo:
+                pending = self._load(epoch, b + 1)  # read ahead while b trains
             out = self._finish(current)
             self.epoch, self.batch = (epoch, b + 1) if b + 1 < n else (epoch + 1, 0)
             yield out
+            if echo and b + 1 < n:
+                # data echoing (opt-in): rather than wait, serve this batch again, up to the factor
+                k = 0
+                while k < self.echo_factor - 1 and not os.path.exists(self._path(epoch, b + 1)):
+                    k += 1
+                    self.echoed += 1
+                    self.last_batch = replace(self.last_batch, echo=k)
+                    yield out
+                pending = self._load(epoch, b + 1)
         self._write_progress(self.epoch, self.batch)
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
@@ -261,17 +289,18 @@ class PrefetchClient:
         self.bytes_read += size
         # the file is in our memory now: the daemon may delete it and make the next
         self._write_progress(epoch, batch + 1)
-        return self._start_copy(b, handle)
+        info = BatchInfo(b.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
+        return self._start_copy(b, handle) + (info,)
 
-    def _start_copy(self, b: batchfile.Batch, handle):
+    def _start_copy(self, b: batchfile.Batch, handle) -> tuple:
         if self.as_numpy:
-            return (b.images.transpose(0, 3, 1, 2), b.labels.copy())
+            return (b.images.transpose(0, 3, 1, 2), b.labels.copy(), None)
         images = torch.from_numpy(b.images).permute(0, 3, 1, 2)  # [N, C, H, W], channels-last strides
         labels = torch.from_numpy(b.labels.astype(np.int64))
         if self.device is None:
-            return (images, labels)
+            return (images, labels, None)
         if not self._cuda or handle is None:
-            return (images.to(self.device), labels.to(self.device))
+            return (images.to(self.device), labels.to(self.device), None)
         _, slot = handle
         with torch.cuda.stream(self._stream):
             gi = images.to(self.device, non_blocking=True)  # pinned source: a true async copy
@@ -282,9 +311,10 @@ class PrefetchClient:
         return (gi, gl, ev)
 
     def _finish(self, item):
-        if len(item) == 2:
-            return item
-        gi, gl, ev = item
+        gi, gl, ev, info = item
+        self.last_batch = info
+        if ev is None:
+            return (gi, gl)
         cur = torch.cuda.current_stream(self.device)
         cur.wait_event(ev)
         gi.record_stream(cur)  # allocated on the side stream, used on the trainer's
@@ -300,7 +330,7 @@ class PrefetchClient:
         fp = self._meta.get("fingerprint", "") if self._meta else ""
         p = progress.Progress(rank=self.rank, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                               time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
-                              session=f"{self._session}.{self._jumps}")
+                              session=f"{self._session}.{self._jumps}", echoed=self.echoed)
         try:
             progress.write(self.progress_dir, p)
         except OSError as e:

@@ -296,6 +296,14 @@ class AugmentConfig:
 
 
 @dataclass(frozen=True)
+class ClientConfig:
+    echo_factor: int = 1
+
+    def __post_init__(self) -> None:
+        _int(self.echo_factor, "client.echo_factor", 1, 16)
+
+
+@dataclass(frozen=True)
 class MetricsConfig:
     enabled: bool = False
     address: str = "127.0.0.1"
@@ -327,6 +335,7 @@ class Config:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     progress: ProgressConfig = field(default_factory=ProgressConfig)
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     source: str | None = None
@@ -357,6 +366,7 @@ _SECTIONS: dict[str, type] = {
     "buffer": BufferConfig,
     "progress": ProgressConfig,
     "augment": AugmentConfig,
+    "client": ClientConfig,
     "metrics": MetricsConfig,
     "log": LogConfig,
 }

@@ -110,6 +110,7 @@ class Daemon:
         self.filling = {r: True for r in self.ranks}
         self.inflight: dict[tuple[int, int, int], int] = {}
         self.wait_s = {r: 0.0 for r in self.ranks}
+        self.echoed = {r: 0 for r in self.ranks}
         self.last_progress: dict[int, float] = {}
         self._session: dict[int, str] = {}
         self._backwards_warned: dict[int, str] = {}
@@ -220,6 +221,7 @@ class Daemon:
                 self._consumed.append((now, n * self.cfg.loader.batch_size))
             self.pos[r] = new
             self.wait_s[r] = float(p.wait_s)
+            self.echoed[r] = int(p.echoed)
             self.last_progress[r] = now
         if changed:
             self._evict()
@@ -387,6 +389,7 @@ class Daemon:
                 "in_flight": sum(1 for k in self.inflight if k[0] == r),
                 "filling": self.filling[r],
                 "wait_s": self.wait_s[r],
+                "echoed": self.echoed[r],
                 "last_progress_age_s": (now - self.last_progress[r]) if r in self.last_progress else None,
                 "done": not win,
             }

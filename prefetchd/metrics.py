@@ -54,13 +54,16 @@ def families(rec: dict):
     batch = GaugeMetricFamily("prefetchd_rank_batch", "The trainer's next batch in its epoch", labels=["rank"])
     wait = CounterMetricFamily("prefetchd_trainer_wait_seconds", "Time the rank's trainer waited for batches",
                                labels=["rank"])
+    echoed = CounterMetricFamily("prefetchd_trainer_echoed_batches", "Batches the rank's client served again "
+                                 "(data echoing)", labels=["rank"])
     for r, rs in sorted(rec.get("ranks", {}).items()):
+        echoed.add_metric([r], rs.get("echoed", 0))
         ready.add_metric([r], rs.get("ready", 0))
         ahead.add_metric([r], rs.get("ahead", 0))
         epoch.add_metric([r], rs.get("position", [0, 0])[0])
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
-    yield from (ready, ahead, epoch, batch, wait)
+    yield from (ready, ahead, epoch, batch, wait, echoed)
 
 
 class _Collector:

@@ -11,7 +11,8 @@ by default the buffer directory), replaced atomically (write ``.progress-*.tmp``
      "fingerprint": "9f2c...",                # stream fingerprint the trainer expects
      "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
      "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
-     "session": "4242-9f1c2a7b.3"}            # changes whenever the writer moves backwards
+     "session": "4242-9f1c2a7b.3",            # changes whenever the writer moves backwards
+     "echoed": 0}                             # batches served again (data echoing, opt-in)
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that cannot be parsed is ignored
@@ -49,6 +50,7 @@ class Progress:
     wait_s: float = 0.0
     batches: int = 0
     session: str = ""
+    echoed: int = 0
 
     @property
     def position(self) -> tuple[int, int]:
@@ -85,7 +87,7 @@ def decode(data: bytes) -> Progress:
             raise ProgressError(f"field {k!r} must be a non-negative integer, got {v!r}")
     extra = {}
     for k, typ in (("fingerprint", str), ("pid", int), ("time", (int, float)), ("wait_s", (int, float)),
-                   ("batches", int), ("session", str)):
+                   ("batches", int), ("session", str), ("echoed", int)):
         if k in d and isinstance(d[k], typ) and not isinstance(d[k], bool):
             extra[k] = d[k]
     return Progress(**vals, **extra)

@@ -97,5 +97,6 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         e, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"
                      f" (+{rs.get('in_flight', 0)} in flight), {rs.get('ahead', 0)} ahead; "
-                     f"trainer waited {rs.get('wait_s', 0):.1f} s{'; done' if rs.get('done') else ''}")
+                     f"trainer waited {rs.get('wait_s', 0):.1f} s"
+                     + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "") + ("; done" if rs.get("done") else ""))
     return "\n".join(lines)
