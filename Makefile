@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q $(TORCH_CPU); fi
-	$(PY) -m pip install -q -e '.[torch,dev]'
+	$(PY) -m pip install -q -e '.[torch,dev,ray]'
 	touch $@
 
 demo: venv

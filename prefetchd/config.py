@@ -190,12 +190,68 @@ class LoaderConfig:
 
 
 @dataclass(frozen=True)
+class RayConfig:
+    address: str = "auto"
+    workers: int = 2
+    num_cpus: float = 1.0
+    resources: dict = field(default_factory=dict)
+    path_map: dict = field(default_factory=dict)
+    connect_timeout_s: float = 30.0
+    node_ip_address: str | None = None
+
+    def __post_init__(self) -> None:
+        _str(self.address, "workers.ray.address")
+        if self.node_ip_address is not None:
+            try:
+                ipaddress.ip_address(self.node_ip_address)
+            except ValueError:
+                raise ConfigError("workers.ray.node_ip_address", f"must be an IP address, got {self.node_ip_address!r}") from None
+        _int(self.workers, "workers.ray.workers", 1, 100000)
+        _float(self.num_cpus, "workers.ray.num_cpus", 0.0, 1024)
+        for key, mapping in (("resources", self.resources), ("path_map", self.path_map)):
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"workers.ray.{key}", f"must be a mapping, got {mapping!r}")
+        for k, v in self.resources.items():
+            _float(v, f"workers.ray.resources.{k}", 0.0)
+        for k, v in self.path_map.items():
+            if not (isinstance(k, str) and isinstance(v, str) and os.path.isabs(k) and os.path.isabs(v)):
+                raise ConfigError("workers.ray.path_map", f"maps absolute local prefixes to absolute remote ones, got {k!r}: {v!r}")
+        _float(self.connect_timeout_s, "workers.ray.connect_timeout_s", 0.1, 3600)
+        object.__setattr__(self, "resources", dict(self.resources))
+        object.__setattr__(self, "path_map", dict(self.path_map))
+
+    def __hash__(self) -> int:  # dict fields: hash what identifies the cluster use
+        return hash((self.address, self.workers, self.num_cpus))
+
+    def map_path(self, path: str) -> str:
+        """The path a remote worker reads for a local path (longest matching prefix wins)."""
+        for local in sorted(self.path_map, key=len, reverse=True):
+            if path == local or path.startswith(local.rstrip("/") + "/"):
+                return self.path_map[local] + path[len(local.rstrip("/")):]
+        return path
+
+
+EXECUTORS = ("local", "ray", "mixed")
+
+
+@dataclass(frozen=True)
 class WorkersConfig:
     count: int | str = "auto"
     reserve_cores: int = 0
     max_tasks_in_flight: int = 2
+    executor: str = "local"
+    ray: RayConfig | dict = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
+        _choice(self.executor, "workers.executor", EXECUTORS)
+        if isinstance(self.ray, dict):
+            known = [f.name for f in dataclasses.fields(RayConfig)]
+            for k in self.ray:
+                if k not in known:
+                    raise _unknown(str(k), known, "workers.ray")
+            object.__setattr__(self, "ray", RayConfig(**self.ray))
+        elif not isinstance(self.ray, RayConfig):
+            raise ConfigError("workers.ray", f"must be a mapping, got {self.ray!r}")
         if self.count != "auto":
             if isinstance(self.count, str):
                 raise ConfigError("workers.count", f"must be a positive integer or 'auto', got {self.count!r}")

@@ -126,6 +126,13 @@ class Daemon:
                             self.fingerprint, cfg.buffer.dir, frozenset(self.quarantined))
         self.pool = Pool(setup, cfg.workers.resolved_count(), cfg.workers.max_tasks_in_flight)
         self.pool.start()
+        self.remote = None
+        if cfg.workers.executor in ("ray", "mixed"):
+            from .raypool import RayPool
+
+            self.remote = RayPool(cfg.workers.ray, replace(setup, index=self.index), cfg.workers.max_tasks_in_flight,
+                                  self._wake)
+            self.remote.start()
         self.watcher = ProgressWatcher(cfg.progress_dir, self.ranks, self._wake, cfg.progress.inotify)
         self.watcher.start()
         self._apply_progress(self.watcher.poll(), initial=True)
@@ -261,7 +268,13 @@ class Daemon:
     def _schedule_some(self) -> None:
         if time.monotonic() < self._error_until:
             return
-        idle = self.pool.idle()
+        if self.remote is not None and self.cfg.workers.executor == "ray":
+            if self.remote.connected and self.pool.count:
+                log.info("ray: remote workers ready; stopping the local stand-ins")
+                self.pool.resize(0)
+            elif not self.remote.connected and not self.pool.count:  # the cluster was lost
+                self.pool.resize(self.cfg.workers.resolved_count())
+        idle = self.pool.idle() + (self.remote.idle() if self.remote is not None else [])
         if not idle:
             return
         cap = self.cfg.buffer
@@ -299,7 +312,7 @@ class Daemon:
                                 f"{format_size(est)} and buffer.min_free_bytes keeps {format_size(cap.min_free_bytes)}")
                 return
             task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b), self._crashers)
-            if self.pool.submit(w, task):
+            if (self.pool if hasattr(w, "process") else self.remote).submit(w, task):
                 if not self.inflight:
                     self._last_activity = time.monotonic()
                 self.inflight[(r, e, b)] = est
@@ -415,6 +428,7 @@ class Daemon:
             "bytes_used": self.ring.bytes_used, "max_bytes": self.cfg.buffer.max_bytes,
             "fs_free": self.ring.free_bytes(), "blocked": self.blocked, "quarantined": len(self.quarantined),
             "progress_watch": self.watcher.mode, "rss_bytes": rss, "ranks": ranks,
+            "executor": self.cfg.workers.executor, "ray": self.remote.status() if self.remote is not None else None,
         }
 
     def _write_status(self) -> dict:
@@ -491,6 +505,11 @@ class Daemon:
                 results, lost, extras = self.pool.wait(timeout, [self._wake_r])
                 if extras:
                     self._drain_wake()
+                if self.remote is not None:
+                    remote_results, remote_lost = self.remote.drain(self.cfg.buffer.dir, 9999)
+                    results += remote_results
+                    for t in remote_lost:
+                        self.inflight.pop((t.rank, t.epoch, t.batch), None)
                 for res in results:
                     self._handle(res)
                 for t in lost:
@@ -511,6 +530,8 @@ class Daemon:
             self.watcher.stop()
             if self.metrics is not None:
                 self.metrics.stop()
+            if self.remote is not None:
+                self.remote.stop()
             self.pool.stop()
             removed = self.ring.remove_temp_files()
             if removed:

@@ -79,6 +79,7 @@ class Pool:
         return w
 
     def resize(self, count: int) -> None:
+        """Grow at once; shrink as workers fall idle (``shrink_idle``)."""
         self.count = count
         while len(self.workers) < count:
             self._spawn()

@@ -91,6 +91,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
         f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
     ]
+    if s.get("ray"):
+        r = s["ray"]
+        lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade")
     if s.get("blocked"):
         lines.append(f"  waiting: {s['blocked']}")
     for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):

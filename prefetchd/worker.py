@@ -154,25 +154,32 @@ class BatchMaker:
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
         images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices)
-        meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, self.fingerprint)
-        path = os.path.join(self.buffer_dir, tmp_name(task, self.worker_id))
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-        except OSError as e:
-            return Result(task.rank, task.epoch, task.batch, None, error=f"cannot create {path}: {e.strerror}",
-                          quarantined=tuple(quarantined))
-        try:
-            size = batchfile.write_batch(fd, meta, used, labels, replaced, images)
-        except OSError as e:
-            os.close(fd)
-            _unlink(path)
-            return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {e.strerror}",
-                          quarantined=tuple(quarantined))
-        os.close(fd)
+        res = write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, images, used, labels, replaced,
+                         quarantined, time.perf_counter() - t0)
         if self.current is not None:
             self.current[0] = -1
-        return Result(task.rank, task.epoch, task.batch, path, size, time.perf_counter() - t0,
-                      len(task.indices), tuple(quarantined))
+        return res
+
+
+def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, images: np.ndarray, used: np.ndarray,
+               labels: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined], seconds: float) -> Result:
+    """Write a made batch as an unpublished temp file (the daemon renames it into the ring)."""
+    meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, fingerprint)
+    path = os.path.join(buffer_dir, tmp_name(task, worker_id))
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    except OSError as e:
+        return Result(task.rank, task.epoch, task.batch, None, error=f"cannot create {path}: {e.strerror}",
+                      quarantined=tuple(quarantined))
+    try:
+        size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
+    except OSError as e:
+        os.close(fd)
+        _unlink(path)
+        return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {e.strerror}",
+                      quarantined=tuple(quarantined))
+    os.close(fd)
+    return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
 
 
 def _unlink(path: str) -> None:

@@ -70,7 +70,7 @@ def test_data_echoing_serves_the_current_batch_again_instead_of_waiting_and_coun
     seen = []
     try:
         with PrefetchClient(cfg, timeout=30, as_numpy=True) as c:
-            for x, y in c.iter_epoch(0):
+            for x, _ in c.iter_epoch(0):
                 seen.append((c.last_batch.batch, c.last_batch.echo, x.copy()))
                 if c.last_batch.echo == 2:
                     os.killpg(d.pid, signal.SIGCONT)

@@ -1,0 +1,121 @@
+"""Batches made on a real multi-node Ray cluster on this machine: same bytes as local ones."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from conftest import small_config, wait_until
+from test_daemon import collect, digest, reference_batches
+
+from prefetchd import status
+
+# Keep the whole cluster on loopback: with this, Ray resolves its own address to 127.0.0.1 instead
+# of the machine's interface address (read when ray is imported; the daemon and nodes inherit it).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray_cluster_utils = pytest.importorskip("ray.cluster_utils", reason="prefetchd[ray] is not installed")
+
+# everything on loopback: the cluster's nodes and the daemon's driver
+NODE = {"num_cpus": 2, "object_store_memory": 100 * 2**20, "node_ip_address": "127.0.0.1"}
+LOOP = {"node_ip_address": "127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=dict(NODE))
+    worker = c.add_node(**NODE)
+    c.wait_for_nodes()
+    assert c.address.startswith("127.0.0.1:"), c.address
+    c.loopback_address = c.address
+    yield c, worker
+    c.shutdown()
+
+
+def _ray_status(buf: str) -> dict:
+    return (status.read_json(buf, status.STATUS_NAME) or {}).get("ray") or {}
+
+
+def _reference_digest(cfg: str) -> str:
+    ref, _ = reference_batches(cfg)
+    return digest({k: v[:2] for k, v in ref.items()})
+
+
+def test_ray_executor_makes_the_same_bytes_on_two_nodes(tmp_path, image_root, daemon_factory, cluster):
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {"address": c.loopback_address, "workers": 2, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    got = collect(cfg, timeout=120)
+    assert digest(got) == _reference_digest(cfg)
+    st = wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected") and _ray_status(buf), 60,
+                    "a connected status")
+    assert "2 workers on 2 node(s)" in st["state"]
+    assert d.stop() == 0
+    assert "remote workers ready; stopping the local stand-ins" in d.log()
+
+
+def test_killed_ray_worker_means_retried_work_not_lost_batches(tmp_path, image_root, daemon_factory, cluster):
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "max_tasks_in_flight": 1,
+                                                      "ray": {"address": c.loopback_address, "workers": 2, **LOOP}},
+                       loader={"epochs": 2}, buffer={"capacity": 2, "refill_at": 2})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    st = wait_until(lambda: _ray_status(buf).get("where") and _ray_status(buf), 120, "remote workers")
+    pid = int(st["where"][0].split(":")[1])
+    import numpy as np
+    from prefetchd_client import PrefetchClient
+
+    got = {}
+    with PrefetchClient(cfg, timeout=120, as_numpy=True) as cl:
+        for e in (0, 1):
+            for b, (x, y) in enumerate(cl.iter_epoch(e)):
+                got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+                if (e, b) == (0, 1):
+                    os.kill(pid, signal.SIGKILL)  # an actor process dies mid-run
+    assert digest(got) == _reference_digest(cfg)
+    assert d.stop() == 0
+
+
+def test_mixed_executor_and_node_loss(tmp_path, image_root, daemon_factory, cluster):
+    c, worker = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "mixed", "count": 1,
+                                                      "ray": {"address": c.loopback_address, "workers": 2, **LOOP}},
+                       loader={"epochs": 3})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "a connected status")
+    c.remove_node(worker)  # a whole node goes away: its actor restarts on the head
+    got = collect(cfg, epochs=(0, 1, 2), timeout=180)
+    ref, _ = reference_batches(cfg, epochs=3)
+    assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+    assert d.stop() == 0
+    cluster[0].add_node(**NODE)  # give the module's later tests their second node back
+
+
+def test_unreachable_cluster_means_local_workers_and_a_status_saying_so(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {"address": "127.0.0.1:9",
+                                                                                  "connect_timeout_s": 5, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    got = collect(cfg, timeout=120)
+    assert digest(got) == _reference_digest(cfg)
+    st = wait_until(lambda: "unavailable" in _ray_status(buf).get("state", "") and _ray_status(buf), 120,
+                    "an unavailable status")
+    assert "cannot reach the Ray cluster at 127.0.0.1:9" in st["state"] and "local workers" in st["state"]
+    assert d.stop() == 0
+
+
+def test_dataset_not_readable_on_the_cluster_is_said_clearly(tmp_path, image_root, daemon_factory, cluster):
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {
+        "address": c.loopback_address, "workers": 1, "path_map": {image_root: "/nonexistent/imagenet"}, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    got = collect(cfg, timeout=120)  # made locally meanwhile
+    assert len(got) == 16
+    st = wait_until(lambda: "unavailable" in _ray_status(buf).get("state", "") and _ray_status(buf), 120,
+                    "an unavailable status")
+    assert "cannot read the dataset" in st["state"] and "/nonexistent/imagenet" in st["state"]
+    assert d.stop() == 0
