@@ -301,9 +301,12 @@ class PrefetchClient:
             return (images, labels, None)
         if not self._cuda or handle is None:
             return (images.to(self.device), labels.to(self.device), None)
-        _, slot = handle
+        pinned, slot = handle
+        lay = batchfile.Layout(*b.images.shape)
+        # a view of the pinned tensor itself (not of its numpy alias), so torch sees pinned memory
+        src = pinned[lay.images_offset: lay.images_offset + lay.images_nbytes].view(*b.images.shape).permute(0, 3, 1, 2)
         with torch.cuda.stream(self._stream):
-            gi = images.to(self.device, non_blocking=True)  # pinned source: a true async copy
+            gi = src.to(self.device, non_blocking=True)  # pinned source: a true async copy
             gl = labels.to(self.device, non_blocking=True)  # labels were copied out of the buffer
             ev = torch.cuda.Event()
             ev.record(self._stream)

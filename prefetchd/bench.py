@@ -85,7 +85,7 @@ def decode_limit(paths: list[str], procs: int) -> float:
 
 
 def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: dict, work: str,
-               parent: str, capacity: int = 16) -> dict:
+               parent: str, capacity: int = 16, workers_extra: dict | None = None) -> dict:
     from prefetchd_client import PrefetchClient
 
     run = tempfile.mkdtemp(prefix="run-", dir=work)
@@ -93,7 +93,7 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
     os.rmdir(buffer)
     cfg = os.path.join(run, "bench.yaml")
     write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, epochs, workers, capacity,
-                 extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}})
+                 extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}, "workers": workers_extra or {}})
     log = open(os.path.join(run, "daemon.log"), "wb")
     t_start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
@@ -273,6 +273,35 @@ def index_scale(root: str, n: int, work: str, workers: int) -> dict:
     return out
 
 
+# --- the Ray executor against the local one --------------------------------------------------------
+
+
+def ray_vs_local(root: str, workers: int, batch: int, args, aug: dict, work: str) -> list[dict]:
+    """The same daemon run with local workers and with as many Ray actors on a one-node cluster
+    of the same cores (started here, on loopback), alternating, ``--repeats`` times."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": workers, "node_ip_address": "127.0.0.1",
+                                                            "object_store_memory": 512 * 2**20})
+    rows = []
+    try:
+        remote = {"executor": "ray", "ray": {"address": cluster.address, "workers": workers,
+                                             "node_ip_address": "127.0.0.1", "connect_timeout_s": 120}}
+        for rep in range(args.repeats):
+            local = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args))
+            ray_ = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args), workers_extra=remote)
+            per_batch_ms = 1000 * workers * batch * (1 / ray_["img_s"] - 1 / local["img_s"])
+            rows.append({"local_img_s": local["img_s"], "ray_img_s": ray_["img_s"], "added_ms_per_batch": per_batch_ms,
+                         "ray_first_batch_s": ray_["first_batch_s"]})
+            print(f"[{rep + 1}/{args.repeats}] local {local['img_s']:,.0f} img/s | ray {ray_['img_s']:,.0f} img/s = "
+                  f"{ray_['img_s'] / local['img_s']:.2f} x local | added time per batch of {batch}: "
+                  f"{per_batch_ms:+.0f} ms | ray's first batch {ray_['first_batch_s']:.2f} s", flush=True)
+    finally:
+        cluster.shutdown()
+    return rows
+
+
 # --- the command ---------------------------------------------------------------------------------------------
 
 
@@ -325,6 +354,8 @@ def run_bench(args) -> int:
             print(f"index of {r['n']:,} entries: adds {r['index_pss_delta'] / 2**20:,.1f} MiB (PSS, daemon + workers); "
                   f"first batch {r['large_cached_first_batch_s']:.2f} s after run on the cached index "
                   f"({r['large_scan_first_batch_s']:.2f} s when scanning the list)")
+        elif args.executor == "ray":
+            results["ray"] = ray_vs_local(root, workers, batch, args, aug, work)
         elif args.sweep_workers:
             rows = []
             for w in range(1, _cores() + 2):

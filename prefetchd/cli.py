@@ -223,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--root", help="an existing ImageFolder to measure on")
     b.add_argument("--images", type=int, default=2000, help="sample images to generate when no --config or --root")
     b.add_argument("--epochs", type=int, default=2, help="epochs the daemon makes and the client reads per run")
+    b.add_argument("--executor", choices=("local", "ray"), default="local",
+                   help="ray: the local executor against Ray actors on a one-node cluster of the same cores")
     b.add_argument("--buffer-parent", help="directory (a tmpfs) for the buffers (default /dev/shm)")
     b.add_argument("--peer", action="store_true", help="also run the torch DataLoader peer (needs torch)")
     b.add_argument("--index-scale", type=int, metavar="N", help="measure memory and start-up with an N-entry index")
