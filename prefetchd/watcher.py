@@ -58,6 +58,9 @@ class ProgressWatcher:
 
     def stop(self) -> None:
         if self._observer is not None:
+            # watchdog logs a harmless "queue_events() called when the thread is inactive" error
+            # when its emitter is stopped mid-read; not worth an ERROR line in the journal
+            logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
             try:
                 self._observer.stop()
                 self._observer.join(timeout=2)
