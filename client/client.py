@@ -135,7 +135,10 @@ class PrefetchClient:
         delay = _POLL_MIN_S
         while True:
             m = status.read_json(self.dir, status.META_NAME)
-            if m is not None and m.get("format") == "prefetchd-meta" and status.daemon_alive(self.dir) is not False:
+            # only the running daemon's meta counts: one that is starting may still hold the lock
+            # beside the last daemon's meta.json (with another config, say)
+            if (m is not None and m.get("format") == "prefetchd-meta" and status.daemon_alive(self.dir)
+                    and m.get("pid") == status.lock_pid(self.dir)):
                 break
             if time.monotonic() >= deadline:
                 raise PrefetchTimeout(f"waited {self.timeout:.1f} s for the daemon's meta.json in {self.dir}; "

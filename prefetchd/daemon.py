@@ -84,6 +84,10 @@ class Daemon:
             os.makedirs(cfg.progress.dir, mode=0o700, exist_ok=True)
         self.lock = Lock(cfg.buffer.dir)
         self.lock.acquire()
+        try:  # the last daemon's description no longer holds; ours follows once the index is read
+            os.unlink(os.path.join(cfg.buffer.dir, status.META_NAME))
+        except FileNotFoundError:
+            pass
         if not is_tmpfs(cfg.buffer.dir):
             log.warning("buffer.dir %s is not on tmpfs: batches go through the page cache to disk; "
                         "mount a tmpfs there (see systemd/prefetchd-buffer.mount)", cfg.buffer.dir)
@@ -242,21 +246,20 @@ class Daemon:
 
     # --- scheduling -------------------------------------------------------------------------------------
 
-    def _window_state(self, r: int) -> tuple[tuple[int, int] | None, int, int]:
-        """(first missing key of r's window, ready + in flight in it, how many of those are
-        contiguous from the trainer's position: what the trainer can rely on)."""
-        have = 0
-        ahead = 0
-        first = None
+    def _window_state(self, r: int) -> tuple[list[tuple[int, int]], int, int]:
+        """(r's missing batches in window order, how many are ready or in flight, how many of those
+        are contiguous from the trainer's position: what the trainer can rely on)."""
+        missing: list[tuple[int, int]] = []
+        have = ahead = 0
         for e, b in self.window(r):
             k = (r, e, b)
             if k in self.ring.ready or k in self.inflight:
                 have += 1
-                if first is None:
+                if not missing:
                     ahead += 1
-            elif first is None:
-                first = (e, b)
-        return first, have, ahead
+            else:
+                missing.append((e, b))
+        return missing, have, ahead
 
     def _schedule(self) -> None:
         self._schedule_some()
@@ -280,21 +283,25 @@ class Daemon:
         cap = self.cfg.buffer
         free = None
         self.blocked = None
+        # one pass over each rank's window per call, then updated as batches are handed out
+        state = {}
+        for r in self.ranks:
+            missing, have, ahead = self._window_state(r)
+            if ahead < cap.refill_at:  # the low watermark counts only what the trainer can use next
+                self.filling[r] = True
+            state[r] = [missing, have]
         for w in idle:
             best = None
             for r in self.ranks:
-                first, have, ahead = self._window_state(r)
-                if ahead < cap.refill_at:  # the low watermark counts only what the trainer can use next
-                    self.filling[r] = True
-                if first is None or have >= cap.capacity:
+                missing, have = state[r]
+                if not missing or have >= cap.capacity:
                     self.filling[r] = False
-                if not self.filling[r]:
-                    continue
-                if best is None or have < best[2]:
-                    best = (r, first, have)
+                if self.filling[r] and (best is None or have < state[best][1]):
+                    best = r
             if best is None:
                 return
-            r, (e, b), _ = best
+            r = best
+            e, b = state[r][0][0]
             n = self.sampler.batch_len(b)
             est = batchfile.max_file_size(n, self.cfg.augment.output_size, self.cfg.augment.output_size)
             pending = sum(self.inflight.values())
@@ -316,6 +323,8 @@ class Daemon:
                 if not self.inflight:
                     self._last_activity = time.monotonic()
                 self.inflight[(r, e, b)] = est
+                state[r][0].pop(0)
+                state[r][1] += 1
 
     def _handle(self, res: Result) -> None:
         key = (res.rank, res.epoch, res.batch)

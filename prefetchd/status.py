@@ -24,6 +24,16 @@ QUARANTINE_NAME = "quarantine.jsonl"
 LOCK_NAME = "daemon.lock"
 
 
+def lock_pid(directory: str) -> int | None:
+    """The pid the daemon holding (or last holding) the lock wrote into it."""
+    try:
+        with open(os.path.join(directory, LOCK_NAME), "rb") as f:
+            text = f.read(32).decode(errors="replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def daemon_alive(directory: str) -> bool | None:
     """True if a daemon holds the lock on ``directory``, False if none, None if unknown."""
     path = os.path.join(directory, LOCK_NAME)
