@@ -48,10 +48,13 @@ def test_buffer_dir_is_created_private_or_group_readable(tmp_path, image_root, d
     assert stat.S_IMODE(os.stat(buf).st_mode) == 0o700
     assert d.stop() == 0
     group = grp.getgrgid(NOBODY).gr_name
-    cfg = small_config(tmp_path, image_root, buffer={"group": group})
+    progress_dir = tmp_path / "progress"
+    cfg = small_config(tmp_path, image_root, buffer={"group": group}, progress={"dir": str(progress_dir)})
     d = daemon_factory(cfg)
     wait_until(lambda: stat.S_IMODE(os.stat(buf).st_mode) == 0o750, 30, "mode 0750")
     assert os.stat(buf).st_gid == NOBODY
+    # the trainer (a member of the group) writes its progress files here
+    assert stat.S_IMODE(os.stat(progress_dir).st_mode) == 0o2770 and os.stat(progress_dir).st_gid == NOBODY
     assert d.stop() == 0
 
 
