@@ -124,7 +124,6 @@ class Daemon:
         self.last_progress: dict[int, float] = {}
         self._session: dict[int, str] = {}
         self._backwards_warned: dict[int, str] = {}
-        self.est_size = batchfile.max_file_size(L.batch_size, cfg.augment.output_size, cfg.augment.output_size)
         self._write_meta()
         self.metrics = None
         if cfg.metrics.enabled:

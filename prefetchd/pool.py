@@ -97,9 +97,6 @@ class Pool:
         w.tasks.append((task, time.monotonic()))
         return True
 
-    def in_flight(self) -> int:
-        return sum(len(w.tasks) for w in self.workers.values())
-
     def wait(self, timeout: float, extra: list) -> tuple[list[Result], list[Task], list]:
         """Wait for results, deaths or one of ``extra`` (file descriptors). Returns
         (results, tasks lost with dead workers, ready extras). The dataset index each dead

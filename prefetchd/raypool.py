@@ -180,10 +180,6 @@ class RayPool:
             w.tasks.append((task, time.monotonic(), ref))
         return True
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return sum(len(w.tasks) for w in self.workers.values())
-
     def _collect(self) -> None:
         ray = self._ray
         while not self._stop.is_set():

@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import small_config
-from test_daemon import reference_batches
-
 from prefetchd_client import PrefetchClient, normalize
+from test_daemon import reference_batches
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
