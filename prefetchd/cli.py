@@ -113,7 +113,12 @@ def cmd_check(args) -> int:
     print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
           f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
           f"augment {cfg.augment.mode} -> {s}x{s}")
-    print(f"buffer: {B.dir} ({'tmpfs' if os.path.isdir(B.dir) and is_tmpfs(B.dir) else 'not tmpfs or not created yet'}); "
+    existing = B.dir
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)  # the filesystem it will be created on
+    fs = "tmpfs" if is_tmpfs(existing) else "NOT tmpfs: batches would go to disk"
+    where = "" if existing == B.dir else f", not created yet (on {existing})"
+    print(f"buffer: {B.dir} ({fs}{where}); "
           f"{format_size(per_batch)} per batch, capacity {B.capacity} x {len(L.ranks)} rank(s) = {format_size(need)}, "
           f"max_bytes {format_size(B.max_bytes)}")
     if need > B.max_bytes:

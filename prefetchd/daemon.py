@@ -96,7 +96,7 @@ class Daemon:
             pass
         if not is_tmpfs(cfg.buffer.dir):
             log.warning("buffer.dir %s is not on tmpfs: batches go through the page cache to disk; "
-                        "mount a tmpfs there (see systemd/prefetchd-buffer.mount)", cfg.buffer.dir)
+                        "mount a tmpfs there (see systemd/run-prefetchd.mount)", cfg.buffer.dir)
         t0 = time.monotonic()
         self.index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
                                         cfg.dataset.cache_dir)
