@@ -197,6 +197,7 @@ class RayConfig:
     resources: dict = field(default_factory=dict)
     path_map: dict = field(default_factory=dict)
     connect_timeout_s: float = 30.0
+    retry_s: float = 30.0
     node_ip_address: str | None = None
 
     def __post_init__(self) -> None:
@@ -217,6 +218,7 @@ class RayConfig:
             if not (isinstance(k, str) and isinstance(v, str) and os.path.isabs(k) and os.path.isabs(v)):
                 raise ConfigError("workers.ray.path_map", f"maps absolute local prefixes to absolute remote ones, got {k!r}: {v!r}")
         _float(self.connect_timeout_s, "workers.ray.connect_timeout_s", 0.1, 3600)
+        _float(self.retry_s, "workers.ray.retry_s", 0.0, 86400)
         object.__setattr__(self, "resources", dict(self.resources))
         object.__setattr__(self, "path_map", dict(self.path_map))
 

@@ -86,6 +86,8 @@ class RayPool:
         self._lock = threading.Lock()
         self._done: queue.Queue = queue.Queue()
         self._stop = threading.Event()
+        self._connecting = threading.Lock()
+        self._collecting = False
         self._threads: list[threading.Thread] = []
         self._ray = None
 
@@ -103,7 +105,7 @@ class RayPool:
     def _give_up(self) -> None:
         if self.state == "connecting":  # ray.init cannot be cancelled; if it ever returns, we go on
             self._fail(f"no answer from the Ray cluster at {self.cfg.address} within "
-                       f"{self.cfg.connect_timeout_s:.0f} s (workers.ray.connect_timeout_s)")
+                       f"{self.cfg.connect_timeout_s:.0f} s (workers.ray.connect_timeout_s)", retry=False)
 
     def _probe(self) -> str | None:
         """A quick TCP check of a host:port address, so a dead head fails in a second."""
@@ -118,10 +120,18 @@ class RayPool:
             return f"cannot reach the Ray cluster at {addr} ({getattr(e, 'strerror', None) or e})"
 
     def _connect(self) -> None:
+        if self._stop.is_set() or not self._connecting.acquire(blocking=False):
+            return  # stopping, or a connection attempt is already under way
+        try:
+            self._connect_once()
+        finally:
+            self._connecting.release()
+
+    def _connect_once(self) -> None:
         try:
             import ray
         except ImportError:
-            self._fail("ray is not installed (pip install 'prefetchd[ray]')")
+            self._fail("ray is not installed (pip install 'prefetchd[ray]')", retry=False)
             return
         why = self._probe()
         if why:
@@ -132,6 +142,10 @@ class RayPool:
             ray.init(address=self.cfg.address, namespace="prefetchd", log_to_driver=False,
                      ignore_reinit_error=True, include_dashboard=False, logging_level=logging.WARNING, **extra)
         except Exception as e:  # unreachable, refused, version mismatch: the daemon goes on locally
+            try:
+                ray.shutdown()  # whatever half of ray.init happened, so the next try starts clean
+            except Exception:  # pragma: no cover - best effort
+                pass
             self._fail(f"cannot reach the Ray cluster at {self.cfg.address} ({type(e).__name__}: {e})")
             return
         self._ray = ray
@@ -154,14 +168,22 @@ class RayPool:
                 self.workers[i] = RemoteWorker(i, a, node=w)
             self.state = f"connected to {self.cfg.address}: {len(actors)} workers on {len({w.split(':')[0] for w in where})} node(s)"
         log.info("ray: %s", self.state)
-        t = threading.Thread(target=self._collect, name="prefetchd-ray-collect", daemon=True)
-        t.start()
-        self._threads.append(t)
+        if not self._collecting:
+            self._collecting = True
+            t = threading.Thread(target=self._collect, name="prefetchd-ray-collect", daemon=True)
+            t.start()
+            self._threads.append(t)
         self.wake()
 
-    def _fail(self, why: str) -> None:
-        self.state = f"unavailable: {why}; making batches with local workers"
+    def _fail(self, why: str, retry: bool = True) -> None:
+        again = retry and self.cfg.retry_s > 0 and not self._stop.is_set()
+        self.state = (f"unavailable: {why}; making batches with local workers"
+                      + (f"; trying again every {self.cfg.retry_s:.0f} s" if again else ""))
         log.warning("ray: %s", self.state)
+        if again:
+            timer = threading.Timer(self.cfg.retry_s, self._connect)
+            timer.daemon = True
+            timer.start()
         self.wake()
 
     @property
@@ -206,7 +228,7 @@ class RayPool:
                         log.error("ray: worker %d (%s) lost %d batches in a row; dropping it (%d remote workers left)",
                                   w.wid, w.node, w.failures, len(self.workers))
                         if not self.workers:
-                            self.state = "unavailable: every Ray worker failed; making batches with local workers"
+                            threading.Thread(target=self._fail, args=("every Ray worker failed",), daemon=True).start()
             if ready:
                 self.wake()
 

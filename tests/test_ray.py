@@ -119,3 +119,26 @@ def test_dataset_not_readable_on_the_cluster_is_said_clearly(tmp_path, image_roo
                     "an unavailable status")
     assert "cannot read the dataset" in st["state"] and "/nonexistent/imagenet" in st["state"]
     assert d.stop() == 0
+
+
+def test_a_cluster_that_comes_up_later_is_joined(tmp_path, image_root, daemon_factory):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None}, workers={"executor": "ray", "ray": {
+        "address": f"127.0.0.1:{port}", "workers": 1, "connect_timeout_s": 5, "retry_s": 2, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    st = wait_until(lambda: "unavailable" in _ray_status(buf).get("state", "") and _ray_status(buf), 60, "unavailable")
+    assert "trying again every 2 s" in st["state"]
+    late = ray_cluster_utils.Cluster(initialize_head=True, head_node_args={**NODE, "gcs_server_port": port})
+    try:
+        wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "the late cluster joined")
+        got = collect(cfg, epochs=(0,), timeout=120)
+        ref, _ = reference_batches(cfg, epochs=1)
+        assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+        assert d.stop() == 0
+    finally:
+        late.shutdown()
