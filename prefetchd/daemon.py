@@ -80,14 +80,14 @@ class Daemon:
     def _setup(self) -> None:
         cfg = self.cfg
         prepare_dir(cfg.buffer.dir, cfg.buffer.group)
-        if cfg.progress.dir:
-            # trainers write here: with buffer.group, members of the group may (setgid keeps the group)
-            os.makedirs(cfg.progress.dir, mode=0o700, exist_ok=True)
-            if cfg.buffer.group:
-                from .ring import _gid
+        # trainers write their progress here: with buffer.group, members of the group may
+        # (setgid keeps the group on what they create)
+        os.makedirs(cfg.progress_dir, mode=0o700, exist_ok=True)
+        if cfg.buffer.group:
+            from .ring import _gid
 
-                os.chown(cfg.progress.dir, -1, _gid(cfg.buffer.group))
-                os.chmod(cfg.progress.dir, 0o2770)
+            os.chown(cfg.progress_dir, -1, _gid(cfg.buffer.group))
+            os.chmod(cfg.progress_dir, 0o2770)
         self.lock = Lock(cfg.buffer.dir)
         self.lock.acquire()
         try:  # the last daemon's description no longer holds; ours follows once the index is read

@@ -3,7 +3,7 @@
 Shared by both sides; standard library only.
 
 One file per rank, ``progress-r{rank:04d}.json`` in the progress directory (``progress.dir``,
-by default the buffer directory), replaced atomically (write ``.progress-*.tmp``, then
+by default ``progress/`` inside the buffer directory), replaced atomically (write ``.progress-*.tmp``, then
 ``rename(2)``) so a reader sees the old or the new content, never a mix. Content, UTF-8 JSON::
 
     {"format": "prefetchd-progress", "version": 1,

@@ -110,9 +110,10 @@ def test_garbage_progress_files_keep_the_last_good_position(tmp_path, image_root
     cfg = small_config(tmp_path, image_root, loader={"epochs": None})
     buf = str(tmp_path / "buffer")
     d = daemon_factory(cfg)
-    path = progress.progress_path(buf, 0)
+    pdir = os.path.join(buf, "progress")
+    path = progress.progress_path(pdir, 0)
     wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
-    progress.write(buf, progress.Progress(rank=0, epoch=0, batch=3))
+    progress.write(os.path.join(buf, "progress"), progress.Progress(rank=0, epoch=0, batch=3))
 
     def pos():
         return (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("position")
@@ -124,7 +125,7 @@ def test_garbage_progress_files_keep_the_last_good_position(tmp_path, image_root
         wait_until(lambda: "ignoring" in d.log(), 10, "a warning")
     os.unlink(path)
     for _ in range(300):  # rewritten hundreds of times a second
-        progress.write(buf, progress.Progress(rank=0, epoch=1, batch=2))
+        progress.write(os.path.join(buf, "progress"), progress.Progress(rank=0, epoch=1, batch=2))
     wait_until(lambda: pos() == [1, 2], 10, "position 1/2")
     assert d.log().count("ignoring") == 1  # warned once for the whole bad spell
     wait_until(lambda: {n[:-6].split("-b")[1] for n in published(buf)} >= {"00000002", "00000003"}, 10, "refill at 1/2")
@@ -263,13 +264,13 @@ def test_progress_going_backwards_within_a_session_is_ignored_but_a_new_session_
         return (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("position")
 
     wait_until(lambda: pos() == [0, 0], 30, "the daemon's first status")
-    progress.write(buf, progress.Progress(rank=0, epoch=2, batch=5, session="a.0"))
+    progress.write(os.path.join(buf, "progress"), progress.Progress(rank=0, epoch=2, batch=5, session="a.0"))
     wait_until(lambda: pos() == [2, 5], 10, "position 2/5")
-    progress.write(buf, progress.Progress(rank=0, epoch=1, batch=0, session="a.0"))  # a stale copy, say
+    progress.write(os.path.join(buf, "progress"), progress.Progress(rank=0, epoch=1, batch=0, session="a.0"))  # a stale copy, say
     wait_until(lambda: "went back from epoch 2 batch 5 to epoch 1 batch 0 within one trainer session" in d.log(), 10,
                "a warning")
     assert pos() == [2, 5]
-    progress.write(buf, progress.Progress(rank=0, epoch=1, batch=0, session="b.0"))  # a resumed trainer
+    progress.write(os.path.join(buf, "progress"), progress.Progress(rank=0, epoch=1, batch=0, session="b.0"))  # a resumed trainer
     wait_until(lambda: pos() == [1, 0], 10, "the jump to 1/0")
     assert d.stop() == 0
 
