@@ -222,9 +222,6 @@ class RayConfig:
         object.__setattr__(self, "resources", dict(self.resources))
         object.__setattr__(self, "path_map", dict(self.path_map))
 
-    def __hash__(self) -> int:  # dict fields: hash what identifies the cluster use
-        return hash((self.address, self.workers, self.num_cpus))
-
     def map_path(self, path: str) -> str:
         """The path a remote worker reads for a local path (longest matching prefix wins)."""
         for local in sorted(self.path_map, key=len, reverse=True):

@@ -37,7 +37,7 @@ from . import batchfile, status
 from .config import Config, ConfigError, format_size
 from .config import load as load_config
 from .dataset import load_index
-from .pool import Pool
+from .pool import Pool, Worker
 from .ring import Lock, Ring, is_tmpfs, prepare_dir
 from .sampler import Sampler
 from .watcher import ProgressWatcher
@@ -324,7 +324,7 @@ class Daemon:
                                 f"{format_size(est)} and buffer.min_free_bytes keeps {format_size(cap.min_free_bytes)}")
                 return
             task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b), self._crashers)
-            if (self.pool if hasattr(w, "process") else self.remote).submit(w, task):
+            if (self.pool if isinstance(w, Worker) else self.remote).submit(w, task):
                 if not self.inflight:
                     self._last_activity = time.monotonic()
                 self.inflight[(r, e, b)] = est
@@ -343,7 +343,7 @@ class Daemon:
             self._error_until = time.monotonic() + _ERROR_BACKOFF_S
             return
         r, e, b = key
-        wanted = r in self.pos and (e, b) in set(self.window(r)) and key not in self.ring.ready
+        wanted = r in self.pos and (e, b) in self.window(r) and key not in self.ring.ready
         if not wanted:
             Ring._unlink(res.tmp_path)
             return

@@ -24,7 +24,7 @@ import time
 import psutil
 
 from . import batchfile
-from .status import LOCK_NAME, daemon_alive  # noqa: F401  (re-exported)
+from .status import LOCK_NAME
 
 log = logging.getLogger("prefetchd.ring")
 

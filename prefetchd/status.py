@@ -57,7 +57,7 @@ def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644 & ~_umask_now())
+        os.chmod(tmp, 0o644 & ~_UMASK)
         os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         try:
@@ -67,10 +67,15 @@ def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
         raise
 
 
-def _umask_now() -> int:
+def _read_umask() -> int:
     m = os.umask(0)
     os.umask(m)
     return m
+
+
+# read once: os.umask can only be read by setting it, which would race with other threads
+# (watchdog's, Ray's, the metrics server's) creating files in the meantime
+_UMASK = _read_umask()
 
 
 def read_json(directory: str, name: str) -> dict[str, Any] | None:
