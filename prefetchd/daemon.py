@@ -38,7 +38,7 @@ from .config import Config, ConfigError, format_size
 from .config import load as load_config
 from .dataset import load_index
 from .pool import Pool, Worker
-from .ring import Lock, Ring, is_tmpfs, prepare_dir
+from .ring import Lock, Ring, is_tmpfs, prepare_dirs
 from .sampler import Sampler
 from .watcher import ProgressWatcher
 from .worker import Result, Task, WorkerSetup
@@ -79,15 +79,7 @@ class Daemon:
 
     def _setup(self) -> None:
         cfg = self.cfg
-        prepare_dir(cfg.buffer.dir, cfg.buffer.group)
-        # trainers write their progress here: with buffer.group, members of the group may
-        # (setgid keeps the group on what they create)
-        os.makedirs(cfg.progress_dir, mode=0o700, exist_ok=True)
-        if cfg.buffer.group:
-            from .ring import _gid
-
-            os.chown(cfg.progress_dir, -1, _gid(cfg.buffer.group))
-            os.chmod(cfg.progress_dir, 0o2770)
+        prepare_dirs(cfg.buffer.dir, cfg.progress_dir, cfg.buffer.group)  # modes and groups: ring.py
         self.lock = Lock(cfg.buffer.dir)
         self.lock.acquire()
         try:  # the last daemon's description no longer holds; ours follows once the index is read

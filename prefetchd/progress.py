@@ -16,7 +16,8 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that cannot be parsed is ignored
-(the last good value is kept).
+(the last good value is kept). The file's mode is 0644 (``FILE_MODE``) whatever the writer's
+umask, so a daemon running as another user reads it.
 
 Positions only move forward within a ``session``: a client that goes back (a resume, a seek, a
 new process) writes a new session, and the daemon treats that as a jump. A backwards move
@@ -33,6 +34,11 @@ from dataclasses import asdict, dataclass
 
 FORMAT = "prefetchd-progress"
 VERSION = 1
+# Readable by the daemon whatever the trainer's umask and group: the trainer may be another
+# user, in the daemon's group only through a supplementary membership, so its files get the
+# trainer's own group. The progress directory (0770 with buffer.group, 0700 without) keeps
+# everyone outside the group out; the content is positions, not data.
+FILE_MODE = 0o644
 
 
 class ProgressError(ValueError):
@@ -109,6 +115,7 @@ def write(directory: str, p: Progress) -> str:
     path = progress_path(directory, p.rank)
     fd, tmp = tempfile.mkstemp(prefix=".progress-", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(encode(p))
         os.replace(tmp, path)

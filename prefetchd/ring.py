@@ -3,7 +3,8 @@
 Invariants kept here:
 
 * the directory is a real directory (not a symlink) owned by the daemon's user, mode 0700, or
-  0750 with ``buffer.group`` so a trainer running as another user of that group can read;
+  0750 with ``buffer.group`` so a trainer running as another user of that group can read
+  (``prepare_dir`` says how the modes and groups fit together); every file in it is 0640;
 * only one daemon serves a directory (``flock`` on ``daemon.lock``);
 * a file named ``*.batch`` is complete and was made for this stream: workers write ``.tmp-*``
   files, only ``publish`` renames them, and ``recover`` checks every leftover file (length and
@@ -24,7 +25,7 @@ import time
 import psutil
 
 from . import batchfile
-from .status import LOCK_NAME
+from .status import FILE_MODE, LOCK_NAME
 
 log = logging.getLogger("prefetchd.ring")
 
@@ -39,6 +40,16 @@ class BufferBusy(RingError):
     """Another daemon holds the buffer directory's lock (not a configuration error)."""
 
 
+# Modes, set explicitly (fchmod/chmod) so the umask of whoever starts the daemon does not matter.
+PRIVATE_DIR_MODE = 0o700  # no buffer.group: the daemon's user alone
+GROUP_DIR_MODE = 0o750  # buffer dir with buffer.group: the group reads, only the daemon writes
+GROUP_PROGRESS_DIR_MODE = 0o770  # progress dir with buffer.group: trainers replace their files
+# With a group other than the daemon's own, the directories also need the setgid bit so that
+# what the daemon creates there gets the group (systemd's RestrictSUIDSGID=yes refuses that bit:
+# under the shipped units the group is the unit's Group=, and no setgid bit is needed).
+SETGID = stat.S_ISGID
+
+
 def _gid(group: str) -> int:
     try:
         return grp.getgrnam(group).gr_gid
@@ -48,31 +59,82 @@ def _gid(group: str) -> int:
         raise RingError(f"buffer.group {group!r} is not a known group") from None
 
 
-def prepare_dir(path: str, group: str | None = None) -> None:
-    """Create or check the buffer directory: private, owned by us, not a symlink."""
-    mode = 0o750 if group else 0o700
+def _group_name(gid: int) -> str:
     try:
-        os.mkdir(path, mode)
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def dir_mode(group: str | None, progress: bool = False) -> int:
+    """The mode a buffer (or progress) directory must have, without the setgid bit."""
+    if not group:
+        return PRIVATE_DIR_MODE
+    return GROUP_PROGRESS_DIR_MODE if progress else GROUP_DIR_MODE
+
+
+def prepare_dirs(buffer_dir: str, progress_dir: str, group: str | None = None) -> None:
+    """Create or check the buffer directory and the progress directory (see ``prepare_dir``)."""
+    prepare_dir(buffer_dir, group)
+    prepare_dir(progress_dir, group, progress=True, key="progress.dir")
+
+
+def prepare_dir(path: str, group: str | None = None, progress: bool = False, key: str = "buffer.dir") -> None:
+    """Create or check a directory the daemon serves: a real directory owned by us, and
+
+    * without ``group``: mode 0700, the daemon's user alone;
+    * with ``group``: that group, mode 0750 (0770 for the progress directory, where trainers of
+      the group replace their progress files); plus the setgid bit when the group is not the
+      daemon's own, so that the files it creates there get the group.
+
+    Needs no capability when the directory is already right (systemd's ``RuntimeDirectory=``
+    makes it so) or the group is the daemon's own; otherwise it changes group and mode itself,
+    and says what to do where it may not.
+    """
+    want = dir_mode(group, progress)
+    try:
+        os.mkdir(path, PRIVATE_DIR_MODE)  # private until its group and mode are right
     except FileExistsError:
         pass
     except FileNotFoundError:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.mkdir(path, mode)
+        os.mkdir(path, PRIVATE_DIR_MODE)
     except PermissionError:
-        raise RingError(f"buffer.dir {path}: cannot create it (permission denied)") from None
+        raise RingError(f"{key} {path}: cannot create it (permission denied)") from None
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise RingError(f"buffer.dir {path} is a symlink; point buffer.dir at the real directory")
+        raise RingError(f"{key} {path} is a symlink; point {key} at the real directory")
     if not stat.S_ISDIR(st.st_mode):
-        raise RingError(f"buffer.dir {path} exists and is not a directory")
+        raise RingError(f"{key} {path} exists and is not a directory")
     if st.st_uid != os.geteuid():
-        raise RingError(f"buffer.dir {path} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}")
+        raise RingError(f"{key} {path} is owned by uid {st.st_uid}, not by this daemon's uid {os.geteuid()}")
     if group:
         gid = _gid(group)
+        if gid != os.getegid():
+            want |= SETGID
         if st.st_gid != gid:
-            os.chown(path, -1, gid)
-    if stat.S_IMODE(st.st_mode) != mode:
-        os.chmod(path, mode)
+            try:
+                os.chown(path, -1, gid)
+            except PermissionError:
+                raise RingError(f"{key} {path} has group {_group_name(st.st_gid)}, not buffer.group {group}, and this "
+                                f"daemon may not change it; run it with {group} as its group (Group={group} in "
+                                f"the unit) or `chgrp {group} {path}`") from None
+            _regroup_files(path, gid)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode != want and not (group and mode == want | SETGID):
+        try:
+            os.chmod(path, want)
+        except PermissionError:
+            raise RingError(f"{key} {path} has mode {mode:04o}, needs {want:04o}, and this daemon may not set "
+                            f"it; `chmod {want:04o} {path}`") from None
+
+
+def _regroup_files(path: str, gid: int) -> None:
+    """buffer.group changed: give what a previous run left (kept batches, the lock) the new group."""
+    with os.scandir(path) as it:
+        for e in it:
+            if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == os.geteuid():
+                os.chown(e.path, -1, gid, follow_symlinks=False)
 
 
 def is_tmpfs(path: str) -> bool:
@@ -93,7 +155,8 @@ class Lock:
         self.fd = -1
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        os.fchmod(fd, FILE_MODE)  # clients of the group take a shared lock to see if we run
         deadline = time.monotonic() + 0.5  # a `status` or client probe holds it shared for microseconds
         while True:
             try:
@@ -163,6 +226,7 @@ class Ring:
         return counts
 
     def publish(self, tmp_path: str, key: Key, size: int) -> None:
+        os.chmod(tmp_path, FILE_MODE)  # whatever umask the worker had: the group reads it
         os.rename(tmp_path, self.path(key))
         self.ready[key] = size
         self.bytes_used += size

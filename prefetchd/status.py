@@ -6,7 +6,8 @@ digits, the batch header's u64), "num_samples", "num_classes", "batch_size",
 "batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started"}``.
 
 ``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
-are listed in ``format_status``. Both live in the buffer directory. Standard library only.
+are listed in ``format_status``. Both live in the buffer directory, mode 0640 (``FILE_MODE``)
+whatever the umask. Standard library only.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ META_NAME = "meta.json"
 STATUS_NAME = "status.json"
 QUARANTINE_NAME = "quarantine.jsonl"
 LOCK_NAME = "daemon.lock"
+# Every file the daemon writes, whatever its umask: the daemon writes, its group (trainers of
+# ``buffer.group``) reads; the directory's own mode keeps everyone else out.
+FILE_MODE = 0o640
 
 
 def lock_pid(directory: str) -> int | None:
@@ -57,7 +61,7 @@ def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644 & ~_UMASK)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         try:
@@ -65,17 +69,6 @@ def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
         except OSError:
             pass
         raise
-
-
-def _read_umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
-
-
-# read once: os.umask can only be read by setting it, which would race with other threads
-# (watchdog's, Ray's, the metrics server's) creating files in the meantime
-_UMASK = _read_umask()
 
 
 def read_json(directory: str, name: str) -> dict[str, Any] | None:
