@@ -1,7 +1,8 @@
 """Command line: ``prefetchd run|check|status|demo|bench`` (also ``python -m prefetchd``).
 
-Exit codes: 0 clean stop, 1 runtime failure, 2 usage, 78 bad configuration (EX_CONFIG, so
-systemd's ``RestartPreventExitStatus=78`` stops a restart loop on a config error).
+Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
+2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
+restart loop on a config error).
 """
 
 from __future__ import annotations
@@ -124,7 +125,29 @@ def cmd_check(args) -> int:
     if need > B.max_bytes:
         print(f"note: buffer.max_bytes holds only {B.max_bytes // per_batch} batches, fewer than capacity x ranks")
     print(f"workers: {cfg.workers.resolved_count()}")
-    return 0
+    return _check_deployment(cfg, args)
+
+
+def _check_deployment(cfg: Config, args) -> int:
+    """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
+    import pwd
+
+    from .deploy import Account, check_deployment
+
+    try:
+        daemon = Account.lookup(args.user or pwd.getpwuid(os.geteuid()).pw_name)
+        trainers = [Account.lookup(t) for t in args.trainer or []]
+    except ValueError as e:
+        print(f"prefetchd: {e}", file=sys.stderr)
+        return 2
+    findings = check_deployment(cfg, daemon, trainers)
+    for line in findings:
+        print(line)
+    problems = sum(line.startswith("problem:") for line in findings)
+    who = f"daemon user {daemon.name}" + (f", trainer(s) {', '.join(t.name for t in trainers)}" if trainers else "")
+    print(f"deployment ({who}): " + (f"{problems} problem(s)" if problems else "no problems")
+          + (f", {len(findings) - problems} warning(s)" if len(findings) > problems else ""))
+    return 1 if problems else 0
 
 
 def cmd_status(args) -> int:
@@ -199,8 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", "-c", required=True)
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     r.set_defaults(fn=cmd_run)
-    c = sub.add_parser("check", help="validate the config and scan the dataset")
+    c = sub.add_parser("check", help="validate the config, scan the dataset, check users, modes and the RAM disk")
     c.add_argument("--config", "-c", required=True)
+    c.add_argument("--user", help="the daemon's user (default: the user running check)")
+    c.add_argument("--trainer", action="append", metavar="USER", help="a user that runs a trainer (repeatable)")
     c.set_defaults(fn=cmd_check)
     s = sub.add_parser("status", help="show the running daemon's status")
     s.add_argument("--config", "-c", required=True)

@@ -152,3 +152,82 @@ def test_a_client_with_a_different_config_is_told_so(tmp_path, image_root, daemo
     with PrefetchClient(str(other), timeout=30) as c, pytest.raises(PrefetchError, match="makes a different stream"):
         c.meta()
     assert d.stop() == 0
+
+
+# --- prefetchd check: what is wrong with a deployment, one line each ---------------------------------
+
+
+def _check(cfg: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg, *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _findings(r: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in r.stdout.splitlines() if line.startswith(("problem:", "warning:"))]
+
+
+def test_check_passes_a_private_buffer_for_its_own_user(tmp_path, image_root):
+    r = _check(small_config(tmp_path, image_root))
+    assert r.returncode == 0 and "deployment (daemon user root): no problems" in r.stdout, r.stdout + r.stderr
+    assert not [f for f in _findings(r) if f.startswith("problem:")]
+
+
+def test_check_says_a_trainer_of_another_user_needs_a_group(tmp_path, image_root):
+    r = _check(small_config(tmp_path, image_root), "--trainer", "nobody")
+    assert r.returncode == 1, r.stdout + r.stderr
+    problems = [f for f in _findings(r) if f.startswith("problem:")]
+    assert problems == ["problem: buffer.group is not set: only root can read the buffer, not trainer nobody; set "
+                        "buffer.group to the daemon's group and add nobody to it"], problems
+
+
+def test_check_says_a_trainer_outside_the_group_once(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root, buffer={"group": "root"})
+    r = _check(cfg, "--trainer", "nobody")
+    assert r.returncode == 1
+    problems = [f for f in _findings(r) if f.startswith("problem:")]
+    assert problems == ["problem: trainer nobody is not in buffer.group root: it cannot read batches; "
+                        "`usermod -aG root nobody`, then log in again"], problems
+
+
+def test_check_finds_open_modes_wrong_owner_and_unreadable_progress(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root)
+    buf = tmp_path / "buffer"
+    (buf / "progress").mkdir(parents=True)
+    os.chmod(buf, 0o755)
+    p = buf / "progress" / "progress-r0000.json"
+    p.write_text("{}")
+    os.chmod(p, 0o600)
+    os.chown(p, NOBODY, NOBODY)
+    os.chown(buf / "progress", NOBODY, NOBODY)
+    r = _check(cfg, "--user", "nobody")
+    problems = [f for f in _findings(r) if f.startswith("problem:")]
+    assert r.returncode == 1
+    assert any(f"buffer.dir {buf} is owned by root, not by the daemon's user nobody" in f for f in problems), problems
+    assert any(f"buffer.dir {buf} (root:root 0755) is open to users outside its group" in f for f in problems), problems
+    # nobody owns its 0600 progress file (the daemon reads it), but cannot get into tmp_path at all
+    assert any("the daemon's user nobody cannot reach buffer.dir" in f for f in problems), problems
+    r = _check(cfg)  # as root: the progress file of another user, mode 0600, is unreadable to a non-root daemon only
+    assert not any("progress-r0000.json" in f for f in _findings(r))
+
+
+def test_check_reads_the_mount_options_of_the_buffer(tmp_path, image_root):
+    from prefetchd.config import load
+    from prefetchd.deploy import Account, check_deployment
+
+    cfg = load(small_config(tmp_path, image_root, buffer={"dir": "/dev/shm/prefetchd-check-test/buffer"}))
+    findings = check_deployment(cfg, Account.lookup("root"), [])
+    # /dev/shm is shared with the trainer's DataLoader and NCCL, and has no huge pages here
+    assert any("buffer.dir is on /dev/shm" in f for f in findings), findings
+    assert not os.path.exists("/dev/shm/prefetchd-check-test")
+
+
+def test_mount_of_parses_mountinfo(tmp_path):
+    from prefetchd.deploy import mount_of
+
+    info = tmp_path / "mountinfo"
+    info.write_text("22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
+                    "90 22 0:50 / /run/prefetchd rw,nosuid,nodev,noexec,relatime shared:40 - tmpfs tmpfs "
+                    "rw,size=262144k,nr_inodes=65536,mode=755,huge=within_size\n")
+    mp, fstype, opts = mount_of("/run/prefetchd/buffer/x", str(info))
+    assert (mp, fstype) == ("/run/prefetchd", "tmpfs") and "huge=within_size" in opts and "nosuid" in opts
+    assert mount_of("/srv/data", str(info))[:2] == ("/", "ext4")

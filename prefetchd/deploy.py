@@ -1,0 +1,251 @@
+"""What ``prefetchd check`` says about a deployment: users, groups, modes, the RAM disk.
+
+The model it checks (README, "Run it as a service"): the daemon runs as its own user with the
+group ``buffer.group`` (the unit's ``Group=``); trainers of other users are members of that
+group. The buffer directory is the daemon's, mode 0750 (0700 without a group), its files 0640;
+the progress directory is 0770 (trainers replace their files there), progress files 0644. A
+group that is not the daemon's own also needs the setgid bit on both directories.
+
+Each finding is one line: ``problem: ...`` (the deployment does not work as configured) or
+``warning: ...`` (it works, slower or less safely than it could). Permissions are judged from
+the mode bits, owners and group memberships (ACLs are not read), so a check run as root can
+speak for the daemon's user and the trainers.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+from dataclasses import dataclass
+
+from .config import Config, format_size
+from .ring import SETGID, dir_mode
+
+HUGE_OK = ("within_size", "always", "advise")
+_THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+@dataclass(frozen=True)
+class Account:
+    """A user as the kernel's permission checks see it."""
+
+    name: str
+    uid: int
+    gids: frozenset[int]
+
+    @classmethod
+    def lookup(cls, name: str) -> Account:
+        try:
+            pw = pwd.getpwnam(name) if not name.isdigit() else pwd.getpwuid(int(name))
+        except KeyError:
+            raise ValueError(f"user {name!r} is not known") from None
+        gids = {pw.pw_gid} | {g.gr_gid for g in grp.getgrall() if pw.pw_name in g.gr_mem}
+        return cls(pw.pw_name, pw.pw_uid, frozenset(gids))
+
+    def may(self, st: os.stat_result, bits: int) -> bool:
+        """May this user do ``bits`` (a mask of 4 read, 2 write, 1 execute) to the file of ``st``?"""
+        if self.uid == 0:
+            return True
+        mode = st.st_mode
+        shift = 6 if st.st_uid == self.uid else 3 if st.st_gid in self.gids else 0
+        return (mode >> shift) & bits == bits
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _who(st: os.stat_result) -> str:
+    return f"{_user_name(st.st_uid)}:{_group_name(st.st_gid)} {stat.S_IMODE(st.st_mode):04o}"
+
+
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str, list[str]] | None:
+    """(mount point, filesystem type, mount and superblock options) of the mount holding ``path``."""
+    real = os.path.realpath(path)
+    best = None
+    with open(mountinfo, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) < 6 or len(rfields) < 3:
+                continue
+            mp = fields[4].replace("\\040", " ")
+            if real == mp or real.startswith(mp.rstrip("/") + "/"):
+                if best is None or len(mp) >= len(best[0]):  # the last of equals is the one on top
+                    best = (mp, rfields[0], fields[5].split(",") + rfields[2].split(","))
+    return best
+
+
+def _reachable(acct: Account, path: str) -> str | None:
+    """The first directory on the way to ``path`` that ``acct`` cannot pass, if any."""
+    parts = os.path.realpath(path).split("/")[1:-1]
+    cur = "/"
+    for p in parts:
+        cur = os.path.join(cur, p)
+        try:
+            st = os.stat(cur)
+        except OSError:
+            return None
+        if not acct.may(st, 1):
+            return cur
+    return None
+
+
+def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> list[str]:
+    out: list[str] = []
+    problem = lambda msg: out.append(f"problem: {msg}")  # noqa: E731
+    warning = lambda msg: out.append(f"warning: {msg}")  # noqa: E731
+    group = cfg.buffer.group
+    gid = None
+    if group:
+        try:
+            gid = grp.getgrnam(group).gr_gid
+        except KeyError:
+            gid = int(group) if group.isdigit() else None
+        if gid is None:
+            problem(f"buffer.group {group!r} is not a known group: `groupadd {group}` or set the unit's Group=")
+        elif gid not in daemon.gids and daemon.uid != 0:
+            problem(f"the daemon's user {daemon.name} is not in buffer.group {group}: set Group={group} in the unit "
+                    f"(or `usermod -aG {group} {daemon.name}`)")
+        for t in trainers:
+            if gid is not None and gid not in t.gids and t.uid != daemon.uid:
+                problem(f"trainer {t.name} is not in buffer.group {group}: it cannot read batches; "
+                        f"`usermod -aG {group} {t.name}`, then log in again")
+    else:
+        for t in trainers:
+            if t.uid != daemon.uid and t.uid != 0:
+                problem(f"buffer.group is not set: only {daemon.name} can read the buffer, not trainer {t.name}; set "
+                        f"buffer.group to the daemon's group and add {t.name} to it")
+    # a trainer already said to be outside the group is not said again for every directory
+    trainers = [t for t in trainers if not any(f"trainer {t.name} " in line for line in out)]
+    _check_dir(cfg.buffer.dir, "buffer.dir", False, cfg, gid, daemon, trainers, problem, warning)
+    _check_dir(cfg.progress_dir, "progress.dir", True, cfg, gid, daemon, trainers, problem, warning)
+    _check_files(cfg, daemon, problem)
+    _check_mount(cfg, problem, warning)
+    return out
+
+
+def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        parent = path
+        while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+            parent = os.path.dirname(parent)
+        pst = os.stat(parent)
+        if not daemon.may(pst, 3) and key == "buffer.dir":
+            warning(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
+                    f"the unit's RuntimeDirectory= must make it (README), or make it yourself")
+        return
+    except OSError as e:
+        problem(f"{key} {path}: {e.strerror}")
+        return
+    if stat.S_ISLNK(st.st_mode):
+        problem(f"{key} {path} is a symlink; the daemon refuses it: point {key} at the real directory")
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        problem(f"{key} {path} is not a directory")
+        return
+    if st.st_uid != daemon.uid:
+        problem(f"{key} {path} is owned by {_user_name(st.st_uid)}, not by the daemon's user {daemon.name}: "
+                f"`chown {daemon.name} {path}` (or remove it and let systemd make it)")
+    mode = stat.S_IMODE(st.st_mode)
+    want = dir_mode(cfg.buffer.group, progress)
+    if gid is not None and gid not in daemon.gids:
+        want |= SETGID
+    if mode & 0o007:
+        problem(f"{key} {path} ({_who(st)}) is open to users outside its group; the daemon makes it {want:04o}")
+    elif mode & ~SETGID != want & ~SETGID:
+        warning(f"{key} {path} has mode {mode:04o}; the daemon sets {want:04o} when it starts")
+    if gid is not None and st.st_gid != gid:
+        problem(f"{key} {path} has group {_group_name(st.st_gid)}, not buffer.group {cfg.buffer.group}: "
+                f"`chgrp {cfg.buffer.group} {path}`, or remove it and let systemd make it")
+    for t in trainers:
+        blocked = _reachable(t, os.path.join(path, "x"))
+        if blocked:
+            problem(f"trainer {t.name} cannot reach {key} {path}: {blocked} ({_who(os.stat(blocked))}) is closed to it")
+    blocked = _reachable(daemon, os.path.join(path, "x"))
+    if blocked:
+        problem(f"the daemon's user {daemon.name} cannot reach {key} {path}: {blocked} ({_who(os.stat(blocked))}) "
+                f"is closed to it")
+
+
+def _check_files(cfg: Config, daemon: Account, problem) -> None:
+    from . import batchfile
+    from .progress import FILE_MODE as PROGRESS_MODE
+
+    try:
+        with os.scandir(cfg.buffer.dir) as it:
+            entries = [e for e in it if e.is_file(follow_symlinks=False)]
+    except OSError:
+        entries = []
+    foreign = [e.name for e in entries if batchfile.parse_name(e.name) and e.stat(follow_symlinks=False).st_uid != daemon.uid]
+    if foreign:
+        problem(f"{len(foreign)} batch file(s) in {cfg.buffer.dir} are not the daemon's ({foreign[0]}, ...): "
+                f"clients refuse them; remove them")
+    try:
+        with os.scandir(cfg.progress_dir) as it:
+            progress = [e for e in it if e.name.startswith("progress-") and e.is_file(follow_symlinks=False)]
+    except OSError:
+        progress = []
+    for e in progress:
+        st = e.stat(follow_symlinks=False)
+        if not daemon.may(st, 4):
+            problem(f"{e.path} ({_who(st)}) cannot be read by the daemon's user {daemon.name}: its trainer's client "
+                    f"must write it {PROGRESS_MODE:04o} (prefetchd >= this version does)")
+
+
+def _check_mount(cfg: Config, problem, warning) -> None:
+    path = cfg.buffer.dir
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    m = mount_of(path)
+    if m is None:
+        return
+    mp, fstype, opts = m
+    if fstype not in ("tmpfs", "ramfs"):
+        warning(f"buffer.dir {cfg.buffer.dir} is on {fstype} ({mp}), not tmpfs: batches go through the page cache "
+                f"to disk; mount the RAM disk (systemd/run-prefetchd.mount)")
+        return
+    try:
+        mst = os.stat(mp)
+    except OSError:
+        mst = None
+    if mst is not None and mp not in ("/dev/shm", "/tmp") and stat.S_IMODE(mst.st_mode) & 0o002:
+        warning(f"the RAM disk {mp} is writable by everyone ({_who(mst)}): anyone can fill it or squat names "
+                f"there; mount it with mode=0755 (X-mount.mode is ignored by util-linux 2.38)")
+    huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), "never")
+    if huge not in HUGE_OK:
+        warning(f"the RAM disk {mp} has no huge pages (huge={huge}): mount it with huge=within_size, about 5x "
+                f"faster batch writes (BENCHMARKS.md)")
+    else:
+        try:
+            thp = open(_THP_SHMEM).read()
+        except OSError:
+            thp = ""
+        if "[deny]" in thp:
+            warning(f"huge pages are denied for all tmpfs ({_THP_SHMEM} is deny): huge={huge} on {mp} has no effect")
+    size = next((o.split("=", 1)[1] for o in opts if o.startswith("size=")), None)
+    if size is not None and size.endswith("k") and size[:-1].isdigit():
+        nbytes = int(size[:-1]) * 1024
+        if nbytes < cfg.buffer.max_bytes + cfg.buffer.min_free_bytes:
+            warning(f"the RAM disk {mp} holds {format_size(nbytes)}, less than buffer.max_bytes "
+                    f"({format_size(cfg.buffer.max_bytes)}) plus min_free_bytes: the disk, not max_bytes, will bound "
+                    f"the buffer")
+    if mp == "/dev/shm":
+        warning("buffer.dir is on /dev/shm, which the trainer's DataLoader and NCCL also use: use its own tmpfs "
+                "(systemd/run-prefetchd.mount)")
+    if not any(o == "nosuid" for o in opts) or not any(o == "nodev" for o in opts):
+        warning(f"the RAM disk {mp} lacks nosuid or nodev")
