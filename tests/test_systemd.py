@@ -20,6 +20,7 @@ Skipped, with the reason, only where systemd cannot boot (not root, no systemd, 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ SYSTEMD = "/lib/systemd/systemd"
 SHARE = "/srv/prefetchd-test"  # the host's share directory, read-only inside
 BOOT_TIMEOUT_S = 60
 TRAINER = "alice"
+_PR_SET_PDEATHSIG = 1
 
 # The namespace's config: config.example.yaml with these keys set (README step 3), small and fast.
 SETTINGS = {
@@ -133,6 +135,17 @@ def _mounts() -> set[str]:
         return {" ".join(line.split()[3:5]) for line in f}
 
 
+def _rmdir_tree(cgroup: str) -> None:
+    """Remove an empty cgroup and its children (rmdir only: cgroup files cannot be unlinked)."""
+    for root, dirs, _ in os.walk(cgroup, topdown=False):
+        for d in dirs:
+            try:
+                os.rmdir(os.path.join(root, d))
+            except OSError:
+                pass
+    os.rmdir(cgroup)
+
+
 class Machine:
     """systemd as PID 1 in its own namespaces; ``run`` executes a command inside."""
 
@@ -147,6 +160,7 @@ class Machine:
         self._done = False
 
     def boot(self) -> None:
+        self._remove_stale_cgroups()
         os.mkdir(self.cgroup)
         script = BOOT_SCRIPT.format(share=SHARE, masked=" ".join(MASKED), systemd=SYSTEMD)
         cg = self.cgroup
@@ -154,10 +168,12 @@ class Machine:
         def enter_cgroup():
             with open(os.path.join(cg, "cgroup.procs"), "w") as f:
                 f.write("0")
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
         log = open(self.log_path, "wb")
+        # --kill-child and the parent-death signal: PID 1 dies with pytest even if pytest is killed
         self.proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", "--ipc", "--cgroup",
+            ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "--mount", "--uts", "--ipc", "--cgroup",
              "/bin/sh", "-c", script], env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SHARE_SRC": self.share},
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=enter_cgroup,
             start_new_session=True)
@@ -177,6 +193,14 @@ class Machine:
             time.sleep(0.2)
         failed = self.run("systemctl --failed --no-legend --plain", check=False, timeout=10).stdout if self.proc.poll() is None else ""
         raise RuntimeError(f"systemd did not boot (state {state!r}); failed units: {failed.strip()}; log: {self.boot_log()}")
+
+    def _remove_stale_cgroups(self) -> None:
+        """An earlier run killed outright (its PID 1 died with it) leaves an empty cgroup: remove it."""
+        parent = os.path.dirname(self.cgroup)
+        for name in os.listdir(parent):
+            m = re.fullmatch(r"prefetchd-test-(\d+)", name)
+            if m and not os.path.exists(f"/proc/{m.group(1)}"):
+                _rmdir_tree(os.path.join(parent, name))
 
     def _child(self) -> int | None:
         try:
@@ -245,14 +269,8 @@ class Machine:
                 f.write("1")
         deadline = time.monotonic() + 20
         while os.path.isdir(self.cgroup):
-            for root, dirs, _ in os.walk(self.cgroup, topdown=False):
-                for d in dirs:
-                    try:
-                        os.rmdir(os.path.join(root, d))
-                    except OSError:
-                        pass
             try:
-                os.rmdir(self.cgroup)
+                _rmdir_tree(self.cgroup)
             except OSError:
                 if time.monotonic() > deadline:
                     raise
