@@ -356,6 +356,10 @@ def machine(tmp_path_factory):
         print(f"test_systemd skipped: {e}")
         pytest.skip(str(e))
     yield m
+    try:  # the whole journal, for whoever reads a failure: <pytest tmp>/systemd*/journal.txt
+        (top / "journal.txt").write_text(m.run("journalctl --no-pager -o short-monotonic", timeout=60).stdout)
+    except Exception as e:  # noqa: BLE001 - the teardown below must run
+        print(f"could not save the journal: {e}")
     m.teardown()
     try:
         wait_until(lambda: not m.leftovers(), 10, "nothing left of the namespace")
