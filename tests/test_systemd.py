@@ -502,9 +502,12 @@ def test_a_trainer_of_another_user_reads_three_epochs_bit_identical(deployed):
     st = m.run("stat -c '%U:%G %a' /run/prefetchd/buffer/progress/progress-r0000.json").stdout.strip()
     assert st == "alice:alice 644"
     # the daemon (prefetchd, no capability) read alice's progress: it reports her position
-    status = json.loads(m.run("prefetchd status --json --config /etc/prefetchd/prefetchd.yaml",
-                              user=TRAINER).stdout)
-    assert status["status"]["ranks"]["0"]["position"] == [3, 0]
+    def position():  # status.json is rewritten about once a second
+        status = json.loads(m.run("prefetchd status --json --config /etc/prefetchd/prefetchd.yaml",
+                                  user=TRAINER).stdout)
+        return status["status"]["ranks"]["0"]["position"] == [3, 0]
+
+    wait_until(position, 15, "the daemon to report alice's position, epoch 3 batch 0")
     # nobody outside the group reads or writes anything
     r = m.run("ls /run/prefetchd/buffer; touch /run/prefetchd/buffer/progress/x", user="outsider", check=False)
     assert r.returncode != 0 and r.stderr.count("Permission denied") == 2, r.stderr
