@@ -174,8 +174,9 @@ class _PinnedPool:
             delay = min(delay * 1.5, _POLL_MAX_S)
 
     def release(self, tensor, event) -> None:
+        base = getattr(tensor, "_base", None)  # the whole buffer, not the batch's view of it
         with self._lock:
-            self._free.append((tensor, event))
+            self._free.append((tensor if base is None else base, event))
 
     def close(self) -> None:
         with self._lock:
