@@ -29,6 +29,16 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
+def _opened_since(before: set[str]) -> dict[str, str]:
+    out = {}
+    for fd in _fds() - before:
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return out
+
+
 def test_for_runs_one_epoch_then_the_next_like_a_dataloader(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)
@@ -42,10 +52,11 @@ def test_for_runs_one_epoch_then_the_next_like_a_dataloader(tmp_path, image_root
             assert [(e, b) for e, b, _ in seen] == [(epoch, b) for b in range(8)]
             assert all(np.array_equal(x.transpose(0, 2, 3, 1), ref[(0, epoch, b)][0]) for _, b, x in seen)
             assert (loader.epoch, loader.batch) == (epoch + 1, 0)
-        assert len(loader) == 8
         with pytest.raises(PrefetchError, match="past loader.epochs"):
             next(iter(loader))
-    assert d.stop() == 0
+        assert d.stop() == 0
+        t0 = time.monotonic()
+        assert len(loader) == 8 and time.monotonic() - t0 < 0.5  # known once: never waits again
 
 
 def test_set_epoch_to_another_epoch_starts_it_at_batch_zero(tmp_path, image_root, daemon_factory):
@@ -183,7 +194,7 @@ def test_a_readers_error_is_raised_in_the_trainers_thread_when_it_gets_there(tmp
             assert loader.state_dict()["batch"] == 2
             with pytest.raises(PrefetchError, match=f"{victim}: checksum mismatch"):
                 next(it)
-        assert _readers() == [] and not (_fds() - before)
+        assert _readers() == [] and _opened_since(before) == {}
     finally:
         os.killpg(d.pid, signal.SIGCONT)
     assert d.stop() == 0
@@ -203,7 +214,7 @@ def test_break_close_garbage_collection_and_ctrl_c_leave_no_thread_or_fd(tmp_pat
     it = iter(loader)
     next(it)
     loader.close()  # with an iterator still held
-    assert _readers() == [] and not (_fds() - before)
+    assert _readers() == [] and _opened_since(before) == {}
     with pytest.raises(PrefetchError, match="ended by"):
         next(it)
     del it
@@ -213,7 +224,7 @@ def test_break_close_garbage_collection_and_ctrl_c_leave_no_thread_or_fd(tmp_pat
     del loader, it  # no close(): garbage collection does it
     gc.collect()
     wait_until(lambda: _readers() == [], 10, "the reader to stop after garbage collection")
-    assert not (_fds() - before)
+    assert _opened_since(before) == {}
     # Ctrl-C while the trainer waits for a batch that does not come
     os.killpg(d.pid, signal.SIGSTOP)
     try:
@@ -223,7 +234,7 @@ def test_break_close_garbage_collection_and_ctrl_c_leave_no_thread_or_fd(tmp_pat
             with pytest.raises(KeyboardInterrupt):
                 for _ in loader:
                     pass
-        assert _readers() == [] and not (_fds() - before)
+        assert _readers() == [] and _opened_since(before) == {}
     finally:
         os.killpg(d.pid, signal.SIGCONT)
     assert d.stop() == 0

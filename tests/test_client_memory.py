@@ -111,6 +111,8 @@ def test_device_batches_through_the_pinned_pool_are_never_overwritten(tmp_path, 
                 kept.append(((0, e, b), x, y))
         assert copies.blocks <= prefetch + 1  # buffers are reused, not made per batch
         assert copies.waits == 16
+        pool = c._pool
+    assert pool._free == [] and copies.done == len(copies.queued)  # closed: every copy done, no buffer kept
     for key, x, y in kept:  # held across the whole run, still as they were
         assert _same(x, y, ref[key]), f"{key} changed after it was yielded"
     assert d.stop() == 0
