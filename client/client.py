@@ -286,6 +286,8 @@ class PrefetchClient:
     * every wait has ``timeout`` seconds; a timeout raises :class:`PrefetchTimeout` saying what it
       waited for and whether the daemon is alive.
     * ``close()`` (or ``with``) stops the reader and frees pinned memory; so does garbage collection.
+    * ``transfer``: how pinned memory and device copies are made (default :class:`CudaTransfer`);
+      tests on machines without a GPU pass a stand-in with the same methods.
     """
 
     def __init__(self, config: str | Config, rank: int | None = None, device: Any = None,
