@@ -397,13 +397,14 @@ class PrefetchClient:
             raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
         pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
         try:
-            epoch, batch = int(pos["epoch"]), int(pos["batch"])
-        except (KeyError, TypeError, ValueError):
-            raise PrefetchError(f"not a prefetchd loader state (no integer epoch and batch): keys {sorted(state)}") from None
-        if "rank" in state and int(state["rank"]) != self.rank:
+            epoch, batch = _state_int(pos, "epoch"), _state_int(pos, "batch")
+            rank, world = _state_int(state, "rank", None), _state_int(state, "world_size", None)
+        except ValueError as e:
+            raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
+        if rank is not None and rank != self.rank:
             raise PrefetchError(f"this loader state is rank {state['rank']}'s, not rank {self.rank}'s; "
                                 "load each rank's own state")
-        if state.get("world_size") is not None and int(state["world_size"]) != self.world_size:
+        if world is not None and world != self.world_size:
             raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
                                 f"has loader.world_size {self.world_size}; positions do not carry over")
         fp = state.get("fingerprint")
@@ -759,6 +760,18 @@ def _normalize_numpy(images, dtype=np.float32, mean=IMAGENET_MEAN, std=IMAGENET_
     scale = (1.0 / (255.0 * np.asarray(std, dtype=np.float32))).reshape(1, -1, 1, 1)
     shift = (-np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, -1, 1, 1)
     return (np.asarray(images, dtype=np.float32) * scale + shift).astype(dtype or np.float32, copy=False)
+
+
+def _state_int(state: Mapping, key: str, *default):
+    """``state[key]`` as a non-negative int (or ``default`` when absent or None)."""
+    if key not in state and not default:
+        raise ValueError(f"no {key!r}")
+    v = state.get(key)
+    if v is None and default:
+        return default[0]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {v!r}")
+    return int(v)
 
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:

@@ -127,6 +127,8 @@ def test_load_state_dict_refuses_another_rank_world_or_stream_and_takes_old_dict
             loader.load_state_dict(good | {"fingerprint": "0123abcd"})
         with pytest.raises(PrefetchError, match="not a prefetchd loader state"):
             loader.load_state_dict({"model": 1})
+        with pytest.raises(PrefetchError, match="batch must be a non-negative integer, got 'x'"):
+            loader.load_state_dict({"epoch": 0, "batch": "x"})
         loader.load_state_dict({"epoch": 1, "batch": 2, "rank": 0, "fingerprint": None})  # the old shape
         assert (loader.epoch, loader.batch) == (1, 2)
         next(iter(loader))
