@@ -92,7 +92,8 @@ def _measure(cfg_path: str, feed: str, way: str, batches: int, passes: int, step
                 stop = threading.Event()
 
                 def take(b, c=c, stop=stop):
-                    images, labels, event, info = c._load(0, b, stop)
+                    with c._reader_context():  # on a GPU: the side stream, as the reader uses it
+                        images, labels, event, info = c._load(0, b, stop)
                     if event is not None:
                         c._transfer.wait(event, c.device, (images, labels))
                     return images, labels
