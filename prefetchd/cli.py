@@ -207,9 +207,17 @@ def cmd_preview(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    setup_logging("warning")
+    if args.client:
+        from .bench_client import run_client_bench
+
+        return run_client_bench(args)
+    if args.train:
+        from .bench_train import run_train_bench
+
+        return run_train_bench(args)
     from .bench import run_bench
 
-    setup_logging("warning")
     return run_bench(args)
 
 
@@ -266,6 +274,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-workers", action="store_true", help="throughput against worker count")
     b.add_argument("--plot", help="PNG path for the sweep's error-bar plot (needs matplotlib)")
     b.add_argument("--json", help="write the figures to this JSON file")
+    k = b.add_argument_group("client cost (--client) and training (--train); see bench_client.py, bench_train.py")
+    k.add_argument("--client", action="store_true", help="time the trainer's thread inside next(), next batch ready")
+    k.add_argument("--train", metavar="MODEL", help="train MODEL (tiny, or a torchvision model such as resnet50) fed "
+                   "from a batch on the device, the client and a DataLoader")
+    k.add_argument("--device", default=None, help="--train: cuda or cpu (default: cuda when available)")
+    k.add_argument("--size", type=int, default=224, help="image side (default 224)")
+    k.add_argument("--batches", type=int, default=24, help="--client: batch files in the ring")
+    k.add_argument("--passes", type=int, default=3, help="--client: passes over them")
+    k.add_argument("--step-ms", type=float, default=60.0, help="--client: the training step between batches")
+    k.add_argument("--prefetch", type=int, default=2, help="the client's read-ahead")
+    k.add_argument("--steps", type=int, default=40, help="--train: measured steps per feed")
+    k.add_argument("--warmup", type=int, default=8, help="--train: steps before the clock starts")
+    k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
+                   "every measured batch (few cores: its refills would compete with the training)")
     b.set_defaults(fn=cmd_bench)
     return p
 

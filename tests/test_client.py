@@ -28,14 +28,19 @@ def test_torch_tensors_channels_last_and_pinned_fallback(tmp_path, image_root, d
     cfg = small_config(tmp_path, image_root, loader={"epochs": 1})
     d = daemon_factory(cfg)
     ref, _ = reference_batches(cfg, epochs=1)
-    with PrefetchClient(cfg, timeout=60, pin_memory=pin) as c:  # no CUDA here: pinning falls back cleanly
+    pinnable = bool(pin) and torch.cuda.is_available()  # without CUDA, pinning falls back cleanly
+    kept = []
+    with PrefetchClient(cfg, timeout=60, pin_memory=pin) as c:
         for b, (x, y) in enumerate(c.iter_epoch(0)):
             assert isinstance(x, torch.Tensor) and x.dtype == torch.uint8 and tuple(x.shape) == (6, 3, 64, 64)
-            assert x.is_contiguous(memory_format=torch.channels_last)
+            assert x.is_contiguous(memory_format=torch.channels_last) and x.is_pinned() == pinnable
             assert y.dtype == torch.int64 and tuple(y.shape) == (6,)
             assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[(0, 0, b)][0])
+            kept.append((b, x))
         assert c.state_dict()["epoch"] == 1 and c.state_dict()["batch"] == 0
-        assert c.pin_memory is False
+        assert c.pin_memory is pinnable
+    for b, x in kept:  # batch b+1's pixels never land in batch b's tensor
+        assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[(0, 0, b)][0])
     assert d.stop() == 0
 
 

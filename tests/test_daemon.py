@@ -110,6 +110,7 @@ with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
             json.dump(c.state_dict(), open(state_path + ".tmp", "w"))
             import os; os.replace(state_path + ".tmp", state_path)
             print("batch", flush=True)
+            sys.stdin.readline()  # the test says when to go on: a kill never lands mid-write
 """
 
 
@@ -129,15 +130,21 @@ def test_trainer_killed_and_restarted_resumes_with_identical_batches(tmp_path, i
     state, out = str(tmp_path / "state.json"), str(tmp_path / "seen.npy")
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
-    p = subprocess.Popen([sys.executable, str(script), cfg, state, out], stdout=subprocess.PIPE, text=True)
-    for _ in range(5):  # let it train five batches, then kill it without warning
+    p = subprocess.Popen([sys.executable, str(script), cfg, state, out], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    for i in range(5):  # let it train five batches, then kill it without warning
         assert p.stdout.readline().startswith("batch")
+        if i < 4:
+            p.stdin.write("\n")
+            p.stdin.flush()
     p.send_signal(signal.SIGKILL)
     p.wait(10)
+    p.stdin.close()
     before = _load_stream(out)
     # state.json is replaced after each saved batch: the killed trainer resumes right after it
     assert json.load(open(state))["batch"] == len(before)
-    r = subprocess.run([sys.executable, str(script), cfg, state, out], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, str(script), cfg, state, out], capture_output=True, text=True, timeout=120,
+                       input="\n" * 32)
     assert r.returncode == 0, r.stderr
     seen = _load_stream(out)
     ref = collect_reference_in_order(cfg)

@@ -1,30 +1,134 @@
-"""The client's CUDA path: pinned buffers, side-stream copies, events. Runs where a GPU is present
-(this project's CI machines have none: there these tests are reported as skipped, not passed)."""
+"""The client's CUDA path: pinned buffers, side-stream copies, events, on full-size batches
+(256 x 224 x 224). Runs where a GPU is present (this project's CI machines have none: there these
+tests are reported as skipped, not passed). The same multi-buffer logic runs everywhere in
+test_client_memory.py against a stand-in for pinned memory."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from conftest import small_config
+from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, normalize
-from test_daemon import reference_batches
+from test_daemon import published
+
+from prefetchd import batchfile
+from prefetchd.samples import make_image_folder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+EPOCHS, PER_EPOCH = 2, 3
+BATCHES = EPOCHS * PER_EPOCH
+
+
+@pytest.fixture(scope="module")
+def big_root(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("big"))
+    make_image_folder(root, classes=4, per_class=200, seed=5, long_side=160)  # 800 images: 3 batches of 256 an epoch
+    return root
+
+
+def _full_ring(tmp_path, root, daemon_factory):
+    """A daemon making 256 x 224 x 224 batches with the first BATCHES of them published; and those
+    files' own bytes, read before the client takes them."""
+    cfg = small_config(tmp_path, root, loader={"batch_size": 256, "epochs": None, "drop_last": True},
+                       workers={"count": 4}, augment={"output_size": 224, "scale_min": 224, "scale_max": 256},
+                       buffer={"capacity": BATCHES, "refill_at": BATCHES, "max_bytes": "1GiB"})
+    d = daemon_factory(cfg)
+    buf = str(tmp_path / "buffer")
+    wait_until(lambda: len(published(buf)) >= BATCHES, 300, "a full ring of 256-image batches")
+    files = {}
+    for e in range(EPOCHS):
+        for i in range(PER_EPOCH):
+            b = batchfile.read_file(f"{buf}/{batchfile.batch_name(0, e, i)}")
+            assert b.images.shape == (256, 224, 224, 3)
+            files[(e, i)] = (b.images.copy(), b.labels.copy())
+    return cfg, d, files
+
+
+def _busy_gpu(pinned_src: torch.Tensor, other: torch.cuda.Stream, a: torch.Tensor) -> torch.Tensor:
+    """Queue another host-to-device copy on another stream and work on the trainer's stream, so
+    the client's copies wait behind them."""
+    with torch.cuda.stream(other):
+        dst = pinned_src.to("cuda", non_blocking=True)
+    for _ in range(4):
+        a = a @ a
+        a = a / a.norm()
+    return dst
 
 
 @needs_cuda
-def test_batches_arrive_on_the_gpu_bit_identical_through_pinned_buffers(tmp_path, image_root, daemon_factory):
-    cfg = small_config(tmp_path, image_root)
-    d = daemon_factory(cfg)
-    ref, _ = reference_batches(cfg)
-    with PrefetchClient(cfg, device="cuda", timeout=60) as c:
-        for e in (0, 1):
-            for b, (x, y) in enumerate(c.iter_epoch(e)):
-                assert x.is_cuda and y.is_cuda and x.dtype == torch.uint8 and y.dtype == torch.int64
-                x = x * 1  # work on the trainer's stream, while the next copy runs on the side stream
-                assert np.array_equal(x.permute(0, 2, 3, 1).cpu().numpy(), ref[(0, e, b)][0])
-                assert np.array_equal(y.cpu().numpy(), ref[(0, e, b)][1])
-                assert normalize(x, dtype=torch.float16).is_cuda
-        assert c.pin_memory and all(t.is_pinned() for t in c._pinned)
+def test_full_size_batches_arrive_on_the_gpu_as_the_files_hold_them_with_other_copies_queued(
+        tmp_path, big_root, daemon_factory):
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    other = torch.cuda.Stream()
+    pinned_src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    kept = []
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2) as c:
+        for e in range(EPOCHS):
+            for i, (x, y) in enumerate(c.iter_epoch(e)):
+                _check(files[(e, i)], x, y)
+                kept.append(((e, i), x, y))
+                _busy_gpu(pinned_src, other, a)  # before the next batch's copy is waited for
+        assert c.pin_memory and all(t.is_pinned() for t, _ in c._pool._free)
+    torch.cuda.synchronize()
+    for key, x, _y in kept:  # held across the run: never written again
+        assert torch.equal(x.permute(0, 2, 3, 1).cpu(), torch.from_numpy(files[key][0])), f"{key} changed"
+    assert d.stop() == 0
+
+
+def _check(file, x, y) -> None:
+    assert x.is_cuda and y.is_cuda and x.dtype == torch.uint8 and y.dtype == torch.int64
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    x2 = x * 1  # work on the trainer's stream, while the next copies run on the side stream
+    assert torch.equal(x2.permute(0, 2, 3, 1).cpu(), torch.from_numpy(file[0])), "bytes differ from the file's"
+    assert torch.equal(y.cpu(), torch.from_numpy(file[1]))
+
+
+@needs_cuda
+def test_normalize_makes_no_host_sync_and_normalize_true_matches_it(tmp_path, big_root, daemon_factory):
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    with PrefetchClient(cfg, device="cuda", timeout=120, normalize=True, dtype=torch.bfloat16) as c:
+        got = list(c.iter_epoch(0))
+    torch.cuda.synchronize()
+    x = torch.from_numpy(files[(0, 0)][0]).permute(0, 3, 1, 2).cuda()
+    s = torch.cuda.Stream()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):  # a stream never seen: the constants are made under the check
+            out = normalize(x, dtype=torch.float16)
+            out = normalize(x, dtype=torch.bfloat16)
+        out2 = normalize(x, dtype=torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2) and out.is_contiguous(memory_format=torch.channels_last)
+    assert got[0][0].dtype == torch.bfloat16 and torch.equal(got[0][0], out2)
+    assert d.stop() == 0
+
+
+@needs_cuda
+def test_pin_memory_without_a_device_yields_fresh_pinned_cpu_tensors(tmp_path, big_root, daemon_factory):
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    with PrefetchClient(cfg, pin_memory=True, timeout=120) as c:
+        kept = list(c.iter_epoch(0))
+    for i, (x, y) in enumerate(kept):
+        assert x.is_pinned() and y.is_pinned() and not x.is_cuda
+        assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), files[(0, i)][0]), f"batch {i} changed after it was yielded"
+    assert d.stop() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_the_device_is_the_current_one_at_first_use_not_at_construction(tmp_path, big_root, daemon_factory):
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    torch.cuda.set_device(0)
+    c = PrefetchClient(cfg, device="cuda", timeout=120)
+    torch.cuda.set_device(1)  # as a torchrun script does after building its loader
+    try:
+        x, _ = next(iter(c.iter_epoch(0)))
+        assert x.device == torch.device("cuda", 1) and c.device == torch.device("cuda", 1)
+        assert torch.equal(x.permute(0, 2, 3, 1).cpu(), torch.from_numpy(files[(0, 0)][0]))
+    finally:
+        c.close()
+        torch.cuda.set_device(0)
     assert d.stop() == 0
