@@ -167,7 +167,7 @@ def cmd_demo(args) -> int:
 
     setup_logging("warning" if not args.verbose else "info")
     return run_demo(images=args.images, classes=args.classes, epochs=args.epochs, batch_size=args.batch_size,
-                    workers=args.workers, keep=args.keep)
+                    workers=args.workers, keep=args.keep, quiet=args.quiet)
 
 
 def cmd_preview(args) -> int:
@@ -187,6 +187,8 @@ def cmd_bench(args) -> int:
     from .bench import run_bench
 
     setup_logging("warning")
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: every bar, here and in what bench starts
     return run_bench(args)
 
 
@@ -216,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", default="auto")
     d.add_argument("--keep", action="store_true", help="keep the sample data and buffer directory")
     d.add_argument("--verbose", action="store_true", help="show the daemon's log")
+    d.add_argument("--quiet", "-q", action="store_true", help="no progress bar (none is drawn off a terminal either)")
     d.set_defaults(fn=cmd_demo)
     v = sub.add_parser("preview", help="save a grid of augmented samples with their labels as a PNG")
     v.add_argument("--config", "-c", required=True)
@@ -241,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-workers", action="store_true", help="throughput against worker count")
     b.add_argument("--plot", help="PNG path for the sweep's error-bar plot (needs matplotlib)")
     b.add_argument("--json", help="write the figures to this JSON file")
+    b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p
 
