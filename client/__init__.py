@@ -1,45 +1,48 @@
 """prefetchd_client: what the training loop imports to read prefetchd's batches.
 
-    from prefetchd_client import PrefetchClient, normalize
+    from prefetchd_client import PrefetchClient
 
-    with PrefetchClient("/etc/prefetchd/train.yaml", device="cuda") as client:
-        client.load_state_dict(checkpoint["loader"])          # resume exactly, if resuming
-        for epoch in range(client.epoch, epochs):
-            for images, labels in client.iter_epoch(epoch):   # uint8 [B,3,H,W], int64 [B]
-                x = normalize(images)                         # float on the device
-                ...
-                checkpoint["loader"] = client.state_dict()
+    loader = PrefetchClient("/etc/prefetchd/train.yaml", device="cuda", normalize=True)
+    loader.load_state_dict(checkpoint["loader"])          # resume exactly, if resuming
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)
+        for images, labels in loader:                     # one epoch: float [B,3,H,W], int64 [B]
+            ...
+            checkpoint["loader"] = loader.state_dict()
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .client import BatchInfo, PrefetchClient, PrefetchError, PrefetchTimeout
+from .client import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    BatchInfo,
+    CudaTransfer,
+    PrefetchClient,
+    PrefetchError,
+    PrefetchTimeout,
+    _normalize_numpy,
+    _normalize_torch,
+)
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-__all__ = ["BatchInfo", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize", "IMAGENET_MEAN", "IMAGENET_STD"]
+__all__ = ["BatchInfo", "CudaTransfer", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize",
+           "IMAGENET_MEAN", "IMAGENET_STD"]
 
 
 def normalize(images: Any, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: Any = None) -> Any:
     """uint8 [B, 3, H, W] -> floating (x / 255 - mean) / std, on the images' own device.
 
-    For torch tensors the work runs where the tensor is (do it on the GPU); ``dtype`` defaults to
-    float32 (torch.float16/bfloat16 halve the memory). numpy arrays give float32 arrays.
+    For torch tensors the work runs where the tensor is (do it on the GPU), with no host sync: the
+    constants are made once per device, dtype and stream, on the device. ``dtype`` defaults to
+    float32 (torch.float16/bfloat16 halve the memory; they are computed in float32 and rounded
+    once). numpy arrays give float32 arrays (or ``dtype``). The memory layout (channels-last) is kept.
     """
     try:
         import torch
     except ImportError:
         torch = None
     if torch is not None and isinstance(images, torch.Tensor):
-        dtype = dtype or torch.float32
-        m = torch.tensor(mean, device=images.device, dtype=dtype).view(1, -1, 1, 1) * 255
-        s = torch.tensor(std, device=images.device, dtype=dtype).view(1, -1, 1, 1) * 255
-        return (images.to(dtype) - m) / s
-    import numpy as np
-
-    m = np.asarray(mean, dtype=np.float32).reshape(1, -1, 1, 1) * 255
-    s = np.asarray(std, dtype=np.float32).reshape(1, -1, 1, 1) * 255
-    return (np.asarray(images, dtype=dtype or np.float32) - m) / s
+        return _normalize_torch(images, dtype, mean, std)
+    return _normalize_numpy(images, dtype, mean, std)

@@ -353,9 +353,11 @@ class AugmentConfig:
 @dataclass(frozen=True)
 class ClientConfig:
     echo_factor: int = 1
+    prefetch: int = 2
 
     def __post_init__(self) -> None:
         _int(self.echo_factor, "client.echo_factor", 1, 16)
+        _int(self.prefetch, "client.prefetch", 1, 64)
 
 
 @dataclass(frozen=True)
