@@ -118,3 +118,41 @@ def test_lightning_datamodule_trains_a_few_steps_on_cpu(tmp_path, image_root, da
               "--default-root-dir", str(tmp_path / "lightning")], cwd=str(tmp_path))
     assert "trained 10 steps; the loader stopped at epoch 1 batch 2" in r.stdout, r.stdout + r.stderr[-2000:]
     assert daemon.stop() == 0
+
+
+def test_lightning_ddp_resume_sees_the_straight_runs_batches(tmp_path, image_root, daemon_factory):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    # 2 ranks on CPU (gloo), 4 steps per epoch and rank: a checkpoint at step 2 (mid-epoch 0),
+    # resumed to step 6 (into epoch 1), against a straight run to step 6
+    loader = {"epochs": 2, "world_size": 2, "ranks": [0, 1]}
+    common = ["--max-epochs", "2", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp"]
+
+    straight_cfg = _stream(tmp_path, "straight", image_root, loader=loader)
+    d1 = daemon_factory(straight_cfg)
+    _run([sys.executable, LIGHTNING, straight_cfg, *common, "--max-steps", "6", "--default-root-dir",
+          str(tmp_path / "l-straight"), "--log-batches", str(tmp_path / "straight.jsonl")], cwd=str(tmp_path))
+    assert d1.stop() == 0
+
+    cfg = _stream(tmp_path, "resumed", image_root, loader=loader)
+    d2 = daemon_factory(cfg)
+    _run([sys.executable, LIGHTNING, cfg, *common, "--max-steps", "3", "--save-every-n-steps", "2",
+          "--default-root-dir", str(tmp_path / "l-stopped"), "--log-batches", str(tmp_path / "stopped.jsonl")],
+         cwd=str(tmp_path))
+    ckpt = tmp_path / "l-stopped" / "checkpoints" / "step=2.ckpt"
+    r = _run([sys.executable, LIGHTNING, cfg, *common, "--max-steps", "6", "--ckpt-path", str(ckpt),
+              "--default-root-dir", str(tmp_path / "l-resumed"), "--log-batches", str(tmp_path / "resumed.jsonl")],
+             cwd=str(tmp_path))
+    assert "trained 6 steps; the loader stopped at epoch 1 batch 2" in r.stdout, r.stdout
+    assert d2.stop() == 0
+
+    straight = _digests(str(tmp_path / "straight.jsonl"))
+    stopped = _digests(str(tmp_path / "stopped.jsonl"))
+    resumed = _digests(str(tmp_path / "resumed.jsonl"))
+    assert sorted(straight) == [0, 1] and [len(straight[r]) for r in (0, 1)] == [6, 6]
+    assert straight[0] != straight[1]
+    for rank in (0, 1):
+        assert stopped[rank][:2] + resumed[rank] == straight[rank], f"rank {rank}"
+    a = torch.load(next((tmp_path / "l-straight" / "checkpoints").glob("*.ckpt")), weights_only=False)["state_dict"]
+    b = torch.load(next((tmp_path / "l-resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["state_dict"]
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k

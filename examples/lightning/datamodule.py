@@ -14,7 +14,8 @@
 * On a CUDA root device the client copies each batch to the device itself (pinned memory, a side
   stream); Lightning's own transfer is then a no-op. Batches come normalised (float32,
   ImageNet mean and std) unless ``normalize=False``.
-* ``state_dict()`` / ``load_state_dict()`` carry the loader's position in Lightning's checkpoints.
+* Lightning keeps the loader's state in its checkpoints (as for a StatefulDataLoader): every
+  rank's position, so ``ckpt_path=`` resumes each rank at its next batch, mid-epoch too.
 
 Validation needs prefetchd's validation stream (``PrefetchClient(config, split="val")``), which
 this version does not have: ``val_dataloader`` is not defined until it is.
@@ -25,7 +26,38 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch.distributed as dist
 from prefetchd_client import PrefetchClient
+
+
+class PrefetchTrainLoader:
+    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
+    state holds every rank's position, so that a checkpoint (which rank 0 writes) resumes each
+    rank where it was. Lightning saves and restores it as it does a StatefulDataLoader."""
+
+    def __init__(self, client: PrefetchClient):
+        self.client = client
+
+    def __iter__(self):
+        return iter(self.client)
+
+    def __len__(self) -> int:
+        return len(self.client)
+
+    def state_dict(self) -> dict[str, Any]:
+        own = self.client.state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states: list = [None] * dist.get_world_size()
+            dist.all_gather_object(states, own)  # Lightning dumps checkpoints on every rank
+        else:
+            states = [own]
+        return {"ranks": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_rank = {int(s["rank"]): s for s in state["ranks"]}
+        if self.client.rank not in by_rank:
+            raise ValueError(f"the checkpoint holds loader states of ranks {sorted(by_rank)}, not of rank {self.client.rank}")
+        self.client.load_state_dict(by_rank[self.client.rank])
 
 
 class PrefetchDataModule(L.LightningDataModule):
@@ -35,7 +67,6 @@ class PrefetchDataModule(L.LightningDataModule):
         self.timeout = timeout
         self.normalize = normalize
         self.train: PrefetchClient | None = None
-        self._pending_state: dict | None = None
         self.final_state: dict | None = None  # the loader's position when teardown closed it
 
     def setup(self, stage: str) -> None:
@@ -46,29 +77,15 @@ class PrefetchDataModule(L.LightningDataModule):
         device = root if root is not None and root.type == "cuda" else None
         self.train = PrefetchClient(self.config, rank=rank, device=device, timeout=self.timeout,
                                     normalize=self.normalize)
-        if self._pending_state is not None:  # a checkpoint restored before setup
-            self.train.load_state_dict(self._pending_state)
-            self._pending_state = None
 
-    def train_dataloader(self) -> PrefetchClient:
+    def train_dataloader(self) -> PrefetchTrainLoader:
         assert self.train is not None, "setup() opens the loader"
-        return self.train
+        return PrefetchTrainLoader(self.train)
 
     @property
     def num_classes(self) -> int:
         assert self.train is not None, "setup() opens the loader"
         return int(self.train.meta()["num_classes"])
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.train.state_dict()} if self.train is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "loader" not in state_dict:
-            return
-        if self.train is None:
-            self._pending_state = state_dict["loader"]
-        else:
-            self.train.load_state_dict(state_dict["loader"])
 
     def teardown(self, stage: str) -> None:
         if self.train is not None:
