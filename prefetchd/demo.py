@@ -2,8 +2,9 @@
 
 Makes a small ImageFolder of photo-like JPEGs, writes a config, starts the real daemon
 (``python -m prefetchd run``) in its own process group, trains two epochs through the client
-with a progress bar (tqdm's, on a terminal only), prints images/s and how long the trainer waited, stops the daemon with
-SIGTERM and removes everything it made (unless ``--keep``).
+(``for x, y in client`` with ``normalize=True``, as a DataLoader loop reads) with a progress bar
+(tqdm's, on a terminal only), prints images/s and how long the trainer waited, stops the daemon
+with SIGTERM and removes everything it made (unless ``--keep``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def write_config(path: str, data: str, buffer: str, cache: str, batch_size: int,
 
 def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: int = 32, workers="auto",
              keep: bool = False, quiet: bool = False) -> int:
-    from prefetchd_client import PrefetchClient, PrefetchError, normalize
+    from prefetchd_client import PrefetchClient, PrefetchError
 
     work = tempfile.mkdtemp(prefix="prefetchd-demo-")
     buffer = tempfile.mkdtemp(prefix="prefetchd-demo-buffer-", dir=_buffer_parent())
@@ -65,15 +66,16 @@ def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: i
         print(f"daemon started (pid {proc.pid}), buffer {buffer}")
         seen = 0
         t_start = time.monotonic()
-        with PrefetchClient(cfg_path, timeout=60) as client:
-            total = client.batches_per_epoch
+        # the DataLoader habits: one epoch per `for`, set_epoch, len(); normalize=True hands over
+        # model-ready floats ((x/255 - mean)/std)
+        with PrefetchClient(cfg_path, timeout=60, normalize=True) as client:
+            total = len(client)
             for epoch in range(epochs):
                 t_epoch = time.monotonic()
-                with bar(client.iter_epoch(epoch), quiet=quiet, total=total, desc=f"epoch {epoch}",
-                         unit="batch", leave=False) as batches:
+                client.set_epoch(epoch)
+                with bar(client, quiet=quiet, total=total, desc=f"epoch {epoch}", unit="batch", leave=False) as batches:
                     for x, y in batches:
-                        # the "training step": normalise as a trainer would on its device, and reduce
-                        float(normalize(x).mean())
+                        float(x.mean())  # the "training step": a reduction over the batch
                         seen += len(y)
                         rate = seen / max(time.monotonic() - t_start, 1e-9)
                         batches.set_postfix_str(f"{rate:,.0f} img/s, trainer waited {client.wait_s:.2f} s",
