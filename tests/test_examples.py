@@ -23,7 +23,12 @@ _ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 def _run(cmd: list[str], cwd: str) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, cwd=cwd, env=_ENV, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
-    assert r.returncode == 0, f"{cmd} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    if r.returncode != 0:
+        log = os.path.join(cwd, f"failed-{os.getpid()}-{len(os.listdir(cwd))}.log")
+        with open(log, "w") as f:
+            f.write(f"{cmd}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+        raise AssertionError(f"{cmd} exited {r.returncode} (whole output in {log}):\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-6000:]}")
     return r
 
 
