@@ -35,6 +35,7 @@ from multiprocessing import get_context
 import numpy as np
 
 from . import batchfile
+from .bars import bar
 from .demo import write_config
 
 
@@ -106,7 +107,7 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
         n = 0
         with PrefetchClient(cfg, timeout=120, as_numpy=True) as c:
             for e in range(epochs):
-                for _, y in c.iter_epoch(e):
+                for _, y in bar(c.iter_epoch(e), total=len(c), desc=f"daemon epoch {e}", unit="batch", leave=False):
                     times.append(time.monotonic())
                     n += len(y)
                 # the daemon's children: the forkserver and the workers

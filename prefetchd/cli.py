@@ -190,7 +190,7 @@ def cmd_demo(args) -> int:
 
     setup_logging("warning" if not args.verbose else "info")
     return run_demo(images=args.images, classes=args.classes, epochs=args.epochs, batch_size=args.batch_size,
-                    workers=args.workers, keep=args.keep)
+                    workers=args.workers, keep=args.keep, quiet=args.quiet)
 
 
 def cmd_preview(args) -> int:
@@ -208,6 +208,8 @@ def cmd_preview(args) -> int:
 
 def cmd_bench(args) -> int:
     setup_logging("warning")
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: every bar, here and in what bench starts
     if args.client:
         from .bench_client import run_client_bench
 
@@ -249,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", default="auto")
     d.add_argument("--keep", action="store_true", help="keep the sample data and buffer directory")
     d.add_argument("--verbose", action="store_true", help="show the daemon's log")
+    d.add_argument("--quiet", "-q", action="store_true", help="no progress bar (none is drawn off a terminal either)")
     d.set_defaults(fn=cmd_demo)
     v = sub.add_parser("preview", help="save a grid of augmented samples with their labels as a PNG")
     v.add_argument("--config", "-c", required=True)
@@ -288,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--warmup", type=int, default=8, help="--train: steps before the clock starts")
     k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
                    "every measured batch (few cores: its refills would compete with the training)")
+    b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .bars import bar
+
 log = logging.getLogger("prefetchd.dataset")
 
 _CACHE_VERSION = 1
@@ -103,7 +105,9 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
     rel: list[bytes] = []
     labels: list[int] = []
     empty: list[str] = []
-    for label, cls in enumerate(classes):
+    # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
+    classes_bar = bar(classes, desc=f"scanning {root}", unit="class", leave=False)
+    for label, cls in enumerate(classes_bar):
         top = os.path.join(root, cls)
         seen: set[tuple[int, int]] = set()
         found = 0
@@ -125,6 +129,8 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
                     found += 1
         if not found:
             empty.append(cls)
+        classes_bar.set_postfix_str(f"{len(rel):,} images", refresh=False)
+    classes_bar.close()
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))

@@ -2,8 +2,9 @@
 
 Makes a small ImageFolder of photo-like JPEGs, writes a config, starts the real daemon
 (``python -m prefetchd run``) in its own process group, trains two epochs through the client
-with a progress bar, prints images/s and how long the trainer waited, stops the daemon with
-SIGTERM and removes everything it made (unless ``--keep``).
+(``for x, y in client`` with ``normalize=True``, as a DataLoader loop reads) with a progress bar
+(tqdm's, on a terminal only), prints images/s and how long the trainer waited, stops the daemon
+with SIGTERM and removes everything it made (unless ``--keep``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,8 @@ import time
 
 import yaml
 
+from .bars import bar
 from .samples import make_image_folder
-
-
-def _bar(done: int, total: int, width: int = 30) -> str:
-    k = int(width * done / max(total, 1))
-    return "[" + "#" * k + "." * (width - k) + "]"
 
 
 def _buffer_parent() -> str:
@@ -47,8 +44,8 @@ def write_config(path: str, data: str, buffer: str, cache: str, batch_size: int,
 
 
 def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: int = 32, workers="auto",
-             keep: bool = False) -> int:
-    from prefetchd_client import PrefetchClient, PrefetchError, normalize
+             keep: bool = False, quiet: bool = False) -> int:
+    from prefetchd_client import PrefetchClient, PrefetchError
 
     work = tempfile.mkdtemp(prefix="prefetchd-demo-")
     buffer = tempfile.mkdtemp(prefix="prefetchd-demo-buffer-", dir=_buffer_parent())
@@ -69,19 +66,21 @@ def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: i
         print(f"daemon started (pid {proc.pid}), buffer {buffer}")
         seen = 0
         t_start = time.monotonic()
-        with PrefetchClient(cfg_path, timeout=60) as client:
-            total = client.batches_per_epoch
+        # the DataLoader habits: one epoch per `for`, set_epoch, len(); normalize=True hands over
+        # model-ready floats ((x/255 - mean)/std)
+        with PrefetchClient(cfg_path, timeout=60, normalize=True) as client:
+            total = len(client)
             for epoch in range(epochs):
                 t_epoch = time.monotonic()
-                for i, (x, y) in enumerate(client.iter_epoch(epoch)):
-                    # the "training step": normalise as a trainer would on its device, and reduce
-                    float(normalize(x).mean())
-                    seen += len(y)
-                    rate = seen / max(time.monotonic() - t_start, 1e-9)
-                    sys.stdout.write(f"\repoch {epoch} {_bar(i + 1, total)} {i + 1}/{total} batches, "
-                                     f"{rate:,.0f} img/s, trainer waited {client.wait_s:.2f} s ")
-                    sys.stdout.flush()
-                sys.stdout.write(f"\n  epoch {epoch}: {total} batches in {time.monotonic() - t_epoch:.1f} s\n")
+                client.set_epoch(epoch)
+                with bar(client, quiet=quiet, total=total, desc=f"epoch {epoch}", unit="batch", leave=False) as batches:
+                    for x, y in batches:
+                        float(x.mean())  # the "training step": a reduction over the batch
+                        seen += len(y)
+                        rate = seen / max(time.monotonic() - t_start, 1e-9)
+                        batches.set_postfix_str(f"{rate:,.0f} img/s, trainer waited {client.wait_s:.2f} s",
+                                                refresh=False)
+                print(f"  epoch {epoch}: {total} batches in {time.monotonic() - t_epoch:.1f} s")
             elapsed = time.monotonic() - t_start
             wait = client.wait_s
         print(f"done: {seen} images in {elapsed:.1f} s = {seen / elapsed:,.0f} img/s through the client; "

@@ -1,0 +1,94 @@
+"""A LightningDataModule on prefetchd: the daemon makes the batches, Lightning trains on them.
+
+    dm = PrefetchDataModule("train.yaml")
+    trainer = L.Trainer(max_epochs=90, use_distributed_sampler=False)
+    trainer.fit(model, datamodule=dm)
+
+* ``setup`` opens one :class:`PrefetchClient` per process for the trainer's global rank (under
+  DDP every process reads its own rank's stream; the config's ``loader.world_size`` must equal the
+  trainer's world size). There is no sampler for Lightning to replace:
+  ``use_distributed_sampler=False``.
+* The client is the train dataloader: each ``iter()`` Lightning takes per epoch yields one epoch
+  from the loader's position and then moves it to the next epoch, as a DataLoader with
+  ``DistributedSampler.set_epoch`` does. ``len()`` is this rank's batches per epoch.
+* On a CUDA root device the client copies each batch to the device itself (pinned memory, a side
+  stream); Lightning's own transfer is then a no-op. Batches come normalised (float32,
+  ImageNet mean and std) unless ``normalize=False``.
+* Lightning keeps the loader's state in its checkpoints (as for a StatefulDataLoader): every
+  rank's position, so ``ckpt_path=`` resumes each rank at its next batch, mid-epoch too.
+
+Validation needs prefetchd's validation stream (``PrefetchClient(config, split="val")``), which
+this version does not have: ``val_dataloader`` is not defined until it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from prefetchd_client import PrefetchClient
+
+
+class PrefetchTrainLoader:
+    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
+    state holds every rank's position, so that a checkpoint (which rank 0 writes) resumes each
+    rank where it was. Lightning saves and restores it as it does a StatefulDataLoader."""
+
+    def __init__(self, client: PrefetchClient):
+        self.client = client
+
+    def __iter__(self):
+        return iter(self.client)
+
+    def __len__(self) -> int:
+        return len(self.client)
+
+    def state_dict(self) -> dict[str, Any]:
+        own = self.client.state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states: list = [None] * dist.get_world_size()
+            dist.all_gather_object(states, own)  # Lightning dumps checkpoints on every rank
+        else:
+            states = [own]
+        return {"ranks": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        by_rank = {int(s["rank"]): s for s in state["ranks"]}
+        if self.client.rank not in by_rank:
+            raise ValueError(f"the checkpoint holds loader states of ranks {sorted(by_rank)}, not of rank {self.client.rank}")
+        self.client.load_state_dict(by_rank[self.client.rank])
+
+
+class PrefetchDataModule(L.LightningDataModule):
+    def __init__(self, config: str, timeout: float = 120.0, normalize: bool = True):
+        super().__init__()
+        self.config = config
+        self.timeout = timeout
+        self.normalize = normalize
+        self.train: PrefetchClient | None = None
+        self.final_state: dict | None = None  # the loader's position when teardown closed it
+
+    def setup(self, stage: str) -> None:
+        if self.train is not None:
+            return
+        rank = self.trainer.global_rank if self.trainer is not None else None
+        root = self.trainer.strategy.root_device if self.trainer is not None else None
+        device = root if root is not None and root.type == "cuda" else None
+        self.train = PrefetchClient(self.config, rank=rank, device=device, timeout=self.timeout,
+                                    normalize=self.normalize)
+
+    def train_dataloader(self) -> PrefetchTrainLoader:
+        assert self.train is not None, "setup() opens the loader"
+        return PrefetchTrainLoader(self.train)
+
+    @property
+    def num_classes(self) -> int:
+        assert self.train is not None, "setup() opens the loader"
+        return int(self.train.meta()["num_classes"])
+
+    def teardown(self, stage: str) -> None:
+        if self.train is not None:
+            self.final_state = self.train.state_dict()
+            self.train.close()
+            self.train = None

@@ -1,0 +1,163 @@
+"""The examples/ scripts, run as a user runs them, for a few steps on CPU against the real daemon:
+the ImageNet script alone and under torchrun with two ranks (with a checkpoint and resume whose
+batches equal a straight run's), and the Lightning DataModule."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import small_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGENET = os.path.join(REPO, "examples", "imagenet", "train.py")
+LIGHTNING = os.path.join(REPO, "examples", "lightning", "train.py")
+_RUN_TIMEOUT_S = 300
+# one thread per process: two ranks and the daemon's workers share two cores
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str], cwd: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, cwd=cwd, env=_ENV, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
+    if r.returncode != 0:
+        log = os.path.join(cwd, f"failed-{os.getpid()}-{len(os.listdir(cwd))}.log")
+        with open(log, "w") as f:
+            f.write(f"{cmd}\n--- stdout\n{r.stdout}\n--- stderr\n{r.stderr}")
+        raise AssertionError(f"{cmd} exited {r.returncode} (whole output in {log}):\n{r.stdout[-3000:]}\n"
+                             f"{r.stderr[-6000:]}")
+    return r
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _digests(path: str) -> dict[int, list[tuple[int, int, str]]]:
+    by_rank: dict[int, list] = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            by_rank.setdefault(rec["rank"], []).append((rec["epoch"], rec["step"], rec["digest"]))
+    return by_rank
+
+
+def _stream(tmp_path, name: str, root: str, **sections) -> str:
+    """Its own config, buffer and cache: one daemon per run, making the same stream."""
+    d = tmp_path / name
+    d.mkdir()
+    return small_config(d, root, **sections)
+
+
+def test_imagenet_example_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon_factory):
+    cfg = _stream(tmp_path, "one", image_root, loader={"epochs": 1})
+    daemon = daemon_factory(cfg)
+    ckpt = tmp_path / "ckpt.pt"
+    r = _run([sys.executable, IMAGENET, cfg, "--arch", "tiny", "--epochs", "1", "--max-steps", "3",
+              "--print-freq", "1", "--checkpoint", str(ckpt)], cwd=str(tmp_path))
+    assert "tiny for 4 classes on cpu, world size 1, batch 6 per rank, 8 steps per epoch" in r.stdout
+    assert r.stdout.count("Epoch: [0][") == 3, r.stdout
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["epoch"] == 0 and saved["steps"] == 3 and saved["world_size"] == 1
+    assert saved["loader"][0]["epoch"] == 0 and saved["loader"][0]["batch"] == 3
+    assert daemon.stop() == 0
+
+
+def test_imagenet_example_val_without_the_validation_stream_is_a_clear_error(tmp_path, image_root):
+    cfg = _stream(tmp_path, "val", image_root)
+    r = subprocess.run([sys.executable, IMAGENET, cfg, "--arch", "tiny", "--val"], cwd=str(tmp_path), env=_ENV,
+                       capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
+    assert r.returncode == 1 and "--val needs prefetchd's validation stream" in r.stderr, r.stderr
+
+
+def test_imagenet_example_under_torchrun_resumes_with_the_straight_runs_batches(tmp_path, image_root,
+                                                                               daemon_factory):
+    # 48 images, 2 ranks, batches of 6: 4 steps per epoch and rank; 2 epochs. The stopped run ends
+    # mid-epoch 0 at step 3, so the resumed run starts inside an epoch and crosses into the next.
+    loader = {"epochs": 2, "world_size": 2, "ranks": [0, 1]}
+    common = ["--arch", "tiny", "--epochs", "2", "--print-freq", "1"]
+
+    straight_cfg = _stream(tmp_path, "straight", image_root, loader=loader)
+    d1 = daemon_factory(straight_cfg)
+    straight_log = tmp_path / "straight.jsonl"
+    _run(_torchrun(2) + [IMAGENET, straight_cfg, *common, "--checkpoint", str(tmp_path / "straight.pt"),
+                         "--log-batches", str(straight_log)], cwd=str(tmp_path))
+    assert d1.stop() == 0
+
+    resumed_cfg = _stream(tmp_path, "resumed", image_root, loader=loader)
+    d2 = daemon_factory(resumed_cfg)
+    resumed_log = tmp_path / "resumed.jsonl"
+    ckpt = tmp_path / "resumed.pt"
+    _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--max-steps", "3",
+                         "--log-batches", str(resumed_log)], cwd=str(tmp_path))
+    stopped = torch.load(ckpt, weights_only=True)
+    assert [s["rank"] for s in stopped["loader"]] == [0, 1]
+    assert all((s["epoch"], s["batch"]) == (0, 3) for s in stopped["loader"])
+    r = _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--resume", str(ckpt),
+                             "--log-batches", str(resumed_log)], cwd=str(tmp_path))
+    assert "resumed from" in r.stdout
+    assert d2.stop() == 0
+
+    straight, resumed = _digests(str(straight_log)), _digests(str(resumed_log))
+    assert sorted(straight) == [0, 1]
+    assert [len(straight[r]) for r in (0, 1)] == [8, 8]
+    assert straight[0] != straight[1]  # each rank has its own share of the stream
+    for rank in (0, 1):
+        assert resumed[rank] == straight[rank], f"rank {rank}: resumed batches differ from the straight run's"
+    # and the model ends where the straight run's ended (same batches, same steps, same arithmetic)
+    a = torch.load(tmp_path / "straight.pt", weights_only=True)["model"]
+    b = torch.load(ckpt, weights_only=True)["model"]
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+
+
+def test_lightning_datamodule_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon_factory):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    cfg = _stream(tmp_path, "lightning", image_root, loader={"epochs": 2})
+    daemon = daemon_factory(cfg)
+    # 8 batches per epoch: 10 steps finish epoch 0 and go into epoch 1 (the loader moves on by itself)
+    r = _run([sys.executable, LIGHTNING, cfg, "--max-steps", "10", "--accelerator", "cpu", "--devices", "1",
+              "--default-root-dir", str(tmp_path / "lightning")], cwd=str(tmp_path))
+    assert "trained 10 steps; the loader stopped at epoch 1 batch 2" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert daemon.stop() == 0
+
+
+def test_lightning_ddp_resume_sees_the_straight_runs_batches(tmp_path, image_root, daemon_factory):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    # 2 ranks on CPU (gloo), 4 steps per epoch and rank: a checkpoint at step 2 (mid-epoch 0),
+    # resumed to step 6 (into epoch 1), against a straight run to step 6
+    loader = {"epochs": 2, "world_size": 2, "ranks": [0, 1]}
+    common = ["--max-epochs", "2", "--accelerator", "cpu", "--devices", "2", "--strategy", "ddp"]
+
+    straight_cfg = _stream(tmp_path, "straight", image_root, loader=loader)
+    d1 = daemon_factory(straight_cfg)
+    _run([sys.executable, LIGHTNING, straight_cfg, *common, "--max-steps", "6", "--default-root-dir",
+          str(tmp_path / "l-straight"), "--log-batches", str(tmp_path / "straight.jsonl")], cwd=str(tmp_path))
+    assert d1.stop() == 0
+
+    cfg = _stream(tmp_path, "resumed", image_root, loader=loader)
+    d2 = daemon_factory(cfg)
+    _run([sys.executable, LIGHTNING, cfg, *common, "--max-steps", "3", "--save-every-n-steps", "2",
+          "--default-root-dir", str(tmp_path / "l-stopped"), "--log-batches", str(tmp_path / "stopped.jsonl")],
+         cwd=str(tmp_path))
+    ckpt = tmp_path / "l-stopped" / "checkpoints" / "step=2.ckpt"
+    r = _run([sys.executable, LIGHTNING, cfg, *common, "--max-steps", "6", "--ckpt-path", str(ckpt),
+              "--default-root-dir", str(tmp_path / "l-resumed"), "--log-batches", str(tmp_path / "resumed.jsonl")],
+             cwd=str(tmp_path))
+    assert "trained 6 steps; the loader stopped at epoch 1 batch 2" in r.stdout, r.stdout
+    assert d2.stop() == 0
+
+    straight = _digests(str(tmp_path / "straight.jsonl"))
+    stopped = _digests(str(tmp_path / "stopped.jsonl"))
+    resumed = _digests(str(tmp_path / "resumed.jsonl"))
+    assert sorted(straight) == [0, 1] and [len(straight[r]) for r in (0, 1)] == [6, 6]
+    assert straight[0] != straight[1]
+    for rank in (0, 1):
+        assert stopped[rank][:2] + resumed[rank] == straight[rank], f"rank {rank}"
+    a = torch.load(next((tmp_path / "l-straight" / "checkpoints").glob("*.ckpt")), weights_only=False)["state_dict"]
+    b = torch.load(next((tmp_path / "l-resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["state_dict"]
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
