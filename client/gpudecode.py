@@ -55,8 +55,9 @@ class NvImageCodecDecoder:
     def __init__(self, device):
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise DecodeUnavailable(f"augment.decode: hybrid | gpu needs a CUDA device, got {device!r}; "
-                                    "use augment.decode: cpu on machines without one")
+            raise DecodeUnavailable(f"augment.decode: hybrid | gpu needs a CUDA device, got {str(device)!r} "
+                                    f"(torch.cuda.is_available() is {torch.cuda.is_available()}); "
+                                    f"{GPU_EXTRA_HINT}, on a machine with CUDA, or set augment.decode: cpu")
         try:
             from nvidia import nvimgcodec
         except ImportError as e:
@@ -171,17 +172,36 @@ def resample(x: torch.Tensor, hh: int, ww: int, interpolation: str) -> torch.Ten
             if x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0:
                 x = F.avg_pool2d(x, 2)
             else:
-                x = F.interpolate(x, size=(h2, w2), mode="area")
+                x = _area(x, h2, w2)
             x = _round_u8(x)
     if interpolation == "nearest":
         y = F.interpolate(x, size=(hh, ww), mode="nearest")
-    elif interpolation == "area":
-        y = F.interpolate(x, size=(hh, ww), mode="area")
+    elif interpolation == "area" and x.shape[2] >= hh and x.shape[3] >= ww:
+        y = _area(x, hh, ww)
+    elif interpolation == "area":  # enlarging: OpenCV's INTER_AREA is close to bilinear there
+        y = F.interpolate(x, size=(hh, ww), mode="bilinear", align_corners=False)
     elif interpolation == "bilinear":
         y = F.interpolate(x, size=(hh, ww), mode="bilinear", align_corners=False)
     else:  # bicubic, and lanczos (which torch lacks)
         y = F.interpolate(x, size=(hh, ww), mode="bicubic", align_corners=False)
     return _round_u8(y)
+
+
+def _area_weights(n_in: int, n_out: int, device) -> torch.Tensor:
+    """[n_out, n_in]: output pixel i averages source [i*s, (i+1)*s), s = n_in/n_out, each source
+    pixel weighted by how much of it the interval covers (OpenCV's INTER_AREA when shrinking;
+    torch's "area" mode is adaptive pooling, which differs for ratios that are not whole)."""
+    s = n_in / n_out
+    lo = torch.arange(n_out, dtype=torch.float64, device=device)[:, None] * s
+    j = torch.arange(n_in, dtype=torch.float64, device=device)[None, :]
+    cover = (torch.minimum(j + 1, lo + s) - torch.maximum(j, lo)).clamp_(min=0)
+    return (cover / s).float()
+
+
+def _area(x: torch.Tensor, hh: int, ww: int) -> torch.Tensor:
+    wy = _area_weights(x.shape[2], hh, x.device)
+    wx = _area_weights(x.shape[3], ww, x.device)
+    return torch.einsum("yh,bchw,xw->bcyx", wy, x, wx)
 
 
 def _crop_resample(img, p, index: int, hh: int, ww: int, interpolation: str) -> torch.Tensor:
@@ -193,12 +213,21 @@ def _crop_resample(img, p, index: int, hh: int, ww: int, interpolation: str) -> 
         img = img[:, :, None]
     if img.shape[0] != ch or img.shape[1] != cw or img.shape[2] not in (1, 3):
         raise DecodeError(f"dataset sample {index} decoded to {tuple(img.shape)}, its header says {ch}x{cw}x3")
-    x0, y0, x1, y1 = coded_box(p["roi"], int(p["orientation"]), cw, ch)
-    region = orient(img[y0:y1, x0:x1], int(p["orientation"]))
-    if region.shape[2] == 1:
-        region = region.expand(-1, -1, 3)
-    x = region.permute(2, 0, 1).unsqueeze(0).float()
+    r = int(p["reduce"])
+    if r > 1:  # orientation 1 (checked at parse): crop whole r x r blocks, then box-reduce them
+        x0, y0, x1, y1 = (int(v) for v in p["roi"])
+        region = img[y0 * r: min(y1 * r, ch), x0 * r: min(x1 * r, cw)]
+        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
+        x = _round_u8(F.avg_pool2d(x, r, ceil_mode=True))
+    else:
+        x0, y0, x1, y1 = coded_box(p["roi"], int(p["orientation"]), cw, ch)
+        region = orient(img[y0:y1, x0:x1], int(p["orientation"]))
+        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
     return resample(x, hh, ww, interpolation)[0].to(torch.uint8)
+
+
+def _as_rgb(region: torch.Tensor) -> torch.Tensor:
+    return region.expand(-1, -1, 3) if region.shape[2] == 1 else region
 
 
 # --- colour -------------------------------------------------------------------------------------------

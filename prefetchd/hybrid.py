@@ -11,8 +11,8 @@ For a batch that ``on_gpu`` assigns to the GPU, each sample is read as now and t
   CPU path (``augment.make_sample``) and stored as finished pixels, bit-identical to
   ``augment.decode: cpu``; a file the CPU path cannot decode is quarantined as now;
 * for a JPEG the GPU takes, the crop comes from the same draws and the same functions as on the
-  CPU path (``augment.crop_for`` on the upright size, ``augment.roi_box`` at full resolution),
-  and so do the flip, the jitter order and factors (``augment.jitter_ops``) and the lighting
+  CPU path (``augment.crop_for`` on the upright size, the same DCT reduction factor, and
+  ``augment.roi_box`` in the reduced image, where the client takes it), and so do the flip, the jitter order and factors (``augment.jitter_ops``) and the lighting
   (``augment.lighting_offset``): crops, flips and labels are those of the CPU path.
 
 The result is written as a compact batch (``prefetchd.jpegbatch``). Which batches go to the GPU is
@@ -145,6 +145,7 @@ class GpuSample:
     """The parameters of one sample the GPU decodes (a PARAM record's fields)."""
 
     orientation: int
+    reduce: int  # the CPU path's DCT reduction: the client box-reduces by it before cropping
     coded_width: int
     coded_height: int
     roi: tuple[int, int, int, int]
@@ -166,9 +167,29 @@ def plan_sample(data: bytes, cfg: AugmentConfig, d: augment.Draws) -> GpuSample 
     if (info.width, info.height) != im.size:  # pragma: no cover - both read the same SOF
         return "frame size disagrees with Pillow's"
     crop = augment.crop_for(cfg, w, h, d)
+    # the CPU path decodes an upright JPEG at a reduced DCT scale when the crop allows it (a low
+    # pass before resampling); the client mimics it with a box reduction by the same factor
+    r = cpu_reduction(im, cfg, crop, orientation)
+    rw, rh = -(-w // r), -(-h // r)
+    box = augment.roi_box(augment._scaled(crop, rw / w, rh / h), rw, rh)
     light = augment.lighting_offset(cfg.lighting, d) if cfg.lighting else np.zeros(3)
-    return GpuSample(orientation, info.width, info.height, augment.roi_box(crop, w, h), crop.flip,
+    return GpuSample(orientation, r, info.width, info.height, box, crop.flip,
                      tuple(augment.jitter_ops(cfg, d)), tuple(float(x) for x in light))
+
+
+def cpu_reduction(im, cfg: AugmentConfig, crop: augment.Crop, orientation: int) -> int:
+    """The DCT reduction factor ``augment.make_sample`` decodes this JPEG at (1, 2, 4 or 8)."""
+    if orientation != 1:
+        return 1  # rotated images are decoded whole
+    r = augment._draft_factor(crop, cfg.output_size)
+    if r == 1:
+        return 1
+    if augment.simplejpeg is not None and cfg.decoder == "auto" and im.mode in ("RGB", "L"):
+        return r  # libjpeg-turbo scales by exactly 1/r to reach ceil(w/r) x ceil(h/r)
+    # Pillow's draft: the largest power of two <= the whole-number ratio to the size asked for
+    w, h = im.size
+    scale = min(w // -(-w // r), h // -(-h // r))
+    return next(a for a in (8, 4, 2, 1) if scale >= a)
 
 
 class CompactBuilder:
@@ -210,12 +231,13 @@ class CompactBuilder:
             augment.make_sample(data, self.cfg, d, out)
             self.cpu_reasons[plan] = self.cpu_reasons.get(plan, 0) + 1
             s = self.cfg.output_size
-            p["kind"], p["orientation"], p["flip"], p["n_ops"] = jpegbatch.KIND_PIXELS, 1, 0, 0
+            p["kind"], p["orientation"], p["reduce"], p["flip"], p["n_ops"] = jpegbatch.KIND_PIXELS, 1, 1, 0, 0
             p["ops"], p["factors"], p["lighting"] = jpegbatch.OP_NONE, 0.0, 0.0
             p["coded_width"], p["coded_height"], p["roi"] = s, s, (0, 0, s, s)
             self._payloads[k] = out
             return jpegbatch.KIND_PIXELS
         p["kind"], p["orientation"], p["flip"] = jpegbatch.KIND_JPEG, plan.orientation, int(plan.flip)
+        p["reduce"] = plan.reduce
         p["coded_width"], p["coded_height"], p["roi"] = plan.coded_width, plan.coded_height, plan.roi
         p["n_ops"] = len(plan.ops)
         p["ops"], p["factors"] = jpegbatch.OP_NONE, 0.0

@@ -50,18 +50,22 @@ PARAM, one per sample (96 bytes, packed)::
          2    1  flip         1: flip horizontally after resampling
          3    1  n_ops        colour jitter ops that apply, 0..3
          4    3  ops          op codes in the order they apply: 0 brightness, 1 contrast, 2 saturation
-         7    1  reserved     0
+         7    1  reduce       1, 2, 4 or 8: reduce the decoded image by this factor (r x r box
+                              average, partial blocks at the right and bottom edges averaged over
+                              what they hold) before cropping, as the CPU path's reduced-scale
+                              DCT decode does; > 1 only with orientation 1 (PIXELS: 1)
          8    4  coded_width  the JPEG's frame size as stored, before orientation (PIXELS: width)
         12    4  coded_height
-        16   16  roi          int32 x0, y0, x1, y1: the crop in upright (oriented), full-resolution
-                              source pixels, ends exclusive (PIXELS: the whole output)
+        16   16  roi          int32 x0, y0, x1, y1: the crop in upright (oriented) source pixels
+                              after the reduction (an image of ceil(w/reduce) x ceil(h/reduce)),
+                              ends exclusive (PIXELS: the whole output)
         32   24  factors      float64[3]: the jitter factors, in op order
         56   24  lighting     float64[3]: offsets added to R, G, B before rounding (flag bit 1)
         80    8  offset       u64: the payload's offset from the start of the file
         88    8  nbytes       u64: the payload's length
 
-The client decodes each JPEG payload to RGB in its stored orientation, applies ``orientation`` as
-``PIL.ImageOps.exif_transpose`` does, takes ``roi``, resamples it to ``height`` x ``width`` with
+The client decodes each JPEG payload to RGB in its stored orientation, reduces it by ``reduce``,
+applies ``orientation`` as ``PIL.ImageOps.exif_transpose`` does, takes ``roi``, resamples it to ``height`` x ``width`` with
 ``interpolation`` (as ``prefetchd.augment`` does: 2x area halving while the region is at least twice
 the output, then the filter), applies the jitter ops in order (brightness: ``lut = clip(rint(v * f))``;
 contrast: ``lut = clip(rint(v * f + m * (1 - f)))`` with ``m`` the mean of the BT.601 grey image;
@@ -101,7 +105,7 @@ INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")  # code =
 
 PARAM = np.dtype([
     ("kind", "u1"), ("orientation", "u1"), ("flip", "u1"), ("n_ops", "u1"), ("ops", "u1", (3,)),
-    ("reserved", "u1"), ("coded_width", "<u4"), ("coded_height", "<u4"), ("roi", "<i4", (4,)),
+    ("reduce", "u1"), ("coded_width", "<u4"), ("coded_height", "<u4"), ("roi", "<i4", (4,)),
     ("factors", "<f8", (3,)), ("lighting", "<f8", (3,)), ("offset", "<u8"), ("nbytes", "<u8"),
 ])
 assert PARAM.itemsize == 96
@@ -111,6 +115,7 @@ def empty_params(n: int) -> np.ndarray:
     """A PARAM array of ``n`` zeroed records with no jitter ops."""
     p = np.zeros(n, dtype=PARAM)
     p["ops"] = OP_NONE
+    p["orientation"] = p["reduce"] = 1
     return p
 
 
@@ -279,15 +284,17 @@ def _check_params(p: np.ndarray, h: int, w: int, data_offset: int, file_size: in
         raise BatchFileError("a sample's payload lies outside the data section")
     if (nb[kind == KIND_PIXELS] != h * w * 3).any():
         raise BatchFileError(f"a PIXELS payload is not {h}x{w}x3 bytes")
-    o = p["orientation"]
+    o, r = p["orientation"], p["reduce"].astype(np.int64)
     if ((o < 1) | (o > 8)).any() or (p["n_ops"] > 3).any():
         raise BatchFileError("a sample's orientation or jitter op count is out of range")
+    if not np.isin(r, (1, 2, 4, 8)).all() or ((r > 1) & (o != 1)).any():
+        raise BatchFileError("a sample's reduction is not 1, 2, 4 or 8 (or is not 1 on a rotated image)")
     used = np.arange(3)[None, :] < p["n_ops"][:, None]
     if (used & (p["ops"] > 2)).any():
         raise BatchFileError("a sample names an unknown jitter op")
     swap = np.isin(o, (5, 6, 7, 8))
-    uw = np.where(swap, p["coded_height"], p["coded_width"]).astype(np.int64)
-    uh = np.where(swap, p["coded_width"], p["coded_height"]).astype(np.int64)
+    uw = -(-np.where(swap, p["coded_height"], p["coded_width"]).astype(np.int64) // r)
+    uh = -(-np.where(swap, p["coded_width"], p["coded_height"]).astype(np.int64) // r)
     x0, y0, x1, y1 = (p["roi"][:, i].astype(np.int64) for i in range(4))
     bad = (x0 < 0) | (y0 < 0) | (x1 <= x0) | (y1 <= y0) | (x1 > uw) | (y1 > uh)
     if (bad & (kind == KIND_JPEG)).any():
