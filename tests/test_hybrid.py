@@ -479,3 +479,33 @@ def test_pixels_come_from_the_source_tensor_when_given():
     x = stage(b, source=src)
     for k in (1, 3):
         assert np.array_equal(x[k].permute(1, 2, 0).numpy(), payloads[k])
+
+
+def _has_nvimgcodec() -> bool:
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_nvimgcodec(), reason="needs CUDA and nvImageCodec (pip install 'prefetchd[gpu]')")
+def test_nvimgcodec_on_the_gpu_matches_the_cpu_path(image_root, tmp_path):
+    """Where a GPU is present: the default decoder, end to end, within the stand-in's tolerances
+    (the hardware IDCT may differ from libjpeg-turbo's by a level, so the max bound is relaxed)."""
+    cpu, hyb, n = _makers(image_root, tmp_path)
+    stage = DecodeStage("cuda")
+    for start in range(0, n - 8, 8):
+        idx = np.arange(start, start + 8)
+        images, *_ = cpu.fill(0, idx)
+        ref = images.copy()
+        b = jpegbatch.parse(hyb.make_compact(0, idx)[0])
+        x = stage(b)
+        assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last)
+        got = x.permute(0, 2, 3, 1).cpu().numpy()
+        for k, kind in enumerate(b.params["kind"]):
+            diff = np.abs(got[k].astype(int) - ref[k].astype(int))
+            if kind == jpegbatch.KIND_PIXELS:
+                assert diff.max() == 0
+            else:
+                assert diff.mean() < MEAN_TOL and np.percentile(diff, 99) <= P99_TOL_REDUCED, (k, diff.mean())
