@@ -132,8 +132,8 @@ def hw_refusal(info: JpegInfo | None) -> str | None:
         return None
     if nc != 3:
         return f"{nc} colour components (CMYK or YCCK)"
-    if info.adobe_transform == 0:
-        return "RGB-coded (Adobe transform 0)"
+    if info.adobe_transform == 0 or tuple(c[0] for c in info.components) == (82, 71, 66):
+        return "RGB-coded (Adobe transform 0 or components named R, G, B)"
     luma, cb, cr = ((h, v) for _, h, v in info.components)
     if cb != (1, 1) or cr != (1, 1) or luma not in _HW_LUMA_SAMPLING:
         return f"chroma sampling {[c[1:] for c in info.components]}"

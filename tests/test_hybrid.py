@@ -220,6 +220,18 @@ def test_sniffing_sends_only_what_the_hardware_takes(name, data, refusal):
     assert (got is None) if refusal is None else (refusal in got), (name, got)
 
 
+def test_rgb_coded_jpegs_stay_on_the_cpu():
+    """libjpeg-turbo (and so the CPU path) reads components named R, G, B as RGB, not YCbCr; a
+    decoder that assumed YCbCr would get the colours wrong, so the daemon keeps such files."""
+    data = bytearray(enc(PHOTO, quality=90, subsampling=0))
+    info = hybrid.scan_jpeg(bytes(data))
+    assert hybrid.hw_refusal(info) is None and [c[0] for c in info.components] == [1, 2, 3]
+    sof = data.index(b"\xff\xc0")
+    for k, name in enumerate(b"RGB"):  # component ids at SOF + 10, 13, 16
+        data[sof + 10 + 3 * k] = name
+    assert "RGB-coded" in hybrid.hw_refusal(hybrid.scan_jpeg(bytes(data)))
+
+
 def test_a_thumbnail_eoi_before_the_scan_does_not_hide_truncation():
     thumb = enc(PHOTO.resize((40, 30)), quality=70)  # a whole JPEG, EOI included, in an APP segment
     full = enc(PHOTO, quality=90)
