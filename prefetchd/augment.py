@@ -204,14 +204,21 @@ def _draft_factor(crop: Crop, out: int) -> int:
     return r
 
 
-def _decode_region(data: bytes, cfg: AugmentConfig, d: Draws) -> tuple[np.ndarray, Crop]:
-    """Decode just enough of the image: an RGB uint8 array [h, w, 3] (possibly DCT-reduced)
-    and the crop in its coordinates. Which decoder runs depends on the bytes alone."""
+def probe(data: bytes) -> tuple[Image.Image, int, int, int]:
+    """Open the image's header only: ``(image, EXIF orientation, upright width, upright height)``.
+    Raises SampleError for anything but a readable JPEG or PNG (or a decompression bomb)."""
     im = _open(data)
     orientation = _orientation(im)
     w, h = im.size
     if orientation in (5, 6, 7, 8):  # the upright image has width and height swapped
         w, h = h, w
+    return im, orientation, w, h
+
+
+def _decode_region(data: bytes, cfg: AugmentConfig, d: Draws) -> tuple[np.ndarray, Crop]:
+    """Decode just enough of the image: an RGB uint8 array [h, w, 3] (possibly DCT-reduced)
+    and the crop in its coordinates. Which decoder runs depends on the bytes alone."""
+    im, orientation, w, h = probe(data)
     crop = crop_for(cfg, w, h, d)
     try:
         if orientation != 1:
@@ -253,13 +260,19 @@ def _scaled(c: Crop, sx: float, sy: float) -> Crop:
 # --- resampling -------------------------------------------------------------------------------------
 
 
-def _roi(arr: np.ndarray, c: Crop) -> np.ndarray:
-    """The crop as a view, its edges rounded to whole pixels (at most half a source pixel off)."""
-    h, w = arr.shape[:2]
+def roi_box(c: Crop, w: int, h: int) -> tuple[int, int, int, int]:
+    """The crop's edges rounded to whole pixels of a ``w`` x ``h`` image (at most half a source
+    pixel off), clamped to it and never empty: ``(x0, y0, x1, y1)``, ends exclusive."""
     x0 = min(max(int(c.left + 0.5), 0), w - 1)
     y0 = min(max(int(c.top + 0.5), 0), h - 1)
     x1 = min(max(int(c.right + 0.5), x0 + 1), w)
     y1 = min(max(int(c.bottom + 0.5), y0 + 1), h)
+    return x0, y0, x1, y1
+
+
+def _roi(arr: np.ndarray, c: Crop) -> np.ndarray:
+    """The crop as a view, its edges rounded to whole pixels (at most half a source pixel off)."""
+    x0, y0, x1, y1 = roi_box(c, arr.shape[1], arr.shape[0])
     return arr[y0:y1, x0:x1]
 
 
@@ -284,15 +297,24 @@ def _gray(img: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_RGB2GRAY)
 
 
-def _jitter(img: np.ndarray, cfg: AugmentConfig, d: Draws) -> np.ndarray:
+BRIGHTNESS, CONTRAST, SATURATION = 0, 1, 2  # the jitter ops, as jitter_ops names them
+
+
+def jitter_ops(cfg: AugmentConfig, d: Draws) -> list[tuple[int, float]]:
+    """The colour jitter of one sample: ``(op, factor)`` in the order they apply, ``op`` one of
+    BRIGHTNESS, CONTRAST, SATURATION; ops whose strength is 0 are left out."""
     # draws: u[40..42] the factors, u[43], u[44], u[46] the keys that order the three ops
-    ramp = np.arange(256, dtype=np.float64)
     ops = []
     for k, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation)):
         if strength > 0:
             lo, hi = max(0.0, 1.0 - strength), 1.0 + strength
             ops.append((d.u[(43, 44, 46)[k]], k, lo + d.u[40 + k] * (hi - lo)))
-    for _, k, f in sorted(ops):
+    return [(k, float(f)) for _, k, f in sorted(ops)]
+
+
+def _jitter(img: np.ndarray, cfg: AugmentConfig, d: Draws) -> np.ndarray:
+    ramp = np.arange(256, dtype=np.float64)
+    for k, f in jitter_ops(cfg, d):
         if k == 0:  # brightness: blend with black
             img = _lut(img, ramp * f)
         elif k == 1:  # contrast: blend with the mean grey level
@@ -304,9 +326,15 @@ def _jitter(img: np.ndarray, cfg: AugmentConfig, d: Draws) -> np.ndarray:
     return img
 
 
-def _lighting(img: np.ndarray, std: float, d: Draws) -> np.ndarray:
+def lighting_offset(std: float, d: Draws) -> np.ndarray:
+    """AlexNet's PCA lighting of one sample: the float64 offset [3] added to R, G and B (on the
+    0..255 scale; the sum is rounded to nearest, ties to even, and clipped to 0..255)."""
     alpha = d.z * std
-    rgb = (_PCA_EIGVEC @ (alpha * _PCA_EIGVAL)) * 255.0
+    return (_PCA_EIGVEC @ (alpha * _PCA_EIGVAL)) * 255.0
+
+
+def _lighting(img: np.ndarray, std: float, d: Draws) -> np.ndarray:
+    rgb = lighting_offset(std, d)
     table = np.arange(256, dtype=np.float64)[:, None] + rgb[None, :]  # [256, 3]: per channel
     return cv2.LUT(img, np.clip(np.rint(table), 0, 255).astype(np.uint8).reshape(256, 1, 3))
 

@@ -309,6 +309,7 @@ class ProgressConfig:
 AUGMENT_MODES = ("scale", "random_resized_crop", "eval")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
 DECODERS = ("auto", "pillow")
+DECODE_MODES = ("cpu", "hybrid", "gpu")
 
 
 @dataclass(frozen=True)
@@ -327,6 +328,8 @@ class AugmentConfig:
     lighting: float = 0.0
     interpolation: str = "bilinear"
     decoder: str = "auto"
+    decode: str = "cpu"
+    gpu_share: float = 0.5
 
     def __post_init__(self) -> None:
         _choice(self.mode, "augment.mode", AUGMENT_MODES)
@@ -348,6 +351,21 @@ class AugmentConfig:
         object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
         _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
         _choice(self.decoder, "augment.decoder", DECODERS)
+        _choice(self.decode, "augment.decode", DECODE_MODES)
+        share = _float(self.gpu_share, "augment.gpu_share", 0.0, 1.0)
+        if share <= 0.0:
+            raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
+        object.__setattr__(self, "gpu_share", share)
+
+    def stream_dict(self) -> dict[str, Any]:
+        """The keys that change the stream's bytes; the decode keys only where they are used, so
+        configs written before they existed keep their fingerprint."""
+        d = dataclasses.asdict(self)
+        if self.decode != "hybrid":
+            d.pop("gpu_share")
+        if self.decode == "cpu":
+            d.pop("decode")
+        return d
 
 
 @dataclass(frozen=True)
@@ -408,7 +426,7 @@ class Config:
         fingerprint is added by the daemon). Worker count, capacity and paths are not in it."""
         d = {
             "loader": {k: getattr(self.loader, k) for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")},
-            "augment": dataclasses.asdict(self.augment),
+            "augment": self.augment.stream_dict(),
         }
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
