@@ -66,9 +66,14 @@ class Sampler:
     def batch_indices(self, epoch: int, rank: int, batch: int) -> np.ndarray:
         """Dataset indices of batch ``batch`` of ``epoch`` for ``rank`` (int64, a fresh array)."""
         self._check(batch)
-        share = self.rank_indices(epoch, rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
+        perm = self.permutation(epoch)
         lo = batch * self.batch_size
-        return np.array(share[lo: lo + self.batch_size], dtype=np.int64)
+        # positions in the padded permutation, read in place: the padding wraps to its start, so
+        # no copy of the whole permutation is made per batch
+        where = rank + self.world_size * np.arange(lo, lo + self.batch_len(batch), dtype=np.int64)
+        return perm[where % self.num_samples]
 
     def _check(self, batch: int) -> None:
         if not 0 <= batch < self.batches_per_epoch:
