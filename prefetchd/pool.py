@@ -10,8 +10,10 @@ Each worker has its own duplex pipe, so the pool always knows which tasks a work
 worker that dies (its sentinel becomes ready) or holds one task longer than
 ``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be, its temp files are
 removed at once, its tasks come back as lost (to be made again) and it is replaced, after a
-back-off that grows while workers keep dying. Only a death while a sample was being decoded
-names that sample as a suspect; a death while writing (out of memory, say) blames nobody.
+back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE,
+SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
+while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
+blame nobody, so random kills never quarantine a good sample.
 Teardown escalates: a stop message, join, terminate, kill.
 """
 
@@ -35,6 +37,7 @@ _WORKER_TERM_TIMEOUT_S = 2.0
 _RESPAWN_BASE_S = 0.1  # a worker dying soon after the last one is replaced after this, doubling...
 _RESPAWN_MAX_S = 10.0  # ...up to this
 _CALM_S = 30.0  # no death for this long: replace the next one at once again
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
 @dataclass
@@ -191,7 +194,9 @@ class Pool:
         tasks = list(w.tasks)
         what = ", ".join(f"r{t.rank} e{t.epoch} b{t.batch}" for t in tasks) or "no batch"
         how = _describe_exit(w.process.exitcode)
-        sample = int(w.current[0]) if blame and w.current is not None and tasks else -1
+        code = w.process.exitcode
+        crashed = code is not None and (code > 0 or -code in _CRASH_SIGNALS)
+        sample = int(w.current[0]) if blame and crashed and w.current is not None and tasks else -1
         if blame:
             log.error("worker %d (pid %s) %s while making %s%s; replacing it and making its batches again",
                       w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "")

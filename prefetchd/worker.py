@@ -31,6 +31,9 @@ MAX_REPLACEMENT_TRIES = 16
 # Fault injection for the test suite: a sample whose path contains this string kills its worker
 # with SIGSEGV, as a decoder crash would. Unset in normal use.
 _CRASH_ON = os.environ.get("PREFETCHD_FAULT_CRASH_ON")
+# ...and "substring:marker" stops (SIGSTOP) the first worker to decode such a sample, as a read
+# hung in the kernel would; the marker file makes it happen once.
+_HANG_ON = os.environ.get("PREFETCHD_FAULT_HANG_ONCE")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,8 @@ class BatchMaker:
             self.current[0] = i  # if this sample kills the process, the daemon learns which
         if _CRASH_ON and _CRASH_ON in path:
             os.kill(os.getpid(), signal.SIGSEGV)
+        if _HANG_ON:
+            _hang_once(path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -193,6 +198,16 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, im
                       quarantined=tuple(quarantined))
     os.close(fd)
     return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
+
+
+def _hang_once(path: str) -> None:
+    what, _, marker = _HANG_ON.partition(":")
+    if what in path:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def _read_all(fd: int) -> bytes:
