@@ -103,7 +103,9 @@ def test_corrupt_and_unreadable_images_are_quarantined_and_training_goes_on(tmp_
         assert d.stop() == 0
         q = (run_dir / "buffer" / status.QUARANTINE_NAME).read_text()
         assert all(str(v) in q for v in victims)
-        assert "quarantined sample" in d.log()
+        lines = [line for line in d.log().splitlines() if "quarantined sample" in line]
+        assert len(lines) == 3 and all(sum(str(v) in line for line in lines) == 1 for v in victims)  # once each
+        assert all("0x" not in line for line in lines + q.splitlines())
     assert digests[0] == digests[1]
 
 
@@ -417,3 +419,57 @@ def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
     other = Lock(str(tmp_path))
     other.acquire()  # would raise BufferBusy with the lock still held
     other.release()
+
+
+def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
+    import tracemalloc
+
+    from prefetchd.worker import _read_all
+
+    path = tmp_path / "img"
+    data = os.urandom(100_000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tracemalloc.start()
+        got = _read_all(fd)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    finally:
+        os.close(fd)
+    assert got == data and peak < 1 << 20  # not a 1 GiB buffer per image
+
+
+def test_a_batch_with_padding_does_not_copy_the_permutation():
+    import tracemalloc
+
+    from prefetchd.sampler import Sampler
+
+    s = Sampler(1_000_003, 256, seed=1, world_size=8)  # padding applies: 1,000,003 is not a multiple of 8
+    s.batch_indices(0, 3, 0)  # the permutation itself is made (and cached) once per epoch
+    tracemalloc.start()
+    idx = s.batch_indices(0, 7, s.batches_per_epoch - 1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 1024  # the old way copied all 8 MB of the permutation for every batch
+    lo = (s.batches_per_epoch - 1) * 256
+    assert np.array_equal(idx, s.rank_indices(0, 7)[lo: lo + 256])
+
+
+def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_path, image_root):
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+    from prefetchd.planner import Limits, Planner
+    from prefetchd.quarantine import QuarantineLog
+    from prefetchd.worker import Result
+
+    d = Daemon(load_config(small_config(tmp_path, image_root)))
+    d.planner = Planner((0, 1), 8, 2, Limits(4, 4, 1 << 30, 0), lambda b: 1000)
+    d.quarantine = QuarantineLog(str(tmp_path), "x", str)
+    first = d.planner.plan(2, time.monotonic(), 1 << 40).submit
+    assert first == [(0, 0, 0), (1, 0, 0)]
+    d._last_activity = before = time.monotonic() - 100
+    d._handle(Result(0, 0, 0, None, error="cannot write a batch: No space left on device"))
+    assert d._last_activity == before  # a failure is not progress: the watchdog may still fire
+    nxt = d.planner.plan(8, time.monotonic(), 1 << 40).submit
+    assert (0, 0, 1) in nxt and (1, 0, 1) in nxt and (0, 0, 0) not in nxt  # only the failed batch waits
