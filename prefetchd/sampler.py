@@ -13,8 +13,8 @@ reproducible from ``(seed, epoch, rank, batch)`` alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -80,8 +80,24 @@ class Sampler:
             raise IndexError(f"batch {batch} is outside the epoch's {self.batches_per_epoch} batches")
 
 
-@lru_cache(maxsize=4)
+_PERM_CACHE_BYTES = 64 << 20  # recent epochs' permutations: many when epochs are short (windows span them)
+_perm_cache: OrderedDict = OrderedDict()
+
+
 def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    key = (n, seed, epoch, shuffle)
+    perm = _perm_cache.get(key)
+    if perm is not None:
+        _perm_cache.move_to_end(key)
+        return perm
+    perm = _make_permutation(n, seed, epoch, shuffle)
+    _perm_cache[key] = perm
+    while len(_perm_cache) > max(4, _PERM_CACHE_BYTES // max(1, perm.nbytes)):
+        _perm_cache.popitem(last=False)
+    return perm
+
+
+def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         perm = np.arange(n, dtype=np.int64)
     else:
