@@ -27,6 +27,7 @@ Cost per plan: O(ranks) per slot filled; per position move: O(batches that left 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -88,6 +89,10 @@ class Planner:
         self.failures: dict[Key, int] = {}  # failures in a row per batch (cleared by a success)
         self.bytes_ready = 0
         self.bytes_inflight = 0  # estimates of everything being made, orphans included
+        self._check: set[int] = set(self.ranks)  # ranks whose watermark must be looked at again
+        self._holed: set[int] = set()  # ranks with batches waiting to be retried
+        self._heap: list[tuple[int, int, int]] = []  # (ready + in flight, rank, version): filling ranks
+        self._ver = dict.fromkeys(self.ranks, 0)
 
     # --- positions ---------------------------------------------------------------------------------
 
@@ -115,6 +120,7 @@ class Planner:
         if new == old_lo:
             return []
         s.pos = new
+        self._check.add(r)
         new_hi = self.window_end(r)
         if new > old_lo:  # forward: what lies below the new position, and nothing else, leaves
             gone: Iterable[int] = range(old_lo, min(new, old_hi))
@@ -160,6 +166,7 @@ class Planner:
                 evicted += self._drop(r, s, range(s.pos + limits.capacity, s.pos + old.capacity))
                 s.cursor = min(s.cursor, self.window_end(r))
             s.filling = True
+        self._check.update(self.ranks)
         return evicted
 
     # --- events ------------------------------------------------------------------------------------
@@ -175,6 +182,7 @@ class Planner:
             return False
         s.ready[g] = size
         self.bytes_ready += size
+        self._check.add(r)
         return True
 
     def is_inflight(self, key: Key) -> bool:
@@ -228,6 +236,8 @@ class Planner:
         if est is not None:
             self.bytes_inflight -= est
             s.holes[g] = retry_at
+            self._holed.add(r)
+            self._check.add(r)
             return
         ests = self._orphans.get(key)  # a lost orphan: nothing to remake
         if ests:
@@ -270,26 +280,30 @@ class Planner:
     def plan(self, slots: int, now: float, free_bytes: int, temp_bytes: int = 0) -> Plan:
         """Up to ``slots`` batches to make now (marked in flight here), emptiest filling rank first.
         ``free_bytes``: the buffer filesystem's free space; ``temp_bytes``: what the batches in
-        flight have already written there."""
+        flight have already written there. Costs O(log ranks) per batch handed out plus O(ranks
+        whose state changed since the last plan), not O(ranks)."""
         lim = self.limits
-        for r, s in self.ranks.items():
+        for r in self._check | self._holed:  # only these can have fallen below the watermark
+            s = self.ranks[r]
+            if not s.holes:
+                self._holed.discard(r)
             if not s.filling and self.ahead(r) < lim.refill_at:
                 s.filling = True
+            if s.filling:
+                self._push(r)
+        self._check.clear()
         out: list[Key] = []
         blocked = None
-        cands: dict[int, int] = {}
-        for r, s in self.ranks.items():
-            if not s.filling:
-                continue
-            c = self._candidate(r, s, now)
-            if c is None or len(s.ready) + len(s.inflight) >= lim.capacity:
-                s.filling = False
-            else:
-                cands[r] = c
-        while len(out) < slots and cands:
-            r = min(cands, key=lambda q: (len(self.ranks[q].ready) + len(self.ranks[q].inflight), q))
+        heap = self._heap
+        while len(out) < slots and heap:
+            have, r, ver = heapq.heappop(heap)
             s = self.ranks[r]
-            g = cands[r]
+            if ver != self._ver[r] or not s.filling:
+                continue  # stale: the rank's count changed, or it stopped filling
+            g = self._candidate(r, s, now)
+            if g is None or have >= lim.capacity:
+                s.filling = False
+                continue
             key = self.key(r, g)
             est = self._estimate(key[2])
             if self.bytes_ready + self.bytes_inflight + est > lim.max_bytes:
@@ -298,23 +312,28 @@ class Planner:
                                "raise buffer.max_bytes")
                 else:
                     blocked = f"buffer.max_bytes ({_size(lim.max_bytes)}) reached"
+                heapq.heappush(heap, (have, r, ver))
                 break
             unwritten = max(0, self.bytes_inflight - temp_bytes)
             if free_bytes - unwritten - est < lim.min_free_bytes:
                 blocked = (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
                            f"and buffer.min_free_bytes keeps {_size(lim.min_free_bytes)}")
+                heapq.heappush(heap, (have, r, ver))
                 break
             s.holes.pop(g, None)
             s.inflight[g] = est
             self.bytes_inflight += est
             out.append(key)
-            c = self._candidate(r, s, now)
-            if c is None or len(s.ready) + len(s.inflight) >= lim.capacity:
-                s.filling = False
-                del cands[r]
-            else:
-                cands[r] = c
+            self._push(r)
+        if len(heap) > 4 * len(self.ranks) + 64:  # drop stale entries now and then
+            self._heap = [e for e in heap if e[2] == self._ver[e[1]] and self.ranks[e[1]].filling]
+            heapq.heapify(self._heap)
         return Plan(out, blocked)
+
+    def _push(self, r: int) -> None:
+        s = self.ranks[r]
+        self._ver[r] += 1
+        heapq.heappush(self._heap, (len(s.ready) + len(s.inflight), r, self._ver[r]))
 
     def next_retry(self) -> float | None:
         """When the earliest failed batch may be tried again (for the loop's wait), if any."""
