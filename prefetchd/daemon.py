@@ -307,7 +307,7 @@ class Daemon:
         slots = sum(ex.idle() for ex in self._executors())
         if not slots:
             return
-        was_idle = self.planner.inflight_count() == 0
+        was_idle = not self.planner.busy()
         plan = self.planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
         self.blocked = plan.blocked
         if plan.blocked and not (self._blocked_logged or "").startswith(plan.blocked[:24]):
@@ -414,7 +414,7 @@ class Daemon:
         if self.notify.watchdog_s:
             # WATCHDOG=1 only while the pipeline moves: idle with nothing to do, or batches being
             # made; failures are not progress
-            busy = self.planner.inflight_count() > 0
+            busy = self.planner.busy()
             if not (busy and time.monotonic() - self._last_activity > self.notify.watchdog_s / 2):
                 self.notify.watchdog()
         self.notify.status(f"{rec['produced_img_s'] or 0:.0f} img/s; "

@@ -337,7 +337,7 @@ class Planner:
 
     def next_retry(self) -> float | None:
         """When the earliest failed batch may be tried again (for the loop's wait), if any."""
-        ts = [t for s in self.ranks.values() for t in s.holes.values() if t > 0]
+        ts = [t for r in self._holed for t in self.ranks[r].holes.values() if t > 0]
         return min(ts) if ts else None
 
     # --- reporting ---------------------------------------------------------------------------------
@@ -348,5 +348,6 @@ class Planner:
                 "in_flight": len(s.inflight), "retrying": len(s.holes), "filling": s.filling,
                 "done": self.end is not None and s.pos >= self.end}
 
-    def inflight_count(self) -> int:
-        return sum(len(s.inflight) for s in self.ranks.values()) + sum(len(v) for v in self._orphans.values())
+    def busy(self) -> bool:
+        """Anything being made (orphans included)? O(1)."""
+        return self.bytes_inflight > 0
