@@ -191,6 +191,8 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
         first = None  # (main CPU, published) at the first status showing a published batch
         deadline = t0 + 900
         while len(done) < len(readers) and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {proc.returncode}; see {run}/daemon.log")
             try:
                 done.append(out.get(timeout=0.2))
             except queue.Empty:
