@@ -171,8 +171,10 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
                         "buffer": {"max_bytes": per * capacity * ranks + (64 << 20)}})
     env = dict(os.environ)
     if daemon_src:  # an A/B run: the daemon from another source tree, the same client and config
-        env["PYTHONPATH"] = daemon_src + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = daemon_src + os.pathsep + env.get("PYTHONPATH", "")  # (cwd=run: not ours first)
     log = open(os.path.join(run, "daemon.log"), "wb")
+    log.write(f"daemon from {daemon_src or 'the installed prefetchd'}\n".encode())
+    log.flush()
     ctx = get_context("forkserver")
     start, out = ctx.Event(), ctx.Queue()
     readers = [ctx.Process(target=_rank_reader, args=(cfg, r, batches, start, out), daemon=True) for r in range(ranks)]
@@ -181,7 +183,7 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
     for _ in readers:  # every reader has imported what it needs before the clock starts
         out.get(timeout=120)
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=run)
     try:
         main = psutil.Process(proc.pid)
         start.set()
