@@ -236,7 +236,6 @@ class Daemon:
     def _loop(self) -> int:
         poll_s = self.cfg.progress.poll_interval_s
         next_status = next_poll = 0.0
-        deaths_before_first = 0
         while not self._stop:
             if self._reload:
                 self._do_reload()
@@ -264,13 +263,12 @@ class Daemon:
                     self._handle(res)
                 for t in lost:
                     self.planner.lost((t.rank, t.epoch, t.batch))
-                    deaths_before_first += self.first_batch_at is None
             for index, how in self.pool.suspects:
                 self.quarantine.worker_died(index, how)
             self.pool.suspects.clear()
-            if deaths_before_first >= _CRASH_LOOP_DEATHS:
+            if self.first_batch_at is None and self.pool.restarts >= _CRASH_LOOP_DEATHS:
                 log.error("workers died %d times before the first batch was made; stopping (see the errors above)",
-                          deaths_before_first)
+                          self.pool.restarts)
                 return 1
         log.info("stopping: %d batches published this run", self.produced_batches)
         return 0

@@ -197,9 +197,17 @@ class Pool:
         code = w.process.exitcode
         crashed = code is not None and (code > 0 or -code in _CRASH_SIGNALS)
         sample = int(w.current[0]) if blame and crashed and w.current is not None and tasks else -1
+        now = time.monotonic()
+        if now - self._last_death > _CALM_S:
+            self._respawn_delay = 0.0
+        else:  # deaths in a row: wait longer each time before the next replacement
+            self._respawn_delay = min(_RESPAWN_MAX_S, max(_RESPAWN_BASE_S, self._respawn_delay * 2))
+        self._last_death = now
+        self._respawn_at = max(self._respawn_at, now + self._respawn_delay)
         if blame:
-            log.error("worker %d (pid %s) %s while making %s%s; replacing it and making its batches again",
-                      w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "")
+            when = f" in {self._respawn_delay:.1f} s" if self._respawn_delay else ""
+            log.error("worker %d (pid %s) %s while making %s%s; replacing it%s and making its batches again",
+                      w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "", when)
         if sample >= 0:
             self.suspects.append((sample, how))
         self._remove_temp(w)
@@ -209,13 +217,6 @@ class Pool:
             pass
         del self.workers[w.wid]
         self.restarts += 1
-        now = time.monotonic()
-        if now - self._last_death > _CALM_S:
-            self._respawn_delay = 0.0
-        else:
-            self._respawn_delay = min(_RESPAWN_MAX_S, max(_RESPAWN_BASE_S, self._respawn_delay * 2))
-        self._last_death = now
-        self._respawn_at = now + self._respawn_delay
         return tasks
 
     def _remove_temp(self, w: Worker) -> None:

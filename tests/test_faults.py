@@ -473,3 +473,15 @@ def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_p
     assert d._last_activity == before  # a failure is not progress: the watchdog may still fire
     nxt = d.planner.plan(8, time.monotonic(), 1 << 40).submit
     assert (0, 0, 1) in nxt and (1, 0, 1) in nxt and (0, 0, 0) not in nxt  # only the failed batch waits
+
+
+def test_workers_that_keep_dying_are_replaced_with_a_growing_delay(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, workers={"count": 1})
+    t0 = time.monotonic()
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_CRASH_ON": ".JPEG"})  # every sample crashes its worker
+    assert d.proc.wait(60) == 1  # a crash loop before the first batch stops the daemon...
+    elapsed = time.monotonic() - t0
+    log = d.log()
+    # ...but only after waiting 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s between the 8 deaths, not in a tight loop
+    assert "replacing it in 0.1 s" in log and "replacing it in 3.2 s" in log
+    assert elapsed > 6.3 and "workers died 8 times before the first batch" in log
