@@ -1,23 +1,23 @@
 """The daemon's main loop: keep every rank's ring filled between the watermarks.
 
-For each rank served, the *window* is the next ``buffer.capacity`` batches from the trainer's
-position, running across epoch boundaries (up to ``loader.epochs``). The loop:
+The policy lives in ``planner.Planner`` (pure: windows, watermarks, fairness, byte limits,
+per-batch back-off); this module is the shell that carries its plans out. Each turn of the loop:
 
-1. reads the progress files that changed (woken by inotify, or at least every poll interval)
-   and evicts the published batches that are behind a rank's position or outside its window
-   (a jump back, from a resume, drops the batches that were far ahead);
-2. takes results from the workers and publishes each batch that is still wanted, by rename;
-   a dead worker's batches are simply missing again and get made again;
-3. gives idle workers the earliest missing batch of the rank with the fewest ready, for ranks
-   that are filling: a rank starts filling when its ready count falls below ``refill_at`` and
-   stops when ``capacity`` batches are ready or being made. Every rank has a ``capacity`` of its
-   own; ``max_bytes`` and the filesystem's free space are shared, and because the emptiest rank
-   is served first, a slow (full) rank never starves the others;
-4. rewrites ``status.json`` about once a second.
+1. reads the progress files that changed (``watcher``: inotify marks them, one read each per
+   wake-up; every file on the poll timer), turns them into moves (``sessions``) and deletes the
+   published batches each move takes out of a window (the planner says which);
+2. asks the planner for as many batches as the executors have free slots and submits them
+   (``pool.Pool``, and ``raypool.RayPool`` with ``workers.executor: ray | mixed``, behind one
+   interface: ``idle``, ``submit``, ``results``, ``waitables``, ``stop``);
+3. waits for results, deaths, signals or the next timer; publishes each made batch that is
+   still wanted, by rename; a failed batch is retried after its back-off, a lost one (its
+   worker died or was killed at its deadline) at once; samples that fail are quarantined
+   (``quarantine``);
+4. rewrites ``status.json`` from counters once a second.
 
 Signal handlers only record the signal and wake the loop, which does the work: SIGTERM/SIGINT
-stop it cleanly (workers stopped, temp files removed, published batches kept for the next
-start), SIGHUP reloads the tunables.
+stop it cleanly (also during the dataset scan; workers stopped, temp files removed, published
+batches kept for the next start, the lock released whatever fails), SIGHUP reloads the tunables.
 """
 
 from __future__ import annotations
