@@ -219,6 +219,7 @@ class Daemon:
         try:
             try:
                 if not self._setup():
+                    self._close_early()
                     return 0
             except BaseException:
                 self._close_early()
