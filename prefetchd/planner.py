@@ -22,7 +22,10 @@ filling rank with the fewest batches ready or in flight, so a slow (full) rank n
 the others. A batch is handed out only if ready + in-flight bytes + its estimate stay within
 ``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
 bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
-Cost per plan: O(ranks) per slot filled; per position move: O(batches that left the window).
+Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
+state changed since the last one: O(log ranks) per batch handed out; a position move costs
+O(batches that left the window) (a jump back also walks the new window once). Nothing walks
+a whole window or every rank per step.
 """
 
 from __future__ import annotations
