@@ -14,6 +14,13 @@ Everything is measured side by side on the same corpus and cores, and reported a
 * **client read**: reading a published batch into a preallocated buffer with ``readinto``,
   against ``memcpy`` of the same bytes.
 
+``--ranks N`` runs N consumer processes (world size N, one rank each) against one daemon, each
+reading ``--batches`` batches as fast as it can, all started with the daemon (a cold ring is part
+of the run; each rank is timed from the first batch it asks for). It prints images/s of all ranks
+together, the per-rank spread (slowest/fastest), the CPU of the daemon's main process (% of one
+core, and per published batch: what the loop costs, apart from the workers). ``--ranks 1,8,64``
+runs several counts in turn; ``--capacity`` sets ``buffer.capacity`` (default 1,000).
+
 ``--sweep-workers`` repeats the daemon run for 1..cores(+1) workers and prints mean and spread,
 plotting error bars to ``--plot`` when matplotlib is installed. ``--index-scale N`` measures the
 memory a cached index of N entries adds to the whole daemon and the time to its first batch.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -125,6 +133,114 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
         shutil.rmtree(buffer, ignore_errors=True)
+
+
+# --- many ranks against one daemon ---------------------------------------------------------------------------
+
+
+def _rank_reader(cfg: str, rank: int, batches: int, start, out) -> None:
+    from prefetchd_client import PrefetchClient
+
+    out.put(("ready", rank))
+    start.wait()  # started with the daemon: a cold ring is part of the run
+    t0 = time.monotonic()  # from the first batch this rank asks for
+    with PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True) as c:
+        n = 0
+        e = 0
+        while n < batches:
+            for _ in c.iter_epoch(e):
+                n += 1
+                if n >= batches:
+                    break
+            e += 1
+        out.put((rank, n * c.meta()["batch_size"], t0, time.monotonic()))
+
+
+def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: int, batches: int, augment: dict,
+              work: str, parent: str, daemon_src: str | None = None) -> dict:
+    import psutil
+
+    from . import status
+
+    run = tempfile.mkdtemp(prefix=f"ranks{ranks}-", dir=work)
+    buffer = tempfile.mkdtemp(prefix="prefetchd-bench-", dir=parent)
+    os.rmdir(buffer)
+    cfg = os.path.join(run, "bench.yaml")
+    per = batchfile.max_file_size(batch_size, augment.get("output_size", 224), augment.get("output_size", 224))
+    write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, None, workers, capacity,
+                 extra={"augment": augment, "loader": {"world_size": ranks},
+                        "buffer": {"max_bytes": per * capacity * ranks + (64 << 20)}})
+    env = dict(os.environ)
+    if daemon_src:  # an A/B run: the daemon from another source tree, the same client and config
+        env["PYTHONPATH"] = daemon_src + os.pathsep + env.get("PYTHONPATH", "")  # (cwd=run: not ours first)
+    log = open(os.path.join(run, "daemon.log"), "wb")
+    log.write(f"daemon from {daemon_src or 'the installed prefetchd'}\n".encode())
+    log.flush()
+    ctx = get_context("forkserver")
+    start, out = ctx.Event(), ctx.Queue()
+    readers = [ctx.Process(target=_rank_reader, args=(cfg, r, batches, start, out), daemon=True) for r in range(ranks)]
+    for p in readers:
+        p.start()
+    for _ in readers:  # every reader has imported what it needs before the clock starts
+        out.get(timeout=120)
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=run)
+    try:
+        main = psutil.Process(proc.pid)
+        start.set()
+        cpu0 = _cpu(main)
+        t0 = time.monotonic()
+        done: list = []
+        first = None  # (main CPU, published) at the first status showing a published batch
+        deadline = t0 + 900
+        while len(done) < len(readers) and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with status {proc.returncode}; see {run}/daemon.log")
+            try:
+                done.append(out.get(timeout=0.2))
+            except queue.Empty:
+                pass
+            if first is None:
+                cpu = _cpu(main)
+                rec0 = status.read_json(buffer, status.STATUS_NAME) or {}
+                if rec0.get("produced_batches", 0) > 0:
+                    first = (cpu, rec0["produced_batches"])
+        t1, t1_wall = time.monotonic(), time.time()
+        cpu1 = _cpu(main)
+        rec: dict = {}
+        while time.monotonic() < t1 + 5:  # a status written after the end: its count covers the run
+            rec = status.read_json(buffer, status.STATUS_NAME) or {}
+            if rec.get("updated", 0) >= t1_wall:
+                break
+            time.sleep(0.02)
+        cpu2 = _cpu(main)
+        produced = rec.get("produced_batches", 0)
+        first = first or (cpu0, 0)
+        rates = [n / (b - a) for _, n, a, b in done]
+        images = sum(n for _, n, _, _ in done)
+        span = max(b for *_, b in done) - min(a for _, _, a, _ in done)
+        return {"ranks": ranks, "capacity": capacity, "img_s": images / span, "images": images,
+                "rank_img_s_min": min(rates), "rank_img_s_max": max(rates),
+                "main_cpu_pct": 100 * (cpu1 - cpu0) / (t1 - t0),
+                "main_cpu_ms_per_batch": 1000 * (cpu2 - first[0]) / max(1, produced - first[1]),
+                "published": produced}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in readers:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+        log.close()
+        shutil.rmtree(buffer, ignore_errors=True)
+
+
+def _cpu(p) -> float:
+    t = p.cpu_times()  # this process and its threads, not its children (the workers)
+    return t.user + t.system
 
 
 # --- the DataLoader peer -------------------------------------------------------------------------------
@@ -312,6 +428,9 @@ def _augment(args) -> dict:
         a["mode"] = args.mode
     if args.jitter:
         a.update(brightness=0.4, contrast=0.4, saturation=0.4)
+    if getattr(args, "output_size", None):
+        s = args.output_size
+        a.update(output_size=s, scale_min=s, scale_max=s + s // 2, eval_resize=s)
     return a
 
 
@@ -337,7 +456,8 @@ def run_bench(args) -> int:
 
             root = os.path.join(work, "data")
             t = time.monotonic()
-            n = make_image_folder(root, classes=20, per_class=max(1, args.images // 20), seed=1)
+            n = make_image_folder(root, classes=20, per_class=max(1, args.images // 20), seed=1,
+                                  long_side=args.image_side)
             print(f"made {n} sample JPEGs in {time.monotonic() - t:.1f} s")
             batch = args.batch_size or 64
             workers = args.workers or _cores()
@@ -355,6 +475,18 @@ def run_bench(args) -> int:
             print(f"index of {r['n']:,} entries: adds {r['index_pss_delta'] / 2**20:,.1f} MiB (PSS, daemon + workers); "
                   f"first batch {r['large_cached_first_batch_s']:.2f} s after run on the cached index "
                   f"({r['large_scan_first_batch_s']:.2f} s when scanning the list)")
+        elif args.ranks:
+            rows = []
+            for n in [int(x) for x in str(args.ranks).split(",")]:
+                r = ranks_run(root, n, workers, batch, args.capacity, args.batches, aug, work, _buffer_parent(args),
+                              args.daemon_src)
+                rows.append(r)
+                print(f"ranks {n:3d} (capacity {r['capacity']}): {r['img_s']:8,.0f} img/s all ranks; per rank "
+                      f"{r['rank_img_s_min']:,.0f}..{r['rank_img_s_max']:,.0f} img/s "
+                      f"(slowest/fastest {r['rank_img_s_min'] / r['rank_img_s_max']:.2f}); daemon main process "
+                      f"{r['main_cpu_pct']:.1f}% of a core, {r['main_cpu_ms_per_batch']:.3f} ms CPU per published "
+                      f"batch ({r['published']} published)", flush=True)
+            results["ranks"] = rows
         elif args.executor == "ray":
             results["ray"] = ray_vs_local(root, workers, batch, args, aug, work)
         elif args.sweep_workers:

@@ -238,6 +238,9 @@ class WorkersConfig:
     count: int | str = "auto"
     reserve_cores: int = 0
     max_tasks_in_flight: int = 2
+    # a worker that holds one batch longer than this (a decode hung on a dead NFS server, a
+    # stopped process) is killed and replaced, and the batch made again
+    task_timeout_s: float = 120.0
     executor: str = "local"
     ray: RayConfig | dict = field(default_factory=RayConfig)
 
@@ -257,6 +260,7 @@ class WorkersConfig:
             _int(self.count, "workers.count", 1, 1024)
         _int(self.reserve_cores, "workers.reserve_cores", 0)
         _int(self.max_tasks_in_flight, "workers.max_tasks_in_flight", 1, 16)
+        _float(self.task_timeout_s, "workers.task_timeout_s", 0.1)
 
     def resolved_count(self) -> int:
         if self.count != "auto":

@@ -42,6 +42,12 @@ def families(rec: dict):
     yield gauge("prefetchd_workers", "Configured worker processes", rec.get("workers"))
     yield gauge("prefetchd_workers_alive", "Worker processes alive", rec.get("workers_alive"))
     yield counter("prefetchd_worker_restarts", "Workers replaced after dying", rec.get("worker_restarts"))
+    yield counter("prefetchd_worker_timeouts", "Workers killed for holding a batch past workers.task_timeout_s",
+                  rec.get("worker_timeouts"))
+    yield counter("prefetchd_failed_batches", "Batches that failed and were tried again after a back-off",
+                  rec.get("failed_batches"))
+    yield counter("prefetchd_main_cpu_seconds", "CPU time of the daemon's main process (not its workers)",
+                  rec.get("main_cpu_s"))
     yield gauge("prefetchd_worker_utilisation_ratio", "Fraction of worker time spent making batches",
                 rec.get("worker_utilisation"))
     yield gauge("prefetchd_quarantined_samples", "Samples quarantined (unreadable images)", rec.get("quarantined"))

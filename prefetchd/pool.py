@@ -1,26 +1,43 @@
-"""The worker pool: processes started by forkserver, one pipe each, watched by their sentinels.
+"""The local executor: worker processes started by forkserver, one pipe each, watched by their
+sentinels.
 
-Each worker has its own duplex pipe, so the daemon always knows which tasks a worker holds: when
-a worker dies (its sentinel becomes ready), those tasks go back to the daemon to be made again
-and the worker is replaced. Teardown escalates: a stop message, join, terminate, kill.
+Every executor (this one, ``raypool.RayPool``) offers the same small interface the daemon's loop
+drives without asking which kind it has: ``idle()`` (free task slots), ``submit(task)``,
+``results()`` (finished and lost tasks, without blocking), ``waitables()`` (what the loop may
+wait on) and ``stop()``.
+
+Each worker has its own duplex pipe, so the pool always knows which tasks a worker holds. A
+worker that dies (its sentinel becomes ready) or holds one task longer than
+``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be, its temp files are
+removed at once, its tasks come back as lost (to be made again) and it is replaced, after a
+back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE,
+SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
+while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
+blame nobody, so random kills never quarantine a good sample.
+Teardown escalates: a stop message, join, terminate, kill.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 
-from .worker import Result, Task, WorkerSetup, worker_main
+from .worker import Result, Task, WorkerSetup, tmp_name, worker_main
 
 log = logging.getLogger("prefetchd.pool")
 
 _WORKER_JOIN_TIMEOUT_S = 3.0
 _WORKER_TERM_TIMEOUT_S = 2.0
+_RESPAWN_BASE_S = 0.1  # a worker dying soon after the last one is replaced after this, doubling...
+_RESPAWN_MAX_S = 10.0  # ...up to this
+_CALM_S = 30.0  # no death for this long: replace the next one at once again
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
 @dataclass
@@ -28,10 +45,10 @@ class Worker:
     wid: int
     process: mp.process.BaseProcess
     conn: Connection
-    tasks: deque = field(default_factory=deque)
-    current: object = None  # shared int64 [1]: the sample the worker is decoding, -1 between batches
+    tasks: deque = field(default_factory=deque)  # Task, in the order sent
+    current: object = None  # shared int64 [1]: the sample the worker is decoding, -1 otherwise
     ready: bool = False
-    started: float = field(default_factory=time.monotonic)
+    head_since: float = 0.0  # when the worker started on tasks[0]
     busy_s: float = 0.0
 
 
@@ -49,16 +66,21 @@ def _describe_exit(code: int | None) -> str:
 
 
 class Pool:
-    def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2):
+    def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2, task_timeout_s: float = 120.0):
         self.setup = setup
         self.count = count
         self.max_in_flight = max_in_flight
+        self.task_timeout_s = task_timeout_s
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["prefetchd.worker"])
         self.workers: dict[int, Worker] = {}
         self.suspects: list[tuple[int, str]] = []  # (sample index, how its worker died)
         self._next_id = 0
         self.restarts = 0
+        self.timeouts = 0
+        self._respawn_delay = 0.0
+        self._respawn_at = 0.0
+        self._last_death = -1e9
 
     def start(self) -> None:
         for _ in range(self.count):
@@ -79,84 +101,144 @@ class Pool:
         return w
 
     def resize(self, count: int) -> None:
-        """Grow at once; shrink as workers fall idle (``shrink_idle``)."""
+        """Grow at once; shrink as workers fall idle."""
         self.count = count
         while len(self.workers) < count:
             self._spawn()
 
-    def idle(self) -> list[Worker]:
-        """Ready workers with room for another task, least loaded first."""
-        ws = [w for w in self.workers.values() if w.ready and len(w.tasks) < self.max_in_flight]
-        return sorted(ws, key=lambda w: len(w.tasks))
+    # --- the executor interface ---------------------------------------------------------------------
 
-    def submit(self, w: Worker, task: Task) -> bool:
+    def idle(self) -> int:
+        """Free task slots."""
+        return sum(self.max_in_flight - len(w.tasks) for w in self.workers.values()
+                   if w.ready and len(w.tasks) < self.max_in_flight)
+
+    def submit(self, task: Task) -> bool:
+        ws = [w for w in self.workers.values() if w.ready and len(w.tasks) < self.max_in_flight]
+        if not ws:
+            return False
+        w = min(ws, key=lambda w: len(w.tasks))
         try:
             w.conn.send(task)
         except (OSError, BrokenPipeError):
             return False
-        w.tasks.append((task, time.monotonic()))
+        if not w.tasks:
+            w.head_since = time.monotonic()
+        w.tasks.append(task)
         return True
 
-    def wait(self, timeout: float, extra: list) -> tuple[list[Result], list[Task], list]:
-        """Wait for results, deaths or one of ``extra`` (file descriptors). Returns
-        (results, tasks lost with dead workers, ready extras). The dataset index each dead
-        worker was decoding is in ``self.suspects`` (a list the caller empties)."""
-        objs: list = list(extra)
-        by_obj: dict = {}
+    def waitables(self) -> list:
+        objs: list = []
         for w in self.workers.values():
-            by_obj[w.conn] = w
-            by_obj[w.process.sentinel] = w
             objs += [w.conn, w.process.sentinel]
-        ready = wait(objs, timeout)
+        return objs
+
+    def results(self) -> tuple[list[Result], list[Task]]:
+        """Finished tasks, and tasks lost with dead or timed-out workers; does not block."""
         results: list[Result] = []
         lost: list[Task] = []
-        extras = [o for o in ready if o in extra]
-        dead: set[int] = set()
-        for o in ready:
-            w = by_obj.get(o)
-            if w is None or w.wid in dead:
-                continue
-            if o is w.conn:
-                try:
-                    while w.conn.poll():
-                        msg = w.conn.recv()
-                        if isinstance(msg, tuple) and msg and msg[0] == "ready":
-                            w.ready = True
-                            continue
-                        task, t0 = w.tasks.popleft()
-                        w.busy_s += time.monotonic() - t0
-                        results.append(msg)
-                except (EOFError, OSError):
-                    pass  # the sentinel tells the rest
-            if not w.process.is_alive():
-                dead.add(w.wid)
-        # a worker may have died without its sentinel being in this wait's ready list yet
+        now = time.monotonic()
         for w in list(self.workers.values()):
-            if w.wid in dead or not w.process.is_alive():
+            try:
+                while w.conn.poll():
+                    msg = w.conn.recv()
+                    if isinstance(msg, tuple) and msg and msg[0] == "ready":
+                        w.ready = True
+                        continue
+                    w.tasks.popleft()
+                    w.busy_s += now - w.head_since
+                    w.head_since = now
+                    results.append(msg)
+                    if msg.error is None:
+                        self._respawn_delay = 0.0
+            except (EOFError, OSError):
+                pass  # the sentinel tells the rest
+            if not w.process.is_alive():
                 lost += self._bury(w)
-        return results, lost, extras
+            elif w.tasks and now - w.head_since > self.task_timeout_s:
+                t = w.tasks[0]
+                log.error("worker %d (pid %s) has held batch r%d e%d b%d for %.0f s (workers.task_timeout_s); "
+                          "killing it", w.wid, w.process.pid, t.rank, t.epoch, t.batch, now - w.head_since)
+                self.timeouts += 1
+                w.process.kill()
+                lost += self._bury(w, blame=False)
+        self._replace()
+        self._shrink_idle()
+        return results, lost
 
-    def _bury(self, w: Worker) -> list[Task]:
-        w.process.join(0.1)
-        tasks = [t for t, _ in w.tasks]
+    def stop(self) -> None:
+        """Stop every worker now. Their work can be made again, so nothing is waited for; their
+        temp files are removed."""
+        ws = list(self.workers.values())
+        for w in ws:
+            if w.process.is_alive():
+                w.process.terminate()
+                try:  # a stopped (SIGSTOP) worker must run to die of SIGTERM
+                    os.kill(w.process.pid, signal.SIGCONT)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + _WORKER_TERM_TIMEOUT_S
+        for w in ws:
+            w.process.join(max(0.0, deadline - time.monotonic()))
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(1.0)
+            self._remove_temp(w)
+            w.conn.close()
+        self.workers.clear()
+
+    # --- deaths ---------------------------------------------------------------------------------------
+
+    def _bury(self, w: Worker, blame: bool = True) -> list[Task]:
+        w.process.join(1.0)
+        tasks = list(w.tasks)
         what = ", ".join(f"r{t.rank} e{t.epoch} b{t.batch}" for t in tasks) or "no batch"
         how = _describe_exit(w.process.exitcode)
-        sample = int(w.current[0]) if w.current is not None and tasks else -1
-        log.error("worker %d (pid %s) %s while making %s%s; replacing it and making its batches again",
-                  w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "")
+        code = w.process.exitcode
+        crashed = code is not None and (code > 0 or -code in _CRASH_SIGNALS)
+        sample = int(w.current[0]) if blame and crashed and w.current is not None and tasks else -1
+        now = time.monotonic()
+        if now - self._last_death > _CALM_S:
+            self._respawn_delay = 0.0
+        else:  # deaths in a row: wait longer each time before the next replacement
+            self._respawn_delay = min(_RESPAWN_MAX_S, max(_RESPAWN_BASE_S, self._respawn_delay * 2))
+        self._last_death = now
+        self._respawn_at = max(self._respawn_at, now + self._respawn_delay)
+        if blame:
+            when = f" in {self._respawn_delay:.1f} s" if self._respawn_delay else ""
+            log.error("worker %d (pid %s) %s while making %s%s; replacing it%s and making its batches again",
+                      w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "", when)
         if sample >= 0:
             self.suspects.append((sample, how))
+        self._remove_temp(w)
         try:
             w.conn.close()
         except OSError:
             pass
         del self.workers[w.wid]
         self.restarts += 1
-        if len(self.workers) < self.count:
-            self._spawn()
         return tasks
 
-    def shrink_idle(self) -> None:
+    def _remove_temp(self, w: Worker) -> None:
+        """The temp files a dead worker may have left for its tasks: gone at once, not at stop."""
+        if not w.process.pid:
+            return
+        for t in w.tasks:
+            try:
+                os.unlink(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.process.pid)))
+            except OSError:
+                pass
+
+    def _replace(self) -> None:
+        if len(self.workers) < self.count and time.monotonic() >= self._respawn_at:
+            while len(self.workers) < self.count:
+                self._spawn()
+
+    def respawn_due(self) -> float | None:
+        """When a missing worker will be replaced (for the loop's wait), if one is missing."""
+        return self._respawn_at if len(self.workers) < self.count else None
+
+    def _shrink_idle(self) -> None:
         """Stop surplus workers (after a reload lowered the count) once they hold no task."""
         for w in list(self.workers.values()):
             if len(self.workers) <= self.count:
@@ -179,21 +261,22 @@ class Pool:
             w.process.join(1.0)
         w.conn.close()
 
-    def stop(self) -> None:
-        """Stop every worker now. Their work can be made again, so nothing is waited for: a
-        worker mid-batch leaves a temp file the daemon removes."""
-        ws = list(self.workers.values())
-        for w in ws:
-            if w.process.is_alive():
-                w.process.terminate()
-        deadline = time.monotonic() + _WORKER_TERM_TIMEOUT_S
-        for w in ws:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(1.0)
-            w.conn.close()
-        self.workers.clear()
+    def temp_bytes(self) -> int:
+        """What the batches in flight have written so far (already counted in the free space)."""
+        n = 0
+        for w in self.workers.values():
+            for t in w.tasks:
+                try:
+                    n += os.stat(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.process.pid))).st_size
+                except OSError:
+                    pass
+        return n
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self.workers.values() if w.process.pid]
+
+    def busy_s(self) -> float:
+        return sum(w.busy_s for w in self.workers.values())
+
+    def alive(self) -> int:
+        return sum(1 for w in self.workers.values() if w.process.is_alive())

@@ -15,9 +15,13 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "echoed": 0}                             # batches served again (data echoing, opt-in)
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
-``capacity`` batches ready from that position on. A file that cannot be parsed is ignored
-(the last good value is kept). The file's mode is 0644 (``FILE_MODE``) whatever the writer's
-umask, so a daemon running as another user reads it.
+``capacity`` batches ready from that position on. A file that is not exactly this is rejected
+whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
+whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
+``pid``, ``batches``, ``echoed`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
+non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
+not named here are ignored; the optional ones may be left out. The file's mode is 0644
+(``FILE_MODE``) whatever the writer's umask, so a daemon running as another user reads it.
 
 Positions only move forward within a ``session``: a client that goes back (a resume, a seek, a
 new process) writes a new session, and the daemon treats that as a jump. A backwards move
@@ -28,6 +32,7 @@ last good position and warns.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -39,6 +44,10 @@ VERSION = 1
 # trainer's own group. The progress directory (0770 with buffer.group, 0700 without) keeps
 # everyone outside the group out; the content is positions, not data.
 FILE_MODE = 0o644
+MAX_BYTES = 65536
+_U32 = 1 << 32
+_I64 = 1 << 63
+_MAX_STR = 128
 
 
 class ProgressError(ValueError):
@@ -76,33 +85,67 @@ def encode(p: Progress) -> bytes:
 
 
 def decode(data: bytes) -> Progress:
+    """Parse and check a progress file's content; any defect raises ``ProgressError`` (never
+    anything else: the reader is a long-running daemon and the writer may be anyone in a group)."""
+    if len(data) > MAX_BYTES:
+        raise ProgressError(f"larger than {MAX_BYTES} bytes")
     try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProgressError(f"not valid JSON ({e})") from None
+        d = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise ProgressError("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ProgressError(f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except RecursionError:
+        raise ProgressError("JSON nested too deeply") from None
+    except ValueError as e:  # an integer of thousands of digits, NaN or Infinity
+        raise ProgressError(f"not valid JSON ({_short(str(e))})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise ProgressError("not a prefetchd progress file")
-    if d.get("version") != VERSION:
-        raise ProgressError(f"progress version {d.get('version')!r} is not {VERSION}")
-    try:
-        vals = {k: d[k] for k in ("rank", "epoch", "batch")}
-    except KeyError as e:
-        raise ProgressError(f"missing field {e.args[0]!r}") from None
-    for k, v in vals.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ProgressError(f"field {k!r} must be a non-negative integer, got {v!r}")
-    extra = {}
-    for k, typ in (("fingerprint", str), ("pid", int), ("time", (int, float)), ("wait_s", (int, float)),
-                   ("batches", int), ("session", str), ("echoed", int)):
-        if k in d and isinstance(d[k], typ) and not isinstance(d[k], bool):
-            extra[k] = d[k]
-    return Progress(**vals, **extra)
+    if d.get("version") != VERSION or isinstance(d.get("version"), bool):
+        raise ProgressError(f"progress version {_short(repr(d.get('version')))} is not {VERSION}")
+    vals: dict = {}
+    for k in ("rank", "epoch", "batch"):
+        if k not in d:
+            raise ProgressError(f"missing field {k!r}")
+        vals[k] = _int(d, k, _U32)
+    for k in ("pid", "batches", "echoed"):
+        if k in d:
+            vals[k] = _int(d, k, _I64)
+    for k in ("time", "wait_s"):
+        if k in d:
+            v = d[k]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1e300:
+                raise ProgressError(f"field {k!r} must be a finite non-negative number, got {_short(repr(v))}")
+            vals[k] = float(v)
+    for k in ("fingerprint", "session"):
+        if k in d:
+            v = d[k]
+            if not isinstance(v, str) or len(v) > _MAX_STR:
+                raise ProgressError(f"field {k!r} must be a string of at most {_MAX_STR} characters, "
+                                    f"got {_short(repr(v))}")
+            vals[k] = v
+    return Progress(**vals)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number")
+
+
+def _int(d: dict, k: str, bound: int) -> int:
+    v = d[k]
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < bound:
+        raise ProgressError(f"field {k!r} must be an integer in [0, {bound}), got {_short(repr(v))}")
+    return v
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def read(path: str) -> Progress:
     try:
         with open(path, "rb") as f:
-            data = f.read(65536)
+            data = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise ProgressError("no progress file yet") from None
     except OSError as e:

@@ -73,9 +73,11 @@ def _actor_class(ray):
 
 
 class RayPool:
-    """Remote workers; ``idle``/``submit``/``drain`` mirror the local pool's."""
+    """Remote workers behind the executor interface of ``pool.Pool`` (``idle``, ``submit``,
+    ``results``, ``waitables``, ``stop``); results arrive on a thread that wakes the loop."""
 
-    def __init__(self, cfg: RayConfig, setup: WorkerSetup, max_in_flight: int, wake: Callable[[], None]):
+    def __init__(self, cfg: RayConfig, setup: WorkerSetup, max_in_flight: int, wake: Callable[[], None],
+                 worker_id: int = 9999):
         self.cfg = cfg
         self.setup = setup
         self.max_in_flight = max_in_flight
@@ -90,6 +92,7 @@ class RayPool:
         self._collecting = False
         self._threads: list[threading.Thread] = []
         self._ray = None
+        self.worker_id = worker_id  # names the temp files this daemon writes for remote batches
 
     # --- connecting -----------------------------------------------------------------------------
 
@@ -192,15 +195,26 @@ class RayPool:
 
     # --- work ------------------------------------------------------------------------------------
 
-    def idle(self) -> list[RemoteWorker]:
+    def idle(self) -> int:
+        """Free task slots."""
         with self._lock:
-            return [w for w in self.workers.values() if len(w.tasks) < self.max_in_flight]
+            return sum(max(0, self.max_in_flight - len(w.tasks)) for w in self.workers.values())
 
-    def submit(self, w: RemoteWorker, task: Task) -> bool:
-        ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers)
+    def submit(self, task: Task) -> bool:
         with self._lock:
+            ws = [w for w in self.workers.values() if len(w.tasks) < self.max_in_flight]
+            if not ws:
+                return False
+            w = min(ws, key=lambda w: len(w.tasks))
+            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers)
             w.tasks.append((task, time.monotonic(), ref))
         return True
+
+    def waitables(self) -> list:
+        return []  # the collecting thread wakes the loop
+
+    def results(self) -> tuple[list[Result], list[Task]]:
+        return self.drain(self.setup.buffer_dir, self.worker_id)
 
     def _collect(self) -> None:
         ray = self._ray

@@ -13,8 +13,8 @@ reproducible from ``(seed, epoch, rank, batch)`` alone.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -66,17 +66,38 @@ class Sampler:
     def batch_indices(self, epoch: int, rank: int, batch: int) -> np.ndarray:
         """Dataset indices of batch ``batch`` of ``epoch`` for ``rank`` (int64, a fresh array)."""
         self._check(batch)
-        share = self.rank_indices(epoch, rank)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
+        perm = self.permutation(epoch)
         lo = batch * self.batch_size
-        return np.array(share[lo: lo + self.batch_size], dtype=np.int64)
+        # positions in the padded permutation, read in place: the padding wraps to its start, so
+        # no copy of the whole permutation is made per batch
+        where = rank + self.world_size * np.arange(lo, lo + self.batch_len(batch), dtype=np.int64)
+        return perm[where % self.num_samples]
 
     def _check(self, batch: int) -> None:
         if not 0 <= batch < self.batches_per_epoch:
             raise IndexError(f"batch {batch} is outside the epoch's {self.batches_per_epoch} batches")
 
 
-@lru_cache(maxsize=4)
+_PERM_CACHE_BYTES = 64 << 20  # recent epochs' permutations: many when epochs are short (windows span them)
+_perm_cache: OrderedDict = OrderedDict()
+
+
 def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    key = (n, seed, epoch, shuffle)
+    perm = _perm_cache.get(key)
+    if perm is not None:
+        _perm_cache.move_to_end(key)
+        return perm
+    perm = _make_permutation(n, seed, epoch, shuffle)
+    _perm_cache[key] = perm
+    while len(_perm_cache) > max(4, _PERM_CACHE_BYTES // max(1, perm.nbytes)):
+        _perm_cache.popitem(last=False)
+    return perm
+
+
+def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     if not shuffle:
         perm = np.arange(n, dtype=np.int64)
     else:

@@ -3,14 +3,17 @@
 watchdog's inotify observer wakes the daemon's loop as soon as a progress file is replaced; the
 loop also polls (one ``stat`` per rank) every ``progress.poll_interval_s``, which is the whole
 mechanism where inotify is unavailable (NFS, exhausted watches, ``progress.inotify: false``).
-A file that cannot be parsed leaves the last good value in place and is reported once until
-it is good again.
+Events are coalesced: inotify only marks a rank's file dirty, and each wake-up of the loop reads
+each dirty file once (all files on the poll timer). A file that cannot be parsed, for whatever
+reason, leaves the last good value in place and is reported in one line, once per bad spell
+(until a good file is read), never raising into the loop.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 from . import progress as progress_fmt
@@ -29,6 +32,8 @@ class ProgressWatcher:
         self._bad: dict[int, str] = {}
         self.last: dict[int, progress_fmt.Progress] = {}
         self.mode = "polling"
+        self._dirty: set[int] = set()
+        self._dirty_lock = threading.Lock()
 
     def start(self) -> None:
         if not self._use_inotify:
@@ -38,13 +43,11 @@ class ProgressWatcher:
             from watchdog.observers import Observer
             from watchdog.observers.inotify import InotifyObserver  # noqa: F401  (Linux only)
 
-            wake = self._wake
+            mark = self._mark
 
             class _Handler(FileSystemEventHandler):
-                def on_any_event(self, event):  # runs on watchdog's thread: only wake the loop
-                    name = os.path.basename(getattr(event, "dest_path", "") or event.src_path)
-                    if name.startswith("progress-r"):
-                        wake()
+                def on_any_event(self, event):  # runs on watchdog's thread: only mark and wake
+                    mark(os.path.basename(getattr(event, "dest_path", "") or event.src_path))
 
             obs = Observer()
             obs.schedule(_Handler(), self.dir, recursive=False)
@@ -68,10 +71,24 @@ class ProgressWatcher:
                 pass
             self._observer = None
 
-    def poll(self) -> dict[int, progress_fmt.Progress]:
-        """Progress records that changed since the last poll, by rank."""
+    def _mark(self, name: str) -> None:
+        if not (name.startswith("progress-r") and name.endswith(".json")):
+            return
+        try:
+            r = int(name[len("progress-r"):-len(".json")])
+        except ValueError:
+            return
+        with self._dirty_lock:
+            self._dirty.add(r)
+        self._wake()
+
+    def poll(self, full: bool = True) -> dict[int, progress_fmt.Progress]:
+        """Progress records that changed since the last poll, by rank: every rank's file when
+        ``full``, else only those inotify said were touched."""
+        with self._dirty_lock:
+            dirty, self._dirty = self._dirty, set()
         changed: dict[int, progress_fmt.Progress] = {}
-        for r in self.ranks:
+        for r in (self.ranks if full else [r for r in dirty if r in self._stamps]):
             path = progress_fmt.progress_path(self.dir, r)
             try:
                 st = os.stat(path)
@@ -90,8 +107,9 @@ class ProgressWatcher:
                 continue
             try:
                 p = progress_fmt.read(path)
-            except progress_fmt.ProgressError as e:
-                self._report(r, f"ignoring {path}: {e}; keeping the last good position "
+            except Exception as e:  # ProgressError; anything else is a bug, but must not stop the daemon
+                why = str(e) if isinstance(e, progress_fmt.ProgressError) else f"{type(e).__name__}: {e}"
+                self._report(r, f"ignoring {path}: {why}; keeping the last good position "
                                 f"{self.last[r].position if r in self.last else 'none'}")
                 continue
             if p.rank != r:
@@ -103,6 +121,8 @@ class ProgressWatcher:
         return changed
 
     def _report(self, rank: int, msg: str) -> None:
-        if rank not in self._bad:  # once per bad spell; a good read clears it
+        # once per bad spell (a file rewritten badly many times a second must not flood the
+        # journal); a good read clears it
+        if rank not in self._bad:
             log.warning("%s", msg)
         self._bad[rank] = msg

@@ -14,6 +14,7 @@ batch stay independent of which worker made it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ MAX_REPLACEMENT_TRIES = 16
 # Fault injection for the test suite: a sample whose path contains this string kills its worker
 # with SIGSEGV, as a decoder crash would. Unset in normal use.
 _CRASH_ON = os.environ.get("PREFETCHD_FAULT_CRASH_ON")
+# ...and "substring:marker" stops (SIGSTOP) the first worker to decode such a sample, as a read
+# hung in the kernel would; the marker file makes it happen once.
+_HANG_ON = os.environ.get("PREFETCHD_FAULT_HANG_ONCE")
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,19 @@ class WorkerSetup:
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
 
 
-def tmp_name(task: Task | Result, worker_id: int) -> str:
+def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
+    """The temp file a worker (``pid``, by default this process) writes the batch to."""
     return (f"{batchfile.TMP_PREFIX}r{task.rank:04d}-e{task.epoch:06d}-b{task.batch:08d}"
-            f"-w{worker_id}-{os.getpid()}")
+            f"-w{worker_id}-{os.getpid() if pid is None else pid}")
+
+
+_ADDRESS = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
+
+
+def clean_reason(text: str) -> str:
+    """A decoder's message without object addresses (``<_io.BytesIO object at 0x7f...>``), so a
+    reason reads the same in every run and every worker."""
+    return _ADDRESS.sub("the file", text)
 
 
 def replacement(seed: int, epoch: int, index: int, attempt: int, n: int) -> int:
@@ -105,10 +119,12 @@ class BatchMaker:
             self.current[0] = i  # if this sample kills the process, the daemon learns which
         if _CRASH_ON and _CRASH_ON in path:
             os.kill(os.getpid(), signal.SIGSEGV)
+        if _HANG_ON:
+            _hang_once(path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                data = os.read(fd, 1 << 30)
+                data = _read_all(fd)
             finally:
                 os.close(fd)
         except OSError as e:
@@ -136,8 +152,8 @@ class BatchMaker:
                     break
                 except augment.SampleError as e:
                     if i not in self.bad:
-                        self.bad[i] = str(e)
-                        quarantined.append(Quarantined(i, self.index.path(i), str(e)))
+                        self.bad[i] = clean_reason(str(e))
+                        quarantined.append(Quarantined(i, self.index.path(i), self.bad[i]))
                     attempt += 1
                     if attempt > MAX_REPLACEMENT_TRIES:
                         raise RuntimeError(f"{MAX_REPLACEMENT_TRIES} replacements for sample {int(used[k])} "
@@ -154,11 +170,10 @@ class BatchMaker:
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
         images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices)
-        res = write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, images, used, labels, replaced,
-                         quarantined, time.perf_counter() - t0)
-        if self.current is not None:
+        if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault
             self.current[0] = -1
-        return res
+        return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, images, used, labels, replaced,
+                          quarantined, time.perf_counter() - t0)
 
 
 def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, images: np.ndarray, used: np.ndarray,
@@ -173,13 +188,37 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, im
                       quarantined=tuple(quarantined))
     try:
         size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
-    except OSError as e:
+    except BaseException as e:  # whatever it is, no temp file or descriptor outlives it
         os.close(fd)
         _unlink(path)
-        return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {e.strerror}",
+        if not isinstance(e, Exception):
+            raise
+        why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
+        return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {why}",
                       quarantined=tuple(quarantined))
     os.close(fd)
     return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
+
+
+def _hang_once(path: str) -> None:
+    what, _, marker = _HANG_ON.partition(":")
+    if what in path:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _read_all(fd: int) -> bytes:
+    """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
+    size = os.fstat(fd).st_size
+    chunks = [os.read(fd, size + 1)] if size else []
+    while True:  # a file that grew since fstat, or one with no size (a pipe, /proc)
+        more = os.read(fd, max(size, 1 << 16))
+        if not more:
+            return b"".join(chunks)
+        chunks.append(more)
 
 
 def _unlink(path: str) -> None:

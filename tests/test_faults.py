@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -102,7 +103,9 @@ def test_corrupt_and_unreadable_images_are_quarantined_and_training_goes_on(tmp_
         assert d.stop() == 0
         q = (run_dir / "buffer" / status.QUARANTINE_NAME).read_text()
         assert all(str(v) in q for v in victims)
-        assert "quarantined sample" in d.log()
+        lines = [line for line in d.log().splitlines() if "quarantined sample" in line]
+        assert len(lines) == 3 and all(sum(str(v) in line for line in lines) == 1 for v in victims)  # once each
+        assert all("0x" not in line for line in lines + q.splitlines())
     assert digests[0] == digests[1]
 
 
@@ -303,3 +306,182 @@ def test_run_on_a_root_without_images_exits_78(tmp_path):
     r = subprocess.run([sys.executable, "-m", "prefetchd", "run", "--config", cfg], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 78 and "holds no images" in r.stderr
+
+
+# --- issue 10: hostile input and faults that used to stop or slow the daemon ---------------------
+
+_HOSTILE = [
+    b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": ' + b"7" * 5000 + b', "batch": 1}',
+    b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 1, "batch": 1, "wait_s": 1e400}',
+    b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": ' + str(10**400).encode() + b', "batch": 1}',
+    b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 4294967296, "batch": 1}',
+    b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 1, "batch": 1, "echoed": NaN}',
+    b"[" * 50000,
+]
+
+
+@pytest.mark.parametrize("bad", _HOSTILE, ids=["5000-digits", "1e400", "10**400", "epoch-2**32", "NaN", "nested"])
+def test_hostile_progress_file_is_rejected_with_one_warning_also_at_start_up(tmp_path, image_root, daemon_factory, bad):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = str(tmp_path / "buffer")
+    pdir = os.path.join(buf, "progress")
+    os.makedirs(pdir)
+    with open(progress.progress_path(pdir, 0), "wb") as f:  # there before the daemon starts
+        f.write(bad)
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    progress.write(pdir, progress.Progress(rank=0, epoch=0, batch=2))
+    wait_until(lambda: _position(buf) == [0, 2], 10, "position 0/2")
+    with open(progress.progress_path(pdir, 0), "wb") as f:  # and again while it runs
+        f.write(bad)
+    wait_until(lambda: d.log().count("ignoring") == 2, 10, "a second warning")
+    progress.write(pdir, progress.Progress(rank=0, epoch=0, batch=3))
+    wait_until(lambda: _position(buf) == [0, 3], 10, "position 0/3")
+    assert d.proc.poll() is None and d.stop() == 0
+    log = d.log()
+    assert "Traceback" not in log and log.count("ignoring") == 2
+    assert all(len(line) < 400 for line in log.splitlines())  # one short line, not the file echoed
+
+
+def _position(buf):
+    return (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("position")
+
+
+def test_write_temp_leaves_nothing_behind_whatever_fails(tmp_path):
+    from prefetchd.worker import Task, write_temp
+
+    task = Task(0, 1 << 32, 0, 8, np.arange(2, dtype=np.int64))  # overflows the header's 32-bit epoch
+    imgs = np.zeros((2, 8, 8, 3), np.uint8)
+    args = (str(tmp_path), task, 1, 0, imgs, np.arange(2), np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
+    for _ in range(2):  # the second try must not find the first's temp file in its way
+        res = write_temp(*args)
+        assert res.error and "File exists" not in res.error and res.tmp_path is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_death_while_writing_blames_no_sample(tmp_path, image_root, monkeypatch):
+    from prefetchd import worker
+    from prefetchd.config import load as load_config
+    from prefetchd.dataset import load_index
+
+    cfg = load_config(small_config(tmp_path, image_root))
+    index, _ = load_index(image_root, None, (".jpg", ".jpeg"), str(tmp_path / "cache"))
+    current = np.full(1, -1, np.int64)
+    maker = worker.BatchMaker(worker.WorkerSetup(cfg, None, index, 1, str(tmp_path)), 0, current)
+    seen = []
+    real = worker.write_temp
+    monkeypatch.setattr(worker, "write_temp", lambda *a: seen.append(int(current[0])) or real(*a))
+    maker.make(worker.Task(0, 0, 0, 8, np.arange(6, dtype=np.int64)))
+    assert seen == [-1]  # an out-of-memory kill here must not quarantine sample 5
+
+
+def test_quarantine_reasons_carry_no_object_addresses(tmp_path, image_root):
+    from prefetchd.worker import clean_reason
+
+    msg = "cannot identify image file <_io.BytesIO object at 0x7f3a2c1e9d50>"
+    assert clean_reason(msg) == "cannot identify image file the file"
+    assert "0x" not in clean_reason("<PIL.Image object at 0xDEADBEEF> broke")
+
+
+def test_sigterm_during_the_index_scan_stops_at_once(tmp_path, daemon_factory):
+    listing = tmp_path / "list.txt"
+    with open(listing, "wb") as f:  # a big file list: scanning it takes seconds
+        f.write(b"".join(b"d/img_%07d.jpg %d\n" % (i, i % 1000) for i in range(3_000_000)))
+    cfg = small_config(tmp_path, "/nonexistent", dataset={"root": None, "file_list": str(listing)})
+    d = daemon_factory(cfg)
+    wait_until(lambda: os.path.exists(tmp_path / "buffer" / "daemon.lock"), 20, "the lock")
+    assert "dataset:" not in d.log()
+    t0 = time.monotonic()
+    assert d.stop(timeout=10) == 0
+    assert time.monotonic() - t0 < 2.0
+    assert "stopping during the dataset scan" in d.log()
+
+
+def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+    from prefetchd.ring import Lock
+
+    d = Daemon(load_config(small_config(tmp_path, image_root)))
+    d.lock = Lock(str(tmp_path))
+    d.lock.acquire()
+
+    class Broken:
+        def stop(self):
+            raise RuntimeError("broken")
+
+        def remove_temp_files(self):
+            raise OSError(5, "I/O error")
+
+    d.watcher = d.pool = d.ring = Broken()
+    d.status_record = Broken().stop
+    d._teardown()
+    other = Lock(str(tmp_path))
+    other.acquire()  # would raise BufferBusy with the lock still held
+    other.release()
+
+
+def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
+    import tracemalloc
+
+    from prefetchd.worker import _read_all
+
+    path = tmp_path / "img"
+    data = os.urandom(100_000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        tracemalloc.start()
+        got = _read_all(fd)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    finally:
+        os.close(fd)
+    assert got == data and peak < 1 << 20  # not a 1 GiB buffer per image
+
+
+def test_a_batch_with_padding_does_not_copy_the_permutation():
+    import tracemalloc
+
+    from prefetchd.sampler import Sampler
+
+    s = Sampler(1_000_003, 256, seed=1, world_size=8)  # padding applies: 1,000,003 is not a multiple of 8
+    s.batch_indices(0, 3, 0)  # the permutation itself is made (and cached) once per epoch
+    tracemalloc.start()
+    idx = s.batch_indices(0, 7, s.batches_per_epoch - 1)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 64 * 1024  # the old way copied all 8 MB of the permutation for every batch
+    lo = (s.batches_per_epoch - 1) * 256
+    assert np.array_equal(idx, s.rank_indices(0, 7)[lo: lo + 256])
+
+
+def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_path, image_root):
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+    from prefetchd.planner import Limits, Planner
+    from prefetchd.quarantine import QuarantineLog
+    from prefetchd.worker import Result
+
+    d = Daemon(load_config(small_config(tmp_path, image_root)))
+    d.planner = Planner((0, 1), 8, 2, Limits(4, 4, 1 << 30, 0), lambda b: 1000)
+    d.quarantine = QuarantineLog(str(tmp_path), "x", str)
+    first = d.planner.plan(2, time.monotonic(), 1 << 40).submit
+    assert first == [(0, 0, 0), (1, 0, 0)]
+    d._last_activity = before = time.monotonic() - 100
+    d._handle(Result(0, 0, 0, None, error="cannot write a batch: No space left on device"))
+    assert d._last_activity == before  # a failure is not progress: the watchdog may still fire
+    nxt = d.planner.plan(8, time.monotonic(), 1 << 40).submit
+    assert (0, 0, 1) in nxt and (1, 0, 1) in nxt and (0, 0, 0) not in nxt  # only the failed batch waits
+
+
+def test_workers_that_keep_dying_are_replaced_with_a_growing_delay(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, workers={"count": 1})
+    t0 = time.monotonic()
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_CRASH_ON": ".JPEG"})  # every sample crashes its worker
+    assert d.proc.wait(60) == 1  # a crash loop before the first batch stops the daemon...
+    elapsed = time.monotonic() - t0
+    log = d.log()
+    # ...but only after waiting 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s between the 8 deaths, not in a tight loop
+    assert "replacing it in 0.1 s" in log and "replacing it in 3.2 s" in log
+    assert elapsed > 6.3 and "workers died 8 times before the first batch" in log

@@ -1,0 +1,356 @@
+"""The planner: which batches to evict and which to make next. Pure: no files, no processes, no
+clock of its own (the caller passes ``now``), so every policy decision is unit-testable.
+
+Positions are linear: batch ``b`` of epoch ``e`` is ``g = e * batches_per_epoch + b``. A rank at
+``pos`` has the *window* ``[pos, min(pos + capacity, end))``, where ``end`` is
+``epochs * batches_per_epoch`` (no end when training is endless). State per rank, kept up to date
+as events arrive instead of being recomputed:
+
+* ``ready``: published batches, all inside the window (a move of the position evicts what left
+  it, found by walking the positions that left, never by scanning the ring);
+* ``inflight``: batches being made, inside the window; one that leaves the window while being made
+  becomes an *orphan*, still counted in the bytes until its result arrives and is thrown away;
+* ``holes``: batches that were handed out and came back unmade (a failed batch waits out its
+  back-off, ``retry_at``; a dead worker's batch is due at once);
+* ``cursor``: every batch in ``[pos, cursor)`` is ready, in flight or a hole, so the next batch to
+  hand out is the earliest due hole or ``cursor`` (amortised O(1) per batch).
+
+Policy (``plan``): a rank starts *filling* when fewer than ``refill_at`` batches, counted
+contiguously from its position, are ready or in flight, and stops when its window is covered
+(``capacity`` ready or in flight, or nothing left to make). Each free worker slot goes to the
+filling rank with the fewest batches ready or in flight, so a slow (full) rank never starves
+the others. A batch is handed out only if ready + in-flight bytes + its estimate stay within
+``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
+bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
+Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
+state changed since the last one: O(log ranks) per batch handed out; a position move costs
+O(batches that left the window) (a jump back also walks the new window once). Nothing walks
+a whole window or every rank per step.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+Key = tuple[int, int, int]  # (rank, epoch, batch)
+
+RETRY_BASE_S = 1.0  # a failed batch waits this long, doubling with each failure in a row
+RETRY_MAX_S = 60.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    capacity: int
+    refill_at: int
+    max_bytes: int
+    min_free_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    submit: list[Key]
+    blocked: str | None = None  # why production waits, if it does
+
+
+@dataclass
+class _Rank:
+    pos: int = 0
+    ready: dict[int, int] = field(default_factory=dict)  # g -> bytes
+    inflight: dict[int, int] = field(default_factory=dict)  # g -> estimated bytes
+    holes: dict[int, float] = field(default_factory=dict)  # g -> when it may be handed out again
+    cursor: int = 0
+    ready_front: int = 0  # every batch in [pos, ready_front) is ready
+    filling: bool = True
+
+
+def retry_delay_s(failures: int) -> float:
+    """Back-off before a batch that failed ``failures`` times in a row is tried again."""
+    return min(RETRY_MAX_S, RETRY_BASE_S * 2.0 ** min(failures - 1, 30))
+
+
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+class Planner:
+    def __init__(self, ranks: Iterable[int], batches_per_epoch: int, epochs: int | None, limits: Limits,
+                 estimate: Callable[[int], int]):
+        """``estimate(batch)``: an upper bound on the file size of batch ``batch`` of an epoch."""
+        if batches_per_epoch < 1:
+            raise ValueError("batches_per_epoch must be positive")
+        self.bpe = batches_per_epoch
+        self.end = None if epochs is None else epochs * batches_per_epoch
+        self.limits = limits
+        self._estimate = estimate
+        self.ranks: dict[int, _Rank] = {r: _Rank() for r in ranks}
+        self._orphans: dict[Key, list[int]] = {}  # in flight but no longer wanted: estimates
+        self.failures: dict[Key, int] = {}  # failures in a row per batch (cleared by a success)
+        self.bytes_ready = 0
+        self.bytes_inflight = 0  # estimates of everything being made, orphans included
+        self._check: set[int] = set(self.ranks)  # ranks whose watermark must be looked at again
+        self._holed: set[int] = set()  # ranks with batches waiting to be retried
+        self._heap: list[tuple[int, int, int]] = []  # (ready + in flight, rank, version): filling ranks
+        self._ver = dict.fromkeys(self.ranks, 0)
+
+    # --- positions ---------------------------------------------------------------------------------
+
+    def key(self, r: int, g: int) -> Key:
+        return (r, g // self.bpe, g % self.bpe)
+
+    def linear(self, epoch: int, batch: int) -> int:
+        return epoch * self.bpe + batch
+
+    def position(self, r: int) -> tuple[int, int]:
+        g = self.ranks[r].pos
+        return (g // self.bpe, g % self.bpe)
+
+    def window_end(self, r: int) -> int:
+        s = self.ranks[r]
+        top = s.pos + self.limits.capacity
+        return top if self.end is None else min(top, self.end)
+
+    def set_position(self, r: int, epoch: int, batch: int) -> list[Key]:
+        """Move rank ``r`` to ``(epoch, batch)``; ``batch`` may run past the epoch. Returns the
+        published batches that left the window, to be deleted."""
+        s = self.ranks[r]
+        new = self.linear(epoch, batch)
+        old_lo, old_hi = s.pos, self.window_end(r)
+        if new == old_lo:
+            return []
+        s.pos = new
+        self._check.add(r)
+        new_hi = self.window_end(r)
+        if new > old_lo:  # forward: what lies below the new position, and nothing else, leaves
+            gone: Iterable[int] = range(old_lo, min(new, old_hi))
+        else:  # a jump back: what lies beyond the new window leaves
+            gone = range(max(new_hi, old_lo), old_hi)
+        evicted = self._drop(r, s, gone)
+        for key in [k for k in self._orphans if k[0] == r]:  # back inside: wanted again, no need to remake
+            g = self.linear(key[1], key[2])
+            if new <= g < new_hi and g not in s.ready and g not in s.inflight:
+                ests = self._orphans[key]
+                s.inflight[g] = ests.pop()
+                if not ests:
+                    del self._orphans[key]
+        if new > old_lo:
+            s.cursor = max(s.cursor, new)
+            s.ready_front = max(s.ready_front, new)
+        else:
+            s.cursor = s.ready_front = new
+        return evicted
+
+    def _drop(self, r: int, s: _Rank, gs: Iterable[int]) -> list[Key]:
+        evicted = []
+        if len(s.ready) + len(s.inflight) + len(s.holes) == 0:
+            return evicted
+        for g in gs:
+            size = s.ready.pop(g, None)
+            if size is not None:
+                self.bytes_ready -= size
+                evicted.append(self.key(r, g))
+            est = s.inflight.pop(g, None)
+            if est is not None:
+                self._orphans.setdefault(self.key(r, g), []).append(est)
+            s.holes.pop(g, None)
+        return evicted
+
+    def set_limits(self, limits: Limits) -> list[Key]:
+        """New capacity or byte limits (a reload). Returns published batches now outside a window."""
+        old = self.limits
+        self.limits = limits
+        evicted = []
+        for r, s in self.ranks.items():
+            if limits.capacity < old.capacity:
+                evicted += self._drop(r, s, range(s.pos + limits.capacity, s.pos + old.capacity))
+                s.cursor = min(s.cursor, self.window_end(r))
+            s.filling = True
+        self._check.update(self.ranks)
+        return evicted
+
+    # --- events ------------------------------------------------------------------------------------
+
+    def adopt(self, key: Key, size: int) -> bool:
+        """A batch found published at start-up: kept if some window wants it (else delete it)."""
+        r, e, b = key
+        s = self.ranks.get(r)
+        if s is None or not 0 <= b < self.bpe:
+            return False
+        g = self.linear(e, b)
+        if not s.pos <= g < self.window_end(r) or g in s.ready:
+            return False
+        s.ready[g] = size
+        self.bytes_ready += size
+        self._check.add(r)
+        return True
+
+    def is_inflight(self, key: Key) -> bool:
+        s = self.ranks.get(key[0])
+        return s is not None and self.linear(key[1], key[2]) in s.inflight
+
+    def finished(self, key: Key) -> bool:
+        """A batch's result came back. True: publish it, then call ``published``; False: it is
+        no longer wanted (an orphan, or already ready), throw it away."""
+        r, e, b = key
+        s = self.ranks.get(r)
+        g = self.linear(e, b)
+        if s is not None and g in s.inflight:
+            self.bytes_inflight -= s.inflight.pop(g)
+            s.inflight[g] = 0  # still covered until published or failed
+            return True
+        ests = self._orphans.get(key)
+        if ests:
+            self.bytes_inflight -= ests.pop()
+            if not ests:
+                del self._orphans[key]
+        return False
+
+    def published(self, key: Key, size: int) -> None:
+        r, e, b = key
+        s = self.ranks[r]
+        g = self.linear(e, b)
+        s.inflight.pop(g, None)
+        s.ready[g] = size
+        self.bytes_ready += size
+        self.failures.pop(key, None)
+
+    def failed(self, key: Key, now: float) -> float:
+        """The batch could not be made (or published): it is tried again after a back-off that
+        doubles per failure in a row. Other batches and ranks go on. Returns the delay."""
+        n = self.failures.get(key, 0) + 1
+        self.failures[key] = n
+        delay = retry_delay_s(n)
+        self._unmade(key, now + delay)
+        return delay
+
+    def lost(self, key: Key) -> None:
+        """The batch's worker died or was given up on: make it again, now."""
+        self._unmade(key, 0.0)
+
+    def _unmade(self, key: Key, retry_at: float) -> None:
+        r, e, b = key
+        s = self.ranks[r]
+        g = self.linear(e, b)
+        est = s.inflight.pop(g, None)
+        if est is not None:
+            self.bytes_inflight -= est
+            s.holes[g] = retry_at
+            self._holed.add(r)
+            self._check.add(r)
+            return
+        ests = self._orphans.get(key)  # a lost orphan: nothing to remake
+        if ests:
+            self.bytes_inflight -= ests.pop()
+            if not ests:
+                del self._orphans[key]
+
+    # --- the plan ----------------------------------------------------------------------------------
+
+    def ahead(self, r: int) -> int:
+        """Batches ready or in flight contiguously from the position (what the watermark counts)."""
+        s = self.ranks[r]
+        self._advance(s)
+        front = min(s.holes) if s.holes else s.cursor
+        return max(0, front - s.pos)
+
+    def ready_ahead(self, r: int) -> int:
+        """Batches ready contiguously from the position (what the trainer can read right now)."""
+        s = self.ranks[r]
+        f = max(s.ready_front, s.pos)
+        while f in s.ready:
+            f += 1
+        s.ready_front = f
+        return f - s.pos
+
+    def _advance(self, s: _Rank) -> None:
+        c = max(s.cursor, s.pos)
+        while c in s.ready or c in s.inflight or c in s.holes:
+            c += 1
+        s.cursor = c
+
+    def _candidate(self, r: int, s: _Rank, now: float) -> int | None:
+        if s.holes:
+            due = [g for g, t in s.holes.items() if t <= now]
+            if due:
+                return min(due)
+        self._advance(s)
+        return s.cursor if s.cursor < self.window_end(r) else None
+
+    def plan(self, slots: int, now: float, free_bytes: int, temp_bytes: int = 0) -> Plan:
+        """Up to ``slots`` batches to make now (marked in flight here), emptiest filling rank first.
+        ``free_bytes``: the buffer filesystem's free space; ``temp_bytes``: what the batches in
+        flight have already written there. Costs O(log ranks) per batch handed out plus O(ranks
+        whose state changed since the last plan), not O(ranks)."""
+        lim = self.limits
+        for r in self._check | self._holed:  # only these can have fallen below the watermark
+            s = self.ranks[r]
+            if not s.holes:
+                self._holed.discard(r)
+            if not s.filling and self.ahead(r) < lim.refill_at:
+                s.filling = True
+            if s.filling:
+                self._push(r)
+        self._check.clear()
+        out: list[Key] = []
+        blocked = None
+        heap = self._heap
+        while len(out) < slots and heap:
+            have, r, ver = heapq.heappop(heap)
+            s = self.ranks[r]
+            if ver != self._ver[r] or not s.filling:
+                continue  # stale: the rank's count changed, or it stopped filling
+            g = self._candidate(r, s, now)
+            if g is None or have >= lim.capacity:
+                s.filling = False
+                continue
+            key = self.key(r, g)
+            est = self._estimate(key[2])
+            if self.bytes_ready + self.bytes_inflight + est > lim.max_bytes:
+                if self.bytes_ready + self.bytes_inflight == 0:
+                    blocked = (f"one batch needs {_size(est)} but buffer.max_bytes is {_size(lim.max_bytes)}; "
+                               "raise buffer.max_bytes")
+                else:
+                    blocked = f"buffer.max_bytes ({_size(lim.max_bytes)}) reached"
+                heapq.heappush(heap, (have, r, ver))
+                break
+            unwritten = max(0, self.bytes_inflight - temp_bytes)
+            if free_bytes - unwritten - est < lim.min_free_bytes:
+                blocked = (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
+                           f"and buffer.min_free_bytes keeps {_size(lim.min_free_bytes)}")
+                heapq.heappush(heap, (have, r, ver))
+                break
+            s.holes.pop(g, None)
+            s.inflight[g] = est
+            self.bytes_inflight += est
+            out.append(key)
+            self._push(r)
+        if len(heap) > 4 * len(self.ranks) + 64:  # drop stale entries now and then
+            self._heap = [e for e in heap if e[2] == self._ver[e[1]] and self.ranks[e[1]].filling]
+            heapq.heapify(self._heap)
+        return Plan(out, blocked)
+
+    def _push(self, r: int) -> None:
+        s = self.ranks[r]
+        self._ver[r] += 1
+        heapq.heappush(self._heap, (len(s.ready) + len(s.inflight), r, self._ver[r]))
+
+    def next_retry(self) -> float | None:
+        """When the earliest failed batch may be tried again (for the loop's wait), if any."""
+        ts = [t for r in self._holed for t in self.ranks[r].holes.values() if t > 0]
+        return min(ts) if ts else None
+
+    # --- reporting ---------------------------------------------------------------------------------
+
+    def rank_status(self, r: int) -> dict:
+        s = self.ranks[r]
+        return {"position": list(self.position(r)), "ready": len(s.ready), "ahead": self.ready_ahead(r),
+                "in_flight": len(s.inflight), "retrying": len(s.holes), "filling": s.filling,
+                "done": self.end is not None and s.pos >= self.end}
+
+    def busy(self) -> bool:
+        """Anything being made (orphans included)? O(1)."""
+        return self.bytes_inflight > 0

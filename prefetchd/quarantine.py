@@ -1,0 +1,69 @@
+"""The quarantine log: samples that cannot become a batch's sample, kept across restarts.
+
+``quarantine.jsonl`` in the buffer directory holds one JSON object per line (``index``,
+``path``, ``reason``, ``epoch``, ``time``, ``dataset``); lines of another dataset, or that
+cannot be parsed, are skipped. Each sample is recorded and warned about once. A sample that was
+being decoded when its worker died twice is quarantined too (its worker's death, not a write or
+a timeout, names it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+from . import status
+from .worker import Quarantined
+
+log = logging.getLogger("prefetchd")
+
+_DEATHS_TO_QUARANTINE = 2
+
+
+class QuarantineLog:
+    def __init__(self, buffer_dir: str, dataset_fingerprint: str, path_of):
+        self.path = os.path.join(buffer_dir, status.QUARANTINE_NAME)
+        self.dataset = dataset_fingerprint
+        self._path_of = path_of
+        self.records: dict[int, dict] = {}
+        self._deaths: dict[int, int] = {}
+        self.crashers: tuple[tuple[int, str], ...] = ()  # sent with each task
+
+    def load(self) -> None:
+        try:
+            with open(self.path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    try:
+                        q = json.loads(line)
+                        if isinstance(q, dict) and q.get("dataset") == self.dataset:
+                            self.records[int(q["index"])] = q
+                    except (ValueError, KeyError, TypeError, RecursionError):
+                        continue
+        except FileNotFoundError:
+            pass
+
+    def add(self, q: Quarantined, epoch: int) -> None:
+        if q.index in self.records:
+            return
+        rec = {"index": q.index, "path": q.path, "reason": q.reason, "epoch": epoch, "time": time.time(),
+               "dataset": self.dataset}
+        self.records[q.index] = rec
+        log.warning("quarantined sample %d (%s): %s; a deterministic replacement stands in for it",
+                    q.index, q.path, q.reason)
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            log.error("cannot append to the quarantine list: %s", e.strerror)
+
+    def worker_died(self, index: int, how: str) -> None:
+        self._deaths[index] = self._deaths.get(index, 0) + 1
+        if self._deaths[index] >= _DEATHS_TO_QUARANTINE and index not in self.records:
+            reason = f"its worker {how} twice while decoding it"
+            self.crashers += ((index, reason),)
+            self.add(Quarantined(index, self._path_of(index), reason), -1)
+
+    def __len__(self) -> int:
+        return len(self.records)

@@ -1,0 +1,63 @@
+"""Where each trainer is: progress records in, position moves out.
+
+A record's position is taken unless it goes backwards within the trainer session that wrote
+the last one (a stale copy restored, say): then the last good position is kept, with one
+warning per session. A new session that goes back is a jump (a resume, a seek). Positions are
+linear batch numbers (``epoch * batches_per_epoch + batch``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .progress import Progress
+
+log = logging.getLogger("prefetchd")
+
+
+@dataclass(frozen=True)
+class Move:
+    rank: int
+    epoch: int
+    batch: int
+    consumed: int  # batches passed going forward (0 for a jump back)
+
+
+class Sessions:
+    def __init__(self, ranks, batches_per_epoch: int, fingerprint: str):
+        self.bpe = batches_per_epoch
+        self.fingerprint = fingerprint
+        self.pos = {r: 0 for r in ranks}
+        self.session: dict[int, str] = {}
+        self.wait_s = {r: 0.0 for r in ranks}
+        self.echoed = {r: 0 for r in ranks}
+        self.last_seen: dict[int, float] = {}  # wall-clock time of the last record per rank
+        self._warned: dict[int, str] = {}
+
+    def apply(self, r: int, p: Progress, now: float, initial: bool = False) -> Move | None:
+        """The move a record asks for, or None when it is ignored or moves nothing."""
+        new = p.epoch * self.bpe + p.batch
+        old = self.pos[r]
+        self.last_seen[r] = now
+        self.wait_s[r] = p.wait_s
+        self.echoed[r] = p.echoed
+        if new < old and not initial and p.session and p.session == self.session.get(r):
+            if self._warned.get(r) != p.session:
+                log.warning("rank %d's progress went back from epoch %d batch %d to epoch %d batch %d within one "
+                            "trainer session; ignoring it and keeping the last good position",
+                            r, *divmod(old, self.bpe), *divmod(new, self.bpe))
+                self._warned[r] = p.session
+            return None
+        self.session[r] = p.session
+        if p.fingerprint and p.fingerprint != self.fingerprint and not initial:
+            log.warning("rank %d's trainer expects stream %s but this daemon makes %s (a config differs)",
+                        r, p.fingerprint, self.fingerprint)
+        if new == old:
+            return None
+        if new < old and not initial:
+            log.info("rank %d jumped back from epoch %d batch %d to epoch %d batch %d (a resume?)",
+                     r, *divmod(old, self.bpe), *divmod(new, self.bpe))
+        self.pos[r] = new
+        e, b = divmod(new, self.bpe)
+        return Move(r, e, b, new - old if new > old and not initial else 0)

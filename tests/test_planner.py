@@ -1,0 +1,203 @@
+"""The planner on its own: no processes, no files, a clock passed in."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from prefetchd.planner import Limits, Planner, retry_delay_s
+
+MB = 1 << 20
+FREE = 1 << 40
+
+
+def make(ranks=(0,), bpe=10, epochs=2, capacity=4, refill_at=4, max_bytes=1 << 40, min_free=0, est=MB):
+    return Planner(ranks, bpe, epochs, Limits(capacity, refill_at, max_bytes, min_free), lambda b: est)
+
+
+def run(p: Planner, keys, size=MB):
+    """The loop's part: every submitted batch comes back made and is published."""
+    for k in keys:
+        assert p.finished(k)
+        p.published(k, size)
+
+
+def test_fills_the_window_in_order_and_stops_at_capacity():
+    p = make(capacity=4)
+    plan = p.plan(10, 0.0, FREE)
+    assert plan.submit == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3)]
+    run(p, plan.submit)
+    assert p.plan(10, 0.0, FREE).submit == []
+    assert p.rank_status(0)["ahead"] == 4
+
+
+def test_refills_only_below_the_watermark():
+    p = make(capacity=4, refill_at=2)
+    run(p, p.plan(10, 0.0, FREE).submit)
+    assert p.set_position(0, 0, 1) == [(0, 0, 0)]  # 3 ahead >= refill_at 2: no refill yet
+    assert p.plan(10, 0.0, FREE).submit == []
+    assert p.set_position(0, 0, 3) == [(0, 0, 1), (0, 0, 2)]
+    assert p.plan(10, 0.0, FREE).submit == [(0, 0, 4), (0, 0, 5), (0, 0, 6)]
+
+
+def test_window_runs_across_the_epoch_boundary_and_stops_at_the_last_epoch():
+    p = make(bpe=3, epochs=2, capacity=4)
+    assert p.plan(10, 0.0, FREE).submit == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0)]
+    run(p, [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0)])
+    p.set_position(0, 0, 3)  # a trainer may say "batch 3 of epoch 0": the same as epoch 1 batch 0
+    assert p.position(0) == (1, 0)
+    assert p.plan(10, 0.0, FREE).submit == [(0, 1, 1), (0, 1, 2)]  # nothing after the last epoch
+    run(p, [(0, 1, 1), (0, 1, 2)])
+    p.set_position(0, 2, 0)
+    assert p.rank_status(0)["done"] and p.plan(10, 0.0, FREE).submit == []
+
+
+def test_jump_back_evicts_what_lies_beyond_the_new_window_and_refills_from_there():
+    p = make(bpe=100, capacity=4)
+    p.set_position(0, 0, 50)
+    run(p, p.plan(10, 0.0, FREE).submit)
+    assert p.set_position(0, 0, 48) == [(0, 0, 52), (0, 0, 53)]
+    assert p.plan(10, 0.0, FREE).submit == [(0, 0, 48), (0, 0, 49)]
+
+
+def test_jump_forward_far_evicts_the_whole_old_window():
+    p = make(bpe=1000, capacity=4)
+    run(p, p.plan(10, 0.0, FREE).submit)
+    assert sorted(p.set_position(0, 0, 500)) == [(0, 0, b) for b in range(4)]
+    assert p.bytes_ready == 0
+    assert p.plan(10, 0.0, FREE).submit[0] == (0, 0, 500)
+
+
+def test_batches_made_after_leaving_the_window_are_thrown_away_and_their_bytes_freed():
+    p = make(capacity=2, refill_at=2)
+    sub = p.plan(10, 0.0, FREE).submit
+    p.set_position(0, 0, 5)
+    assert p.bytes_inflight == 2 * MB  # still being written somewhere
+    assert not p.finished(sub[0]) and not p.finished(sub[1])
+    assert p.bytes_inflight == 0
+
+
+def test_fairness_emptiest_rank_first_and_a_full_rank_does_not_starve_others():
+    p = make(ranks=range(4), bpe=100, capacity=3, refill_at=3)
+    first = p.plan(4, 0.0, FREE).submit
+    assert sorted(k[0] for k in first) == [0, 1, 2, 3]  # one each before anyone gets a second
+    run(p, first)
+    run(p, p.plan(100, 0.0, FREE).submit)
+    # rank 0's trainer reads; the others are full and idle
+    p.set_position(0, 0, 3)
+    assert {k[0] for k in p.plan(100, 0.0, FREE).submit} == {0}
+
+
+def test_many_ranks_under_max_bytes_share_it_evenly():
+    ranks = range(64)
+    p = make(ranks=ranks, bpe=10_000, epochs=None, capacity=1000, refill_at=1000, max_bytes=640 * MB)
+    while True:
+        plan = p.plan(8, 0.0, FREE)
+        if not plan.submit:
+            break
+        run(p, plan.submit)
+    assert plan.blocked.startswith("buffer.max_bytes")
+    assert p.bytes_ready + p.bytes_inflight <= 640 * MB
+    counts = [p.rank_status(r)["ready"] for r in ranks]
+    assert min(counts) == max(counts) == 10
+    # rank 5 reads 5 batches: it, the emptiest, gets the room they free
+    p.set_position(5, 0, 5)
+    got = []
+    while (plan := p.plan(8, 0.0, FREE)).submit:
+        got += plan.submit
+        run(p, plan.submit)
+    assert {k[0] for k in got} == {5} and len(got) == 5
+
+
+def test_free_space_counts_in_flight_bytes_once():
+    p = make(capacity=10, refill_at=10, min_free=10 * MB)
+    assert len(p.plan(2, 0.0, free_bytes=13 * MB).submit) == 2  # 13 - 1 - 1 >= 10, the third would not fit
+    # both batches are fully written: the free space already shows it; nothing to reserve twice
+    assert p.plan(1, 0.0, free_bytes=11 * MB, temp_bytes=2 * MB).submit == [(0, 0, 2)]
+    assert "min_free_bytes" in p.plan(1, 0.0, free_bytes=11 * MB, temp_bytes=2 * MB).blocked
+
+
+def test_a_failed_batch_backs_off_alone_while_other_batches_and_ranks_go_on():
+    p = make(ranks=(0, 1), capacity=3, refill_at=3)
+    sub = p.plan(2, 0.0, FREE).submit
+    assert sub == [(0, 0, 0), (1, 0, 0)]
+    assert p.finished((0, 0, 0))
+    assert p.failed((0, 0, 0), now=100.0) == retry_delay_s(1)
+    run(p, [(1, 0, 0)])
+    nxt = p.plan(10, 100.0, FREE).submit
+    assert (0, 0, 0) not in nxt and (0, 0, 1) in nxt and (1, 0, 1) in nxt
+    assert p.next_retry() == 100.0 + retry_delay_s(1)
+    assert p.plan(10, 100.0 + retry_delay_s(1), FREE).submit == [(0, 0, 0)]
+    p.finished((0, 0, 0))
+    p.failed((0, 0, 0), now=200.0)  # second failure in a row: twice as long
+    assert p.plan(10, 200.0 + retry_delay_s(1), FREE).submit == []
+    assert p.plan(10, 200.0 + retry_delay_s(2), FREE).submit == [(0, 0, 0)]
+    run(p, [(0, 0, 0)])
+    assert p.failures == {}
+    assert retry_delay_s(100) == pytest.approx(60.0)
+
+
+def test_a_lost_batch_is_made_again_at_once_before_later_ones():
+    p = make(capacity=4, refill_at=4)
+    sub = p.plan(2, 0.0, FREE).submit
+    p.lost(sub[0])
+    assert p.bytes_inflight == MB
+    assert p.plan(1, 0.0, FREE).submit == [(0, 0, 0)]
+
+
+def test_adopt_keeps_recovered_batches_inside_a_window_only():
+    p = make(bpe=100, capacity=4)
+    p.set_position(0, 0, 10)
+    assert p.adopt((0, 0, 11), MB) and not p.adopt((0, 0, 9), MB) and not p.adopt((0, 0, 14), MB)
+    assert not p.adopt((7, 0, 11), MB) and not p.adopt((0, 0, 11), MB)
+    assert p.plan(10, 0.0, FREE).submit == [(0, 0, 10), (0, 0, 12), (0, 0, 13)]
+
+
+def test_lowering_capacity_evicts_beyond_the_new_window():
+    p = make(capacity=4, refill_at=4)
+    run(p, p.plan(10, 0.0, FREE).submit)
+    assert p.set_limits(Limits(2, 2, 1 << 40, 0)) == [(0, 0, 2), (0, 0, 3)]
+    assert p.rank_status(0)["ready"] == 2
+
+
+def test_random_walk_keeps_the_invariants():
+    """Random moves, results, failures and losses for many ranks: windows hold only wanted
+    batches, bytes add up, nothing is in flight twice."""
+    rnd = random.Random(5)
+    ranks = range(16)
+    p = make(ranks=ranks, bpe=37, epochs=4, capacity=20, refill_at=10, max_bytes=200 * MB)
+    inflight: list = []
+    now = 0.0
+    for _ in range(5000):
+        now += 0.1
+        op = rnd.random()
+        if op < 0.4:
+            plan = p.plan(rnd.randint(0, 6), now, FREE)
+            assert len(set(plan.submit)) == len(plan.submit)
+            assert not set(plan.submit) & set(inflight)
+            inflight += plan.submit
+        elif op < 0.75 and inflight:
+            k = inflight.pop(rnd.randrange(len(inflight)))
+            if p.finished(k):
+                if rnd.random() < 0.05:
+                    p.failed(k, now)
+                else:
+                    p.published(k, MB // 2)
+        elif op < 0.8 and inflight:
+            p.lost(inflight.pop(rnd.randrange(len(inflight))))
+        else:
+            r = rnd.choice(ranks)
+            e, b = p.position(r)
+            g = e * 37 + b + (rnd.randint(1, 5) if rnd.random() < 0.9 else -rnd.randint(1, 60))
+            g = max(0, g)
+            p.set_position(r, g // 37, g % 37)
+        total = 0
+        for r in ranks:
+            s = p.ranks[r]
+            lo, hi = s.pos, p.window_end(r)
+            assert all(lo <= g < hi for g in s.ready) and all(lo <= g < hi for g in s.inflight)
+            assert not set(s.ready) & set(s.inflight)
+            total += sum(s.ready.values())
+        assert total == p.bytes_ready
+        assert p.bytes_ready + p.bytes_inflight <= 200 * MB + MB  # an estimate is an upper bound
