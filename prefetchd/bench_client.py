@@ -120,7 +120,7 @@ def _measure(cfg_path: str, feed: str, way: str, batches: int, passes: int, step
 def run_client_bench(args) -> int:
     parent = args.buffer_parent or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
     batch_size = args.batch_size or 256
-    size, batches, passes = args.size, args.batches, args.passes
+    size, batches, passes = args.size, args.batches or 24, args.passes
     step_s = args.step_ms / 1000
     feeds = ["numpy", "tensor"]
     try:

@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-workers", action="store_true", help="throughput against worker count")
     b.add_argument("--ranks", help="N consumer processes (world size N) against one daemon; a list runs each in turn")
     b.add_argument("--capacity", type=int, default=1000, help="buffer.capacity for --ranks")
-    b.add_argument("--batches", type=int, default=200, help="batches each rank reads for --ranks")
+    b.add_argument("--batches", type=int, default=None,
+                   help="--ranks: batches each rank reads (default 200); --client: batch files in the ring (default 24)")
     b.add_argument("--output-size", type=int, default=None, help="augment.output_size (and a scale to match)")
     b.add_argument("--image-side", type=int, default=500, help="long side of the generated sample images")
     b.add_argument("--daemon-src", help="run the daemon from this source tree (an A/B comparison)")
@@ -289,7 +290,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "from a batch on the device, the client and a DataLoader")
     k.add_argument("--device", default=None, help="--train: cuda or cpu (default: cuda when available)")
     k.add_argument("--size", type=int, default=224, help="image side (default 224)")
-    k.add_argument("--batches", type=int, default=24, help="--client: batch files in the ring")
     k.add_argument("--passes", type=int, default=3, help="--client: passes over them")
     k.add_argument("--step-ms", type=float, default=60.0, help="--client: the training step between batches")
     k.add_argument("--prefetch", type=int, default=2, help="the client's read-ahead")
