@@ -24,7 +24,7 @@ test: venv
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check prefetchd client tests
+	$(VENV)/bin/ruff check prefetchd client tests examples
 
 bench: venv
 	$(PY) -m prefetchd bench
