@@ -206,6 +206,37 @@ def test_sigterm_under_load_stops_cleanly_without_temp_files(tmp_path, image_roo
     assert "stopping" in d.log()
 
 
+def _session_members(sid: int) -> list[str]:
+    """Live processes (zombies aside) of session ``sid``: what systemd would SIGKILL at the stop."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(f"{pid} {cmd}")
+    return out
+
+
+def test_sigterm_leaves_no_process_of_the_daemon_behind(tmp_path, image_root, daemon_factory):
+    """systemd (KillMode=mixed) SIGKILLs whatever of the unit is alive when the main process exits:
+    workers, the forkserver and the resource tracker must all be gone before the daemon exits."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None}, buffer={"capacity": 30})
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(str(tmp_path / "buffer"))) >= 2, 30, "the first batches")
+    assert len(_session_members(d.pid)) >= 4  # the daemon, its forkserver, tracker and workers
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=10) == 0
+    assert _session_members(d.pid) == []
+
+
 def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)

@@ -567,8 +567,12 @@ def test_journal_lines_carry_priorities(deployed):
 
 def test_stop_exits_0_and_leaves_no_temp_files(deployed):
     m = deployed
+    mark = cursor(m)
     m.run("systemctl stop prefetchd", timeout=60)
     assert show(m, "ActiveState") == "inactive" and show(m, "Result") == "success"
+    # nothing of the daemon (workers, forkserver, resource tracker) was left for systemd to kill
+    killed = [e["MESSAGE"] for e in journal(m, since=mark) if "Killing process" in str(e.get("MESSAGE", ""))]
+    assert not killed, killed
     assert show(m, "ExecMainStatus") == "0"
     left = m.run("ls -A /run/prefetchd/buffer").stdout.split()
     assert not [n for n in left if n.startswith(".")], left
