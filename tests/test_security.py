@@ -93,6 +93,27 @@ def test_file_modes_do_not_depend_on_the_umask(tmp_path, image_root):
         log.close()
 
 
+@pytest.mark.parametrize("umask", [0o077, 0o000], ids=["umask077", "umask000"])
+def test_quarantine_list_and_worker_temp_files_are_0640_whatever_the_umask(tmp_path, umask):
+    import numpy as np
+
+    from prefetchd.quarantine import QuarantineLog
+    from prefetchd.worker import Quarantined, Task, write_temp
+
+    old = os.umask(umask)
+    try:
+        q = QuarantineLog(str(tmp_path), "ds", lambda i: f"img{i}")
+        q.add(Quarantined(3, "img3", "broken"), 0)
+        task = Task(0, 0, 0, 8, np.arange(2, dtype=np.int64))
+        res = write_temp(str(tmp_path), task, 1, 0, np.zeros((2, 8, 8, 3), np.uint8), np.arange(2),
+                         np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
+    finally:
+        os.umask(old)
+    assert res.error is None
+    assert stat.S_IMODE(os.stat(q.path).st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(res.tmp_path).st_mode) == 0o640
+
+
 def test_a_group_the_daemon_may_not_use_is_one_clear_line(request):
     """Not root and not a member of buffer.group (as under systemd, where chown is refused too)."""
     top = tempfile.mkdtemp(dir="/dev/shm")  # pytest's base dir is root's alone: nobody cannot reach tmp_path
@@ -231,3 +252,4 @@ def test_mount_of_parses_mountinfo(tmp_path):
     mp, fstype, opts = mount_of("/run/prefetchd/buffer/x", str(info))
     assert (mp, fstype) == ("/run/prefetchd", "tmpfs") and "huge=within_size" in opts and "nosuid" in opts
     assert mount_of("/srv/data", str(info))[:2] == ("/", "ext4")
+
