@@ -610,8 +610,10 @@ def test_metrics_through_the_documented_drop_in(deployed):
     # as shipped, the unit has no network: the daemon says so (and systemd stops retrying)
     mark = cursor(m)
     m.run("systemctl restart prefetchd", check=False, timeout=60)
-    wait_until(lambda: any("cannot run" in str(e.get("MESSAGE", "")) for e in journal(m, since=mark)), 30,
-               "the refusal")
+    refusal = wait_until(lambda: [e["MESSAGE"] for e in journal(m, since=mark)
+                                  if "cannot run" in str(e.get("MESSAGE", ""))], 30, "the refusal")
+    assert "Address family not supported" in refusal[0] and 'drop-in of README.md, "Metrics under systemd"' \
+        in refusal[0], refusal  # the one line says how to fix it
     m.run("systemctl stop prefetchd && systemctl reset-failed prefetchd", check=False)
     m.run(readme_block("### Metrics under systemd"), timeout=120)
     wait_until(lambda: show(m, "ActiveState") == "active", 60, "the service with metrics")
