@@ -252,10 +252,23 @@ def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_fa
     r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
                        timeout=30)
     assert "rank 0: trainer at epoch 0 batch 0; ready 4/4" in r.stdout
+    assert "restarts 0, timeouts 0)" in r.stdout and "failed batches 0" in r.stdout, r.stdout
     d.stop()
     r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 3 and "not running" in r.stdout
+
+
+def test_status_text_shows_timeouts_failed_batches_and_the_respawn_back_off():
+    rec = {"pid": 9, "state": "running", "updated": time.time(), "workers": 4, "workers_alive": 3,
+           "worker_restarts": 5, "worker_timeouts": 2, "worker_respawn_in_s": 1.6, "failed_batches": 7,
+           "main_cpu_s": 12.34, "capacity": 8,
+           "ranks": {"0": {"position": [1, 2], "ready": 3, "in_flight": 1, "retrying": 2, "ahead": 1}}}
+    text = status.format_status(rec, True)
+    assert "workers 3/4 (busy 0%, restarts 5, timeouts 2); the next worker starts in 1.6 s (back-off)" in text, text
+    assert "failed batches 7 (each tried again after a back-off)" in text, text
+    assert "main process CPU 12.3 s" in text, text
+    assert "(+1 in flight, 2 failed waiting to be tried again)" in text, text
 
 
 def test_client_without_daemon_times_out_saying_what_it_waited_for(tmp_path, image_root):

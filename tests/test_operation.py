@@ -83,6 +83,9 @@ def test_prometheus_metrics_on_loopback(tmp_path, image_root, daemon_factory):
     assert re.search(r"^prefetchd_failed_batches_total 0\.0$", text, re.M), text
     cpu = re.search(r"^prefetchd_main_cpu_seconds_total (\S+)$", text, re.M)
     assert cpu and float(cpu.group(1)) > 0, text
+    # and the back-offs: a missing worker's respawn, failed batches of a rank waiting to be tried again
+    assert re.search(r"^prefetchd_worker_respawn_wait_seconds 0\.0$", text, re.M), text
+    assert 'prefetchd_rank_retrying_batches{rank="0"} 0.0' in text, text
     assert d.stop() == 0
 
 
