@@ -20,6 +20,7 @@ its last copy has completed.
 
 from __future__ import annotations
 
+import grp
 import os
 import queue
 import secrets
@@ -561,15 +562,38 @@ class PrefetchClient:
             delay = min(delay * 1.5, _POLL_MAX_S)
 
     def _daemon_state(self) -> str:
+        denied = self._permission_denied()
+        if denied:
+            return denied
         alive = status.daemon_alive(self.dir)
         if alive is False:
             return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
         s = status.read_json(self.dir, status.STATUS_NAME) or {}
+        state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
+        if not isinstance(s.get("updated"), (int, float)):
+            return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
         rs = s.get("ranks", {}).get(str(self.rank), {})
         extra = f"; it says: {s['blocked']}" if s.get("blocked") else ""
-        return (f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
-                f"its status is {time.time() - s.get('updated', 0):.0f} s old, rank {self.rank} has "
+        return (state + f"its status is {time.time() - s['updated']:.0f} s old, rank {self.rank} has "
                 f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}")
+
+    def _permission_denied(self) -> str | None:
+        """What a trainer outside the buffer's group is told: the file it may not read, the group."""
+        path = os.path.join(self.dir, status.META_NAME)
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            return None
+        except PermissionError:
+            pass
+        except OSError:
+            return None
+        group = self.cfg.buffer.group
+        if group is None:
+            try:
+                group = grp.getgrgid(os.stat(self.dir).st_gid).gr_name
+            except (OSError, KeyError):
+                group = "of the buffer"
+        return f"cannot read {path}: permission denied: is this user in group {group} (buffer.group)?"
 
     def _host_buffer(self, size: int, stop: threading.Event):
         """Where to read a file of ``size`` bytes: (torch tensor or None, numpy view of it)."""

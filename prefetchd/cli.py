@@ -8,6 +8,7 @@ restart loop on a config error).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -81,7 +82,12 @@ def cmd_run(args) -> int:
     except KeyboardInterrupt:
         return 0
     except OSError as e:  # e.g. the metrics port is taken
-        log.error("cannot run: %s", e)
+        hint = ""
+        if e.errno == errno.EAFNOSUPPORT and cfg.metrics.enabled:  # the shipped unit allows AF_UNIX only
+            hint = ("; the metrics endpoint needs AF_INET: add the drop-in of README.md, \"Metrics under "
+                    "systemd\" (RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, PrivateNetwork=no), "
+                    "or set metrics.enabled: false")
+        log.error("cannot run: %s%s", e, hint)
         return 1
     finally:
         notifier.close()

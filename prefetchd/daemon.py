@@ -357,6 +357,7 @@ class Daemon:
             ranks[str(r)] = rs
         up = max(now - self.t_start, 1e-9)
         rss = 0
+        respawn = self.pool.respawn_due()  # a worker is missing, replaced after this back-off
         for pid in [os.getpid(), *self.pool.pids()]:
             try:
                 rss += psutil.Process(pid).memory_info().rss
@@ -369,6 +370,7 @@ class Daemon:
             "capacity": self.cfg.buffer.capacity, "refill_at": self.cfg.buffer.refill_at,
             "workers": self.pool.count, "workers_alive": self.pool.alive(), "worker_restarts": self.pool.restarts,
             "worker_timeouts": self.pool.timeouts, "worker_pids": self.pool.pids(),
+            "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
             "worker_utilisation": min(1.0, self.pool.busy_s() / (up * max(1, self.pool.count))),
             "produced_batches": self.produced_batches, "produced_images": self.produced_images,
             "failed_batches": self.failed_batches,

@@ -44,6 +44,8 @@ def families(rec: dict):
     yield counter("prefetchd_worker_restarts", "Workers replaced after dying", rec.get("worker_restarts"))
     yield counter("prefetchd_worker_timeouts", "Workers killed for holding a batch past workers.task_timeout_s",
                   rec.get("worker_timeouts"))
+    yield gauge("prefetchd_worker_respawn_wait_seconds", "Time until a missing worker is replaced (respawn "
+                "back-off), 0 when none is missing", rec.get("worker_respawn_in_s"))
     yield counter("prefetchd_failed_batches", "Batches that failed and were tried again after a back-off",
                   rec.get("failed_batches"))
     yield counter("prefetchd_main_cpu_seconds", "CPU time of the daemon's main process (not its workers)",
@@ -60,16 +62,19 @@ def families(rec: dict):
     batch = GaugeMetricFamily("prefetchd_rank_batch", "The trainer's next batch in its epoch", labels=["rank"])
     wait = CounterMetricFamily("prefetchd_trainer_wait_seconds", "Time the rank's trainer waited for batches",
                                labels=["rank"])
+    retrying = GaugeMetricFamily("prefetchd_rank_retrying_batches", "Failed batches of the rank waiting out "
+                                 "their back-off", labels=["rank"])
     echoed = CounterMetricFamily("prefetchd_trainer_echoed_batches", "Batches the rank's client served again "
                                  "(data echoing)", labels=["rank"])
     for r, rs in sorted(rec.get("ranks", {}).items()):
         echoed.add_metric([r], rs.get("echoed", 0))
+        retrying.add_metric([r], rs.get("retrying", 0))
         ready.add_metric([r], rs.get("ready", 0))
         ahead.add_metric([r], rs.get("ahead", 0))
         epoch.add_metric([r], rs.get("position", [0, 0])[0])
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
-    yield from (ready, ahead, epoch, batch, wait, echoed)
+    yield from (ready, ahead, epoch, batch, wait, echoed, retrying)
 
 
 class _Collector:

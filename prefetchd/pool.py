@@ -14,7 +14,8 @@ back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIG
 SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
 while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
 blame nobody, so random kills never quarantine a good sample.
-Teardown escalates: a stop message, join, terminate, kill.
+Teardown escalates: a stop message, join, terminate, kill; then the forkserver and the resource
+tracker are stopped, so nothing of the daemon outlives it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,20 @@ class Worker:
     ready: bool = False
     head_since: float = 0.0  # when the worker started on tasks[0]
     busy_s: float = 0.0
+
+
+def _stop_helpers() -> None:
+    """Stop multiprocessing's forkserver, then its resource tracker (the forkserver holds the
+    tracker's pipe). Left alone they exit only after seeing this process end, and systemd
+    (KillMode=mixed) SIGKILLs whatever of the unit is alive when the main process exits: "Killing
+    process N (python3) with signal SIGKILL" at every stop. ``_stop`` is how CPython's own tests
+    stop them (3.11 and later); the next ``Pool`` starts them again."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            stop()
 
 
 def _describe_exit(code: int | None) -> str:
@@ -186,6 +201,8 @@ class Pool:
             self._remove_temp(w)
             w.conn.close()
         self.workers.clear()
+        if not any(w.process.is_alive() for w in ws):  # nothing holds the tracker's pipe any more
+            _stop_helpers()
 
     # --- deaths ---------------------------------------------------------------------------------------
 

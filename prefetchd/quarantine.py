@@ -53,7 +53,10 @@ class QuarantineLog:
         log.warning("quarantined sample %d (%s): %s; a deterministic replacement stands in for it",
                     q.index, q.path, q.reason)
         try:
-            with open(self.path, "a", encoding="utf-8") as f:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         status.FILE_MODE)
+            with open(fd, "a", encoding="utf-8") as f:
+                os.fchmod(fd, status.FILE_MODE)  # whatever the umask: the group reads it
                 f.write(json.dumps(rec) + "\n")
         except OSError as e:
             log.error("cannot append to the quarantine list: %s", e.strerror)

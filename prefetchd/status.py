@@ -94,10 +94,15 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
         f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batches), "
         f"consumption {_rate(s.get('consumed_img_s'))} img/s, workers {s.get('workers_alive', 0)}/"
-        f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)})",
+        f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)}, "
+        f"timeouts {s.get('worker_timeouts', 0)})"
+        + (f"; the next worker starts in {s['worker_respawn_in_s']:.1f} s (back-off)"
+           if s.get("worker_respawn_in_s") is not None else ""),
         f"  bytes {s.get('bytes_used', 0) / 2**20:,.1f} MiB of {s.get('max_bytes', 0) / 2**20:,.0f} MiB, "
         f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
         f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
+        f"  failed batches {s.get('failed_batches', 0)} (each tried again after a back-off), "
+        f"main process CPU {s.get('main_cpu_s') or 0:.1f} s",
     ]
     if s.get("ray"):
         r = s["ray"]
@@ -107,7 +112,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
     for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
         e, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"
-                     f" (+{rs.get('in_flight', 0)} in flight), {rs.get('ahead', 0)} ahead; "
+                     f" (+{rs.get('in_flight', 0)} in flight"
+                     + (f", {rs['retrying']} failed waiting to be tried again" if rs.get("retrying") else "")
+                     + f"), {rs.get('ahead', 0)} ahead; "
                      f"trainer waited {rs.get('wait_s', 0):.1f} s"
                      + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "") + ("; done" if rs.get("done") else ""))
     return "\n".join(lines)

@@ -25,6 +25,7 @@ import numpy as np
 from . import augment, batchfile
 from .config import Config
 from .dataset import Index, open_index_files
+from .status import FILE_MODE
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
@@ -182,11 +183,12 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, im
     meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, fingerprint)
     path = os.path.join(buffer_dir, tmp_name(task, worker_id))
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     except OSError as e:
         return Result(task.rank, task.epoch, task.batch, None, error=f"cannot create {path}: {e.strerror}",
                       quarantined=tuple(quarantined))
     try:
+        os.fchmod(fd, FILE_MODE)  # whatever the worker's umask
         size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
     except BaseException as e:  # whatever it is, no temp file or descriptor outlives it
         os.close(fd)

@@ -206,6 +206,37 @@ def test_sigterm_under_load_stops_cleanly_without_temp_files(tmp_path, image_roo
     assert "stopping" in d.log()
 
 
+def _session_members(sid: int) -> list[str]:
+    """Live processes (zombies aside) of session ``sid``: what systemd would SIGKILL at the stop."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp session ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(f"{pid} {cmd}")
+    return out
+
+
+def test_sigterm_leaves_no_process_of_the_daemon_behind(tmp_path, image_root, daemon_factory):
+    """systemd (KillMode=mixed) SIGKILLs whatever of the unit is alive when the main process exits:
+    workers, the forkserver and the resource tracker must all be gone before the daemon exits."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None}, buffer={"capacity": 30})
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(str(tmp_path / "buffer"))) >= 2, 30, "the first batches")
+    assert len(_session_members(d.pid)) >= 4  # the daemon, its forkserver, tracker and workers
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(timeout=10) == 0
+    assert _session_members(d.pid) == []
+
+
 def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)
@@ -221,10 +252,23 @@ def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_fa
     r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
                        timeout=30)
     assert "rank 0: trainer at epoch 0 batch 0; ready 4/4" in r.stdout
+    assert "restarts 0, timeouts 0)" in r.stdout and "failed batches 0" in r.stdout, r.stdout
     d.stop()
     r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 3 and "not running" in r.stdout
+
+
+def test_status_text_shows_timeouts_failed_batches_and_the_respawn_back_off():
+    rec = {"pid": 9, "state": "running", "updated": time.time(), "workers": 4, "workers_alive": 3,
+           "worker_restarts": 5, "worker_timeouts": 2, "worker_respawn_in_s": 1.6, "failed_batches": 7,
+           "main_cpu_s": 12.34, "capacity": 8,
+           "ranks": {"0": {"position": [1, 2], "ready": 3, "in_flight": 1, "retrying": 2, "ahead": 1}}}
+    text = status.format_status(rec, True)
+    assert "workers 3/4 (busy 0%, restarts 5, timeouts 2); the next worker starts in 1.6 s (back-off)" in text, text
+    assert "failed batches 7 (each tried again after a back-off)" in text, text
+    assert "main process CPU 12.3 s" in text, text
+    assert "(+1 in flight, 2 failed waiting to be tried again)" in text, text
 
 
 def test_client_without_daemon_times_out_saying_what_it_waited_for(tmp_path, image_root):

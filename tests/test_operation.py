@@ -77,6 +77,15 @@ def test_prometheus_metrics_on_loopback(tmp_path, image_root, daemon_factory):
                  "prefetchd_resident_memory_bytes", "prefetchd_worker_restarts_total"):
         assert name in text, name
     assert re.search(r"^prefetchd_produced_batches_total (\d+)", text, re.M)
+    # the planner rewrite's counters: worker timeouts, failed batches (retried after a back-off), and
+    # the main process's own CPU time, which is more than nothing once it has filled the buffer
+    assert re.search(r"^prefetchd_worker_timeouts_total 0\.0$", text, re.M), text
+    assert re.search(r"^prefetchd_failed_batches_total 0\.0$", text, re.M), text
+    cpu = re.search(r"^prefetchd_main_cpu_seconds_total (\S+)$", text, re.M)
+    assert cpu and float(cpu.group(1)) > 0, text
+    # and the back-offs: a missing worker's respawn, failed batches of a rank waiting to be tried again
+    assert re.search(r"^prefetchd_worker_respawn_wait_seconds 0\.0$", text, re.M), text
+    assert 'prefetchd_rank_retrying_batches{rank="0"} 0.0' in text, text
     assert d.stop() == 0
 
 

@@ -93,6 +93,27 @@ def test_file_modes_do_not_depend_on_the_umask(tmp_path, image_root):
         log.close()
 
 
+@pytest.mark.parametrize("umask", [0o077, 0o000], ids=["umask077", "umask000"])
+def test_quarantine_list_and_worker_temp_files_are_0640_whatever_the_umask(tmp_path, umask):
+    import numpy as np
+
+    from prefetchd.quarantine import QuarantineLog
+    from prefetchd.worker import Quarantined, Task, write_temp
+
+    old = os.umask(umask)
+    try:
+        q = QuarantineLog(str(tmp_path), "ds", lambda i: f"img{i}")
+        q.add(Quarantined(3, "img3", "broken"), 0)
+        task = Task(0, 0, 0, 8, np.arange(2, dtype=np.int64))
+        res = write_temp(str(tmp_path), task, 1, 0, np.zeros((2, 8, 8, 3), np.uint8), np.arange(2),
+                         np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
+    finally:
+        os.umask(old)
+    assert res.error is None
+    assert stat.S_IMODE(os.stat(q.path).st_mode) == 0o640
+    assert stat.S_IMODE(os.stat(res.tmp_path).st_mode) == 0o640
+
+
 def test_a_group_the_daemon_may_not_use_is_one_clear_line(request):
     """Not root and not a member of buffer.group (as under systemd, where chown is refused too)."""
     top = tempfile.mkdtemp(dir="/dev/shm")  # pytest's base dir is root's alone: nobody cannot reach tmp_path
@@ -231,3 +252,29 @@ def test_mount_of_parses_mountinfo(tmp_path):
     mp, fstype, opts = mount_of("/run/prefetchd/buffer/x", str(info))
     assert (mp, fstype) == ("/run/prefetchd", "tmpfs") and "huge=within_size" in opts and "nosuid" in opts
     assert mount_of("/srv/data", str(info))[:2] == ("/", "ext4")
+
+
+def test_a_trainer_outside_the_group_is_told_permission_is_denied(tmp_path, image_root, request):
+    """A buffer of the daemon's group (0750, files 0640) and a trainer of another user outside it:
+    the error says permission is denied and which group to join, not a timeout with a made-up age."""
+    from prefetchd import status
+
+    top = tempfile.mkdtemp(dir="/dev/shm")  # pytest's base dir is root's alone: nobody cannot reach tmp_path
+    request.addfinalizer(lambda: shutil.rmtree(top))
+    os.chmod(top, 0o755)
+    buf = os.path.join(top, "buffer")
+    os.mkdir(buf, 0o750)
+    status.write_json(buf, status.META_NAME, {"format": "prefetchd-meta", "pid": 1})
+    open(os.path.join(buf, status.LOCK_NAME), "w").close()
+    cfg = small_config(tmp_path, image_root, buffer={"dir": buf})
+    # modules and config are loaded as root: the interpreter lives under /root, which nobody cannot read
+    code = ("import os, sys; from prefetchd_client import PrefetchClient; from prefetchd.config import load\n"
+            "cfg = load(sys.argv[1]); os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+            "c = PrefetchClient(cfg, timeout=0.5, as_numpy=True)\n"
+            "try: c.meta()\n"
+            "except Exception as e: print(type(e).__name__, e)\n")
+    r = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert f"cannot read {buf}/meta.json: permission denied" in out, out
+    assert "group root (buffer.group)" in out, out
+    assert " s old" not in out, out

@@ -567,8 +567,12 @@ def test_journal_lines_carry_priorities(deployed):
 
 def test_stop_exits_0_and_leaves_no_temp_files(deployed):
     m = deployed
+    mark = cursor(m)
     m.run("systemctl stop prefetchd", timeout=60)
     assert show(m, "ActiveState") == "inactive" and show(m, "Result") == "success"
+    # nothing of the daemon (workers, forkserver, resource tracker) was left for systemd to kill
+    killed = [e["MESSAGE"] for e in journal(m, since=mark) if "Killing process" in str(e.get("MESSAGE", ""))]
+    assert not killed, killed
     assert show(m, "ExecMainStatus") == "0"
     left = m.run("ls -A /run/prefetchd/buffer").stdout.split()
     assert not [n for n in left if n.startswith(".")], left
@@ -606,8 +610,10 @@ def test_metrics_through_the_documented_drop_in(deployed):
     # as shipped, the unit has no network: the daemon says so (and systemd stops retrying)
     mark = cursor(m)
     m.run("systemctl restart prefetchd", check=False, timeout=60)
-    wait_until(lambda: any("cannot run" in str(e.get("MESSAGE", "")) for e in journal(m, since=mark)), 30,
-               "the refusal")
+    refusal = wait_until(lambda: [e["MESSAGE"] for e in journal(m, since=mark)
+                                  if "cannot run" in str(e.get("MESSAGE", ""))], 30, "the refusal")
+    assert "Address family not supported" in refusal[0] and 'drop-in of README.md, "Metrics under systemd"' \
+        in refusal[0], refusal  # the one line says how to fix it
     m.run("systemctl stop prefetchd && systemctl reset-failed prefetchd", check=False)
     m.run(readme_block("### Metrics under systemd"), timeout=120)
     wait_until(lambda: show(m, "ActiveState") == "active", 60, "the service with metrics")
