@@ -197,3 +197,27 @@ def test_without_the_gpu_extra_the_client_fails_at_start_naming_it(tmp_path, mix
     msg = str(e.value)
     assert "\n" not in msg and "prefetchd[gpu]" in msg and msg.startswith("augment.decode: hybrid")
     PrefetchClient(_config(tmp_path, mixed_root, "cpu", "cpuok"), rank=0, timeout=5).close()  # cpu needs nothing
+
+
+def test_compact_batches_through_the_pinned_pool_and_side_stream(tmp_path, mixed_root, daemon_factory):
+    """The device path (pinned buffers from the pool, decode and copies on the side stream, the
+    trainer waiting on the event) with the stand-in copy engine of test_client_memory on "cpu"."""
+    from test_client_memory import DeferredCopies
+
+    cfg = _config(tmp_path, mixed_root, "gpu", "pinned")
+    d = daemon_factory(cfg)
+    copies = DeferredCopies(seed=3)
+    kept = []
+    with PrefetchClient(cfg, device="cpu", transfer=copies, prefetch=2, timeout=60, decoder=CountingDecoder()) as c:
+        assert c.pin_memory
+        for e in (0, 1):
+            for b, (x, y) in enumerate(c):
+                assert x.is_contiguous(memory_format=torch.channels_last) and y.dtype == torch.int64
+                kept.append(((e, b), x, y))
+        assert copies.blocks <= 3 and copies.waits == 10  # pinned buffers reused; every batch waited for
+    ref = _reference(cfg)
+    assert [k for k, _, _ in kept] == sorted(ref)
+    for key, x, y in kept:  # compared after the whole run: no pinned buffer reuse changed a yielded batch
+        assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[key][0]), key
+        assert np.array_equal(y.numpy(), ref[key][1]), key
+    assert d.stop() == 0
