@@ -221,3 +221,25 @@ def test_compact_batches_through_the_pinned_pool_and_side_stream(tmp_path, mixed
         assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[key][0]), key
         assert np.array_equal(y.numpy(), ref[key][1]), key
     assert d.stop() == 0
+
+
+def test_compact_batches_larger_than_pixel_batches_keep_max_bytes(tmp_path, mixed_root, daemon_factory):
+    """Small outputs of whole JPEGs: a compact batch is many times a pixel batch's size, so the
+    pixel-batch estimate would let the ring run past buffer.max_bytes; the largest compact batch
+    published so far bounds the next one instead."""
+    d_ = tmp_path / "tight"
+    d_.mkdir()
+    # the first batches of this corpus are about 33, 89, 32 and 42 kB: with the pixel-batch estimate
+    # (8.7 kB) the fourth would be made at 154 kB in the ring, ending at 196 kB
+    max_bytes = 170_000
+    cfg = small_config(d_, mixed_root, augment={"decode": "gpu", "output_size": 16},
+                       workers={"count": 1, "max_tasks_in_flight": 1},
+                       buffer={"capacity": 8, "refill_at": 8, "max_bytes": max_bytes})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    st = wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s.get("blocked") and s, 60,
+                    "the daemon to stop at buffer.max_bytes")
+    sizes = [os.path.getsize(os.path.join(buf, n)) for n in sorted(os.listdir(buf)) if n.endswith(".batch")]
+    assert len(sizes) >= 2 and min(sizes) > 5 * (16 * 16 * 3 * 6)  # compact batches, far above pixels
+    assert "max_bytes" in st["blocked"] and st["bytes_used"] == sum(sizes) <= max_bytes, (st, sizes)
+    assert d.stop() == 0
