@@ -559,12 +559,17 @@ class PrefetchClient:
         if torch is None:
             raise PrefetchError(f"augment.decode: {self.cfg.augment.decode} needs torch in the trainer; "
                                 "install prefetchd[torch,gpu] or set augment.decode: cpu")
-        from .gpudecode import DecodeStage, DecodeUnavailable
+        from .gpudecode import GPU_EXTRA_HINT, DecodeStage, DecodeUnavailable
 
+        mode = self.cfg.augment.decode
+        if device is None and self._decoder is None:
+            raise PrefetchError(f"augment.decode: {mode} has the trainer's GPU decode JPEGs: pass device='cuda' and "
+                                f"{GPU_EXTRA_HINT}; or pass decoder= (a JPEG decoder of your own); or set "
+                                "augment.decode: cpu")
         try:
             return DecodeStage(device if device is not None else torch.device("cpu"), self._decoder)
         except DecodeUnavailable as e:
-            raise PrefetchError(f"augment.decode: {self.cfg.augment.decode}: {e}") from None
+            raise PrefetchError(f"augment.decode: {mode}: {e}".replace(f"{mode}: augment.decode: ", "")) from None
 
     def _reader_context(self):
         if self._copy:

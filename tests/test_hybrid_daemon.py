@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -190,12 +191,21 @@ def test_hybrid_restart_mid_run_is_bit_identical(tmp_path, mixed_root, daemon_fa
     assert "Traceback" not in d.log() + d2.log()
 
 
-def test_without_the_gpu_extra_the_client_fails_at_start_naming_it(tmp_path, mixed_root):
+def test_without_the_gpu_extra_the_client_fails_at_start_naming_it(tmp_path, mixed_root, monkeypatch):
     cfg = _config(tmp_path, mixed_root, "hybrid", "noextra")
     with pytest.raises(PrefetchError) as e:
-        PrefetchClient(cfg, rank=0, timeout=5)  # no daemon needed: the check comes first
+        PrefetchClient(cfg, rank=0, timeout=5)  # no device, no decoder; no daemon needed: the check comes first
     msg = str(e.value)
     assert "\n" not in msg and "prefetchd[gpu]" in msg and msg.startswith("augment.decode: hybrid")
+    # a machine with CUDA but without the extra
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # import fails as if not installed
+    monkeypatch.setitem(sys.modules, "nvidia", None)
+    with pytest.raises(PrefetchError) as e:
+        PrefetchClient(cfg, rank=0, timeout=5, device="cuda:0")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("augment.decode: hybrid: nvImageCodec is not installed")
+    assert "pip install 'prefetchd[gpu]'" in msg
     PrefetchClient(_config(tmp_path, mixed_root, "cpu", "cpuok"), rank=0, timeout=5).close()  # cpu needs nothing
 
 
