@@ -1,7 +1,14 @@
 """The trainer's side: read ready batches from the ring, report progress, resume exactly.
 
-Imports only prefetchd's shared format modules (config, batchfile, progress, status), numpy
-and, when installed, torch; never the daemon, Pillow or the pool.
+Imports only prefetchd's shared format modules (config, batchfile, jpegbatch, progress, status),
+numpy and, when installed, torch; never the daemon, Pillow or the pool.
+
+Hybrid decode (``augment.decode: hybrid | gpu``). Some batch files are compact batches (JPEG bytes
+and parameters, ``prefetchd.jpegbatch``); the reader thread decodes them with a
+``gpudecode.DecodeStage`` on the device (on the side stream, like a copy) and yields the same
+uint8 ``[B, 3, H, W]`` images. The stage is made when the client is, so a missing GPU extra is
+an error at start; ``decoder=`` replaces its JPEG decoder (a CPU one makes the path run without
+a GPU).
 
 Threads. A reader thread per iteration opens, reads, verifies and parses the next batch files
 (``prefetch`` of them ahead, bounded), reports each to the daemon once it is in this process's
@@ -32,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd import batchfile, progress, status
+from prefetchd import batchfile, jpegbatch, progress, status
 from prefetchd.config import Config, ConfigError
 from prefetchd.config import load as load_config
 
@@ -289,12 +296,19 @@ class PrefetchClient:
     * ``close()`` (or ``with``) stops the reader and frees pinned memory; so does garbage collection.
     * ``transfer``: how pinned memory and device copies are made (default :class:`CudaTransfer`);
       tests on machines without a GPU pass a stand-in with the same methods.
+    * ``decoder``: with ``augment.decode: hybrid | gpu``, what decodes the JPEGs of compact
+      batches (default: nvImageCodec on the CUDA ``device``, from ``pip install 'prefetchd[gpu]'``;
+      without it, or without CUDA, the constructor raises :class:`PrefetchError` naming the extra).
+      Called as ``decoder(jpegs)`` with a list of uint8 numpy arrays (the files), it returns per
+      file a uint8 tensor ``[h, w, 3]`` (RGB, as stored, no EXIF orientation applied) on the
+      images' device (the CPU when ``device`` is None), or None where it failed. Ignored with
+      ``augment.decode: cpu``.
     """
 
     def __init__(self, config: str | Config, rank: int | None = None, device: Any = None,
                  timeout: float = 60.0, as_numpy: bool = False, pin_memory: bool | None = None,
                  verify: bool = True, normalize: bool = False, dtype: Any = None, prefetch: int | None = None,
-                 transfer: Any = None):
+                 transfer: Any = None, decoder: Any = None):
         self._closed = True  # until fully built: __del__ must not trip over a half-made client
         self._reader: _ReadAhead | None = None
         self._pool: _PinnedPool | None = None
@@ -336,6 +350,10 @@ class PrefetchClient:
         self.pin_memory = bool(want_pin and not self.as_numpy and self._transfer.available())
         self._stream = None
         self._device_resolved = False
+        self._decoder = decoder
+        self._stage = None  # decodes compact batches (augment.decode: hybrid | gpu)
+        if self.cfg.augment.decode != "cpu":
+            self._stage = self._make_stage(self.device)
         self.epoch = 0
         self.batch = 0
         self.wait_s = 0.0
@@ -533,8 +551,26 @@ class PrefetchClient:
             return
         self.device = self._transfer.resolve(self.device)
         self._stream = self._transfer.stream(self.device)
+        if self._stage is not None:  # now on the device the trainer settled on
+            self._stage = self._make_stage(self.device)
         self._pool = _PinnedPool(self._transfer, self.prefetch + 1)
         self._device_resolved = True
+
+    def _make_stage(self, device):
+        if torch is None:
+            raise PrefetchError(f"augment.decode: {self.cfg.augment.decode} needs torch in the trainer; "
+                                "install prefetchd[torch,gpu] or set augment.decode: cpu")
+        from .gpudecode import GPU_EXTRA_HINT, DecodeStage, DecodeUnavailable
+
+        mode = self.cfg.augment.decode
+        if device is None and self._decoder is None:
+            raise PrefetchError(f"augment.decode: {mode} has the trainer's GPU decode JPEGs: pass device='cuda' and "
+                                f"{GPU_EXTRA_HINT}; or pass decoder= (a JPEG decoder of your own); or set "
+                                "augment.decode: cpu")
+        try:
+            return DecodeStage(device if device is not None else torch.device("cpu"), self._decoder)
+        except DecodeUnavailable as e:
+            raise PrefetchError(f"augment.decode: {mode}: {e}".replace(f"{mode}: augment.decode: ", "")) from None
 
     def _reader_context(self):
         if self._copy:
@@ -613,7 +649,7 @@ class PrefetchClient:
             st = os.fstat(fd)
             head = os.pread(fd, batchfile.HEADER_SIZE, 0)
             try:
-                size = batchfile.expected_size(head)
+                size = jpegbatch.expected_size(head)  # either kind: pixels or compact
             except batchfile.BatchFileError as e:
                 raise PrefetchError(f"{path}: {e}") from None
             if st.st_uid != os.stat(self.dir).st_uid:
@@ -630,9 +666,12 @@ class PrefetchClient:
             os.close(fd)
         try:
             try:
-                b = batchfile.parse(arr, verify=self.verify)
+                b = jpegbatch.parse_any(arr, verify=self.verify)
             except batchfile.BatchFileError as e:
                 raise PrefetchError(f"{path}: {e}") from None
+            if isinstance(b, jpegbatch.JpegBatch) and self._stage is None:
+                raise PrefetchError(f"{path} is a compact batch (hybrid decode) but this client's config has "
+                                    "augment.decode: cpu; use the daemon's config")
             fp = batchfile.fingerprint_u64(self.meta()["fingerprint"])
             if (b.rank, b.epoch, b.batch, b.fingerprint) != (self.rank, epoch, batch, fp):
                 raise PrefetchError(f"{path} holds rank {b.rank} epoch {b.epoch} batch {b.batch} of "
@@ -651,8 +690,10 @@ class PrefetchClient:
         if host is not None and self._copy and self.pin_memory:
             self._pool.release(host, event)
 
-    def _convert(self, b: batchfile.Batch, host) -> tuple:
+    def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host) -> tuple:
         """(images, labels, event or None) as the trainer gets them."""
+        if isinstance(b, jpegbatch.JpegBatch):
+            return self._convert_compact(b, host)
         if self.as_numpy:
             images = b.images.transpose(0, 3, 1, 2)
             if self.normalize:
@@ -685,6 +726,35 @@ class PrefetchClient:
             self._give_back(host, None)
             raise
         self._give_back(host, ev)  # reused only once ev (after both copies) has completed
+        return (gi, gl, ev)
+
+    def _convert_compact(self, b: jpegbatch.JpegBatch, host) -> tuple:
+        """A compact batch decoded by the stage: in the reader thread, on the side stream when
+        copying to a CUDA device (the trainer's stream waits on the event recorded after it)."""
+        if self.as_numpy:
+            images = self._stage(b).numpy()  # [N, C, H, W] view of a channels-last array
+            if self.normalize:
+                images = _normalize_numpy(images, dtype=self.dtype)
+            return (images, b.labels.copy(), None)
+        if not self._copy or host is None or not self.pin_memory:
+            images = self._stage(b, source=host)
+            labels = torch.from_numpy(b.labels.copy())
+            if self._copy:
+                labels = labels.to(self.device)
+            if self.normalize:
+                images = _normalize_torch(images, self.dtype)
+            return (images, labels, None)
+        try:
+            gi = self._stage(b, source=host)
+            lo = jpegbatch.HEADER_SIZE + 8 * len(b)  # the labels section (jpegbatch's layout)
+            gl = self._transfer.to_device(host[lo: lo + 8 * len(b)].view(torch.int64), self.device)
+            if self.normalize:
+                gi = _normalize_torch(gi, self.dtype)
+            ev = self._transfer.record(self._stream)
+        except BaseException:
+            self._give_back(host, None)
+            raise
+        self._give_back(host, ev)  # the pinned file is read by the decode and copies before ev
         return (gi, gl, ev)
 
     # --- progress ----------------------------------------------------------------------------------

@@ -4,6 +4,14 @@
   ceiling: no data loading at all);
 * ``prefetchd``: the daemon (random_resized_crop + flip) with its ring filled before the clock
   starts, read through ``PrefetchClient(device=...)``;
+* ``hybrid`` and ``gpu``: the same with ``augment.decode: hybrid`` (``--gpu-share`` of the batches,
+  default 0.5) and ``gpu`` (all of them): the daemon writes compact batches of JPEG bytes and the
+  client decodes them on the device, with nvImageCodec (``prefetchd[gpu]``) on a GPU. On a CPU
+  there is no hardware decoder: the client decodes with a stand-in CPU decoder (simplejpeg), so
+  the rows show that the path runs and what it costs a CPU, not what a GPU would do. On CUDA each
+  prefetchd row also gives the peak GPU memory of the run (``torch.cuda.max_memory_allocated``),
+  so the hybrid rows' excess over the ``prefetchd`` row is what the decode stage holds;
+  ``--decodes`` picks the rows (default ``cpu,hybrid,gpu``);
 * ``dataloader``: ``torch.utils.data.DataLoader`` with the same worker count and augmentation
   (torchvision's ImageFolder + v2 RandomResizedCrop/flip where torchvision imports, else the
   same on Pillow), ``pin_memory=True`` on a GPU.
@@ -153,14 +161,38 @@ def _train(torch, args, device, batches, label: str, timed_next: list | None = N
     return {"feed": label, "img_s": n / dt, "wait_share": wait / dt, "seconds": dt}
 
 
-def _start_daemon(args, root: str, work: str, batch: int, capacity: int, workers: int):
+def _cpu_decoder():
+    """The stand-in for nvImageCodec where there is no GPU: libjpeg-turbo through simplejpeg, RGB
+    as stored, as ``DecodeStage`` wants it."""
+    import simplejpeg
+    import torch
+
+    def decode(jpegs):
+        out = []
+        for j in jpegs:
+            try:
+                out.append(torch.from_numpy(simplejpeg.decode_jpeg(bytes(j), colorspace="RGB")))
+            except ValueError:
+                out.append(None)
+        return out
+
+    return decode
+
+
+def _start_daemon(args, root: str, work: str, batch: int, capacity: int, workers: int, decode: str = "cpu"):
+    work = os.path.join(work, decode)
+    os.makedirs(work, exist_ok=True)
     buf = os.path.join(work, "buffer")
+    pixels = batch * args.size * args.size * 3 + (1 << 20)
+    # a compact batch holds whole JPEG files: room for twice a pixel batch
+    per_batch = pixels if decode == "cpu" else 2 * pixels
     cfg = {"dataset": {"root": root, "cache_dir": os.path.join(work, "cache")},
            "loader": {"batch_size": batch, "seed": 0, "epochs": None},
            "workers": {"count": workers},
            "buffer": {"dir": buf, "capacity": capacity, "refill_at": capacity,
-                      "max_bytes": max(64 << 20, (capacity + 2) * (batch * args.size * args.size * 3 + (1 << 20)))},
-           "augment": {"mode": "random_resized_crop", "flip": True, "output_size": args.size}}
+                      "max_bytes": max(64 << 20, (capacity + 2) * per_batch)},
+           "augment": {"mode": "random_resized_crop", "flip": True, "output_size": args.size, "decode": decode,
+                       **({"gpu_share": args.gpu_share} if decode == "hybrid" else {})}}
     path = os.path.join(work, "train.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -184,6 +216,10 @@ def run_train_bench(args) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     batch = args.batch_size or 256
+    decodes = [d.strip() for d in args.decodes.split(",") if d.strip()]
+    if not decodes or set(decodes) - {"cpu", "hybrid", "gpu"}:
+        print(f"--decodes takes a comma-separated list of cpu, hybrid, gpu; got {args.decodes!r}", file=sys.stderr)
+        return 2
     workers = args.workers or _cores()
     work = tempfile.mkdtemp(prefix="prefetchd-bench-train-", dir=_buffer_parent(args))
     proc = log = None
@@ -207,40 +243,54 @@ def run_train_bench(args) -> int:
                 yield x, y
 
         rows.append(_train(torch, args, device, same(), "on-device"))
-        # prefetchd: the ring holds every measured batch before the clock starts
-        capacity = args.warmup + args.steps + 2
-        proc, log, cfg_path, buf = _start_daemon(args, root, work, batch, capacity, workers)
-        t0 = time.monotonic()
-        full = False
-        while time.monotonic() - t0 < 900:
-            s = status.read_json(buf, status.STATUS_NAME) or {}
-            if s.get("ranks", {}).get("0", {}).get("ready", 0) >= capacity:
-                full = True
-                break
-            if proc.poll() is not None:
-                print(f"the daemon exited with {proc.returncode}; see {work}/daemon.log", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
-        print(f"ring {'full' if full else 'NOT full'} ({capacity} batches) after {time.monotonic() - t0:.1f} s", flush=True)
-        if args.freeze_daemon and full:
-            # every measured batch is in the ring: stop the daemon's refills competing for the cores
-            os.killpg(proc.pid, signal.SIGSTOP)
-        nexts: list[float] = []
-        with PrefetchClient(cfg_path, device=device if device.type == "cuda" else None, timeout=120,
-                            prefetch=args.prefetch) as c:
+        cuda = device.type == "cuda"
+        for decode in decodes:
+            # prefetchd: the ring holds every measured batch before the clock starts
+            capacity = args.warmup + args.steps + 2
+            proc, log, cfg_path, buf = _start_daemon(args, root, work, batch, capacity, workers, decode)
+            t0 = time.monotonic()
+            full = False
+            while time.monotonic() - t0 < 900:
+                s = status.read_json(buf, status.STATUS_NAME) or {}
+                if s.get("ranks", {}).get("0", {}).get("ready", 0) >= capacity:
+                    full = True
+                    break
+                if proc.poll() is not None:
+                    print(f"the daemon exited with {proc.returncode}; see {work}/{decode}/daemon.log", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+            print(f"{decode}: ring {'full' if full else 'NOT full'} ({capacity} batches) after "
+                  f"{time.monotonic() - t0:.1f} s", flush=True)
+            if args.freeze_daemon and full:
+                # every measured batch is in the ring: stop the daemon's refills competing for the cores
+                os.killpg(proc.pid, signal.SIGSTOP)
+            nexts: list[float] = []
+            label = "prefetchd" if decode == "cpu" else decode
+            # without a GPU the client decodes the compact batches with a CPU stand-in
+            decoder = None if cuda or decode == "cpu" else _cpu_decoder()
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            with PrefetchClient(cfg_path, device=device if cuda else None, timeout=120,
+                                prefetch=args.prefetch, decoder=decoder) as c:
 
-            def epochs():
-                while True:
-                    yield from c
+                def epochs():
+                    while True:
+                        yield from c
 
-            r = _train(torch, args, device, epochs(), "prefetchd", nexts)
-            r["next_ms_median"] = statistics.median(nexts) * 1e3
-            r["next_ms_p90"] = sorted(nexts)[int(0.9 * (len(nexts) - 1))] * 1e3
-            rows.append(r)
-        os.killpg(proc.pid, signal.SIGCONT)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        proc = None
+                r = _train(torch, args, device, epochs(), label, nexts)
+                r["next_ms_median"] = statistics.median(nexts) * 1e3
+                r["next_ms_p90"] = sorted(nexts)[int(0.9 * (len(nexts) - 1))] * 1e3
+                r["decoder"] = "-" if decode == "cpu" else ("nvImageCodec" if cuda else "stand-in: simplejpeg on the CPU")
+                if cuda:
+                    r["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                rows.append(r)
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            proc = None
+            log.close()
+            log = None
         dl, how = _dataloader(torch, root, args.size, batch, workers, pin=device.type == "cuda")
         r = _train(torch, args, device, dl, "dataloader")
         r["how"] = how
@@ -249,8 +299,12 @@ def run_train_bench(args) -> int:
         print(f"{'feed':11} {'img/s':>9} {'x on-device':>11} {'waited':>7}  notes")
         for r in rows:
             note = ""
-            if r["feed"] == "prefetchd":
+            if "next_ms_median" in r:
                 note = f"next() median {r['next_ms_median']:.3f} ms, p90 {r['next_ms_p90']:.3f} ms"
+                if r["decoder"] != "-":
+                    note += f", decoded by {r['decoder']}"
+                if "peak_gpu_mib" in r:
+                    note += f", peak GPU memory {r['peak_gpu_mib']:,.0f} MiB"
             elif r["feed"] == "dataloader":
                 note = f"{workers} workers, {r['how']}, pin_memory={device.type == 'cuda'}"
             print(f"{r['feed']:11} {r['img_s']:9.1f} {r['img_s'] / base:11.2f} {r['wait_share']:7.1%}  {note}")

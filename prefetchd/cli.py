@@ -301,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--prefetch", type=int, default=2, help="the client's read-ahead")
     k.add_argument("--steps", type=int, default=40, help="--train: measured steps per feed")
     k.add_argument("--warmup", type=int, default=8, help="--train: steps before the clock starts")
+    k.add_argument("--decodes", default="cpu,hybrid,gpu", help="--train: the augment.decode of each prefetchd "
+                   "row (default cpu,hybrid,gpu; without a GPU, hybrid and gpu decode with a CPU stand-in)")
+    k.add_argument("--gpu-share", type=float, default=0.5, help="--train: augment.gpu_share of the hybrid row")
     k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
                    "every measured batch (few cores: its refills would compete with the training)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")

@@ -35,7 +35,7 @@ from multiprocessing.connection import wait as mp_wait
 
 import psutil
 
-from . import batchfile, status
+from . import batchfile, hybrid, status
 from .config import Config, ConfigError, format_size
 from .config import load as load_config
 from .dataset import load_index
@@ -69,6 +69,7 @@ class Daemon:
         self.produced_batches = 0
         self.produced_images = 0
         self.failed_batches = 0
+        self._largest_compact = 0  # the largest compact batch published so far (hybrid decode)
         self._produced: deque = deque()  # (time, images)
         self._consumed: deque = deque()  # (time, images)
         self.first_batch_at: float | None = None
@@ -106,9 +107,8 @@ class Daemon:
         self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path)
         self.quarantine.load()
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
-        size = cfg.augment.output_size
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
-                               lambda b: batchfile.max_file_size(self.sampler.batch_len(b), size, size))
+                               self._estimate)
         self.watcher = ProgressWatcher(cfg.progress_dir, self.ranks, self._wake, cfg.progress.inotify)
         self._apply_progress(self.watcher.poll(), initial=True)
         self.ring = Ring(cfg.buffer.dir)
@@ -178,6 +178,8 @@ class Daemon:
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
             "progress_dir": c.progress_dir, "started": self.t_start,
+            # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
+            "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
         })
 
     # --- signals and waking -----------------------------------------------------------------------
@@ -312,6 +314,16 @@ class Daemon:
         if was_idle and plan.submit:
             self._last_activity = time.monotonic()
 
+    def _estimate(self, batch: int) -> int:
+        """An upper bound on a batch file's size before it is made. A compact batch (hybrid
+        decode) holds whole JPEG files and can outgrow a batch of pixels: its bound is the largest
+        compact batch published so far, if that is more. Once published, the real size counts."""
+        size = self.cfg.augment.output_size
+        pixels = batchfile.max_file_size(self.sampler.batch_len(batch), size, size)
+        if hybrid.on_gpu(self.cfg.augment, 0, batch):
+            return max(pixels, self._largest_compact)
+        return pixels
+
     def _handle(self, res: Result) -> None:
         key = (res.rank, res.epoch, res.batch)
         for q in res.quarantined:
@@ -333,6 +345,8 @@ class Daemon:
             log.error("cannot publish batch r%d e%d b%d: %s; trying it again in %.0f s", *key, err.strerror, delay)
             return
         self.planner.published(key, res.size)
+        if hybrid.on_gpu(self.cfg.augment, res.epoch, res.batch):
+            self._largest_compact = max(self._largest_compact, res.size)
         now = time.time()
         self._last_activity = time.monotonic()
         self._blocked_logged = None

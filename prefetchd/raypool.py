@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import hybrid
+from .batchfile import BatchMeta
 from .config import RayConfig
 from .worker import Quarantined, Result, Task, WorkerSetup, write_temp
 
@@ -62,11 +64,17 @@ def _actor_class(ray):
         def where(self) -> str:
             return ray.get_runtime_context().get_node_id()[:12] + ":" + str(os.getpid())
 
-        def fill(self, epoch, indices, crashers):
+        def fill(self, epoch, indices, crashers, compact=None):
+            """The batch's pixels; for a compact batch (``compact``: its rank, batch number and
+            batches in the epoch), the whole compact file as bytes in their place."""
             for i, reason in crashers:
                 self.maker.bad.setdefault(i, reason)
             t0 = time.perf_counter()
-            images, used, labels, replaced, quarantined = self.maker.fill(epoch, indices)
+            images, used, labels, replaced, quarantined = self.maker.fill(epoch, indices, compact is not None)
+            if compact is not None:
+                rank, batch, batches = compact
+                meta = BatchMeta(rank, epoch, batch, batches, self.maker.fingerprint)
+                images = self.maker.builder.pack(meta, used, labels, replaced)
             return images, used, labels, replaced, quarantined, time.perf_counter() - t0
 
     return BatchActor
@@ -206,7 +214,9 @@ class RayPool:
             if not ws:
                 return False
             w = min(ws, key=lambda w: len(w.tasks))
-            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers)
+            compact = ((task.rank, task.batch, task.batches_in_epoch)
+                       if hybrid.on_gpu(self.setup.config.augment, task.epoch, task.batch) else None)
+            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, compact)
             w.tasks.append((task, time.monotonic(), ref))
         return True
 

@@ -24,7 +24,7 @@ import time
 
 import psutil
 
-from . import batchfile
+from . import batchfile, jpegbatch
 from .status import FILE_MODE, LOCK_NAME
 
 log = logging.getLogger("prefetchd.ring")
@@ -210,7 +210,7 @@ class Ring:
                 counts["bad"] += 1
                 continue
             try:
-                b = batchfile.read_file(e.path, verify=True)
+                b = jpegbatch.read_file(e.path, verify=True)  # either kind of batch
             except (batchfile.BatchFileError, OSError) as err:
                 log.warning("removing %s: %s", e.name, err)
                 self._unlink(e.path)

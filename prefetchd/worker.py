@@ -9,6 +9,11 @@ most a temp file that the daemon removes.
 A sample whose file cannot be read or decoded is quarantined and replaced by another sample
 chosen from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every
 batch stay independent of which worker made it.
+
+With ``augment.decode: hybrid | gpu``, a batch that ``hybrid.on_gpu`` gives the trainer's GPU is
+made by a ``hybrid.CompactBuilder`` instead: each sample is read and checked as above (same
+quarantine), but a JPEG the GPU's decoder takes is stored as its bytes with its crop, flip and
+jitter parameters, and the file is a compact batch (``prefetchd.jpegbatch``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from . import augment, batchfile
+from . import augment, batchfile, hybrid
 from .config import Config
 from .dataset import Index, open_index_files
 from .status import FILE_MODE
@@ -113,6 +118,8 @@ class BatchMaker:
 
         s = self.cfg.augment.output_size
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
+        self.builder = hybrid.CompactBuilder(self.cfg.augment)
+        self._compact = False  # the batch being filled is a compact one (made through the builder)
 
     def _load(self, i: int, out: np.ndarray, epoch: int) -> None:
         path = self.index.path(i)
@@ -132,13 +139,22 @@ class BatchMaker:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
             raise augment.SampleError("empty file")
-        augment.make_sample(data, self.cfg.augment, augment.draws(self.cfg.loader.seed, epoch, i), out)
+        d = augment.draws(self.cfg.loader.seed, epoch, i)
+        if self._compact:
+            self.builder.add(data, d, out)
+        else:
+            augment.make_sample(data, self.cfg.augment, d, out)
 
-    def fill(self, epoch: int, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-                                                              list[Quarantined]]:
-        """Decode and augment ``indices`` into the reused image array."""
+    def fill(self, epoch: int, indices: np.ndarray, compact: bool = False) -> tuple[
+            np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:
+        """Decode and augment ``indices`` into the reused image array; with ``compact``, collect
+        the batch in ``self.builder`` instead (the images array then holds only the samples the
+        daemon decoded itself; write the batch with ``self.builder``)."""
         n = len(indices)
         images = self._images[:n]
+        self._compact = compact
+        if compact:
+            self.builder.reset(images)
         used = np.array(indices, dtype=np.int64)
         replaced = np.full(n, -1, dtype=np.int64)
         quarantined: list[Quarantined] = []
@@ -170,16 +186,22 @@ class BatchMaker:
         t0 = time.perf_counter()
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
-        images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices)
+        compact = hybrid.on_gpu(self.cfg.augment, task.epoch, task.batch)
+        images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, compact)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault
             self.current[0] = -1
-        return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, images, used, labels, replaced,
-                          quarantined, time.perf_counter() - t0)
+        return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id,
+                          self.builder if compact else images, used, labels, replaced, quarantined,
+                          time.perf_counter() - t0)
 
 
-def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, images: np.ndarray, used: np.ndarray,
-               labels: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined], seconds: float) -> Result:
-    """Write a made batch as an unpublished temp file (the daemon renames it into the ring)."""
+def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int,
+               images: np.ndarray | hybrid.CompactBuilder | bytes, used: np.ndarray, labels: np.ndarray,
+               replaced: np.ndarray, quarantined: list[Quarantined], seconds: float) -> Result:
+    """Write a made batch as an unpublished temp file (the daemon renames it into the ring).
+
+    ``images``: the pixels of a batch; or, for a compact batch, the builder that collected it, or
+    the whole file as ``bytes`` (``CompactBuilder.pack``, as a Ray worker returns it)."""
     meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, fingerprint)
     path = os.path.join(buffer_dir, tmp_name(task, worker_id))
     try:
@@ -189,7 +211,12 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, im
                       quarantined=tuple(quarantined))
     try:
         os.fchmod(fd, FILE_MODE)  # whatever the worker's umask
-        size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
+        if isinstance(images, hybrid.CompactBuilder):
+            size = images.write(fd, meta, used, labels, replaced)
+        elif isinstance(images, bytes):
+            size = _write_bytes(fd, images)
+        else:
+            size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
     except BaseException as e:  # whatever it is, no temp file or descriptor outlives it
         os.close(fd)
         _unlink(path)
@@ -200,6 +227,14 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, im
                       quarantined=tuple(quarantined))
     os.close(fd)
     return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
+
+
+def _write_bytes(fd: int, data: bytes) -> int:
+    batchfile.reserve(fd, len(data))
+    view = memoryview(data)
+    while view.nbytes:  # os.write may write less than asked on large buffers
+        view = view[os.write(fd, view):]
+    return len(data)
 
 
 def _hang_once(path: str) -> None:

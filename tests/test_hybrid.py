@@ -322,30 +322,14 @@ def test_colour_ops_on_the_device_are_bit_identical_to_the_cpu_paths():
         assert np.array_equal(y[0].permute(1, 2, 0).numpy(), ref), (trial, ops)
 
 
-# --- whole batches: the worker as the lead wires it, against the CPU path -----------------------------
+# --- whole batches: the worker's compact path, against the CPU path -----------------------------------
 
 
 class HybridMaker(BatchMaker):
-    """BatchMaker wired for compact batches as hybrid's docstring says: each sample through
-    ``CompactBuilder.add`` instead of ``augment.make_sample``; quarantine and stand-ins unchanged."""
-
-    def __init__(self, setup: WorkerSetup):
-        super().__init__(setup)
-        self.builder = hybrid.CompactBuilder(self.cfg.augment)
-
-    def _load(self, i: int, out: np.ndarray, epoch: int) -> None:
-        try:
-            with open(self.index.path(i), "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise augment.SampleError(f"cannot read: {e.strerror}") from None
-        if not data:
-            raise augment.SampleError("empty file")
-        self.builder.add(data, augment.draws(self.cfg.loader.seed, epoch, i), out)
+    """The worker making compact batches (``fill(..., compact=True)``), packed in memory."""
 
     def make_compact(self, epoch: int, indices: np.ndarray):
-        self.builder.reset(self._images[: len(indices)])
-        _, used, labels, replaced, quarantined = self.fill(epoch, indices)
+        _, used, labels, replaced, quarantined = self.fill(epoch, indices, compact=True)
         return self.builder.pack(META, used, labels, replaced), quarantined
 
 

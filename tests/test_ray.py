@@ -142,3 +142,27 @@ def test_a_cluster_that_comes_up_later_is_joined(tmp_path, image_root, daemon_fa
         assert d.stop() == 0
     finally:
         late.shutdown()
+
+
+def test_ray_workers_make_compact_batches_byte_for_byte_as_local_ones(tmp_path, image_root, daemon_factory, cluster):
+    """augment.decode: gpu on Ray: the actor packs the compact batch, the daemon writes and
+    publishes it; the client (CPU stand-in decoder) sees what the in-process worker makes."""
+    import numpy as np
+    from prefetchd_client import PrefetchClient
+    from test_hybrid_daemon import CountingDecoder, _reference
+
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, augment={"decode": "gpu"},
+                       workers={"executor": "ray", "ray": {"address": c.loopback_address, "workers": 2, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    # connected before the trainer reads: all but the first ring's worth are made on the cluster
+    wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "a connected status")
+    ref = _reference(cfg)
+    with PrefetchClient(cfg, timeout=120, as_numpy=True, decoder=CountingDecoder()) as cl:
+        for e in (0, 1):
+            for b, (x, y) in enumerate(cl.iter_epoch(e)):
+                assert np.array_equal(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), ref[(e, b)][0]), (e, b)
+                assert np.array_equal(y, ref[(e, b)][1]), (e, b)
+    assert d.stop() == 0
+    assert "Traceback" not in d.log()
