@@ -25,6 +25,7 @@ import numpy as np
 from . import augment, batchfile
 from .config import Config
 from .dataset import Index, open_index_files
+from .progress import VAL_LANE
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
@@ -75,6 +76,7 @@ class WorkerSetup:
     fingerprint: int
     buffer_dir: str
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
+    val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -109,6 +111,8 @@ class BatchMaker:
         self.worker_id = worker_id
         self.bad: dict[int, str] = {i: "quarantined earlier" for i in setup.bad}
         self.current = current  # shared int64 slot: the sample being decoded, for the daemon
+        self._setup = setup
+        self._val: BatchMaker | None = None
 
         s = self.cfg.augment.output_size
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
@@ -174,6 +178,17 @@ class BatchMaker:
             self.current[0] = -1
         return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, images, used, labels, replaced,
                           quarantined, time.perf_counter() - t0)
+
+    def make_any(self, task: Task) -> Result:
+        """``make``, for a task of either stream: a validation lane's batch is made by a second
+        maker built from ``setup.val`` (eval augmentation, the val index and fingerprint)."""
+        if task.rank < VAL_LANE:
+            return self.make(task)
+        if self._val is None:
+            if self._setup.val is None:
+                raise RuntimeError(f"a validation batch (lane {task.rank}) but validation is not set up")
+            self._val = BatchMaker(self._setup.val, self.worker_id, self.current)
+        return self._val.make(task)
 
 
 def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, images: np.ndarray, used: np.ndarray,
@@ -242,7 +257,7 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
         if task is None:
             return
         try:
-            result = maker.make(task)
+            result = maker.make_any(task)
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
             result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
         try:
