@@ -78,6 +78,7 @@ def test_validation_stream_two_ranks(tmp_path, image_root, val_root, daemon_fact
         time.sleep(0.05)
     s = status.read_json(buf, status.STATUS_NAME)
     assert set(s["val_ranks"]) == {"0", "1"} and not any(v["active"] for v in s["val_ranks"].values())
+    assert "rank 1 validation: idle (next pass 0)" in status.format_status(s, True)
 
     train_index, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
     val_index, _ = load_index(val_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
