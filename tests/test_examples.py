@@ -130,6 +130,19 @@ def test_lightning_datamodule_trains_a_few_steps_on_cpu(tmp_path, image_root, da
     assert daemon.stop() == 0
 
 
+def test_lightning_ddp_validates_on_the_validation_stream(tmp_path, image_root, daemon_factory):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    # 2 ranks, the train images as the val set in batches of 5: each rank's last val batch is
+    # partial; Lightning's sanity check reads 2 batches and abandons its pass, then one full pass
+    cfg = _stream(tmp_path, "lval", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]},
+                  validation={"enabled": True, "root": image_root, "batch_size": 5})
+    daemon = daemon_factory(cfg)
+    r = _run([sys.executable, LIGHTNING, cfg, "--max-epochs", "1", "--accelerator", "cpu", "--devices", "2",
+              "--strategy", "ddp", "--default-root-dir", str(tmp_path / "lval-root")], cwd=str(tmp_path))
+    assert r.stdout.count("validation: 48 samples") == 1, r.stdout + r.stderr[-3000:]
+    assert daemon.stop() == 0
+
+
 def test_lightning_ddp_resume_sees_the_straight_runs_batches(tmp_path, image_root, daemon_factory):
     pytest.importorskip("lightning", reason="the dev extra installs lightning")
     # 2 ranks on CPU (gloo), 4 steps per epoch and rank: a checkpoint at step 2 (mid-epoch 0),
