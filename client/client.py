@@ -458,6 +458,10 @@ class PrefetchClient:
         if self.split == "val" and not isinstance(m.get("validation"), dict):
             raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes no validation stream; "
                                 "restart it with validation.enabled in its config")
+        if self.split == "val" and m["validation"].get("stream_fingerprint") != self.cfg.val_stream_fingerprint():
+            raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes a different validation "
+                                f"stream than {self.cfg.source or 'this config'} describes (validation settings "
+                                "differ); use the daemon's config file")
         self._meta = m
         return m
 

@@ -484,7 +484,8 @@ class Daemon:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
         elif new is not None:
-            self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log)
+            self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
+                               validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
             self.pool.task_timeout_s = new.workers.task_timeout_s
             self.pool.resize(new.workers.resolved_count())
@@ -556,6 +557,7 @@ class _ValStream:
         self.sampler = ValSampler(len(index), V.batch_size, cfg.loader.world_size)
         self.ranks = tuple(ranks)
         self.lanes = tuple(lane("val", r) for r in ranks)
+        self.stream_fingerprint = cfg.val_stream_fingerprint()
         self.fingerprint_hex = hashlib.sha256(
             f"{cfg.val_stream_fingerprint()}|{train_fingerprint}|{index.fingerprint}".encode()).hexdigest()[:16]
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
@@ -591,7 +593,8 @@ class _ValStream:
 
     def meta(self) -> dict:
         s = self.sampler
-        return {"fingerprint": self.fingerprint_hex, "num_samples": s.num_samples, "batch_size": s.batch_size,
+        return {"fingerprint": self.fingerprint_hex, "stream_fingerprint": self.stream_fingerprint,
+                "num_samples": s.num_samples, "batch_size": s.batch_size,
                 "batches": {str(r): s.batches(r) for r in self.ranks},
                 "samples": {str(r): s.share(r) for r in self.ranks}}
 
@@ -664,6 +667,8 @@ def _reload_blockers(old: Config, new: Config) -> str | None:
         return "dataset.*"
     if new.loader != old.loader:
         return "loader.ranks/epochs"
+    if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
+        return "validation.enabled/root/file_list/batch_size/resize"
     if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
         return "buffer.dir/group"
     if new.progress.dir != old.progress.dir:

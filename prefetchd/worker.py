@@ -187,7 +187,8 @@ class BatchMaker:
         if self._val is None:
             if self._setup.val is None:
                 raise RuntimeError(f"a validation batch (lane {task.rank}) but validation is not set up")
-            self._val = BatchMaker(self._setup.val, self.worker_id, self.current)
+            # no ``current`` slot: a val index must not be blamed (quarantined) as a train sample
+            self._val = BatchMaker(self._setup.val, self.worker_id, None)
         return self._val.make(task)
 
 
