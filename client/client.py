@@ -749,6 +749,11 @@ class PrefetchClient:
         self._stop_reader()
         if self._pool is not None:
             self._pool.close()
+        if self._reading and self.split == "val":  # closed mid-pass: the daemon stops making it
+            try:
+                self._end_pass()
+            except Exception:
+                pass
 
     def __enter__(self) -> PrefetchClient:
         return self

@@ -45,7 +45,7 @@ import psutil
 from . import batchfile, status
 from .config import Config, ConfigError, format_size
 from .config import load as load_config
-from .dataset import load_index
+from .dataset import load_index, val_labels
 from .planner import Limits, Planner
 from .pool import Pool
 from .progress import VAL_LANE, lane
@@ -608,30 +608,6 @@ class _ValStream:
                       last_progress_age_s=None if seen is None else now - seen)
             out[str(r)] = rs
         return out
-
-
-def val_labels(val, train):
-    """The validation index with the TRAIN set's class-to-index mapping: an ImageFolder's class
-    folders are looked up by name in the train classes (one missing there is an error); a file
-    list's labels are kept and must be below the train set's class count."""
-    import numpy as np
-
-    from .dataset import DatasetError
-
-    if val.classes == train.classes:
-        return val
-    if all(c.isdigit() for c in val.classes) and not all(c.isdigit() for c in train.classes):
-        if len(val.classes) > len(train.classes):
-            raise DatasetError(f"validation labels go up to {len(val.classes) - 1} but the train set has "
-                               f"{len(train.classes)} classes")
-        return replace(val, classes=train.classes, files_dir=None)
-    where = {c: i for i, c in enumerate(train.classes)}
-    missing = [c for c in val.classes if c not in where]
-    if missing:
-        raise DatasetError(f"validation class folder(s) {missing[:5]} are not in the train set's classes "
-                           f"(dataset.root); validation.root must use the train set's class names")
-    table = np.array([where[c] for c in val.classes], dtype=np.int32)
-    return replace(val, classes=train.classes, labels=table[np.asarray(val.labels)], files_dir=None)
 
 
 def _limits(b) -> Limits:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -17,8 +19,7 @@ from test_daemon import collect, reference_batches
 from prefetchd import status
 from prefetchd.config import ConfigError
 from prefetchd.config import load as load_config
-from prefetchd.daemon import val_labels
-from prefetchd.dataset import load_index
+from prefetchd.dataset import load_index, val_labels
 from prefetchd.sampler import ValSampler
 from prefetchd.samples import make_image_folder
 from prefetchd.worker import BatchMaker, WorkerSetup
@@ -149,3 +150,24 @@ def test_val_class_missing_from_train_is_a_clear_error(tmp_path, image_root, val
     bad, _ = load_index(odd, None, (".jpeg",), None)
     with pytest.raises(ValueError, match=r"\['cats'\] are not in the train set"):
         val_labels(bad, train)
+
+
+@pytest.mark.parametrize("cmd", ["check", "run"])
+def test_val_class_folder_missing_from_train_exits_78_with_one_line(tmp_path, image_root, val_root, cmd):
+    odd = str(tmp_path / "odd")
+    shutil.copytree(val_root, odd)
+    os.rename(os.path.join(odd, "n00000001"), os.path.join(odd, "cats"))
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": odd})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", cmd, "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 78 and "['cats'] are not in the train set's classes" in lines[-1], r.stderr
+
+
+def test_cli_check_summarises_the_validation_stream(tmp_path, image_root, val_root):
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                       validation={"enabled": True, "root": val_root, "batch_size": 4})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "validation: 17 samples; [3, 2] batches of up to 4 per pass for ranks [0, 1]; eval resize 74" in r.stdout
