@@ -377,6 +377,20 @@ class PrefetchClient:
     def world_size(self) -> int:
         return self.cfg.loader.world_size
 
+    @property
+    def dataset(self) -> _Sized:
+        """Sized like a DataLoader's dataset: ``len()`` is the samples of the stream's dataset."""
+        m = self.meta()
+        return _Sized(int(m["validation"]["num_samples"] if self.split == "val" else m["num_samples"]))
+
+    @property
+    def sampler(self) -> _Sized:
+        """Sized like a ``DistributedSampler``: ``len()`` is ``ceil(len(dataset) / world_size)``, what
+        it reports without ``drop_last``. Scripts that look for the samples such a sampler leaves
+        out (``len(sampler) * world_size < len(dataset)``, as pytorch/examples' ``validate`` does)
+        find none: the validation stream leaves none out (rank shares may be one sample shorter)."""
+        return _Sized(-(-len(self.dataset) // self.world_size))
+
     # --- position ----------------------------------------------------------------------------------
 
     def seek(self, epoch: int, batch: int = 0) -> None:
@@ -766,6 +780,16 @@ class PrefetchClient:
             self.close()
         except Exception:
             pass
+
+
+class _Sized:
+    """Only a length (``loader.dataset`` and ``loader.sampler``; nothing to index or iterate)."""
+
+    def __init__(self, n: int):
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
 
 
 class _NoContext:

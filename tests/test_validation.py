@@ -88,6 +88,8 @@ def test_validation_stream_two_ranks(tmp_path, image_root, val_root, daemon_fact
     for rank in (0, 1):
         with PrefetchClient(cfg, rank=rank, split="val", as_numpy=True, timeout=60) as c:
             assert c.batch_size == 4 and not c.drop_last
+            # what pytorch/examples' validate() reads: no sample left out by a DistributedSampler-like pad
+            assert len(c.dataset) == 17 and len(c.sampler) == 9 and not len(c.sampler) * 2 < len(c.dataset)
             assert len(c) == (3 if rank == 0 else 2)  # 9 and 8 samples: batch counts differ by one
             p0, p1 = read_pass(c), read_pass(c)
             assert c.epoch == 2  # the pass counter
