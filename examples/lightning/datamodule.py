@@ -64,6 +64,22 @@ class PrefetchTrainLoader:
         self.client.load_state_dict(by_rank[self.client.rank])
 
 
+class PrefetchValLoader:
+    """The validation client as Lightning's val dataloader: one pass per ``iter()``, ``len()`` this
+    rank's val batches. Only those two: Lightning treats an object with a ``dataset`` as a
+    DataLoader (the client has one, sized, for scripts that read it), and a pass has no state
+    worth a checkpoint."""
+
+    def __init__(self, client: PrefetchClient):
+        self.client = client
+
+    def __iter__(self):
+        return iter(self.client)
+
+    def __len__(self) -> int:
+        return len(self.client)
+
+
 class PrefetchDataModule(L.LightningDataModule):
     def __init__(self, config: str, timeout: float = 120.0, normalize: bool = True):
         super().__init__()
@@ -90,10 +106,10 @@ class PrefetchDataModule(L.LightningDataModule):
         assert self.train is not None, "setup() opens the loader"
         return PrefetchTrainLoader(self.train)
 
-    def val_dataloader(self) -> PrefetchClient | list:
+    def val_dataloader(self) -> PrefetchValLoader | list:
         """The validation stream, one pass per ``iter()``; empty without ``validation.enabled``."""
         assert self.train is not None, "setup() opens the loader"
-        return self.val if self.val is not None else []
+        return PrefetchValLoader(self.val) if self.val is not None else []
 
     @property
     def num_classes(self) -> int:
