@@ -293,6 +293,11 @@ class PrefetchClient:
       ``pin_memory=True`` without a device yields pinned CPU tensors (when CUDA is present).
     * every wait has ``timeout`` seconds; a timeout raises :class:`PrefetchTimeout` saying what it
       waited for and whether the daemon is alive.
+    * ``split="val"`` reads the daemon's validation stream (``validation:`` in the config) with the
+      same API: each ``for`` is one pass over this rank's share of the val set (the pass number
+      is ``epoch``), ``len()`` is this rank's val batches, the last batch may be partial. Ranks'
+      shares may differ by one sample and their batch counts by one (no padding): sum correct and
+      total across ranks. The daemon makes a pass only while it is iterated.
     * ``close()`` (or ``with``) stops the reader and frees pinned memory; so does garbage collection.
     * ``transfer``: how pinned memory and device copies are made (default :class:`CudaTransfer`);
       tests on machines without a GPU pass a stand-in with the same methods.
@@ -308,12 +313,20 @@ class PrefetchClient:
     def __init__(self, config: str | Config, rank: int | None = None, device: Any = None,
                  timeout: float = 60.0, as_numpy: bool = False, pin_memory: bool | None = None,
                  verify: bool = True, normalize: bool = False, dtype: Any = None, prefetch: int | None = None,
-                 transfer: Any = None, decoder: Any = None):
+                 transfer: Any = None, decoder: Any = None, split: str = "train"):
         self._closed = True  # until fully built: __del__ must not trip over a half-made client
         self._reader: _ReadAhead | None = None
         self._pool: _PinnedPool | None = None
         self.cfg = config if isinstance(config, Config) else load_config(config)
         self.rank = _resolve_rank(self.cfg, rank)
+        if split not in progress.STREAMS:
+            raise ValueError(f"split must be one of {progress.STREAMS}, got {split!r}")
+        if split == "val" and not self.cfg.validation.enabled:
+            raise ConfigError("validation.enabled", "is false in this config: split='val' needs the daemon's "
+                              "validation stream (set validation.enabled and validation.root)")
+        self.split = split
+        self._lane = progress.lane(split, self.rank)
+        self._reading = split == "train"  # a val client reads only while it iterates a pass
         self.dir = self.cfg.buffer.dir
         self.progress_dir = self.cfg.progress_dir
         self.timeout = float(timeout)
@@ -373,15 +386,29 @@ class PrefetchClient:
 
     @property
     def batch_size(self) -> int:
-        return self.cfg.loader.batch_size
+        return self.cfg.validation.batch_size if self.split == "val" else self.cfg.loader.batch_size
 
     @property
     def drop_last(self) -> bool:
-        return self.cfg.loader.drop_last
+        return False if self.split == "val" else self.cfg.loader.drop_last
 
     @property
     def world_size(self) -> int:
         return self.cfg.loader.world_size
+
+    @property
+    def dataset(self) -> _Sized:
+        """Sized like a DataLoader's dataset: ``len()`` is the samples of the stream's dataset."""
+        m = self.meta()
+        return _Sized(int(m["validation"]["num_samples"] if self.split == "val" else m["num_samples"]))
+
+    @property
+    def sampler(self) -> _Sized:
+        """Sized like a ``DistributedSampler``: ``len()`` is ``ceil(len(dataset) / world_size)``, what
+        it reports without ``drop_last``. Scripts that look for the samples such a sampler leaves
+        out (``len(sampler) * world_size < len(dataset)``, as pytorch/examples' ``validate`` does)
+        find none: the validation stream leaves none out (rank shares may be one sample shorter)."""
+        return _Sized(-(-len(self.dataset) // self.world_size))
 
     # --- position ----------------------------------------------------------------------------------
 
@@ -403,7 +430,7 @@ class PrefetchClient:
     def state_dict(self) -> dict:
         """The trainer's position (not the reader's read-ahead), shaped like torchdata's
         StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done."""
-        fp = self._meta.get("fingerprint") if self._meta else None
+        fp = self._fingerprint() if self._meta else None
         return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
                 "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
                 "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
@@ -428,7 +455,7 @@ class PrefetchClient:
                                 f"has loader.world_size {self.world_size}; positions do not carry over")
         fp = state.get("fingerprint")
         if fp:
-            have = self.meta().get("fingerprint")
+            have = self._fingerprint()
             if fp != have:
                 raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
                                     f"{have} (dataset, loader or augment settings changed); resuming would not "
@@ -461,11 +488,24 @@ class PrefetchClient:
                                 "use the daemon's config file")
         if self.rank not in m.get("ranks", []):
             raise PrefetchError(f"the daemon serving {self.dir} serves ranks {m.get('ranks')}, not rank {self.rank}")
+        if self.split == "val" and not isinstance(m.get("validation"), dict):
+            raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes no validation stream; "
+                                "restart it with validation.enabled in its config")
+        if self.split == "val" and m["validation"].get("stream_fingerprint") != self.cfg.val_stream_fingerprint():
+            raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes a different validation "
+                                f"stream than {self.cfg.source or 'this config'} describes (validation settings "
+                                "differ); use the daemon's config file")
         self._meta = m
         return m
 
+    def _fingerprint(self) -> str:
+        m = self.meta()
+        return m["validation"]["fingerprint"] if self.split == "val" else m["fingerprint"]
+
     @property
     def batches_per_epoch(self) -> int:
+        if self.split == "val":
+            return int(self.meta()["validation"]["batches"][str(self.rank)])
         return int(self.meta()["batches_per_epoch"])
 
     def __len__(self) -> int:
@@ -475,8 +515,10 @@ class PrefetchClient:
     # --- iteration ---------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        """One epoch from the current position; afterwards the position is (epoch + 1, 0), so the
-        next ``for`` runs the next epoch, as a DataLoader with ``set_epoch`` does."""
+        """One epoch (a pass, for ``split="val"``) from the current position; afterwards the
+        position is (epoch + 1, 0), so the next ``for`` runs the next epoch, as a DataLoader with
+        ``set_epoch`` does. A val pass left early (``break``) counts as done: the next ``for``
+        is a new pass from its first batch."""
         return self.iter_epoch(self.epoch)
 
     def iter_epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
@@ -488,19 +530,24 @@ class PrefetchClient:
     def _iter_epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
         meta = self.meta()
         epochs = meta.get("epochs")
-        if epochs is not None and epoch >= epochs:
+        if self.split == "train" and epochs is not None and epoch >= epochs:
             raise PrefetchError(f"epoch {epoch} is past loader.epochs ({epochs}) of the daemon's config")
         self._stop_reader()
         self._resolve_device()
         start = self.batch if epoch == self.epoch else 0
         self.epoch, self.batch = epoch, start
+        val = self.split == "val"
+        self._reading = True
         self._write_progress(epoch, start)
         n = self.batches_per_epoch
         if start >= n:
             self.epoch, self.batch = epoch + 1, 0
+            if val:
+                self._end_pass()
             return
         reader = self._reader = _ReadAhead(self, epoch, start, n, self.prefetch)
-        echo = self.echo_factor > 1
+        echo = self.echo_factor > 1 and not val
+        done = False
         try:
             for b in range(start, n):
                 out = self._next(reader, epoch, b)
@@ -518,10 +565,23 @@ class PrefetchClient:
                 # hold no batch while the trainer runs: freeing one (munmap of 38.5 MB) is the
                 # trainer's business, not a cost of the next next()
                 out = None
+            done = True
         finally:
             reader.close()
             if self._reader is reader:
                 self._reader = None
+            if val and not done:  # left early: the pass is over, the daemon deletes what it made
+                self._end_pass()
+        if val:
+            self._end_pass()
+        else:
+            self._write_progress(self.epoch, self.batch)
+
+    def _end_pass(self) -> None:
+        """A val pass ended or was abandoned: the next ``for`` is the next pass; the daemon stops."""
+        if self.batch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        self._reading = False
         self._write_progress(self.epoch, self.batch)
 
     def _next(self, reader: _ReadAhead, epoch: int, batch: int):
@@ -578,7 +638,7 @@ class PrefetchClient:
         return _NoContext()
 
     def _path(self, epoch: int, batch: int) -> str:
-        return os.path.join(self.dir, batchfile.batch_name(self.rank, epoch, batch))
+        return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch))
 
     def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event) -> int:
         path = self._path(epoch, batch)
@@ -672,9 +732,9 @@ class PrefetchClient:
             if isinstance(b, jpegbatch.JpegBatch) and self._stage is None:
                 raise PrefetchError(f"{path} is a compact batch (hybrid decode) but this client's config has "
                                     "augment.decode: cpu; use the daemon's config")
-            fp = batchfile.fingerprint_u64(self.meta()["fingerprint"])
-            if (b.rank, b.epoch, b.batch, b.fingerprint) != (self.rank, epoch, batch, fp):
-                raise PrefetchError(f"{path} holds rank {b.rank} epoch {b.epoch} batch {b.batch} of "
+            fp = batchfile.fingerprint_u64(self._fingerprint())
+            if (b.rank, b.epoch, b.batch, b.fingerprint) != (self._lane, epoch, batch, fp):
+                raise PrefetchError(f"{path} holds lane {b.rank} epoch {b.epoch} batch {b.batch} of "
                                     f"stream {b.fingerprint:016x}, not the expected one of {fp:016x} (stale batch)")
         except BaseException:
             self._give_back(host, None)
@@ -683,7 +743,7 @@ class PrefetchClient:
         self.bytes_read += size
         # the file is in this process's memory now: the daemon may delete it and make the next
         self._write_progress(epoch, batch + 1, reader=stop)
-        info = BatchInfo(b.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
+        info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
         return self._convert(b, host) + (info,)
 
     def _give_back(self, host, event) -> None:
@@ -766,10 +826,11 @@ class PrefetchClient:
             if self._last_written is not None and (epoch, batch) < self._last_written:
                 self._jumps += 1  # going back on purpose: a new session tells the daemon it is a jump
             self._last_written = (epoch, batch)
-            fp = self._meta.get("fingerprint", "") if self._meta else ""
-            p = progress.Progress(rank=self.rank, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
+            fp = self._fingerprint() if self._meta else ""
+            p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
-                                  session=f"{self._session}.{self._jumps}", echoed=self.echoed)
+                                  session=f"{self._session}.{self._jumps}", echoed=self.echoed,
+                                  reading=self._reading)
             deadline = None
             while True:
                 try:
@@ -796,6 +857,11 @@ class PrefetchClient:
         self._stop_reader()
         if self._pool is not None:
             self._pool.close()
+        if self._reading and self.split == "val":  # closed mid-pass: the daemon stops making it
+            try:
+                self._end_pass()
+            except Exception:
+                pass
 
     def __enter__(self) -> PrefetchClient:
         return self
@@ -808,6 +874,16 @@ class PrefetchClient:
             self.close()
         except Exception:
             pass
+
+
+class _Sized:
+    """Only a length (``loader.dataset`` and ``loader.sampler``; nothing to index or iterate)."""
+
+    def __init__(self, n: int):
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
 
 
 class _NoContext:

@@ -3,7 +3,10 @@
 Shared by the daemon (which writes) and the client (which reads); it imports only numpy and
 xxhash, so a reader in another language needs nothing but this docstring.
 
-File name: ``r{rank:04d}-e{epoch:06d}-b{batch:08d}.batch`` in the buffer directory. Writers create
+File name: ``r{rank:04d}-e{epoch:06d}-b{batch:08d}.batch`` in the buffer directory; a batch of the
+validation stream is ``v{rank:04d}-e{pass:06d}-b{batch:08d}.batch``, its header's ``rank`` is the
+lane ``progress.VAL_LANE + rank``, ``epoch`` the pass and ``fingerprint`` the validation stream's
+(so neither stream's reader takes the other's file). Writers create
 ``.tmp-...`` names with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and publish by ``rename(2)``, so a reader
 sees either nothing or the whole file.
 
@@ -51,6 +54,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from .progress import lane, split_lane
+
 MAGIC = b"PFDBATCH"
 VERSION = 1
 HEADER = struct.Struct("<8sHHIQQIIQIIIIIBBHQQQQQQQ")
@@ -65,7 +70,7 @@ _ZERO8 = bytes(8)
 
 SUFFIX = ".batch"
 TMP_PREFIX = ".tmp-"
-_NAME_RE = re.compile(r"^r(\d{4,})-e(\d{6,})-b(\d{8,})\.batch$")
+_NAME_RE = re.compile(r"^([rv])(\d{4,})-e(\d{6,})-b(\d{8,})\.batch$")
 
 
 class BatchFileError(ValueError):
@@ -73,12 +78,16 @@ class BatchFileError(ValueError):
 
 
 def batch_name(rank: int, epoch: int, batch: int) -> str:
-    return f"r{rank:04d}-e{epoch:06d}-b{batch:08d}{SUFFIX}"
+    """``rank`` is a lane: a train rank, or ``progress.VAL_LANE + rank`` for validation."""
+    stream, r = split_lane(rank)
+    return f"{'v' if stream == 'val' else 'r'}{r:04d}-e{epoch:06d}-b{batch:08d}{SUFFIX}"
 
 
 def parse_name(name: str) -> tuple[int, int, int] | None:
     m = _NAME_RE.match(name)
-    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+    if not m or not m.group(2).isascii():
+        return None
+    return (lane("val" if m.group(1) == "v" else "train", int(m.group(2))), int(m.group(3)), int(m.group(4)))
 
 
 def fingerprint_u64(hex_fingerprint: str) -> int:

@@ -95,7 +95,7 @@ def cmd_run(args) -> int:
 
 def cmd_check(args) -> int:
     from . import batchfile
-    from .dataset import DatasetError, load_index
+    from .dataset import DatasetError, load_index, val_labels
     from .ring import is_tmpfs
     from .sampler import Sampler
 
@@ -120,6 +120,18 @@ def cmd_check(args) -> int:
     print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
           f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
           f"augment {cfg.augment.mode} -> {s}x{s}")
+    V = cfg.validation
+    if V.enabled:
+        from .sampler import ValSampler
+
+        try:
+            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+            val = val_labels(val, index)
+        except DatasetError as e:
+            return _fail_config(e)
+        vs = ValSampler(len(val), V.batch_size, L.world_size)
+        print(f"validation: {len(val)} samples; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
+              f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)  # the filesystem it will be created on

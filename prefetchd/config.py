@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
@@ -407,6 +407,38 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ValidationConfig:
+    """The validation stream: the same daemon, eval augmentation, no shuffle, every sample once per
+    pass. ``batch_size``, ``resize`` and ``capacity`` default from the other sections (resolved by
+    ``Config``)."""
+
+    enabled: bool = False
+    root: str | None = None
+    file_list: str | None = None
+    batch_size: int | None = None
+    resize: int | None = None
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        _bool(self.enabled, "validation.enabled")
+        for k in ("root", "file_list"):
+            v = getattr(self, k)
+            if v is not None:
+                object.__setattr__(self, k, _path(v, f"validation.{k}"))
+        if self.enabled and self.root is None and self.file_list is None:
+            raise ConfigError("validation.root", "is required with validation.enabled (an ImageFolder of the val "
+                              "images with the train set's class folders), or set validation.file_list")
+        if self.root is not None and self.file_list is not None:
+            raise ConfigError("validation.file_list", "and validation.root are exclusive: set one")
+        if self.batch_size is not None:
+            _int(self.batch_size, "validation.batch_size", 1, 1 << 16)
+        if self.resize is not None:
+            _int(self.resize, "validation.resize", 1, 1 << 14)
+        if self.capacity is not None:
+            _int(self.capacity, "validation.capacity", 1, 1 << 20)
+
+
+@dataclass(frozen=True)
 class Config:
     dataset: DatasetConfig
     loader: LoaderConfig = field(default_factory=LoaderConfig)
@@ -417,7 +449,28 @@ class Config:
     client: ClientConfig = field(default_factory=ClientConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     source: str | None = None
+
+    def __post_init__(self) -> None:
+        v = self.validation  # defaults that depend on the other sections
+        size = self.augment.output_size
+        v = replace(v, batch_size=v.batch_size or self.loader.batch_size,
+                    resize=v.resize or -(-size * 256 // 224), capacity=v.capacity or self.buffer.capacity)
+        if v.resize < size:
+            raise ConfigError("validation.resize", f"must be >= augment.output_size ({size}), got {v.resize}")
+        object.__setattr__(self, "validation", v)
+
+    def val_augment(self) -> AugmentConfig:
+        """The validation stream's augmentation: shorter side to ``validation.resize``, centre crop."""
+        return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False,
+                       brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0)
+
+    def val_stream_fingerprint(self) -> str:
+        """As ``stream_fingerprint`` for the validation stream (the val dataset is added by the daemon)."""
+        d = {"stream": "val", "train": self.stream_fingerprint(), "batch_size": self.validation.batch_size,
+             "augment": self.val_augment().stream_dict()}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     @property
     def progress_dir(self) -> str:
@@ -450,6 +503,7 @@ _SECTIONS: dict[str, type] = {
     "client": ClientConfig,
     "metrics": MetricsConfig,
     "log": LogConfig,
+    "validation": ValidationConfig,
 }
 
 
@@ -513,6 +567,7 @@ def _resolve_relative(data: dict, base: str) -> dict:
     """Relative paths in the file are relative to the file, not to the daemon's cwd."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for sec, key in (("dataset", "root"), ("dataset", "file_list"), ("dataset", "cache_dir"),
+                     ("validation", "root"), ("validation", "file_list"),
                      ("buffer", "dir"), ("progress", "dir")):
         body = out.get(sec)
         if isinstance(body, dict) and isinstance(body.get(key), str):

@@ -15,6 +15,13 @@ per-batch back-off); this module is the shell that carries its plans out. Each t
    (``quarantine``);
 4. rewrites ``status.json`` from counters once a second.
 
+The validation stream (``validation.enabled``) runs in the same loop: a second planner whose
+lanes (``progress.VAL_LANE + rank``) are pass-bounded and active only while their trainer
+iterates a pass (``reading`` in its progress file). Both share the workers and
+``buffer.max_bytes`` (each planner is given what the other does not hold); train is planned
+first and validation gets the slots train leaves free. A trainer that validates reads no train
+batches meanwhile, so its train window is full and validation gets the workers.
+
 Signal handlers only record the signal and wake the loop, which does the work: SIGTERM/SIGINT
 stop it cleanly (also during the dataset scan; workers stopped, temp files removed, published
 batches kept for the next start, the lock released whatever fails), SIGHUP reloads the tunables.
@@ -38,12 +45,13 @@ import psutil
 from . import batchfile, hybrid, status
 from .config import Config, ConfigError, format_size
 from .config import load as load_config
-from .dataset import load_index
+from .dataset import load_index, val_labels
 from .planner import Limits, Planner
 from .pool import Pool
+from .progress import VAL_LANE, lane
 from .quarantine import QuarantineLog
 from .ring import Lock, Ring, is_tmpfs, prepare_dirs
-from .sampler import Sampler
+from .sampler import Sampler, ValSampler
 from .sessions import Sessions
 from .watcher import ProgressWatcher
 from .worker import Result, Task, WorkerSetup
@@ -78,6 +86,7 @@ class Daemon:
         self._status_error: str | None = None
         self.remote = None
         self.metrics = None
+        self.val = None  # the validation stream's state, when validation.enabled
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -109,12 +118,15 @@ class Daemon:
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
                                self._estimate)
-        self.watcher = ProgressWatcher(cfg.progress_dir, self.ranks, self._wake, cfg.progress.inotify)
+        if cfg.validation.enabled:
+            self.val = _ValStream(cfg, self.val_index, self.ranks, self.fingerprint_hex)
+        lanes = tuple(self.ranks) + (self.val.lanes if self.val else ())
+        self.watcher = ProgressWatcher(cfg.progress_dir, lanes, self._wake, cfg.progress.inotify)
         self._apply_progress(self.watcher.poll(), initial=True)
         self.ring = Ring(cfg.buffer.dir)
-        counts = self.ring.recover(self.fingerprint)
+        counts = self.ring.recover(self.fingerprint, self.val.fingerprint if self.val else None)
         for key, nbytes in list(self.ring.ready.items()):
-            if not self.planner.adopt(key, nbytes):
+            if not self._planner(key[0]).adopt(key, nbytes):
                 self.ring.evict(key)
         if any(counts.values()):
             log.info("buffer recovered: kept %(kept)d batches; removed %(temp)d temp, %(bad)d torn or corrupt, "
@@ -127,6 +139,8 @@ class Daemon:
             self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
                             self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records))
+        if self.val:
+            setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
         self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s)
         self.pool.start()
@@ -141,6 +155,11 @@ class Daemon:
                  list(self.ranks), L.world_size, self.sampler.batches_per_epoch, L.batch_size,
                  "endless" if L.epochs is None else f"{L.epochs} epochs", self.pool.count, cfg.buffer.capacity,
                  cfg.buffer.refill_at, format_size(cfg.buffer.max_bytes), cfg.buffer.dir)
+        if self.val:
+            v = self.val
+            log.info("validation: %d samples, batches of %d, %s batches per pass by rank, capacity %d",
+                     v.sampler.num_samples, v.sampler.batch_size, [v.sampler.batches(r) for r in self.ranks],
+                     cfg.validation.capacity)
         return True
 
     def _load_index(self) -> bool:
@@ -148,9 +167,13 @@ class Daemon:
         cfg, box = self.cfg.dataset, {}
         t0 = time.monotonic()
 
+        V = self.cfg.validation
+
         def scan():
             try:
                 box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir)
+                if V.enabled:
+                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             self._wake()
@@ -165,6 +188,8 @@ class Daemon:
         if "error" in box:
             raise box["error"]
         self.index, cached = box["index"]
+        if "val" in box:
+            self.val_index = val_labels(box["val"][0], self.index)
         log.info("dataset: %d samples in %d classes (%s, %.2f s)", len(self.index), len(self.index.classes),
                  "cached index" if cached else "scanned", time.monotonic() - t0)
         return True
@@ -180,6 +205,7 @@ class Daemon:
             "progress_dir": c.progress_dir, "started": self.t_start,
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
+            "validation": self.val.meta() if self.val else None,
         })
 
     # --- signals and waking -----------------------------------------------------------------------
@@ -245,7 +271,7 @@ class Daemon:
             if now >= next_status:
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
-            due = [next_poll, next_status, self.planner.next_retry(), self.pool.respawn_due()]
+            due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry() for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
             waitables = [self._wake_r, *self.pool.waitables()]
             if self.remote is not None:
@@ -257,7 +283,7 @@ class Daemon:
                 for res in results:
                     self._handle(res)
                 for t in lost:
-                    self.planner.lost((t.rank, t.epoch, t.batch))
+                    self._planner(t.rank).lost((t.rank, t.epoch, t.batch))
             for index, how in self.pool.suspects:
                 self.quarantine.worker_died(index, how)
             self.pool.suspects.clear()
@@ -267,6 +293,12 @@ class Daemon:
                 return 1
         log.info("stopping: %d batches published this run", self.produced_batches)
         return 0
+
+    def _planner(self, lane_id: int) -> Planner:
+        return self.val.planner if lane_id >= VAL_LANE and self.val else self.planner
+
+    def _planners(self) -> list[Planner]:
+        return [self.planner] if self.val is None else [self.planner, self.val.planner]
 
     def _executors(self) -> list:
         return [self.pool] if self.remote is None else [self.pool, self.remote]
@@ -286,6 +318,11 @@ class Daemon:
     def _apply_progress(self, changed: dict, initial: bool = False) -> None:
         now = time.time()
         for r, p in changed.items():
+            if r >= VAL_LANE:
+                if self.val:
+                    for key in self.val.apply(r, p, now, initial):
+                        self.ring.evict(key)
+                continue
             move = self.sessions.apply(r, p, now, initial)
             if move is None:
                 continue
@@ -300,19 +337,34 @@ class Daemon:
         slots = sum(ex.idle() for ex in self._executors())
         if not slots:
             return
-        was_idle = not self.planner.busy()
-        plan = self.planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
+        was_idle = not any(p.busy() for p in self._planners())
+        submit = self._plan(self.planner, slots, self.val.planner if self.val else None)
+        if self.val and len(submit) < slots:  # validation gets what train leaves
+            submit += self._plan(self.val.planner, slots - len(submit), self.planner)
+        for r, e, b in submit:
+            if r >= VAL_LANE:
+                task = self.val.task(r, e, b)
+            else:
+                task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b),
+                            self.quarantine.crashers)
+            if not any(ex.submit(task) for ex in self._executors()):
+                self._planner(r).lost((r, e, b))
+        if was_idle and submit:
+            self._last_activity = time.monotonic()
+
+    def _plan(self, planner: Planner, slots: int, other: Planner | None) -> list:
+        """One planner's plan; ``buffer.max_bytes`` is shared with the other planner's bytes."""
+        if other is not None:
+            held = other.bytes_ready + other.bytes_inflight
+            planner.limits = replace(planner.limits, max_bytes=max(0, self.cfg.buffer.max_bytes - held))
+        plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
+        if planner is not self.planner and not plan.blocked:
+            return plan.submit
         self.blocked = plan.blocked
         if plan.blocked and not (self._blocked_logged or "").startswith(plan.blocked[:24]):
             log.warning("waiting: %s", plan.blocked)  # once per cause until a batch is published again
             self._blocked_logged = plan.blocked
-        for r, e, b in plan.submit:
-            task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b),
-                        self.quarantine.crashers)
-            if not any(ex.submit(task) for ex in self._executors()):
-                self.planner.lost((r, e, b))
-        if was_idle and plan.submit:
-            self._last_activity = time.monotonic()
+        return plan.submit
 
     def _estimate(self, batch: int) -> int:
         """An upper bound on a batch file's size before it is made. A compact batch (hybrid
@@ -326,25 +378,30 @@ class Daemon:
 
     def _handle(self, res: Result) -> None:
         key = (res.rank, res.epoch, res.batch)
+        planner = self._planner(res.rank)
         for q in res.quarantined:
-            self.quarantine.add(q, res.epoch)
+            if res.rank >= VAL_LANE:  # val indices are not train indices: said, not in the train quarantine
+                log.warning("validation sample %d (%s) cannot be used: %s; replaced in this pass", q.index, q.path,
+                            q.reason)
+            else:
+                self.quarantine.add(q, res.epoch)
         if res.error:
-            if self.planner.finished(key):
-                delay = self.planner.failed(key, time.monotonic())
+            if planner.finished(key):
+                delay = planner.failed(key, time.monotonic())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
-        if not self.planner.finished(key):
+        if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return
         try:
             self.ring.publish(res.tmp_path, key, res.size)
         except OSError as err:
             Ring._unlink(res.tmp_path)
-            delay = self.planner.failed(key, time.monotonic())
+            delay = planner.failed(key, time.monotonic())
             log.error("cannot publish batch r%d e%d b%d: %s; trying it again in %.0f s", *key, err.strerror, delay)
             return
-        self.planner.published(key, res.size)
+        planner.published(key, res.size)
         if hybrid.on_gpu(self.cfg.augment, res.epoch, res.batch):
             self._largest_compact = max(self._largest_compact, res.size)
         now = time.time()
@@ -395,7 +452,7 @@ class Daemon:
             "fs_free": self.ring.free_bytes(), "blocked": self.blocked, "quarantined": len(self.quarantine),
             "progress_watch": self.watcher.mode, "rss_bytes": rss, "ranks": ranks,
             "executor": self.cfg.workers.executor, "ray": self.remote.status() if self.remote is not None else None,
-            "main_cpu_s": _own_cpu_s(),
+            "main_cpu_s": _own_cpu_s(), "val_ranks": self.val.status(now) if self.val else None,
         }
 
     def _write_status(self) -> dict:
@@ -421,7 +478,7 @@ class Daemon:
         if self.notify.watchdog_s:
             # WATCHDOG=1 only while the pipeline moves: idle with nothing to do, or batches being
             # made; failures are not progress
-            busy = self.planner.busy()
+            busy = any(p.busy() for p in self._planners())
             if not (busy and time.monotonic() - self._last_activity > self.notify.watchdog_s / 2):
                 self.notify.watchdog()
         self.notify.status(f"{rec['produced_img_s'] or 0:.0f} img/s; "
@@ -443,13 +500,18 @@ class Daemon:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
         elif new is not None:
-            self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log)
+            self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
+                               validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
             self.pool.task_timeout_s = new.workers.task_timeout_s
             self.pool.resize(new.workers.resolved_count())
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper()))
             for key in self.planner.set_limits(_limits(new.buffer)):
                 self.ring.evict(key)
+            if self.val:
+                for key in self.val.planner.set_limits(replace(_limits(new.buffer), capacity=self.cfg.validation.capacity,
+                                                               refill_at=self.cfg.validation.capacity)):
+                    self.ring.evict(key)
             log.info("reloaded: %d workers, capacity %d (refill below %d), max %s", self.pool.count,
                      new.buffer.capacity, new.buffer.refill_at, format_size(new.buffer.max_bytes))
         if self.notify:
@@ -502,6 +564,68 @@ def _quietly(fn, what: str):
         return None
 
 
+class _ValStream:
+    """The validation stream's state in the daemon: sampler, planner and sessions of its lanes."""
+
+    def __init__(self, cfg: Config, index, ranks, train_fingerprint: str):
+        V = cfg.validation
+        self.index = index
+        self.sampler = ValSampler(len(index), V.batch_size, cfg.loader.world_size)
+        self.ranks = tuple(ranks)
+        self.lanes = tuple(lane("val", r) for r in ranks)
+        self.stream_fingerprint = cfg.val_stream_fingerprint()
+        self.fingerprint_hex = hashlib.sha256(
+            f"{cfg.val_stream_fingerprint()}|{train_fingerprint}|{index.fingerprint}".encode()).hexdigest()[:16]
+        self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
+        bpp = max(1, self.sampler.max_batches)
+        size = cfg.augment.output_size
+        self.planner = Planner(self.lanes, bpp, None, Limits(V.capacity, V.capacity, cfg.buffer.max_bytes,
+                                                             cfg.buffer.min_free_bytes),
+                               lambda b: batchfile.max_file_size(V.batch_size, size, size),
+                               pass_len=lambda r: self.sampler.batches(r - VAL_LANE))
+        self.sessions = Sessions(self.lanes, bpp, self.fingerprint_hex)
+
+    def worker_setup(self, cfg: Config, train):
+        """What a worker needs to make this stream's batches: the eval augmentation, the val
+        batch size, the val index (labels mapped to the train classes), this stream's fingerprint."""
+        vcfg = replace(cfg, augment=cfg.val_augment(),
+                       loader=replace(cfg.loader, batch_size=cfg.validation.batch_size))
+        return replace(train, config=vcfg, index_dir=None, index=self.index, fingerprint=self.fingerprint,
+                       bad=frozenset())
+
+    def task(self, r: int, e: int, b: int) -> Task:
+        rank = r - VAL_LANE
+        return Task(r, e, b, self.sampler.batches(rank), self.sampler.batch_indices(rank, b), ())
+
+    def apply(self, r: int, p, now: float, initial: bool) -> list:
+        """A lane's progress record: moves, then starts or stops the lane. Returns batches to delete."""
+        evicted = []
+        move = self.sessions.apply(r, p, now, initial)
+        if move is not None:
+            evicted += self.planner.set_position(r, move.epoch, move.batch)
+        # a pass is made only while its trainer reads it (also after a daemon restart mid-pass)
+        evicted += self.planner.set_active(r, p.reading)
+        return evicted
+
+    def meta(self) -> dict:
+        s = self.sampler
+        return {"fingerprint": self.fingerprint_hex, "stream_fingerprint": self.stream_fingerprint,
+                "num_samples": s.num_samples, "batch_size": s.batch_size,
+                "batches": {str(r): s.batches(r) for r in self.ranks},
+                "samples": {str(r): s.share(r) for r in self.ranks}}
+
+    def status(self, now: float) -> dict:
+        out = {}
+        for r, lane_id in zip(self.ranks, self.lanes, strict=True):
+            rs = self.planner.rank_status(lane_id)
+            rs["position"] = list(divmod(self.planner.ranks[lane_id].pos, self.planner.bpe))
+            seen = self.sessions.last_seen.get(lane_id)
+            rs.update(pass_batches=self.sampler.batches(r), wait_s=self.sessions.wait_s[lane_id],
+                      last_progress_age_s=None if seen is None else now - seen)
+            out[str(r)] = rs
+        return out
+
+
 def _limits(b) -> Limits:
     return Limits(b.capacity, b.refill_at, b.max_bytes, b.min_free_bytes)
 
@@ -535,6 +659,8 @@ def _reload_blockers(old: Config, new: Config) -> str | None:
         return "dataset.*"
     if new.loader != old.loader:
         return "loader.ranks/epochs"
+    if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
+        return "validation.enabled/root/file_list/batch_size/resize"
     if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
         return "buffer.dir/group"
     if new.progress.dir != old.progress.dir:

@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
@@ -256,6 +256,26 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start scans again", cdir, e.strerror)
     return index, False
+
+
+def val_labels(val, train):
+    """The validation index with the TRAIN set's class-to-index mapping: an ImageFolder's class
+    folders are looked up by name in the train classes (one missing there is an error); a file
+    list's labels are kept and must be below the train set's class count."""
+    if val.classes == train.classes:
+        return val
+    if all(c.isdigit() for c in val.classes) and not all(c.isdigit() for c in train.classes):
+        if len(val.classes) > len(train.classes):
+            raise DatasetError(f"validation labels go up to {len(val.classes) - 1} but the train set has "
+                               f"{len(train.classes)} classes")
+        return replace(val, classes=train.classes, files_dir=None)
+    where = {c: i for i, c in enumerate(train.classes)}
+    missing = [c for c in val.classes if c not in where]
+    if missing:
+        raise DatasetError(f"validation class folder(s) {missing[:5]} are not in the train set's classes "
+                           f"(dataset.root); validation.root must use the train set's class names")
+    table = np.array([where[c] for c in val.classes], dtype=np.int32)
+    return replace(val, classes=train.classes, labels=table[np.asarray(val.labels)], files_dir=None)
 
 
 def open_index_files(files_dir: str) -> Index:

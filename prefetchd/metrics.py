@@ -75,6 +75,22 @@ def families(rec: dict):
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
     yield from (ready, ahead, epoch, batch, wait, echoed, retrying)
+    vals = rec.get("val_ranks") or {}
+    if vals:  # the validation stream's lanes, apart from train's
+        vready = GaugeMetricFamily("prefetchd_val_rank_ready_batches", "Validation batches ready for the rank",
+                                   labels=["rank"])
+        vpass = GaugeMetricFamily("prefetchd_val_rank_pass", "The rank's current (or next) validation pass",
+                                  labels=["rank"])
+        vbatch = GaugeMetricFamily("prefetchd_val_rank_batch", "The rank's next batch in its validation pass",
+                                   labels=["rank"])
+        vactive = GaugeMetricFamily("prefetchd_val_rank_reading", "1 while the rank's trainer reads a validation pass",
+                                    labels=["rank"])
+        for r, rs in sorted(vals.items()):
+            vready.add_metric([r], rs.get("ready", 0))
+            vpass.add_metric([r], rs.get("position", [0, 0])[0])
+            vbatch.add_metric([r], rs.get("position", [0, 0])[1])
+            vactive.add_metric([r], 1 if rs.get("active") else 0)
+        yield from (vready, vpass, vbatch, vactive)
 
 
 class _Collector:

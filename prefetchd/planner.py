@@ -15,6 +15,13 @@ as events arrive instead of being recomputed:
 * ``cursor``: every batch in ``[pos, cursor)`` is ready, in flight or a hole, so the next batch to
   hand out is the earliest due hole or ``cursor`` (amortised O(1) per batch).
 
+Pass-bounded lanes (the validation stream: ``pass_len`` given). A lane's window also ends at
+the end of its position's pass (``pass_len(rank)`` batches, which may differ between ranks; the
+linear position still uses ``batches_per_epoch``, the largest), and a lane has a window only
+while it is *active* (``set_active``: its trainer iterates a pass). Lanes start inactive; going
+inactive evicts the whole window. So nothing is made before a trainer asks, nothing is made
+ahead across passes, and what a finished or abandoned pass left is deleted.
+
 Policy (``plan``): a rank starts *filling* when fewer than ``refill_at`` batches, counted
 contiguously from its position, are ready or in flight, and stops when its window is covered
 (``capacity`` ready or in flight, or nothing left to make). Each free worker slot goes to the
@@ -63,6 +70,7 @@ class _Rank:
     cursor: int = 0
     ready_front: int = 0  # every batch in [pos, ready_front) is ready
     filling: bool = True
+    active: bool = True  # False: no window at all (a pass-bounded lane no trainer reads)
 
 
 def retry_delay_s(failures: int) -> float:
@@ -79,15 +87,17 @@ def _size(n: int) -> str:
 
 class Planner:
     def __init__(self, ranks: Iterable[int], batches_per_epoch: int, epochs: int | None, limits: Limits,
-                 estimate: Callable[[int], int]):
-        """``estimate(batch)``: an upper bound on the file size of batch ``batch`` of an epoch."""
+                 estimate: Callable[[int], int], pass_len: Callable[[int], int] | None = None):
+        """``estimate(batch)``: an upper bound on the file size of batch ``batch`` of an epoch.
+        ``pass_len(rank)``: batches of the rank's pass, for pass-bounded lanes (they start inactive)."""
         if batches_per_epoch < 1:
             raise ValueError("batches_per_epoch must be positive")
         self.bpe = batches_per_epoch
         self.end = None if epochs is None else epochs * batches_per_epoch
         self.limits = limits
         self._estimate = estimate
-        self.ranks: dict[int, _Rank] = {r: _Rank() for r in ranks}
+        self._pass_len = pass_len
+        self.ranks: dict[int, _Rank] = {r: _Rank(active=pass_len is None) for r in ranks}
         self._orphans: dict[Key, list[int]] = {}  # in flight but no longer wanted: estimates
         self.failures: dict[Key, int] = {}  # failures in a row per batch (cleared by a success)
         self.bytes_ready = 0
@@ -111,8 +121,28 @@ class Planner:
 
     def window_end(self, r: int) -> int:
         s = self.ranks[r]
+        if not s.active:
+            return s.pos
         top = s.pos + self.limits.capacity
+        if self._pass_len is not None:
+            top = min(top, s.pos - s.pos % self.bpe + self._pass_len(r))
         return top if self.end is None else min(top, self.end)
+
+    def set_active(self, r: int, active: bool) -> list[Key]:
+        """A pass-bounded lane's trainer starts (True) or stops (False) reading. Going inactive
+        empties the window: returns the published batches to delete."""
+        s = self.ranks[r]
+        if active == s.active:
+            return []
+        hi = self.window_end(r)
+        s.active = active
+        self._check.add(r)
+        if active:
+            s.filling = True
+            return []
+        evicted = self._drop(r, s, range(s.pos, hi))
+        s.cursor = s.ready_front = s.pos
+        return evicted
 
     def set_position(self, r: int, epoch: int, batch: int) -> list[Key]:
         """Move rank ``r`` to ``(epoch, batch)``; ``batch`` may run past the epoch. Returns the
@@ -349,7 +379,7 @@ class Planner:
         s = self.ranks[r]
         return {"position": list(self.position(r)), "ready": len(s.ready), "ahead": self.ready_ahead(r),
                 "in_flight": len(s.inflight), "retrying": len(s.holes), "filling": s.filling,
-                "done": self.end is not None and s.pos >= self.end}
+                "done": self.end is not None and s.pos >= self.end, "active": s.active}
 
     def busy(self) -> bool:
         """Anything being made (orphans included)? O(1)."""

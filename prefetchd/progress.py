@@ -12,7 +12,14 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
      "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
      "session": "4242-9f1c2a7b.3",            # changes whenever the writer moves backwards
-     "echoed": 0}                             # batches served again (data echoing, opt-in)
+     "echoed": 0,                             # batches served again (data echoing, opt-in)
+     "reading": true}                         # false: the trainer reads nothing of this stream now
+
+The validation stream (``validation:`` in the config) has its own files per rank,
+``progress-v{rank:04d}.json``, whose ``rank`` field holds the rank's *lane*, ``VAL_LANE + rank``
+(``lane()``), and whose ``epoch`` is the pass. A validation client writes ``"reading": true``
+while it iterates a pass and ``false`` when the pass ends or is abandoned; the daemon makes
+validation batches only for lanes that read. Train progress leaves ``reading`` out (true).
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
@@ -48,6 +55,20 @@ MAX_BYTES = 65536
 _U32 = 1 << 32
 _I64 = 1 << 63
 _MAX_STR = 128
+VAL_LANE = 1 << 24  # lane of rank r's validation stream: VAL_LANE + r (train: r itself)
+STREAMS = ("train", "val")
+
+
+def lane(stream: str, rank: int) -> int:
+    """The lane (the ``rank`` field of the stream's progress and batch files) of ``rank`` in ``stream``."""
+    if stream not in STREAMS:
+        raise ValueError(f"stream must be one of {STREAMS}, got {stream!r}")
+    return rank + (VAL_LANE if stream == "val" else 0)
+
+
+def split_lane(lane_id: int) -> tuple[str, int]:
+    """``(stream, rank)`` of a lane."""
+    return ("val", lane_id - VAL_LANE) if lane_id >= VAL_LANE else ("train", lane_id)
 
 
 class ProgressError(ValueError):
@@ -66,6 +87,7 @@ class Progress:
     batches: int = 0
     session: str = ""
     echoed: int = 0
+    reading: bool = True
 
     @property
     def position(self) -> tuple[int, int]:
@@ -73,7 +95,19 @@ class Progress:
 
 
 def progress_name(rank: int) -> str:
-    return f"progress-r{rank:04d}.json"
+    """The file of a lane (``rank`` for the train stream, ``lane("val", r)`` for validation)."""
+    stream, r = split_lane(rank)
+    return f"progress-{'v' if stream == 'val' else 'r'}{r:04d}.json"
+
+
+def parse_progress_name(name: str) -> int | None:
+    """The lane a progress file name is for, or None."""
+    if not (name.startswith(("progress-r", "progress-v")) and name.endswith(".json")):
+        return None
+    digits = name[len("progress-r"):-len(".json")]
+    if not digits.isdigit() or not digits.isascii():
+        return None
+    return lane("val" if name[9] == "v" else "train", int(digits))
 
 
 def progress_path(directory: str, rank: int) -> str:
@@ -124,6 +158,10 @@ def decode(data: bytes) -> Progress:
                 raise ProgressError(f"field {k!r} must be a string of at most {_MAX_STR} characters, "
                                     f"got {_short(repr(v))}")
             vals[k] = v
+    if "reading" in d:
+        if not isinstance(d["reading"], bool):
+            raise ProgressError(f"field 'reading' must be true or false, got {_short(repr(d['reading']))}")
+        vals["reading"] = d["reading"]
     return Progress(**vals)
 
 

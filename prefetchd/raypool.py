@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from . import hybrid
 from .batchfile import BatchMeta
 from .config import RayConfig
+from .progress import VAL_LANE
 from .worker import Quarantined, Result, Task, WorkerSetup, write_temp
 
 log = logging.getLogger("prefetchd.ray")
@@ -60,21 +61,24 @@ def _actor_class(ray):
                 raise RuntimeError(f"this node ({os.uname().nodename}) cannot read the dataset: {probe} "
                                    f"(root {root}); mount it there or set workers.ray.path_map")
             self.maker = BatchMaker(setup, worker_id)
+            self.val_maker = BatchMaker(setup.val, worker_id) if setup.val is not None else None
 
         def where(self) -> str:
             return ray.get_runtime_context().get_node_id()[:12] + ":" + str(os.getpid())
 
-        def fill(self, epoch, indices, crashers, compact=None):
+        def fill(self, epoch, indices, crashers, compact=None, val=False):
             """The batch's pixels; for a compact batch (``compact``: its rank, batch number and
-            batches in the epoch), the whole compact file as bytes in their place."""
+            batches in the epoch), the whole compact file as bytes in their place. ``val``: a
+            validation lane's batch, made by the actor's second maker."""
+            maker = self.val_maker if val else self.maker
             for i, reason in crashers:
-                self.maker.bad.setdefault(i, reason)
+                maker.bad.setdefault(i, reason)
             t0 = time.perf_counter()
-            images, used, labels, replaced, quarantined = self.maker.fill(epoch, indices, compact is not None)
+            images, used, labels, replaced, quarantined = maker.fill(epoch, indices, compact is not None)
             if compact is not None:
                 rank, batch, batches = compact
-                meta = BatchMeta(rank, epoch, batch, batches, self.maker.fingerprint)
-                images = self.maker.builder.pack(meta, used, labels, replaced)
+                meta = BatchMeta(rank, epoch, batch, batches, maker.fingerprint)
+                images = maker.builder.pack(meta, used, labels, replaced)
             return images, used, labels, replaced, quarantined, time.perf_counter() - t0
 
     return BatchActor
@@ -161,10 +165,7 @@ class RayPool:
             return
         self._ray = ray
         try:
-            index = self.setup.index
-            mapped = dataclasses.replace(index, root=self.cfg.map_path(index.root), files_dir=None,
-                                         blob=index.blob.copy(), offsets=index.offsets.copy(), labels=index.labels.copy())
-            remote_setup = dataclasses.replace(self.setup, index=mapped, index_dir=None)
+            remote_setup = self._remote_setup(self.setup)
             actor_cls = _actor_class(ray)
             opts = {"num_cpus": self.cfg.num_cpus, "resources": dict(self.cfg.resources), "scheduling_strategy": "SPREAD"}
             # held for the pool's life: a restarting actor gets its constructor arguments from it
@@ -216,7 +217,7 @@ class RayPool:
             w = min(ws, key=lambda w: len(w.tasks))
             compact = ((task.rank, task.batch, task.batches_in_epoch)
                        if hybrid.on_gpu(self.setup.config.augment, task.epoch, task.batch) else None)
-            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, compact)
+            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, compact, task.rank >= VAL_LANE)
             w.tasks.append((task, time.monotonic(), ref))
         return True
 
@@ -272,8 +273,18 @@ class RayPool:
                 lost.append(task)
                 continue
             images, used, labels, replaced, quarantined, seconds = value
-            results.append(write_temp(buffer_dir, task, self.setup.fingerprint, worker_id, images, used, labels,
+            setup = self.setup.val if task.rank >= VAL_LANE else self.setup
+            results.append(write_temp(buffer_dir, task, setup.fingerprint, worker_id, images, used, labels,
                                       replaced, list(quarantined), seconds))
+
+    def _remote_setup(self, setup: WorkerSetup) -> WorkerSetup:
+        """The setup as a remote node sees it: the index held in memory, its root mapped by path_map
+        (the validation stream's too)."""
+        index = setup.index
+        mapped = dataclasses.replace(index, root=self.cfg.map_path(index.root), files_dir=None,
+                                     blob=index.blob.copy(), offsets=index.offsets.copy(), labels=index.labels.copy())
+        val = self._remote_setup(setup.val) if setup.val is not None else None
+        return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 
     def status(self) -> dict:
         with self._lock:

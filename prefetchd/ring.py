@@ -25,6 +25,7 @@ import time
 import psutil
 
 from . import batchfile, jpegbatch
+from .progress import VAL_LANE
 from .status import FILE_MODE, LOCK_NAME
 
 log = logging.getLogger("prefetchd.ring")
@@ -192,8 +193,9 @@ class Ring:
     def path(self, key: Key) -> str:
         return os.path.join(self.dir, batchfile.batch_name(*key))
 
-    def recover(self, fingerprint: int) -> dict[str, int]:
-        """Adopt the valid batches a previous run left; delete everything else of ours."""
+    def recover(self, fingerprint: int, val_fingerprint: int | None = None) -> dict[str, int]:
+        """Adopt the valid batches a previous run left; delete everything else of ours. Batches
+        of the validation stream's lanes carry ``val_fingerprint``."""
         counts = {"kept": 0, "temp": 0, "bad": 0, "foreign": 0}
         with os.scandir(self.dir) as it:
             entries = list(it)
@@ -216,7 +218,8 @@ class Ring:
                 self._unlink(e.path)
                 counts["bad"] += 1
                 continue
-            if b.fingerprint != fingerprint or (b.rank, b.epoch, b.batch) != key:
+            want = val_fingerprint if key[0] >= VAL_LANE else fingerprint
+            if b.fingerprint != want or (b.rank, b.epoch, b.batch) != key:
                 self._unlink(e.path)
                 counts["foreign"] += 1
                 continue

@@ -105,3 +105,51 @@ def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarra
         perm = rng.permutation(n).astype(np.int64, copy=False)
     perm.setflags(write=False)
     return perm
+
+
+@dataclass(frozen=True)
+class ValSampler:
+    """The validation stream's sampler: no shuffle, no padding, the last partial batch kept.
+
+    Rank ``r`` of ``world_size`` takes the dataset indices ``r, r + world_size, ...`` in order, so
+    every sample is in exactly one rank's share per pass; shares differ by at most one sample and
+    a rank's batch count (``ceil(share / batch_size)``) by at most one from another's. A pass does
+    not depend on its number: every pass yields the same batches (the daemon still names them by
+    pass, ``(pass, rank, batch)``)."""
+
+    num_samples: int
+    batch_size: int
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 1:
+            raise ValueError("the validation set has no samples")
+        if self.world_size < 1 or self.batch_size < 1:
+            raise ValueError("world_size and batch_size must be positive")
+
+    def share(self, rank: int) -> int:
+        """Samples of ``rank`` per pass."""
+        self._rank(rank)
+        return len(range(rank, self.num_samples, self.world_size))
+
+    def batches(self, rank: int) -> int:
+        """Batches of ``rank`` per pass (0 when the set is smaller than the world)."""
+        return -(-self.share(rank) // self.batch_size)
+
+    @property
+    def max_batches(self) -> int:
+        return self.batches(0)  # rank 0's share is the largest
+
+    def batch_indices(self, rank: int, batch: int) -> np.ndarray:
+        """Dataset indices of batch ``batch`` of ``rank`` (int64, a fresh array; the last batch
+        of a rank may be shorter)."""
+        n = self.batches(rank)
+        if not 0 <= batch < n:
+            raise IndexError(f"batch {batch} is outside rank {rank}'s {n} validation batches")
+        lo = batch * self.batch_size
+        hi = min(lo + self.batch_size, self.share(rank))
+        return rank + self.world_size * np.arange(lo, hi, dtype=np.int64)
+
+    def _rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world_size {self.world_size}")

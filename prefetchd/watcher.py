@@ -72,11 +72,8 @@ class ProgressWatcher:
             self._observer = None
 
     def _mark(self, name: str) -> None:
-        if not (name.startswith("progress-r") and name.endswith(".json")):
-            return
-        try:
-            r = int(name[len("progress-r"):-len(".json")])
-        except ValueError:
+        r = progress_fmt.parse_progress_name(name)
+        if r is None:
             return
         with self._dirty_lock:
             self._dirty.add(r)

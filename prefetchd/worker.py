@@ -31,6 +31,7 @@ from . import augment, batchfile, hybrid
 from .config import Config
 from .dataset import Index, open_index_files
 from .status import FILE_MODE
+from .progress import VAL_LANE
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
@@ -81,6 +82,7 @@ class WorkerSetup:
     fingerprint: int
     buffer_dir: str
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
+    val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -115,6 +117,8 @@ class BatchMaker:
         self.worker_id = worker_id
         self.bad: dict[int, str] = {i: "quarantined earlier" for i in setup.bad}
         self.current = current  # shared int64 slot: the sample being decoded, for the daemon
+        self._setup = setup
+        self._val: BatchMaker | None = None
 
         s = self.cfg.augment.output_size
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
@@ -193,6 +197,18 @@ class BatchMaker:
         return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id,
                           self.builder if compact else images, used, labels, replaced, quarantined,
                           time.perf_counter() - t0)
+
+    def make_any(self, task: Task) -> Result:
+        """``make``, for a task of either stream: a validation lane's batch is made by a second
+        maker built from ``setup.val`` (eval augmentation, the val index and fingerprint)."""
+        if task.rank < VAL_LANE:
+            return self.make(task)
+        if self._val is None:
+            if self._setup.val is None:
+                raise RuntimeError(f"a validation batch (lane {task.rank}) but validation is not set up")
+            # no ``current`` slot: a val index must not be blamed (quarantined) as a train sample
+            self._val = BatchMaker(self._setup.val, self.worker_id, None)
+        return self._val.make(task)
 
 
 def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int,
@@ -279,7 +295,7 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
         if task is None:
             return
         try:
-            result = maker.make(task)
+            result = maker.make_any(task)
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
             result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
         try:

@@ -119,3 +119,40 @@ def test_cli_check_summarises_a_good_config(tmp_path, image_root):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "48 samples, 4 classes" in r.stdout and "8 batches of 6 per epoch" in r.stdout
+
+
+def test_validation_section_defaults_and_errors(tmp_path):
+    cfg = C.from_dict({"dataset": {"root": "/d"}, "loader": {"batch_size": 8}, "augment": {"output_size": 112},
+                       "validation": {"enabled": True, "root": "/v"}})
+    v = cfg.validation
+    assert (v.batch_size, v.resize, v.capacity) == (8, 128, cfg.buffer.capacity)
+    assert cfg.val_stream_fingerprint() != cfg.stream_fingerprint()
+    # validation does not change the train stream's fingerprint
+    assert cfg.stream_fingerprint() == C.from_dict({"dataset": {"root": "/d"}, "loader": {"batch_size": 8},
+                                                    "augment": {"output_size": 112}}).stream_fingerprint()
+    bad = {
+        "validation.root": {"enabled": True},
+        "validation.enabled": {"enabled": "yes", "root": "/v"},
+        "validation.batch_size": {"batch_size": 0},
+        "validation.resize": {"resize": 100},
+        "validation.capacity": {"capacity": -1},
+        "validation.file_list": {"root": "/v", "file_list": "/l"},
+    }
+    for key, body in bad.items():
+        with pytest.raises(C.ConfigError) as e:
+            C.from_dict({"dataset": {"root": "/d"}, "validation": body})
+        assert str(e.value).startswith(key) and "\n" not in str(e.value), str(e.value)
+    with pytest.raises(C.ConfigError, match="capacity"):
+        C.from_dict({"dataset": {"root": "/d"}, "validation": {"capcity": 3}})
+
+
+def test_reload_takes_validation_capacity_but_refuses_other_validation_changes():
+    from prefetchd.daemon import _reload_blockers
+
+    base = {"dataset": {"root": "/d"}, "validation": {"enabled": True, "root": "/v"}}
+    old = C.from_dict(base)
+    assert _reload_blockers(old, C.from_dict({**base, "validation": {**base["validation"], "capacity": 3}})) is None
+    assert _reload_blockers(old, C.from_dict({**base, "buffer": {"capacity": 5}})) is None  # a defaulted capacity
+    for change in ({"root": "/w"}, {"batch_size": 7}, {"resize": 300}, {"enabled": False}):
+        new = C.from_dict({**base, "validation": {**base["validation"], **change}})
+        assert _reload_blockers(old, new) == "validation.enabled/root/file_list/batch_size/resize", change

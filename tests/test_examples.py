@@ -66,11 +66,16 @@ def test_imagenet_example_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon
     assert daemon.stop() == 0
 
 
-def test_imagenet_example_val_without_the_validation_stream_is_a_clear_error(tmp_path, image_root):
-    cfg = _stream(tmp_path, "val", image_root)
-    r = subprocess.run([sys.executable, IMAGENET, cfg, "--arch", "tiny", "--val"], cwd=str(tmp_path), env=_ENV,
-                       capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
-    assert r.returncode == 1 and "--val needs prefetchd's validation stream" in r.stderr, r.stderr
+def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_root, daemon_factory):
+    # the train images stand in as the val set (same class folders): 48 samples over 2 ranks in
+    # batches of 5, so each rank's last val batch is partial; the sums count each sample once
+    cfg = _stream(tmp_path, "val", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]},
+                  validation={"enabled": True, "root": image_root, "batch_size": 5})
+    daemon = daemon_factory(cfg)
+    r = _run(_torchrun(2) + [IMAGENET, cfg, "--arch", "tiny", "--epochs", "1", "--val", "--checkpoint",
+                             str(tmp_path / "val.pt")], cwd=str(tmp_path))
+    assert r.stdout.count(" * validation: 48 samples") == 1, r.stdout
+    assert daemon.stop() == 0
 
 
 def test_imagenet_example_under_torchrun_resumes_with_the_straight_runs_batches(tmp_path, image_root,
@@ -122,6 +127,19 @@ def test_lightning_datamodule_trains_a_few_steps_on_cpu(tmp_path, image_root, da
     r = _run([sys.executable, LIGHTNING, cfg, "--max-steps", "10", "--accelerator", "cpu", "--devices", "1",
               "--default-root-dir", str(tmp_path / "lightning")], cwd=str(tmp_path))
     assert "trained 10 steps; the loader stopped at epoch 1 batch 2" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert daemon.stop() == 0
+
+
+def test_lightning_ddp_validates_on_the_validation_stream(tmp_path, image_root, daemon_factory):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    # 2 ranks, the train images as the val set in batches of 5: each rank's last val batch is
+    # partial; Lightning's sanity check reads 2 batches and abandons its pass, then one full pass
+    cfg = _stream(tmp_path, "lval", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]},
+                  validation={"enabled": True, "root": image_root, "batch_size": 5})
+    daemon = daemon_factory(cfg)
+    r = _run([sys.executable, LIGHTNING, cfg, "--max-epochs", "1", "--accelerator", "cpu", "--devices", "2",
+              "--strategy", "ddp", "--default-root-dir", str(tmp_path / "lval-root")], cwd=str(tmp_path))
+    assert r.stdout.count("validation: 48 samples") == 1, r.stdout + r.stderr[-3000:]
     assert daemon.stop() == 0
 
 

@@ -69,3 +69,35 @@ def test_progress_round_trip_and_garbage(tmp_path):
             f.write(bad)
         with pytest.raises(pf.ProgressError):
             pf.read(path)
+
+
+def test_val_lanes_have_their_own_batch_and_progress_names():
+    lane = pf.lane("val", 3)
+    assert lane == pf.VAL_LANE + 3 and pf.split_lane(lane) == ("val", 3) and pf.split_lane(3) == ("train", 3)
+    assert bf.batch_name(lane, 2, 5) == "v0003-e000002-b00000005.batch"
+    assert bf.parse_name("v0003-e000002-b00000005.batch") == (lane, 2, 5)
+    assert bf.parse_name("r0003-e000002-b00000005.batch") == (3, 2, 5)
+    assert pf.progress_name(lane) == "progress-v0003.json" and pf.parse_progress_name("progress-v0003.json") == lane
+    assert pf.parse_progress_name("progress-r0003.json") == 3 and pf.parse_progress_name("progress-x0003.json") is None
+    with pytest.raises(ValueError):
+        pf.lane("test", 0)
+
+
+def test_progress_reading_flag():
+    p = pf.Progress(rank=pf.lane("val", 0), epoch=1, batch=0, reading=False)
+    assert pf.decode(pf.encode(p)) == p
+    assert pf.decode(b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 0, "batch": 0}').reading
+    with pytest.raises(pf.ProgressError, match="'reading' must be true or false"):
+        pf.decode(b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 0, "batch": 0, "reading": 1}')
+
+
+def test_metrics_show_val_lanes_apart():
+    pytest.importorskip("prometheus_client")
+    from prefetchd.metrics import families
+
+    rec = {"ranks": {"0": {"position": [1, 2]}},
+           "val_ranks": {"0": {"position": [3, 1], "ready": 2, "active": True}}}
+    got = {f.name: [(s.labels, s.value) for s in f.samples] for f in families(rec)}
+    assert got["prefetchd_val_rank_pass"] == [({"rank": "0"}, 3)]
+    assert got["prefetchd_val_rank_reading"] == [({"rank": "0"}, 1)]
+    assert got["prefetchd_rank_epoch"] == [({"rank": "0"}, 1)]

@@ -201,3 +201,22 @@ def test_random_walk_keeps_the_invariants():
             total += sum(s.ready.values())
         assert total == p.bytes_ready
         assert p.bytes_ready + p.bytes_inflight <= 200 * MB + MB  # an estimate is an upper bound
+
+
+def test_pass_bounded_lanes_make_nothing_until_active_and_stop_at_the_pass_end():
+    lens = {0: 3, 1: 2}  # uneven ranks: 3 and 2 batches per pass (linear positions use 3)
+    p = Planner((0, 1), 3, None, Limits(8, 8, 1 << 40, 0), lambda b: MB, pass_len=lens.__getitem__)
+    assert p.plan(10, 0.0, FREE).submit == []  # nobody reads: nothing is made
+    p.set_active(1, True)
+    plan = p.plan(10, 0.0, FREE)
+    assert plan.submit == [(1, 0, 0), (1, 0, 1)]  # its pass only, not the next pass
+    run(p, plan.submit)
+    p.set_position(1, 0, 1)
+    assert p.plan(10, 0.0, FREE).submit == []
+    # the pass is done (or abandoned): what is left is evicted and nothing more is made
+    assert p.set_active(1, False) == [(1, 0, 1)]
+    assert p.bytes_ready == 0 and p.plan(10, 0.0, FREE).submit == []
+    p.set_position(1, 1, 0)  # the next pass starts
+    p.set_active(1, True)
+    assert p.plan(10, 0.0, FREE).submit == [(1, 1, 0), (1, 1, 1)]
+    assert p.rank_status(0)["active"] is False and p.rank_status(1)["active"] is True

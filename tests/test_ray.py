@@ -55,6 +55,27 @@ def test_ray_executor_makes_the_same_bytes_on_two_nodes(tmp_path, image_root, da
     assert "remote workers ready; stopping the local stand-ins" in d.log()
 
 
+
+def test_ray_executor_makes_the_validation_stream_too(tmp_path, image_root, daemon_factory, cluster):
+    import numpy as np
+    from prefetchd_client import PrefetchClient
+    from test_validation import read_pass, val_reference
+
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {"address": c.loopback_address,
+                                                                                 "workers": 2, **LOOP}},
+                       validation={"enabled": True, "root": image_root, "batch_size": 5})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "a connected status")
+    with PrefetchClient(cfg, split="val", as_numpy=True, timeout=120) as v:
+        got = read_pass(v)
+    ref = val_reference(cfg, 0)
+    assert len(got) == len(ref) == 10  # 48 samples in batches of 5: the last one has 3
+    for (x, y, i), (rx, ry, ri) in zip(got, ref, strict=True):
+        assert np.array_equal(x, rx) and np.array_equal(y, ry) and np.array_equal(i, ri)
+    assert d.stop() == 0
+
 def test_killed_ray_worker_means_retried_work_not_lost_batches(tmp_path, image_root, daemon_factory, cluster):
     c, _ = cluster
     cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "max_tasks_in_flight": 1,

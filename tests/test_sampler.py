@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefetchd.sampler import Sampler
+from prefetchd.sampler import Sampler, ValSampler
 
 
 @pytest.mark.parametrize("n, world, batch, drop_last", [(100, 1, 10, True), (103, 4, 8, False), (103, 4, 8, True),
@@ -43,3 +43,38 @@ def test_matches_distributed_sampler_rule():
     s = Sampler(10, 2, shuffle=False, world_size=4, drop_last=False)
     assert s.rank_indices(0, 1).tolist() == [1, 5, 9]
     assert s.rank_indices(0, 3).tolist() == [3, 7, 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10, 31, 64, 100, 257])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 32])
+def test_val_every_sample_exactly_once_across_ranks(n, world, batch):
+    s = ValSampler(n, batch, world)
+    got = []
+    for r in range(world):
+        nb = s.batches(r)
+        lens = [len(s.batch_indices(r, b)) for b in range(nb)]
+        assert all(k == batch for k in lens[:-1])  # only the last batch may be partial
+        assert sum(lens) == s.share(r)
+        if nb:
+            assert 1 <= lens[-1] <= batch  # the partial tail is kept, never dropped or padded
+        got += [int(i) for b in range(nb) for i in s.batch_indices(r, b)]
+        with pytest.raises(IndexError):
+            s.batch_indices(r, nb)
+    assert sorted(got) == list(range(n))  # exactly once: no padding, no drop
+    shares = [s.share(r) for r in range(world)]
+    assert max(shares) - min(shares) <= 1
+    counts = [s.batches(r) for r in range(world)]
+    assert max(counts) - min(counts) <= 1 and s.max_batches == max(counts)
+
+
+def test_val_uneven_ranks_and_partial_last_batch():
+    s = ValSampler(10, 4, world_size=3)  # shares 4, 3, 3
+    assert [s.share(r) for r in range(3)] == [4, 3, 3]
+    assert s.batch_indices(0, 0).tolist() == [0, 3, 6, 9]
+    assert s.batch_indices(1, 0).tolist() == [1, 4, 7]
+    s = ValSampler(9, 2, world_size=2)  # shares 5 and 4: 3 batches and 2 batches
+    assert (s.batches(0), s.batches(1)) == (3, 2)
+    assert s.batch_indices(0, 2).tolist() == [8]
+    with pytest.raises(ValueError):
+        s.batches(2)

@@ -21,10 +21,10 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
 * ``--log-batches FILE`` appends one JSON line per step and rank (epoch, step, digest of the
   batch): how the tests check that a resumed run sees the straight run's batches.
 
-Validation: ``--val`` validates after every epoch, and it needs prefetchd's validation stream
-(``PrefetchClient(config, split="val")``: eval augmentation, every sample once per pass across
-ranks). That stream is not in this version of prefetchd, so ``--val`` stops with an error until it
-is; without ``--val`` no validation runs. See ``make_val_loader``.
+Validation: ``--val`` validates after every epoch on prefetchd's validation stream
+(``PrefetchClient(config, split="val")``, with ``validation.enabled`` and ``validation.root`` in the
+config: eval augmentation, every sample once per pass across ranks, the last partial batch kept).
+The daemon makes a pass only while it is read. See ``make_val_loader``.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default="", help="a checkpoint to continue from")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many steps in this run, saving a checkpoint (for tests and trials)")
-    p.add_argument("--val", action="store_true", help="validate after each epoch (needs the validation stream)")
+    p.add_argument("--val", action="store_true", help="validate after each epoch (needs validation: in the config)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights")
     p.add_argument("-p", "--print-freq", type=int, default=10)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a batch before giving up")
@@ -140,17 +140,12 @@ def make_train_loader(args, device: torch.device) -> PrefetchClient:
 
 
 def make_val_loader(args, device: torch.device):
-    # ---- VALIDATION HOOK -------------------------------------------------------------------------------
-    # The validation stream (eval augmentation, no shuffle, every sample once per pass across ranks,
-    # the last partial batch kept) comes from the same daemon and config as
-    #     PrefetchClient(args.config, split="val", device=device, timeout=args.timeout, normalize=True)
-    # It is not in this version of prefetchd; wire it in here when it is. Nothing stands in for it:
-    # a held-out slice of the training stream would be augmented for training and is no validation.
+    # The validation stream of the same daemon and config (validation: in the YAML): eval
+    # augmentation, no shuffle, every sample once per pass across ranks, the last partial batch
+    # kept (ranks' shares may differ by one sample; validate() sums correct and total across ranks).
     if not args.val:
         return None
-    raise SystemExit("--val needs prefetchd's validation stream (PrefetchClient(config, split='val')), "
-                     "which this version does not have; run without --val")
-    # -----------------------------------------------------------------------------------------------------
+    return PrefetchClient(args.config, split="val", device=device, timeout=args.timeout, normalize=True)
 
 
 # --- the loops ------------------------------------------------------------------------------------------

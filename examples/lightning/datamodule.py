@@ -17,8 +17,12 @@
 * Lightning keeps the loader's state in its checkpoints (as for a StatefulDataLoader): every
   rank's position, so ``ckpt_path=`` resumes each rank at its next batch, mid-epoch too.
 
-Validation needs prefetchd's validation stream (``PrefetchClient(config, split="val")``), which
-this version does not have: ``val_dataloader`` is not defined until it is.
+* With ``validation.enabled`` in the config, ``val_dataloader`` is the validation stream
+  (``PrefetchClient(config, split="val")``): each validation run is one pass, every sample once
+  across ranks, the last partial batch kept. Ranks' batch counts may differ by one (no padding),
+  so sum correct and total across ranks at the epoch's end (as ``train.py``'s ``Classifier``
+  does) rather than averaging per step with ``sync_dist``. Without it, ``val_dataloader`` is
+  empty and Lightning skips validation.
 """
 
 from __future__ import annotations
@@ -60,6 +64,22 @@ class PrefetchTrainLoader:
         self.client.load_state_dict(by_rank[self.client.rank])
 
 
+class PrefetchValLoader:
+    """The validation client as Lightning's val dataloader: one pass per ``iter()``, ``len()`` this
+    rank's val batches. Only those two: Lightning treats an object with a ``dataset`` as a
+    DataLoader (the client has one, sized, for scripts that read it), and a pass has no state
+    worth a checkpoint."""
+
+    def __init__(self, client: PrefetchClient):
+        self.client = client
+
+    def __iter__(self):
+        return iter(self.client)
+
+    def __len__(self) -> int:
+        return len(self.client)
+
+
 class PrefetchDataModule(L.LightningDataModule):
     def __init__(self, config: str, timeout: float = 120.0, normalize: bool = True):
         super().__init__()
@@ -67,6 +87,7 @@ class PrefetchDataModule(L.LightningDataModule):
         self.timeout = timeout
         self.normalize = normalize
         self.train: PrefetchClient | None = None
+        self.val: PrefetchClient | None = None
         self.final_state: dict | None = None  # the loader's position when teardown closed it
 
     def setup(self, stage: str) -> None:
@@ -77,10 +98,18 @@ class PrefetchDataModule(L.LightningDataModule):
         device = root if root is not None and root.type == "cuda" else None
         self.train = PrefetchClient(self.config, rank=rank, device=device, timeout=self.timeout,
                                     normalize=self.normalize)
+        if self.train.cfg.validation.enabled:
+            self.val = PrefetchClient(self.train.cfg, rank=rank, device=device, timeout=self.timeout,
+                                      normalize=self.normalize, split="val")
 
     def train_dataloader(self) -> PrefetchTrainLoader:
         assert self.train is not None, "setup() opens the loader"
         return PrefetchTrainLoader(self.train)
+
+    def val_dataloader(self) -> PrefetchValLoader | list:
+        """The validation stream, one pass per ``iter()``; empty without ``validation.enabled``."""
+        assert self.train is not None, "setup() opens the loader"
+        return PrefetchValLoader(self.val) if self.val is not None else []
 
     @property
     def num_classes(self) -> int:
@@ -92,3 +121,6 @@ class PrefetchDataModule(L.LightningDataModule):
             self.final_state = self.train.state_dict()
             self.train.close()
             self.train = None
+        if self.val is not None:
+            self.val.close()
+            self.val = None

@@ -7,7 +7,8 @@
 The data side is ``PrefetchDataModule`` (datamodule.py beside this file). ``--ckpt-path`` resumes
 every rank at its next batch (``--save-every-n-steps`` writes mid-epoch checkpoints); pass the
 same ``--seed`` to a straight and a resumed run and they train on the same batches to the same
-weights (tests/test_examples.py checks it with two ranks).
+weights (tests/test_examples.py checks it with two ranks). With ``validation:`` enabled in the
+config, Lightning validates after every epoch on the daemon's validation stream.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ class Classifier(L.LightningModule):
         acc = (logits.argmax(1) == target).float().mean()
         self.log_dict({"train_loss": loss, "train_acc": acc}, prog_bar=True)
         return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # correct, total
+
+    def validation_step(self, batch, batch_idx):
+        images, target = batch
+        logits = self.model(images.contiguous(memory_format=torch.channels_last))
+        self._val_sums[0] += (logits.argmax(1) == target).sum()
+        self._val_sums[1] += len(target)
+
+    def on_validation_epoch_end(self) -> None:
+        # ranks may hold different numbers of val batches (no padding): one sum at the end, not per step
+        correct, total = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
+        self.log("val_acc", correct / max(total, 1.0), rank_zero_only=True)
+        if self.trainer.is_global_zero and not self.trainer.sanity_checking:
+            print(f"validation: {int(total)} samples, acc {100 * correct / max(total, 1.0):.2f}", flush=True)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9, weight_decay=1e-4)

@@ -1,0 +1,175 @@
+"""The validation stream with the real daemon: two ranks, every val sample exactly once per pass
+with the train set's labels, nothing made before a trainer asks, identical passes, and a train
+stream that validation leaves byte for byte unchanged."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+from prefetchd_client import PrefetchClient
+from test_daemon import collect, reference_batches
+
+from prefetchd import status
+from prefetchd.config import ConfigError
+from prefetchd.config import load as load_config
+from prefetchd.dataset import load_index, val_labels
+from prefetchd.sampler import ValSampler
+from prefetchd.samples import make_image_folder
+from prefetchd.worker import BatchMaker, WorkerSetup
+
+
+@pytest.fixture(scope="module")
+def val_root(tmp_path_factory) -> str:
+    """17 val images in 3 of the train set's 4 class folders (n00000000 absent: the val set's own
+    sorted mapping would differ from the train set's), so ranks get 9 and 8 samples."""
+    root = str(tmp_path_factory.mktemp("valfolder"))
+    make_image_folder(root, classes=4, per_class=6, seed=11, long_side=120)
+    shutil.rmtree(os.path.join(root, "n00000000"))
+    os.unlink(os.path.join(root, "n00000003", "img_00005.JPEG"))
+    return root
+
+
+def val_files(buffer_dir: str) -> list[str]:
+    return sorted(n for n in os.listdir(buffer_dir) if n.startswith("v") and n.endswith(".batch"))
+
+
+def read_pass(c: PrefetchClient) -> list:
+    out = []
+    for x, y in c:
+        out.append((np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy(), c.last_batch.indices.copy()))
+    return out
+
+
+def val_reference(cfg_path: str, rank: int) -> list:
+    """The rank's val batches made in-process (eval augmentation, train labels)."""
+    cfg = load_config(cfg_path)
+    train, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    val, _ = load_index(cfg.validation.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    val = val_labels(val, train)
+    from dataclasses import replace
+
+    vcfg = replace(cfg, augment=cfg.val_augment(), loader=replace(cfg.loader, batch_size=cfg.validation.batch_size))
+    maker = BatchMaker(WorkerSetup(vcfg, None, val, 0, cfg.buffer.dir))
+    s = ValSampler(len(val), cfg.validation.batch_size, cfg.loader.world_size)
+    out = []
+    for b in range(s.batches(rank)):
+        images, used, labels, _, _ = maker.fill(0, s.batch_indices(rank, b))
+        out.append((images.copy(), labels.copy(), used.copy()))
+    return out
+
+
+def test_validation_stream_two_ranks(tmp_path, image_root, val_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    # train is served at once; no val batch is made while no trainer iterates a val pass
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and all(
+        r["ahead"] >= 3 for r in s["ranks"].values()), 60, "both train windows filled")
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:
+        assert val_files(buf) == [], "a val batch was made before any client asked"
+        time.sleep(0.05)
+    s = status.read_json(buf, status.STATUS_NAME)
+    assert set(s["val_ranks"]) == {"0", "1"} and not any(v["active"] for v in s["val_ranks"].values())
+    assert "rank 1 validation: idle (next pass 0)" in status.format_status(s, True)
+
+    train_index, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
+    val_index, _ = load_index(val_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
+    seen = []
+    passes = {}
+    for rank in (0, 1):
+        with PrefetchClient(cfg, rank=rank, split="val", as_numpy=True, timeout=60) as c:
+            assert c.batch_size == 4 and not c.drop_last
+            # what pytorch/examples' validate() reads: no sample left out by a DistributedSampler-like pad
+            assert len(c.dataset) == 17 and len(c.sampler) == 9 and not len(c.sampler) * 2 < len(c.dataset)
+            assert len(c) == (3 if rank == 0 else 2)  # 9 and 8 samples: batch counts differ by one
+            p0, p1 = read_pass(c), read_pass(c)
+            assert c.epoch == 2  # the pass counter
+        assert [len(y) for _, y, _ in p0] == ([4, 4, 1] if rank == 0 else [4, 4])  # last partial kept
+        for (x0, y0, i0), (x1, y1, i1) in zip(p0, p1, strict=True):  # two passes, identical bytes
+            assert np.array_equal(x0, x1) and np.array_equal(y0, y1) and np.array_equal(i0, i1)
+        ref = val_reference(cfg, rank)
+        for (x, y, i), (rx, ry, ri) in zip(p0, ref, strict=True):
+            assert np.array_equal(x, rx) and np.array_equal(y, ry) and np.array_equal(i, ri)
+        for _, y, idx in p0:
+            for label, i in zip(y.tolist(), idx.tolist(), strict=True):
+                folder = os.path.basename(os.path.dirname(val_index.path(i)))
+                assert label == train_index.classes.index(folder)  # the TRAIN set's mapping
+            seen += idx.tolist()
+        passes[rank] = p0
+    assert sorted(seen) == list(range(17))  # every val sample exactly once across the ranks
+    # what the finished passes left is deleted, and nothing is made for the next pass
+    wait_until(lambda: val_files(buf) == [], 20, "the finished passes' val batches deleted")
+
+    # a pass abandoned early (break) is over: its batches go, the next `for` is a new pass
+    with PrefetchClient(cfg, rank=0, split="val", as_numpy=True, timeout=60) as c:
+        for _ in c:
+            break
+        assert c.epoch == 1
+        wait_until(lambda: val_files(buf) == [], 20, "the abandoned pass's val batches deleted")
+        again = read_pass(c)
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(again, passes[0], strict=True))
+
+    # a train reader never takes a val file, nor the reverse: names, lanes and fingerprints differ
+    with PrefetchClient(cfg, rank=0, split="val", as_numpy=True, timeout=60) as c:
+        assert c._fingerprint() != c.meta()["fingerprint"]
+        assert os.path.basename(c._path(0, 0)).startswith("v0000-")
+
+    # the train stream is byte for byte what it is without validation
+    got = {}
+    for rank in (0, 1):
+        got.update(collect(cfg, rank=rank))
+    ref, _ = reference_batches(cfg)
+    assert sorted(got) == sorted(ref)
+    for key, (images, labels) in got.items():
+        assert np.array_equal(images, ref[key][0]) and np.array_equal(labels, ref[key][1]), key
+    assert d.stop() == 0
+
+
+def test_split_val_needs_validation_enabled(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root)
+    with pytest.raises(ConfigError, match="validation.enabled"):
+        PrefetchClient(cfg, split="val")
+    with pytest.raises(ValueError, match="split"):
+        PrefetchClient(cfg, split="test")
+
+
+def test_val_class_missing_from_train_is_a_clear_error(tmp_path, image_root, val_root):
+    train, _ = load_index(image_root, None, (".jpeg",), None)
+    val, _ = load_index(val_root, None, (".jpeg",), None)
+    assert val_labels(val, train).classes == train.classes
+    odd = str(tmp_path / "odd")
+    shutil.copytree(val_root, odd)
+    os.rename(os.path.join(odd, "n00000001"), os.path.join(odd, "cats"))
+    bad, _ = load_index(odd, None, (".jpeg",), None)
+    with pytest.raises(ValueError, match=r"\['cats'\] are not in the train set"):
+        val_labels(bad, train)
+
+
+@pytest.mark.parametrize("cmd", ["check", "run"])
+def test_val_class_folder_missing_from_train_exits_78_with_one_line(tmp_path, image_root, val_root, cmd):
+    odd = str(tmp_path / "odd")
+    shutil.copytree(val_root, odd)
+    os.rename(os.path.join(odd, "n00000001"), os.path.join(odd, "cats"))
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": odd})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", cmd, "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 78 and "['cats'] are not in the train set's classes" in lines[-1], r.stderr
+
+
+def test_cli_check_summarises_the_validation_stream(tmp_path, image_root, val_root):
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                       validation={"enabled": True, "root": val_root, "batch_size": 4})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "validation: 17 samples; [3, 2] batches of up to 4 per pass for ranks [0, 1]; eval resize 74" in r.stdout
