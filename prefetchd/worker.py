@@ -30,8 +30,8 @@ import numpy as np
 from . import augment, batchfile, hybrid
 from .config import Config
 from .dataset import Index, open_index_files
-from .status import FILE_MODE
 from .progress import VAL_LANE
+from .status import FILE_MODE
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
