@@ -21,6 +21,7 @@ decoder is made).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from prefetchd import jpegbatch
+
+_log = logging.getLogger(__name__)
 
 GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see README, Hybrid decode)"
 _GREY = (9798, 19235, 3735)  # BT.601 in 15-bit fixed point: OpenCV RGB2GRAY on uint8, bit for bit
@@ -39,7 +42,8 @@ class DecodeUnavailable(RuntimeError):
 
 
 class DecodeError(RuntimeError):
-    """A JPEG of a compact batch could not be decoded on the device."""
+    """A JPEG of a compact batch could not be decoded on the device (the stage then decodes it
+    on the CPU, and failing that puts a stand-in in its place: it never ends the iteration)."""
 
 
 Decoder = Callable[[Sequence[np.ndarray]], Sequence["torch.Tensor | None"]]
@@ -86,12 +90,18 @@ class DecodeStage:
         self.device = torch.device(device)
         self.decoder = decoder if decoder is not None else NvImageCodecDecoder(self.device)
 
-    def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None,
+                 replaced: np.ndarray | None = None, transfer=None) -> torch.Tensor:
         """The batch's images, uint8 ``[n, 3, H, W]`` with channels-last strides, on the device.
 
         ``source``, if given, is a uint8 tensor over the same memory ``b`` was parsed from (e.g.
         the client's pinned buffer): PIXELS payloads are copied from views of it, asynchronously
-        when it is pinned."""
+        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given.
+
+        A JPEG the decoder fails on (None, or the wrong shape) is decoded on the CPU (simplejpeg)
+        instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when given) is set
+        to its dataset index. Either way one warning names the sample: a corrupt image never ends
+        training."""
         n, hh, ww = len(b), b.height, b.width
         out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
         kinds = b.params["kind"]
@@ -103,13 +113,16 @@ class DecodeStage:
                 with warnings.catch_warnings():  # a read-only buffer: torch only reads it here
                     warnings.simplefilter("ignore", UserWarning)
                     src = torch.from_numpy(b.payload(k))
-            out[k].copy_(src, non_blocking=True)
+            if transfer is not None:
+                transfer.copy_(out[k], src)
+            else:
+                out[k].copy_(src, non_blocking=True)
         jk = np.flatnonzero(kinds == jpegbatch.KIND_JPEG)
         if len(jk):
             decoded = self.decoder([b.payload(k) for k in jk])
             crops = torch.empty((len(jk), 3, hh, ww), dtype=torch.uint8, device=self.device)
             for j, k in enumerate(jk):
-                crops[j] = _crop_resample(decoded[j], b.params[k], int(b.indices[k]), hh, ww, b.interpolation)
+                crops[j] = self._crop_one(decoded[j], b, int(k), replaced)
             p = b.params[jk]
             crops = apply_jitter(crops, p["n_ops"], p["ops"], p["factors"])
             if b.lighting:
@@ -118,6 +131,32 @@ class DecodeStage:
             crops = torch.where(flip[:, None, None, None], crops.flip(-1), crops)
             out[torch.from_numpy(jk).to(self.device)] = crops.permute(0, 2, 3, 1)
         return out.permute(0, 3, 1, 2)
+
+    def _crop_one(self, img, b: jpegbatch.JpegBatch, k: int, replaced: np.ndarray | None) -> torch.Tensor:
+        p, index, hh, ww = b.params[k], int(b.indices[k]), b.height, b.width
+        try:
+            return _crop_resample(img, p, index, hh, ww, b.interpolation)
+        except DecodeError as e:
+            first = e
+        try:
+            img = _cpu_decode(b.payload(k), self.device)
+            x = _crop_resample(img, p, index, hh, ww, b.interpolation)
+            _log.warning("%s; decoded it on the CPU instead", first)
+            return x
+        except Exception as e:  # a corrupt image must not stop training: zeros stand in for it
+            _log.warning("%s; the CPU decode failed too (%s): zeros stand in for it (replaced)", first, e)
+        if replaced is not None:
+            replaced[k] = index
+        return torch.zeros((3, hh, ww), dtype=torch.uint8, device=self.device)
+
+
+def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
+    """The fallback for one file: RGB as stored (no EXIF orientation), as the GPU decoder gives it."""
+    import simplejpeg  # a core dependency of prefetchd; only needed here, on a failure
+
+    arr = simplejpeg.decode_jpeg(bytes(jpeg), colorspace="RGB")
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    return t if torch.device(device).type == "cpu" else t.to(device)
 
 
 # --- geometry ---------------------------------------------------------------------------------------
