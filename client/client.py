@@ -523,9 +523,12 @@ class PrefetchClient:
                 if echo and b + 1 < n:
                     # data echoing (opt-in): rather than wait, serve this batch again, up to the factor
                     k = 0
-                    # ("not ready": the reader has not opened b + 1's file, so it is not parsing,
-                    # copying or decoding it; the file's absence alone says nothing once it has)
-                    while k < self.echo_factor - 1 and not reader.in_hand(b + 1):
+                    # "not ready": b + 1's file is not there and the reader does not hold it (it
+                    # may be parsing, copying or decoding it: the daemon deletes a file once it is
+                    # read). Asked in this order: the reader notes a file as opened before the
+                    # daemon can delete it, so a file gone by the first check is seen by the second
+                    while (k < self.echo_factor - 1 and not os.path.exists(self._path(epoch, b + 1))
+                           and not reader.in_hand(b + 1)):
                         k += 1
                         self.echoed += 1
                         self.last_batch = replace(self.last_batch, echo=k)
