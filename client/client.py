@@ -306,7 +306,9 @@ class PrefetchClient:
       ``pin_memory=True`` without a device yields pinned CPU tensors (when CUDA is present).
     * every wait has ``timeout`` seconds; a timeout raises :class:`PrefetchTimeout` saying what it
       waited for and whether the daemon is alive.
-    * ``close()`` (or ``with``) stops the reader and frees pinned memory; so does garbage collection.
+    * ``close()`` (or ``with``) stops the reader and returns the pinned buffers (once their copies
+      are done) to torch's caching host allocator, which keeps them for reuse; so does garbage
+      collection.
     * ``transfer``: how pinned memory and device copies are made (default :class:`CudaTransfer`);
       tests on machines without a GPU pass a stand-in with the same methods.
     * ``decoder``: with ``augment.decode: hybrid | gpu``, what decodes the JPEGs of compact
