@@ -766,13 +766,14 @@ class PrefetchClient:
             return (images, labels, None)
         # on the side stream, pinned or not: the trainer waits on the event recorded after it all
         try:
-            gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
             if host is not None:  # the labels section, viewed in the pinned buffer b was parsed from
                 lo = b.labels.ctypes.data - b.buffer.ctypes.data
                 labels = host[lo: lo + 8 * len(b)].view(torch.int64)
             else:
                 labels = torch.from_numpy(b.labels.copy())
+            # copied before the decode is queued: a pageable copy waits for the stream's earlier work
             gl = self._transfer.to_device(labels, self.device)
+            gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
             if self.normalize:
                 gi = _normalize_torch(gi, self.dtype)
             ev = self._transfer.record(self._stream)

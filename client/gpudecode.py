@@ -127,9 +127,9 @@ class DecodeStage:
             crops = apply_jitter(crops, p["n_ops"], p["ops"], p["factors"])
             if b.lighting:
                 crops = apply_lighting(crops, p["lighting"])
-            flip = torch.from_numpy(p["flip"].astype(bool)).to(self.device)
+            flip = _to_device(p["flip"].astype(bool), self.device)
             crops = torch.where(flip[:, None, None, None], crops.flip(-1), crops)
-            out[torch.from_numpy(jk).to(self.device)] = crops.permute(0, 2, 3, 1)
+            out[_to_device(jk, self.device)] = crops.permute(0, 2, 3, 1)
         return out.permute(0, 3, 1, 2)
 
     def _crop_one(self, img, b: jpegbatch.JpegBatch, k: int, replaced: np.ndarray | None) -> torch.Tensor:
@@ -154,9 +154,20 @@ def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
     """The fallback for one file: RGB as stored (no EXIF orientation), as the GPU decoder gives it."""
     import simplejpeg  # a core dependency of prefetchd; only needed here, on a failure
 
-    arr = simplejpeg.decode_jpeg(bytes(jpeg), colorspace="RGB")
+    return _to_device(simplejpeg.decode_jpeg(bytes(jpeg), colorspace="RGB"), device)
+
+
+def _to_device(arr: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without blocking the host on the stream's earlier work (a
+    pageable copy would wait for the decode queued before it): staged in a fresh pinned block,
+    which torch's caching host allocator hands out again only once this copy is done, and copied
+    with non_blocking. On the CPU: the array itself, as a tensor."""
     t = torch.from_numpy(np.ascontiguousarray(arr))
-    return t if torch.device(device).type == "cpu" else t.to(device)
+    if torch.device(device).type != "cuda":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
 
 
 # --- geometry ---------------------------------------------------------------------------------------
@@ -294,8 +305,8 @@ def apply_jitter(x: torch.Tensor, n_ops: np.ndarray, ops: np.ndarray, factors: n
     ramp = torch.arange(256, dtype=torch.float64, device=dev)[None, :]
     for j in range(int(n_ops.max())):
         op = np.where(j < n_ops, ops[:, j], jpegbatch.OP_NONE)
-        f = torch.from_numpy(np.ascontiguousarray(factors[:, j], dtype=np.float64)).to(dev)[:, None]
-        op_t = torch.from_numpy(op.astype(np.int64)).to(dev)
+        f = _to_device(np.ascontiguousarray(factors[:, j], dtype=np.float64), dev)[:, None]
+        op_t = _to_device(op.astype(np.int64), dev)
         gr = grey(x)
         mean = gr.to(torch.float64).mean(dim=(1, 2))[:, None]
         contrast = (op_t == 1)[:, None]
@@ -313,6 +324,6 @@ def apply_lighting(x: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     dev = x.device
     m = x.shape[0]
     ramp = torch.arange(256, dtype=torch.float64, device=dev)
-    off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float64)).to(dev)  # [m, 3]
+    off = _to_device(np.ascontiguousarray(offsets, dtype=np.float64), dev)  # [m, 3]
     table = (ramp[None, None, :] + off[:, :, None]).reshape(m * 3, 256)
     return _lut(x.reshape(m * 3, *x.shape[2:]), table).reshape(x.shape)
