@@ -64,7 +64,9 @@ class BatchInfo:
     epoch: int
     batch: int
     indices: np.ndarray  # dataset indices of the samples
-    replaced: np.ndarray  # per sample: the index a quarantined sample stood in for, else -1
+    # per sample: the index a quarantined sample stood in for, else -1; its own index where the
+    # client could decode it neither on the GPU nor on the CPU and zeros stand in (hybrid decode)
+    replaced: np.ndarray
     echo: int = 0  # 0: first service; k: the k-th repeat
 
 
