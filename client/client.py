@@ -64,7 +64,9 @@ class BatchInfo:
     epoch: int
     batch: int
     indices: np.ndarray  # dataset indices of the samples
-    replaced: np.ndarray  # per sample: the index a quarantined sample stood in for, else -1
+    # per sample: the index a quarantined sample stood in for, else -1; its own index where the
+    # client could decode it neither on the GPU nor on the CPU and zeros stand in (hybrid decode)
+    replaced: np.ndarray
     echo: int = 0  # 0: first service; k: the k-th repeat
 
 
@@ -95,7 +97,8 @@ class CudaTransfer:
       trainer's thread at first use, so ``torch.cuda.set_device`` after construction counts).
     * ``empty(nbytes)``: a fresh uint8 pinned host tensor.
     * ``stream(device)``: a side stream; ``context(device, stream)``: make it current (reader thread).
-    * ``to_device(tensor, device)``: queue a copy on the current stream; ``record(stream)``: an
+    * ``to_device(tensor, device)``: queue a copy on the current stream; ``copy_(dst, src)``: queue
+      a copy into an existing tensor (the decode stage's PIXELS rows); ``record(stream)``: an
       event (``query()``, ``synchronize()``) after everything queued so far.
     * ``wait(event, device, tensors)``: in the trainer's thread, make its current stream wait for
       the event and mark the tensors as used there.
@@ -121,6 +124,9 @@ class CudaTransfer:
 
     def to_device(self, tensor, device):
         return tensor.to(device, non_blocking=True)
+
+    def copy_(self, dst, src):
+        return dst.copy_(src, non_blocking=True)
 
     def record(self, stream):
         ev = torch.cuda.Event()
@@ -204,6 +210,7 @@ class _ReadAhead:
     def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
         self.epoch = epoch
         self.stop = threading.Event()
+        self.opened = start - 1  # the last batch whose file the reader has opened (it is in hand)
         self._q: queue.Queue = queue.Queue(depth)
         self._thread = threading.Thread(target=self._run, args=(client, epoch, start, n),
                                         name=f"prefetchd-reader-r{client.rank}-e{epoch}", daemon=True)
@@ -213,7 +220,7 @@ class _ReadAhead:
         try:
             with client._reader_context():
                 for b in range(start, n):
-                    item = client._load(epoch, b, self.stop)
+                    item = client._load(epoch, b, self.stop, self._opened)
                     if not self._put(("ok", item)):
                         return
         except _Stopped:
@@ -230,8 +237,16 @@ class _ReadAhead:
                 continue
         return False
 
+    def _opened(self, batch: int) -> None:
+        self.opened = batch
+
     def ready(self) -> bool:
         return not self._q.empty()
+
+    def in_hand(self, batch: int) -> bool:
+        """Whether ``batch`` is delivered or on its way: the reader has opened its file (the
+        daemon may delete the file from then on) or an item (or error) is waiting."""
+        return self.opened >= batch or not self._q.empty()
 
     def get(self, timeout: float, waiting_for: str):
         """The next item, waiting at most ``timeout`` (the reader bounds its own waits by the
@@ -298,7 +313,9 @@ class PrefetchClient:
       is ``epoch``), ``len()`` is this rank's val batches, the last batch may be partial. Ranks'
       shares may differ by one sample and their batch counts by one (no padding): sum correct and
       total across ranks. The daemon makes a pass only while it is iterated.
-    * ``close()`` (or ``with``) stops the reader and frees pinned memory; so does garbage collection.
+    * ``close()`` (or ``with``) stops the reader and returns the pinned buffers (once their copies
+      are done) to torch's caching host allocator, which keeps them for reuse; so does garbage
+      collection.
     * ``transfer``: how pinned memory and device copies are made (default :class:`CudaTransfer`);
       tests on machines without a GPU pass a stand-in with the same methods.
     * ``decoder``: with ``augment.decode: hybrid | gpu``, what decodes the JPEGs of compact
@@ -333,7 +350,8 @@ class PrefetchClient:
         self.verify = verify
         self.prefetch = self.cfg.client.prefetch if prefetch is None else int(prefetch)
         if not 1 <= self.prefetch <= 64:
-            raise ValueError(f"prefetch must be between 1 and 64 batches, got {prefetch}")
+            raise ValueError(f"prefetch must be between 1 and 64 batches, got {self.prefetch}"
+                             + (" (client.prefetch of the config)" if prefetch is None else ""))
         self.normalize = bool(normalize)
         if dtype is not None and not self.normalize:
             raise ValueError("dtype= is the dtype of normalized images; pass normalize=True with it")
@@ -556,8 +574,12 @@ class PrefetchClient:
                 if echo and b + 1 < n:
                     # data echoing (opt-in): rather than wait, serve this batch again, up to the factor
                     k = 0
-                    while (k < self.echo_factor - 1 and not reader.ready()
-                           and not os.path.exists(self._path(epoch, b + 1))):
+                    # "not ready": b + 1's file is not there and the reader does not hold it (it
+                    # may be parsing, copying or decoding it: the daemon deletes a file once it is
+                    # read). Asked in this order: the reader notes a file as opened before the
+                    # daemon can delete it, so a file gone by the first check is seen by the second
+                    while (k < self.echo_factor - 1 and not os.path.exists(self._path(epoch, b + 1))
+                           and not reader.in_hand(b + 1)):
                         k += 1
                         self.echoed += 1
                         self.last_batch = replace(self.last_batch, echo=k)
@@ -702,9 +724,11 @@ class PrefetchClient:
         arr = np.empty(size, dtype=np.uint8)
         return None, arr
 
-    def _load(self, epoch: int, batch: int, stop: threading.Event):
+    def _load(self, epoch: int, batch: int, stop: threading.Event, opened=None):
         path = self._path(epoch, batch)
         fd = self._open_when_ready(epoch, batch, stop)
+        if opened is not None:
+            opened(batch)
         try:
             st = os.fstat(fd)
             head = os.pread(fd, batchfile.HEADER_SIZE, 0)
@@ -736,24 +760,26 @@ class PrefetchClient:
             if (b.rank, b.epoch, b.batch, b.fingerprint) != (self._lane, epoch, batch, fp):
                 raise PrefetchError(f"{path} holds lane {b.rank} epoch {b.epoch} batch {b.batch} of "
                                     f"stream {b.fingerprint:016x}, not the expected one of {fp:016x} (stale batch)")
+            self.batches_read += 1
+            self.bytes_read += size
+            # the file is in this process's memory now: the daemon may delete it and make the next
+            # (a stop landing here raises _Stopped: the buffer goes back to the pool all the same)
+            self._write_progress(epoch, batch + 1, reader=stop)
         except BaseException:
             self._give_back(host, None)
             raise
-        self.batches_read += 1
-        self.bytes_read += size
-        # the file is in this process's memory now: the daemon may delete it and make the next
-        self._write_progress(epoch, batch + 1, reader=stop)
         info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
-        return self._convert(b, host) + (info,)
+        return self._convert(b, host, info.replaced) + (info,)
 
     def _give_back(self, host, event) -> None:
         if host is not None and self._copy and self.pin_memory:
             self._pool.release(host, event)
 
-    def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host) -> tuple:
-        """(images, labels, event or None) as the trainer gets them."""
+    def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
+        """(images, labels, event or None) as the trainer gets them; ``replaced`` (the batch's, a
+        copy) is marked where the decode stage had to put a stand-in in place of a sample."""
         if isinstance(b, jpegbatch.JpegBatch):
-            return self._convert_compact(b, host)
+            return self._convert_compact(b, host, replaced)
         if self.as_numpy:
             images = b.images.transpose(0, 3, 1, 2)
             if self.normalize:
@@ -771,11 +797,9 @@ class PrefetchClient:
             if self.normalize:
                 images = _normalize_torch(images, self.dtype)
             return (images, labels, None)
-        if host is None:  # pageable memory: the copy is synchronous, nothing to wait for
-            images, labels = images.to(self.device), labels.to(self.device)
-            if self.normalize:
-                images = _normalize_torch(images, self.dtype)
-            return (images, labels, None)
+        # pinned or pageable (host is None), the copies and the normalize run on the side stream:
+        # the trainer's stream waits on the event recorded after them and marks the outputs as
+        # used there (record_stream), else it could read them early and the allocator reuse them
         try:
             gi = self._transfer.to_device(images, self.device)
             gl = self._transfer.to_device(labels, self.device)
@@ -788,26 +812,30 @@ class PrefetchClient:
         self._give_back(host, ev)  # reused only once ev (after both copies) has completed
         return (gi, gl, ev)
 
-    def _convert_compact(self, b: jpegbatch.JpegBatch, host) -> tuple:
+    def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
         """A compact batch decoded by the stage: in the reader thread, on the side stream when
         copying to a CUDA device (the trainer's stream waits on the event recorded after it)."""
         if self.as_numpy:
-            images = self._stage(b).numpy()  # [N, C, H, W] view of a channels-last array
+            images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
             if self.normalize:
                 images = _normalize_numpy(images, dtype=self.dtype)
             return (images, b.labels.copy(), None)
-        if not self._copy or host is None or not self.pin_memory:
-            images = self._stage(b, source=host)
+        if not self._copy:
+            images = self._stage(b, source=host, replaced=replaced)
             labels = torch.from_numpy(b.labels.copy())
-            if self._copy:
-                labels = labels.to(self.device)
             if self.normalize:
                 images = _normalize_torch(images, self.dtype)
             return (images, labels, None)
+        # on the side stream, pinned or not: the trainer waits on the event recorded after it all
         try:
-            gi = self._stage(b, source=host)
-            lo = jpegbatch.HEADER_SIZE + 8 * len(b)  # the labels section (jpegbatch's layout)
-            gl = self._transfer.to_device(host[lo: lo + 8 * len(b)].view(torch.int64), self.device)
+            if host is not None:  # the labels section, viewed in the pinned buffer b was parsed from
+                lo = b.labels.ctypes.data - b.buffer.ctypes.data
+                labels = host[lo: lo + 8 * len(b)].view(torch.int64)
+            else:
+                labels = torch.from_numpy(b.labels.copy())
+            # copied before the decode is queued: a pageable copy waits for the stream's earlier work
+            gl = self._transfer.to_device(labels, self.device)
+            gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
             if self.normalize:
                 gi = _normalize_torch(gi, self.dtype)
             ev = self._transfer.record(self._stream)

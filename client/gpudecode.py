@@ -21,6 +21,7 @@ decoder is made).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from prefetchd import jpegbatch
+
+_log = logging.getLogger(__name__)
 
 GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see README, Hybrid decode)"
 _GREY = (9798, 19235, 3735)  # BT.601 in 15-bit fixed point: OpenCV RGB2GRAY on uint8, bit for bit
@@ -39,7 +42,8 @@ class DecodeUnavailable(RuntimeError):
 
 
 class DecodeError(RuntimeError):
-    """A JPEG of a compact batch could not be decoded on the device."""
+    """A JPEG of a compact batch could not be decoded on the device (the stage then decodes it
+    on the CPU, and failing that puts a stand-in in its place: it never ends the iteration)."""
 
 
 Decoder = Callable[[Sequence[np.ndarray]], Sequence["torch.Tensor | None"]]
@@ -86,12 +90,18 @@ class DecodeStage:
         self.device = torch.device(device)
         self.decoder = decoder if decoder is not None else NvImageCodecDecoder(self.device)
 
-    def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None,
+                 replaced: np.ndarray | None = None, transfer=None) -> torch.Tensor:
         """The batch's images, uint8 ``[n, 3, H, W]`` with channels-last strides, on the device.
 
         ``source``, if given, is a uint8 tensor over the same memory ``b`` was parsed from (e.g.
         the client's pinned buffer): PIXELS payloads are copied from views of it, asynchronously
-        when it is pinned."""
+        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given.
+
+        A JPEG the decoder fails on (None, or the wrong shape) is decoded on the CPU (simplejpeg)
+        instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when given) is set
+        to its dataset index. Either way one warning names the sample: a corrupt image never ends
+        training."""
         n, hh, ww = len(b), b.height, b.width
         out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
         kinds = b.params["kind"]
@@ -103,21 +113,61 @@ class DecodeStage:
                 with warnings.catch_warnings():  # a read-only buffer: torch only reads it here
                     warnings.simplefilter("ignore", UserWarning)
                     src = torch.from_numpy(b.payload(k))
-            out[k].copy_(src, non_blocking=True)
+            if transfer is not None:
+                transfer.copy_(out[k], src)
+            else:
+                out[k].copy_(src, non_blocking=True)
         jk = np.flatnonzero(kinds == jpegbatch.KIND_JPEG)
         if len(jk):
             decoded = self.decoder([b.payload(k) for k in jk])
             crops = torch.empty((len(jk), 3, hh, ww), dtype=torch.uint8, device=self.device)
             for j, k in enumerate(jk):
-                crops[j] = _crop_resample(decoded[j], b.params[k], int(b.indices[k]), hh, ww, b.interpolation)
+                crops[j] = self._crop_one(decoded[j], b, int(k), replaced)
             p = b.params[jk]
             crops = apply_jitter(crops, p["n_ops"], p["ops"], p["factors"])
             if b.lighting:
                 crops = apply_lighting(crops, p["lighting"])
-            flip = torch.from_numpy(p["flip"].astype(bool)).to(self.device)
+            flip = _to_device(p["flip"].astype(bool), self.device)
             crops = torch.where(flip[:, None, None, None], crops.flip(-1), crops)
-            out[torch.from_numpy(jk).to(self.device)] = crops.permute(0, 2, 3, 1)
+            out[_to_device(jk, self.device)] = crops.permute(0, 2, 3, 1)
         return out.permute(0, 3, 1, 2)
+
+    def _crop_one(self, img, b: jpegbatch.JpegBatch, k: int, replaced: np.ndarray | None) -> torch.Tensor:
+        p, index, hh, ww = b.params[k], int(b.indices[k]), b.height, b.width
+        try:
+            return _crop_resample(img, p, index, hh, ww, b.interpolation)
+        except DecodeError as e:
+            first = e
+        try:
+            img = _cpu_decode(b.payload(k), self.device)
+            x = _crop_resample(img, p, index, hh, ww, b.interpolation)
+            _log.warning("%s; decoded it on the CPU instead", first)
+            return x
+        except Exception as e:  # a corrupt image must not stop training: zeros stand in for it
+            _log.warning("%s; the CPU decode failed too (%s): zeros stand in for it (replaced)", first, e)
+        if replaced is not None:
+            replaced[k] = index
+        return torch.zeros((3, hh, ww), dtype=torch.uint8, device=self.device)
+
+
+def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
+    """The fallback for one file: RGB as stored (no EXIF orientation), as the GPU decoder gives it."""
+    import simplejpeg  # a core dependency of prefetchd; only needed here, on a failure
+
+    return _to_device(simplejpeg.decode_jpeg(bytes(jpeg), colorspace="RGB"), device)
+
+
+def _to_device(arr: np.ndarray, device) -> torch.Tensor:
+    """A host array on ``device`` without blocking the host on the stream's earlier work (a
+    pageable copy would wait for the decode queued before it): staged in a fresh pinned block,
+    which torch's caching host allocator hands out again only once this copy is done, and copied
+    with non_blocking. On the CPU: the array itself, as a tensor."""
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if torch.device(device).type != "cuda":
+        return t
+    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    pinned.copy_(t)
+    return pinned.to(device, non_blocking=True)
 
 
 # --- geometry ---------------------------------------------------------------------------------------
@@ -255,8 +305,8 @@ def apply_jitter(x: torch.Tensor, n_ops: np.ndarray, ops: np.ndarray, factors: n
     ramp = torch.arange(256, dtype=torch.float64, device=dev)[None, :]
     for j in range(int(n_ops.max())):
         op = np.where(j < n_ops, ops[:, j], jpegbatch.OP_NONE)
-        f = torch.from_numpy(np.ascontiguousarray(factors[:, j], dtype=np.float64)).to(dev)[:, None]
-        op_t = torch.from_numpy(op.astype(np.int64)).to(dev)
+        f = _to_device(np.ascontiguousarray(factors[:, j], dtype=np.float64), dev)[:, None]
+        op_t = _to_device(op.astype(np.int64), dev)
         gr = grey(x)
         mean = gr.to(torch.float64).mean(dim=(1, 2))[:, None]
         contrast = (op_t == 1)[:, None]
@@ -274,6 +324,6 @@ def apply_lighting(x: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
     dev = x.device
     m = x.shape[0]
     ramp = torch.arange(256, dtype=torch.float64, device=dev)
-    off = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float64)).to(dev)  # [m, 3]
+    off = _to_device(np.ascontiguousarray(offsets, dtype=np.float64), dev)  # [m, 3]
     table = (ramp[None, None, :] + off[:, :, None]).reshape(m * 3, 256)
     return _lut(x.reshape(m * 3, *x.shape[2:]), table).reshape(x.shape)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import small_config
-from prefetchd_client import PrefetchClient
+from prefetchd_client import PrefetchClient, PrefetchError, _normalize_numpy
 from test_daemon import reference_batches
 
 
@@ -49,6 +49,7 @@ class DeferredCopies:
         self.rng = random.Random(seed)
         self.blocks = 0
         self.waits = 0
+        self.waited: list = []  # the tensors each wait marked as used on the trainer's stream
         self.lock = threading.RLock()  # the reader queues and the trainer waits: a stream is thread-safe
 
     def available(self) -> bool:
@@ -73,6 +74,11 @@ class DeferredCopies:
             self.queued.append((dst, tensor))  # reads the source when it runs, not now
         return dst
 
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            self.queued.append((dst, src))
+        return dst
+
     def record(self, stream) -> _Event:
         with self.lock:
             return _Event(self, len(self.queued))
@@ -87,6 +93,7 @@ class DeferredCopies:
 
     def wait(self, event: _Event, device, tensors) -> None:
         self.waits += 1
+        self.waited.append(tuple(tensors))
         event.synchronize()  # the trainer's stream runs after the copy: the latest it can happen
 
 
@@ -143,4 +150,69 @@ def test_numpy_arrays_and_cpu_tensors_kept_by_the_trainer_stay_as_yielded(tmp_pa
     for b, x, y in kept:
         x = x.transpose(0, 2, 3, 1) if as_numpy else x.permute(0, 2, 3, 1).numpy()
         assert np.array_equal(x, ref[(0, 0, b)][0]) and np.array_equal(np.asarray(y), ref[(0, 0, b)][1])
+    assert d.stop() == 0
+
+
+class EagerCopies(DeferredCopies):
+    """Copies run as they are queued (the data is there for work queued after them on the "side
+    stream", such as normalize, which the stand-in cannot defer); events and waits as above."""
+
+    def to_device(self, tensor: torch.Tensor, device) -> torch.Tensor:
+        dst = super().to_device(tensor, device)
+        self.run(len(self.queued))
+        return dst
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_pageable_device_batches_are_waited_for_like_pinned_ones(tmp_path, image_root, daemon_factory, normalize):
+    # pin_memory=False with a device: the copy (and normalize) still run on the side stream, so
+    # the trainer's stream must wait on an event and mark every output (record_stream)
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 1})
+    d = daemon_factory(cfg)
+    ref, _ = reference_batches(cfg, epochs=1)
+    copies = EagerCopies() if normalize else DeferredCopies(seed=3)
+    kept = []
+    with PrefetchClient(cfg, device="cpu", transfer=copies, pin_memory=False, normalize=normalize,
+                        prefetch=2, timeout=60) as c:
+        assert not c.pin_memory
+        for b, (x, y) in enumerate(c):
+            assert copies.waited and copies.waited[-1][0] is x and copies.waited[-1][1] is y
+            kept.append((b, x, y))
+    assert copies.waits == 8 and copies.blocks == 0  # no pinned buffer was made
+    for b, x, y in kept:
+        want = ref[(0, 0, b)][0].transpose(0, 3, 1, 2)
+        if normalize:
+            assert x.dtype == torch.float32 and np.allclose(x.numpy(), _normalize_numpy(want), atol=1e-5)
+        else:
+            assert np.array_equal(x.numpy(), want)
+        assert np.array_equal(y.numpy(), ref[(0, 0, b)][1])
+    assert d.stop() == 0
+
+
+def test_a_stop_between_parse_and_report_gives_the_pinned_buffer_back(tmp_path, image_root, daemon_factory):
+    # a seek() or break landing after the reader parsed a batch but before it reported it: the
+    # buffer must go back to the pool, or after prefetch + 1 of them every acquire times out
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 1})
+    d = daemon_factory(cfg)
+    ref, _ = reference_batches(cfg, epochs=1)
+    prefetch = 2
+    copies = DeferredCopies(seed=5)
+    with PrefetchClient(cfg, device="cpu", transfer=copies, prefetch=prefetch, timeout=5) as c:
+        write = c._write_progress
+        stops = []
+
+        def stop_at_report(epoch, batch, reader=None):
+            if reader is not None and len(stops) < prefetch + 2:
+                stops.append((epoch, batch))
+                reader.set()  # as seek() from the trainer's thread would, just here
+            return write(epoch, batch, reader=reader)
+
+        c._write_progress = stop_at_report
+        for _ in range(prefetch + 2):
+            with pytest.raises(PrefetchError, match="this iteration was ended"):
+                next(iter(c))
+        assert len(stops) == prefetch + 2
+        got = [(b, x, y) for b, (x, y) in enumerate(c)]
+        assert len(got) == 8 and all(_same(x, y, ref[(0, 0, b)]) for b, x, y in got)
+        assert copies.blocks <= prefetch + 1
     assert d.stop() == 0

@@ -132,3 +132,58 @@ def test_the_device_is_the_current_one_at_first_use_not_at_construction(tmp_path
         c.close()
         torch.cuda.set_device(0)
     assert d.stop() == 0
+
+
+def _sums(images: torch.Tensor) -> torch.Tensor:
+    """Per image, per channel and row: the sums of its bytes (any swapped or unwritten part shows)."""
+    return images.sum(dim=-1, dtype=torch.int64)
+
+
+@needs_cuda
+def test_batches_dropped_at_once_so_the_allocator_reuses_their_memory_still_arrive_whole(
+        tmp_path, big_root, daemon_factory):
+    # the trainer keeps only checksums (computed on its stream): each batch's device memory is
+    # freed and handed to the next copies, which record_stream and the event must order correctly
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    other = torch.cuda.Stream()
+    pinned_src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    got = {}
+    for pin in (True, False):
+        with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2, pin_memory=pin) as c:
+            c.seek(0, 0)
+            for e in range(EPOCHS):
+                for i, (x, y) in enumerate(c.iter_epoch(e)):
+                    got[(pin, e, i)] = (_sums(x), y.sum())  # queued on the trainer's stream; x, y dropped
+                    del x, y
+                    _busy_gpu(pinned_src, other, a)
+    torch.cuda.synchronize()
+    for (pin, e, i), (sums, ysum) in got.items():
+        want = _sums(torch.from_numpy(files[(e, i)][0]).permute(0, 3, 1, 2))
+        assert torch.equal(sums.cpu(), want), f"pin_memory={pin} epoch {e} batch {i} differs from its file"
+        assert int(ysum) == int(files[(e, i)][1].sum())
+    assert d.stop() == 0
+
+
+@needs_cuda
+def test_pageable_device_batches_with_normalize_are_waited_for(tmp_path, big_root, daemon_factory):
+    # pin_memory=False: the copy and normalize still run on the side stream; the trainer's stream
+    # waits on their event (test_client_memory.py checks the same with the stand-in)
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    other = torch.cuda.Stream()
+    pinned_src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(4096, 4096, device="cuda")
+    got = {}
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2, pin_memory=False, normalize=True) as c:
+        assert not c.pin_memory
+        for i, (x, y) in enumerate(c.iter_epoch(0)):
+            assert x.is_cuda and y.is_cuda and x.dtype == torch.float32
+            got[i] = (x * 1, y * 1)  # work on the trainer's stream, as a model would do
+            del x, y
+            _busy_gpu(pinned_src, other, a)
+    torch.cuda.synchronize()
+    for i, (x, y) in got.items():
+        want = normalize(torch.from_numpy(files[(0, i)][0]).permute(0, 3, 1, 2).cuda())
+        assert torch.equal(x, want), f"batch {i} differs from normalize() of its file"
+        assert torch.equal(y.cpu(), torch.from_numpy(files[(0, i)][1]))
+    assert d.stop() == 0

@@ -14,7 +14,7 @@ import simplejpeg
 import torch
 from PIL import Image, ImageOps
 from prefetchd_client import gpudecode
-from prefetchd_client.gpudecode import DecodeError, DecodeStage, DecodeUnavailable
+from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 
 from prefetchd import augment, batchfile, hybrid, jpegbatch
 from prefetchd.batchfile import BatchFileError, BatchMeta
@@ -444,25 +444,37 @@ def test_without_the_extra_or_cuda_the_error_names_the_extra(monkeypatch):
         DecodeStage("cuda:0")
 
 
-def test_a_file_the_decoder_fails_on_is_a_clear_error(tmp_path):
+def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog):
+    # a JPEG the GPU decoder refuses (None) or misreads (wrong shape) is decoded on the CPU; one
+    # that the CPU cannot decode either (corrupt entropy data) becomes zeros, marked as replaced
     builder = hybrid.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=60, decode="gpu"))
-    images = np.zeros((2, 32, 32, 3), np.uint8)
+    images = np.zeros((3, 32, 32, 3), np.uint8)
     builder.reset(images)
-    for k in range(2):
-        builder.add(enc(PHOTO, quality=80), augment.draws(0, 0, k), images[k])
-    b = jpegbatch.parse(builder.pack(META, np.array([11, 12]), np.zeros(2), np.full(2, -1)))
+    good = enc(PHOTO, quality=80)
+    sos = good.index(b"\xff\xda")  # the entropy-coded data follows the SOS segment: garble it
+    corrupt = good[:sos + 20] + bytes([0xFF, 0xD0 + 5]) * 64 + b"\xff\xd9"
+    with pytest.raises(ValueError):
+        simplejpeg.decode_jpeg(corrupt, colorspace="RGB")
+    for k, data in enumerate((good, good, corrupt)):
+        builder.add(data, augment.draws(0, 0, k), images[k])
+    b = jpegbatch.parse(builder.pack(META, np.array([11, 12, 13]), np.zeros(3), np.full(3, -1)))
+    assert (b.params["kind"] == jpegbatch.KIND_JPEG).all()
+    want = DecodeStage("cpu", decoder=lambda jpegs: cpu_decoder(jpegs[:2]) + [None])(b)
 
-    def failing(jpegs):
-        return [cpu_decoder(jpegs[:1])[0], None]
-
-    with pytest.raises(DecodeError, match="dataset sample 12"):
-        DecodeStage("cpu", decoder=failing)(b)
+    def failing(jpegs):  # sample 12 refused, and 13 (corrupt) too
+        return [cpu_decoder(jpegs[:1])[0], None, None]
 
     def wrong_size(jpegs):
         return [torch.zeros((10, 10, 3), dtype=torch.uint8) for _ in jpegs]
 
-    with pytest.raises(DecodeError, match="dataset sample 11 decoded to"):
-        DecodeStage("cpu", decoder=wrong_size)(b)
+    for decoder, warned in ((failing, [12, 13]), (wrong_size, [11, 12, 13])):
+        caplog.clear()
+        replaced = np.full(3, -1)
+        with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
+            x = DecodeStage("cpu", decoder=decoder)(b, replaced=replaced)
+        assert torch.equal(x[:2], want[:2])  # the CPU decode of the same file, bit for bit
+        assert int(x[2].max()) == 0 and replaced.tolist() == [-1, -1, 13]
+        assert [int(r.getMessage().split("dataset sample ")[1].split()[0]) for r in caplog.records] == warned
 
 
 def test_pixels_come_from_the_source_tensor_when_given():

@@ -253,3 +253,37 @@ def test_compact_batches_larger_than_pixel_batches_keep_max_bytes(tmp_path, mixe
     assert len(sizes) >= 2 and min(sizes) > 5 * (16 * 16 * 3 * 6)  # compact batches, far above pixels
     assert "max_bytes" in st["blocked"] and st["bytes_used"] == sum(sizes) <= max_bytes, (st, sizes)
     assert d.stop() == 0
+
+
+def test_a_sample_neither_the_gpu_nor_the_cpu_can_decode_is_replaced_and_training_goes_on(
+        tmp_path, mixed_root, daemon_factory, monkeypatch, caplog):
+    from prefetchd_client import gpudecode
+
+    def refuse_first(jpegs):  # the "GPU" decoder fails on the first JPEG of every batch
+        return [None] + CountingDecoder()(jpegs[1:])
+
+    def cpu_fails(jpeg, device):
+        raise ValueError("Corrupt JPEG data: premature end of data segment")
+
+    monkeypatch.setattr(gpudecode, "_cpu_decode", cpu_fails)
+    cfg = _config(tmp_path, mixed_root, "gpu", "corrupt")
+    d = daemon_factory(cfg)
+    ref = _reference(cfg, epochs=1)
+    seen = []
+    with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
+        with PrefetchClient(cfg, prefetch=2, timeout=60, decoder=refuse_first) as c:
+            for b, (x, y) in enumerate(c.iter_epoch(0)):
+                seen.append(b)
+                info = c.last_batch
+                # the daemon's replacements name the sample they stood in for (another index);
+                # the client's stand-ins for a sample it could not decode name the sample itself
+                stood_in = np.flatnonzero(info.replaced == info.indices)
+                assert len(stood_in) <= 1
+                for k in range(len(y)):
+                    want = np.zeros_like(ref[(0, b)][0][k]) if k in stood_in else ref[(0, b)][0][k]
+                    assert np.array_equal(x[k].permute(1, 2, 0).numpy(), want), (b, k)
+                assert np.array_equal(y.numpy(), ref[(0, b)][1])
+    assert seen == sorted(b for e, b in ref if e == 0)
+    warned = [r.getMessage() for r in caplog.records]
+    assert warned and all("zeros stand in" in m and "dataset sample" in m for m in warned)
+    assert d.stop() == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import numpy as np
 from conftest import small_config, wait_until
@@ -89,4 +90,33 @@ def test_data_echoing_serves_the_current_batch_again_instead_of_waiting_and_coun
         assert np.array_equal(x.transpose(0, 2, 3, 1), ref[(0, 0, b)][0])
     wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("echoed")
                == echoed, 10, "the echo count in status")
+    assert d.stop() == 0
+
+
+def test_data_echoing_does_not_echo_while_the_reader_holds_the_next_batch(tmp_path, image_root, daemon_factory):
+    # the daemon deletes a file once the reader has it; while the reader still converts it (a copy,
+    # a GPU decode) the next batch is on its way: the trainer waits for it instead of echoing
+    cfg = small_config(tmp_path, image_root, client={"echo_factor": 3, "prefetch": 1}, loader={"epochs": 1})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=30, as_numpy=True) as c:
+        convert = c._convert
+        in_convert, release = threading.Event(), threading.Event()
+
+        def slow_convert(b, host, *rest):
+            if b.batch == 1:
+                wait_until(lambda: not os.path.exists(c._path(0, 1)), 30, "the daemon to delete batch 1's file")
+                in_convert.set()
+                release.wait(30)
+            return convert(b, host, *rest)
+
+        c._convert = slow_convert
+        it = c.iter_epoch(0)
+        next(it)
+        wait_until(in_convert.is_set, 30, "the reader converting batch 1, its file deleted")
+        timer = threading.Timer(1.0, release.set)  # lets the conversion finish a while later
+        timer.start()
+        next(it)
+        assert (c.last_batch.batch, c.last_batch.echo, c.echoed) == (1, 0, 0)
+        timer.join()
+        assert [c.last_batch.batch for _ in it if c.last_batch.echo == 0] == list(range(2, 8))
     assert d.stop() == 0
