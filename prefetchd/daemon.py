@@ -245,7 +245,7 @@ class Daemon:
             if now >= next_status:
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
-            due = [next_poll, next_status, self.planner.next_retry(), self.pool.respawn_due()]
+            due = [next_poll, next_status, self.planner.next_retry(now), self.pool.respawn_due()]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
             waitables = [self._wake_r, *self.pool.waitables()]
             if self.remote is not None:
@@ -303,6 +303,8 @@ class Daemon:
         was_idle = not self.planner.busy()
         plan = self.planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
         self.blocked = plan.blocked
+        for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
+            self.ring.evict(key)
         if plan.blocked and not (self._blocked_logged or "").startswith(plan.blocked[:24]):
             log.warning("waiting: %s", plan.blocked)  # once per cause until a batch is published again
             self._blocked_logged = plan.blocked
