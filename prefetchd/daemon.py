@@ -69,7 +69,7 @@ class Daemon:
         self.produced_batches = 0
         self.produced_images = 0
         self.failed_batches = 0
-        self._largest_compact = 0  # the largest compact batch published so far (hybrid decode)
+        self._bounds: dict = {}  # compact batches: key -> size bound (made from file sizes, reused while blocked)
         self._produced: deque = deque()  # (time, images)
         self._consumed: deque = deque()  # (time, images)
         self.first_batch_at: float | None = None
@@ -310,21 +310,29 @@ class Daemon:
             self._blocked_logged = plan.blocked
         for r, e, b in plan.submit:
             task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b),
-                        self.quarantine.crashers)
+                        self.quarantine.crashers, self._bounds.pop((r, e, b), 0))
             if not any(ex.submit(task) for ex in self._executors()):
                 self.planner.lost((r, e, b))
         if was_idle and plan.submit:
             self._last_activity = time.monotonic()
 
-    def _estimate(self, batch: int) -> int:
+    def _estimate(self, key: tuple[int, int, int]) -> int:
         """An upper bound on a batch file's size before it is made. A compact batch (hybrid
-        decode) holds whole JPEG files and can outgrow a batch of pixels: its bound is the largest
-        compact batch published so far, if that is more. Once published, the real size counts."""
+        decode) holds whole JPEG files and can outgrow a batch of pixels: its bound is its
+        header and tables plus, per sample, the larger of the file's size and a pixel sample
+        (one stat per sample). The worker is given the bound and turns JPEGs into pixels if a
+        replaced sample would overrun it, so it holds. Once published, the real size counts."""
+        r, e, b = key
         size = self.cfg.augment.output_size
-        pixels = batchfile.max_file_size(self.sampler.batch_len(batch), size, size)
-        if hybrid.on_gpu(self.cfg.augment, 0, batch):
-            return max(pixels, self._largest_compact)
-        return pixels
+        if not hybrid.on_gpu(self.cfg.augment, e, b):
+            return batchfile.max_file_size(self.sampler.batch_len(b), size, size)
+        bound = self._bounds.get(key)
+        if bound is None:
+            bound = hybrid.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
+            if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
+                self._bounds.clear()
+            self._bounds[key] = bound
+        return bound
 
     def _handle(self, res: Result) -> None:
         key = (res.rank, res.epoch, res.batch)
@@ -347,8 +355,6 @@ class Daemon:
             log.error("cannot publish batch r%d e%d b%d: %s; trying it again in %.0f s", *key, err.strerror, delay)
             return
         self.planner.published(key, res.size)
-        if hybrid.on_gpu(self.cfg.augment, res.epoch, res.batch):
-            self._largest_compact = max(self._largest_compact, res.size)
         now = time.time()
         self._last_activity = time.monotonic()
         self._blocked_logged = None

@@ -83,8 +83,8 @@ def _size(n: int) -> str:
 
 class Planner:
     def __init__(self, ranks: Iterable[int], batches_per_epoch: int, epochs: int | None, limits: Limits,
-                 estimate: Callable[[int], int]):
-        """``estimate(batch)``: an upper bound on the file size of batch ``batch`` of an epoch."""
+                 estimate: Callable[[Key], int]):
+        """``estimate(key)``: an upper bound on the file size of the batch ``key`` (rank, epoch, batch)."""
         if batches_per_epoch < 1:
             raise ValueError("batches_per_epoch must be positive")
         self.bpe = batches_per_epoch
@@ -314,7 +314,7 @@ class Planner:
                 s.filling = False
                 continue
             key = self.key(r, g)
-            est = self._estimate(key[2])
+            est = self._estimate(key)
             if self.bytes_ready + self.bytes_inflight + est > lim.max_bytes:
                 if self.bytes_ready + self.bytes_inflight == 0:
                     blocked = (f"one batch needs {_size(est)} but buffer.max_bytes is {_size(lim.max_bytes)}; "
@@ -361,7 +361,7 @@ class Planner:
                 break
             s = self.ranks[r]
             key = self.key(r, g)
-            est = self._estimate(key[2])
+            est = self._estimate(key)
             if est > lim.max_bytes:
                 continue  # can never fit: the heap pass below says so
             while self.bytes_ready + self.bytes_inflight + est > lim.max_bytes and s.ready:
