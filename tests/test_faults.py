@@ -519,3 +519,37 @@ def test_lowering_the_worker_count_does_not_stall_the_loop_and_leaves_shared_hel
         d._teardown()
     assert server is not None and forkserver._forkserver._forkserver_pid == server
     os.kill(server, 0)  # still running: only `prefetchd run`'s exit stops it
+
+
+def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_root):
+    """A failed batch past its back-off that cannot go out (every worker slot taken) must not
+    make the loop wait 0 s: it would spin a core. Worker results and progress wake it."""
+    import threading
+
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+
+    d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 1, "max_tasks_in_flight": 2},
+                                        progress={"poll_interval_s": 0.5})))
+    assert d._setup()
+    pool = d.pool
+    try:
+        wait_until(lambda: pool.results() and all(w.ready for w in pool.workers.values()), 30, "workers ready")
+        for w in pool.workers.values():
+            os.kill(w.process.pid, signal.SIGSTOP)  # they keep their tasks: no slot comes free
+        d._schedule()
+        assert pool.idle() == 0
+        key = next(iter(pool.workers.values())).tasks[0]
+        key = (key.rank, key.epoch, key.batch)
+        assert d.planner.finished(key)
+        d.planner.failed(key, time.monotonic() - 100)  # due long ago
+        calls = []
+        schedule = d._schedule
+        d._schedule = lambda: (calls.append(1), schedule())
+        threading.Timer(1.0, lambda: (setattr(d, "_stop", True), d._wake())).start()
+        d._loop()
+        assert len(calls) < 50, f"{len(calls)} loop turns in 1 s"  # spinning made tens of thousands
+    finally:
+        for w in pool.workers.values():
+            os.kill(w.process.pid, signal.SIGCONT)
+        d._teardown()
