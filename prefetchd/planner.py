@@ -22,8 +22,8 @@ filling rank with the fewest batches ready or in flight contiguously from its po
 held behind a gap do not count: the trainer cannot read them), so a slow (full) rank never starves
 the others. A due gap at a rank's front (a failed or lost batch the trainer waits for) goes
 before everything else and is exempt from ``max_bytes``: room is made by evicting that rank's
-farthest ready batches (see ``_front_holes``). A batch is handed out only if ready + in-flight bytes + its estimate stay within
-``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
+farthest ready batches (see ``_front_holes``). Any other batch is handed out only if ready +
+in-flight bytes + its estimate stay within ``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
 bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
 Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
 state changed since the last one: O(log ranks) per batch handed out; a position move costs
