@@ -71,8 +71,10 @@ def cmd_run(args) -> int:
     from .sdnotify import Notifier
 
     notifier = Notifier()
+    daemon = None
     try:
-        return Daemon(cfg, notify=notifier, early_signals=early).run()
+        daemon = Daemon(cfg, notify=notifier, early_signals=early)
+        return daemon.run()
     except BufferBusy as e:
         log.error("%s", e)
         return 1
@@ -91,6 +93,11 @@ def cmd_run(args) -> int:
         return 1
     finally:
         notifier.close()
+        pool = getattr(daemon, "pool", None)
+        if pool is None or pool.stopped_clean:  # this process exits now: its multiprocessing helpers too
+            from .pool import stop_helpers
+
+            stop_helpers()
 
 
 def cmd_check(args) -> int:

@@ -462,8 +462,10 @@ class Config:
         object.__setattr__(self, "validation", v)
 
     def val_augment(self) -> AugmentConfig:
-        """The validation stream's augmentation: shorter side to ``validation.resize``, centre crop."""
-        return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False,
+        """The validation stream's augmentation: shorter side to ``validation.resize``, centre crop.
+        Always decoded on the CPU (a pass is a small share of the work, and its files keep the
+        pixel batch's fixed size, so ``max_bytes`` holds exactly)."""
+        return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False, decode="cpu",
                        brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0)
 
     def val_stream_fingerprint(self) -> str:

@@ -77,7 +77,7 @@ class Daemon:
         self.produced_batches = 0
         self.produced_images = 0
         self.failed_batches = 0
-        self._largest_compact = 0  # the largest compact batch published so far (hybrid decode)
+        self._bounds: dict = {}  # compact batches: key -> size bound (made from file sizes, reused while blocked)
         self._produced: deque = deque()  # (time, images)
         self._consumed: deque = deque()  # (time, images)
         self.first_batch_at: float | None = None
@@ -271,7 +271,7 @@ class Daemon:
             if now >= next_status:
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
-            due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry() for p in self._planners())]
+            due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
             waitables = [self._wake_r, *self.pool.waitables()]
             if self.remote is not None:
@@ -346,7 +346,7 @@ class Daemon:
                 task = self.val.task(r, e, b)
             else:
                 task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b),
-                            self.quarantine.crashers)
+                            self.quarantine.crashers, self._bounds.pop((r, e, b), 0))
             if not any(ex.submit(task) for ex in self._executors()):
                 self._planner(r).lost((r, e, b))
         if was_idle and submit:
@@ -358,6 +358,8 @@ class Daemon:
             held = other.bytes_ready + other.bytes_inflight
             planner.limits = replace(planner.limits, max_bytes=max(0, self.cfg.buffer.max_bytes - held))
         plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
+        for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
+            self.ring.evict(key)
         if planner is not self.planner and not plan.blocked:
             return plan.submit
         self.blocked = plan.blocked
@@ -366,15 +368,23 @@ class Daemon:
             self._blocked_logged = plan.blocked
         return plan.submit
 
-    def _estimate(self, batch: int) -> int:
+    def _estimate(self, key: tuple[int, int, int]) -> int:
         """An upper bound on a batch file's size before it is made. A compact batch (hybrid
-        decode) holds whole JPEG files and can outgrow a batch of pixels: its bound is the largest
-        compact batch published so far, if that is more. Once published, the real size counts."""
+        decode) holds whole JPEG files and can outgrow a batch of pixels: its bound is its
+        header and tables plus, per sample, the larger of the file's size and a pixel sample
+        (one stat per sample). The worker is given the bound and turns JPEGs into pixels if a
+        replaced sample would overrun it, so it holds. Once published, the real size counts."""
+        r, e, b = key
         size = self.cfg.augment.output_size
-        pixels = batchfile.max_file_size(self.sampler.batch_len(batch), size, size)
-        if hybrid.on_gpu(self.cfg.augment, 0, batch):
-            return max(pixels, self._largest_compact)
-        return pixels
+        if not hybrid.on_gpu(self.cfg.augment, e, b):
+            return batchfile.max_file_size(self.sampler.batch_len(b), size, size)
+        bound = self._bounds.get(key)
+        if bound is None:
+            bound = hybrid.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
+            if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
+                self._bounds.clear()
+            self._bounds[key] = bound
+        return bound
 
     def _handle(self, res: Result) -> None:
         key = (res.rank, res.epoch, res.batch)
@@ -402,8 +412,6 @@ class Daemon:
             log.error("cannot publish batch r%d e%d b%d: %s; trying it again in %.0f s", *key, err.strerror, delay)
             return
         planner.published(key, res.size)
-        if hybrid.on_gpu(self.cfg.augment, res.epoch, res.batch):
-            self._largest_compact = max(self._largest_compact, res.size)
         now = time.time()
         self._last_activity = time.monotonic()
         self._blocked_logged = None
@@ -581,7 +589,7 @@ class _ValStream:
         size = cfg.augment.output_size
         self.planner = Planner(self.lanes, bpp, None, Limits(V.capacity, V.capacity, cfg.buffer.max_bytes,
                                                              cfg.buffer.min_free_bytes),
-                               lambda b: batchfile.max_file_size(V.batch_size, size, size),
+                               lambda key: batchfile.max_file_size(V.batch_size, size, size),
                                pass_len=lambda r: self.sampler.batches(r - VAL_LANE))
         self.sessions = Sessions(self.lanes, bpp, self.fingerprint_hex)
 

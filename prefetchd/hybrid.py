@@ -28,6 +28,7 @@ same ``SampleError`` for quarantine, same slot ``out = images[k]``), and write t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,6 +193,21 @@ def cpu_reduction(im, cfg: AugmentConfig, crop: augment.Crop, orientation: int) 
     return next(a for a in (8, 4, 2, 1) if scale >= a)
 
 
+def compact_bound(path, indices, output_size: int) -> int:
+    """An upper bound on the compact batch of the samples ``indices`` (``path(i)``: a sample's
+    file): header and tables plus, per sample, the larger of its file and a pixel sample. A
+    quarantined sample's stand-in may be larger: ``CompactBuilder.fit`` keeps the batch within
+    this bound by making its largest JPEGs pixels. One stat per sample."""
+    pixel = output_size * output_size * 3
+    bound = jpegbatch.HEADER_SIZE + (24 + jpegbatch.PARAM.itemsize) * len(indices)
+    for i in indices:
+        try:
+            bound += max(pixel, os.stat(path(int(i))).st_size)
+        except OSError:
+            bound += pixel  # unreadable: it will be replaced, and fit() keeps the bound
+    return bound
+
+
 class CompactBuilder:
     """Collects one batch's samples (GPU parameters and JPEG bytes, or finished CPU pixels) and
     writes the compact batch. One per worker; reused from batch to batch."""
@@ -201,6 +217,7 @@ class CompactBuilder:
         self._images: np.ndarray | None = None
         self._params = jpegbatch.empty_params(0)
         self._payloads: list = []
+        self._draws: list = []
         self.cpu_reasons: dict[str, int] = {}  # why samples went to the CPU, for statistics
 
     def reset(self, images: np.ndarray) -> None:
@@ -209,6 +226,7 @@ class CompactBuilder:
         self._images = images
         self._params = jpegbatch.empty_params(n)
         self._payloads = [None] * n
+        self._draws = [None] * n
 
     def _slot(self, out: np.ndarray) -> int:
         base = self._images
@@ -227,6 +245,7 @@ class CompactBuilder:
         k = self._slot(out) if k is None else k
         plan = plan_sample(data, self.cfg, d)
         p = self._params[k]
+        self._draws[k] = d
         if isinstance(plan, str):
             augment.make_sample(data, self.cfg, d, out)
             self.cpu_reasons[plan] = self.cpu_reasons.get(plan, 0) + 1
@@ -246,6 +265,32 @@ class CompactBuilder:
         p["lighting"] = plan.lighting
         self._payloads[k] = data
         return jpegbatch.KIND_JPEG
+
+    def size(self) -> int:
+        """The file the batch collected so far makes."""
+        n = len(self._payloads)
+        return jpegbatch.HEADER_SIZE + (24 + jpegbatch.PARAM.itemsize) * n + sum(
+            memoryview(p).nbytes for p in self._payloads if p is not None)
+
+    def fit(self, budget: int) -> None:
+        """Make the largest JPEGs pixels on the CPU until the file fits ``budget`` (the daemon's
+        bound, which reserves at least a pixel sample per slot, so this ends)."""
+        size = self.size()
+        while size > budget:
+            jpegs = [k for k in range(len(self._payloads)) if self._params[k]["kind"] == jpegbatch.KIND_JPEG]
+            if not jpegs:
+                return
+            k = max(jpegs, key=lambda k: len(self._payloads[k]))
+            data, out = self._payloads[k], self._images[k]
+            size -= len(data) - out.nbytes
+            augment.make_sample(data, self.cfg, self._draws[k], out)
+            p = self._params[k]
+            s = self.cfg.output_size
+            p["kind"], p["orientation"], p["reduce"], p["flip"], p["n_ops"] = jpegbatch.KIND_PIXELS, 1, 1, 0, 0
+            p["ops"], p["factors"], p["lighting"] = jpegbatch.OP_NONE, 0.0, 0.0
+            p["coded_width"], p["coded_height"], p["roi"] = s, s, (0, 0, s, s)
+            self._payloads[k] = out
+            self.cpu_reasons["batch over its size bound"] = self.cpu_reasons.get("batch over its size bound", 0) + 1
 
     def encode(self, meta: BatchMeta, used: np.ndarray, labels: np.ndarray, replaced: np.ndarray) -> list:
         if any(p is None for p in self._payloads):

@@ -25,9 +25,12 @@ ahead across passes, and what a finished or abandoned pass left is deleted.
 Policy (``plan``): a rank starts *filling* when fewer than ``refill_at`` batches, counted
 contiguously from its position, are ready or in flight, and stops when its window is covered
 (``capacity`` ready or in flight, or nothing left to make). Each free worker slot goes to the
-filling rank with the fewest batches ready or in flight, so a slow (full) rank never starves
-the others. A batch is handed out only if ready + in-flight bytes + its estimate stay within
-``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
+filling rank with the fewest batches ready or in flight contiguously from its position (batches
+held behind a gap do not count: the trainer cannot read them), so a slow (full) rank never starves
+the others. A due gap at a rank's front (a failed or lost batch the trainer waits for) goes
+before everything else and is exempt from ``max_bytes``: room is made by evicting that rank's
+farthest ready batches (see ``_front_holes``). Any other batch is handed out only if ready +
+in-flight bytes + its estimate stay within ``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
 bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
 Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
 state changed since the last one: O(log ranks) per batch handed out; a position move costs
@@ -59,6 +62,7 @@ class Limits:
 class Plan:
     submit: list[Key]
     blocked: str | None = None  # why production waits, if it does
+    evictions: list[Key] = field(default_factory=list)  # published batches dropped to make room: delete them
 
 
 @dataclass
@@ -87,8 +91,8 @@ def _size(n: int) -> str:
 
 class Planner:
     def __init__(self, ranks: Iterable[int], batches_per_epoch: int, epochs: int | None, limits: Limits,
-                 estimate: Callable[[int], int], pass_len: Callable[[int], int] | None = None):
-        """``estimate(batch)``: an upper bound on the file size of batch ``batch`` of an epoch.
+                 estimate: Callable[[Key], int], pass_len: Callable[[int], int] | None = None):
+        """``estimate(key)``: an upper bound on the file size of the batch ``key`` (rank, epoch, batch).
         ``pass_len(rank)``: batches of the rank's pass, for pass-bounded lanes (they start inactive)."""
         if batches_per_epoch < 1:
             raise ValueError("batches_per_epoch must be positive")
@@ -186,7 +190,8 @@ class Planner:
             est = s.inflight.pop(g, None)
             if est is not None:
                 self._orphans.setdefault(self.key(r, g), []).append(est)
-            s.holes.pop(g, None)
+            if (s.holes.pop(g, None) is not None or est is not None) and self.failures:
+                self.failures.pop(self.key(r, g), None)  # left the window: its count of failures too
         return evicted
 
     def set_limits(self, limits: Limits) -> list[Key]:
@@ -326,7 +331,8 @@ class Planner:
                 self._push(r)
         self._check.clear()
         out: list[Key] = []
-        blocked = None
+        evictions: list[Key] = []
+        blocked = self._front_holes(slots, now, free_bytes, temp_bytes, out, evictions)
         heap = self._heap
         while len(out) < slots and heap:
             have, r, ver = heapq.heappop(heap)
@@ -338,7 +344,7 @@ class Planner:
                 s.filling = False
                 continue
             key = self.key(r, g)
-            est = self._estimate(key[2])
+            est = self._estimate(key)
             if self.bytes_ready + self.bytes_inflight + est > lim.max_bytes:
                 if self.bytes_ready + self.bytes_inflight == 0:
                     blocked = (f"one batch needs {_size(est)} but buffer.max_bytes is {_size(lim.max_bytes)}; "
@@ -361,16 +367,61 @@ class Planner:
         if len(heap) > 4 * len(self.ranks) + 64:  # drop stale entries now and then
             self._heap = [e for e in heap if e[2] == self._ver[e[1]] and self.ranks[e[1]].filling]
             heapq.heapify(self._heap)
-        return Plan(out, blocked)
+        return Plan(out, blocked, evictions)
+
+    def _front_holes(self, slots: int, now: float, free_bytes: int, temp_bytes: int, out: list[Key],
+                     evictions: list[Key]) -> str | None:
+        """Due holes at a rank's front (its first missing batch, below the watermark) go first:
+        the trainer waits for exactly that batch, so ``max_bytes`` must not hold it back. Room is
+        made by evicting the rank's own farthest ready batches (made again later); if that is not
+        enough it goes out anyway, over ``max_bytes`` by at most one batch per such rank: with
+        the rank's later batches already filling the buffer, waiting would never end. O(ranks
+        with holes) per plan."""
+        lim = self.limits
+        blocked = None
+        fronts = []
+        for r in self._holed:
+            s = self.ranks[r]
+            if s.holes:
+                g = min(s.holes)
+                if s.holes[g] <= now and g - s.pos < max(1, lim.refill_at):
+                    fronts.append((g - s.pos, r, g))
+        for _, r, g in sorted(fronts):
+            if len(out) >= slots:
+                break
+            s = self.ranks[r]
+            key = self.key(r, g)
+            est = self._estimate(key)
+            if est > lim.max_bytes:
+                continue  # can never fit: the heap pass below says so
+            while self.bytes_ready + self.bytes_inflight + est > lim.max_bytes and s.ready:
+                far = max(s.ready)  # a walk of the window, but only on this rare path
+                if far < g:
+                    break
+                self.bytes_ready -= s.ready.pop(far)
+                s.cursor = min(s.cursor, far)
+                evictions.append(self.key(r, far))
+            unwritten = max(0, self.bytes_inflight - temp_bytes)
+            if free_bytes - unwritten - est < lim.min_free_bytes:
+                blocked = (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
+                           f"and buffer.min_free_bytes keeps {_size(lim.min_free_bytes)}")
+                continue
+            del s.holes[g]
+            s.inflight[g] = est
+            self.bytes_inflight += est
+            out.append(key)
+            self._push(r)
+        return blocked
 
     def _push(self, r: int) -> None:
-        s = self.ranks[r]
         self._ver[r] += 1
-        heapq.heappush(self._heap, (len(s.ready) + len(s.inflight), r, self._ver[r]))
+        heapq.heappush(self._heap, (self.ahead(r), r, self._ver[r]))
 
-    def next_retry(self) -> float | None:
-        """When the earliest failed batch may be tried again (for the loop's wait), if any."""
-        ts = [t for r in self._holed for t in self.ranks[r].holes.values() if t > 0]
+    def next_retry(self, now: float) -> float | None:
+        """When the earliest failed batch not yet due may be tried again (for the loop's wait), if
+        any. A batch already due but held back (no free slot, no room) is not a reason to wake:
+        a worker finishing or a trainer reading (both wake the loop) is what can change that."""
+        ts = [t for r in self._holed for t in self.ranks[r].holes.values() if t > now]
         return min(ts) if ts else None
 
     # --- reporting ---------------------------------------------------------------------------------

@@ -14,8 +14,11 @@ back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIG
 SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
 while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
 blame nobody, so random kills never quarantine a good sample.
-Teardown escalates: a stop message, join, terminate, kill; then the forkserver and the resource
-tracker are stopped, so nothing of the daemon outlives it.
+Teardown: terminate, join, kill. The forkserver and the resource tracker are process-wide
+(other multiprocessing users in the same process share them), so only the CLI stops them, as
+its process exits (``stop_helpers``), and only if ``Pool.stop`` saw every worker gone. Surplus
+workers (a reload lowered the count) get a stop message and are reaped later by ``results``,
+escalating to terminate and kill, without the loop ever waiting on them.
 """
 
 from __future__ import annotations
@@ -53,12 +56,13 @@ class Worker:
     busy_s: float = 0.0
 
 
-def _stop_helpers() -> None:
+def stop_helpers() -> None:
     """Stop multiprocessing's forkserver, then its resource tracker (the forkserver holds the
     tracker's pipe). Left alone they exit only after seeing this process end, and systemd
     (KillMode=mixed) SIGKILLs whatever of the unit is alive when the main process exits: "Killing
     process N (python3) with signal SIGKILL" at every stop. ``_stop`` is how CPython's own tests
-    stop them (3.11 and later); the next ``Pool`` starts them again."""
+    stop them (3.11 and later). For the process's exit only: it breaks any other multiprocessing
+    user still running in this process."""
     from multiprocessing import forkserver, resource_tracker
 
     for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
@@ -96,6 +100,8 @@ class Pool:
         self._respawn_delay = 0.0
         self._respawn_at = 0.0
         self._last_death = -1e9
+        self._stopping: list[tuple[Worker, float]] = []  # surplus workers told to stop: (worker, since)
+        self.stopped_clean = False  # set by stop(): every worker is gone (the helpers may be stopped)
 
     def start(self) -> None:
         for _ in range(self.count):
@@ -179,12 +185,14 @@ class Pool:
                 lost += self._bury(w, blame=False)
         self._replace()
         self._shrink_idle()
+        self._reap_stopping(now)
         return results, lost
 
     def stop(self) -> None:
         """Stop every worker now. Their work can be made again, so nothing is waited for; their
         temp files are removed."""
-        ws = list(self.workers.values())
+        ws = list(self.workers.values()) + [w for w, _ in self._stopping]
+        self._stopping.clear()
         for w in ws:
             if w.process.is_alive():
                 w.process.terminate()
@@ -201,8 +209,7 @@ class Pool:
             self._remove_temp(w)
             w.conn.close()
         self.workers.clear()
-        if not any(w.process.is_alive() for w in ws):  # nothing holds the tracker's pipe any more
-            _stop_helpers()
+        self.stopped_clean = not any(w.process.is_alive() for w in ws)  # nothing holds the tracker's pipe
 
     # --- deaths ---------------------------------------------------------------------------------------
 
@@ -265,18 +272,29 @@ class Pool:
                 del self.workers[w.wid]
 
     def _stop_one(self, w: Worker) -> None:
+        """Ask a surplus worker to stop; ``_reap_stopping`` collects it. Never blocks."""
         try:
             w.conn.send(None)
         except (OSError, BrokenPipeError):
             pass
-        w.process.join(_WORKER_JOIN_TIMEOUT_S)
-        if w.process.is_alive():
-            w.process.terminate()
-            w.process.join(_WORKER_TERM_TIMEOUT_S)
-        if w.process.is_alive():
-            w.process.kill()
-            w.process.join(1.0)
-        w.conn.close()
+        self._stopping.append((w, time.monotonic()))
+
+    def _reap_stopping(self, now: float) -> None:
+        """Surplus workers that have exited are joined; one that ignores the stop message is
+        terminated after _WORKER_JOIN_TIMEOUT_S and killed _WORKER_TERM_TIMEOUT_S later."""
+        keep = []
+        for w, since in self._stopping:
+            if not w.process.is_alive():
+                w.process.join(0)
+                w.conn.close()
+                continue
+            waited = now - since
+            if waited > _WORKER_JOIN_TIMEOUT_S + _WORKER_TERM_TIMEOUT_S:
+                w.process.kill()
+            elif waited > _WORKER_JOIN_TIMEOUT_S:
+                w.process.terminate()
+            keep.append((w, since))
+        self._stopping = keep
 
     def temp_bytes(self) -> int:
         """What the batches in flight have written so far (already counted in the free space)."""

@@ -216,7 +216,8 @@ class RayPool:
                 return False
             w = min(ws, key=lambda w: len(w.tasks))
             compact = ((task.rank, task.batch, task.batches_in_epoch)
-                       if hybrid.on_gpu(self.setup.config.augment, task.epoch, task.batch) else None)
+                       if task.rank < VAL_LANE and hybrid.on_gpu(self.setup.config.augment, task.epoch, task.batch)
+                       else None)
             ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, compact, task.rank >= VAL_LANE)
             w.tasks.append((task, time.monotonic(), ref))
         return True

@@ -52,6 +52,9 @@ class Task:
     indices: np.ndarray  # int64 dataset indices, from the sampler
     # samples quarantined since the worker started because they killed a worker twice
     crashers: tuple[tuple[int, str], ...] = ()
+    # a compact batch's file must not exceed this (the daemon's estimate; 0: no limit): JPEGs
+    # that would overrun it (a replacement larger than the sample it stands in for) become pixels
+    budget: int = 0
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,8 @@ class BatchMaker:
             self.bad.setdefault(i, reason)
         compact = hybrid.on_gpu(self.cfg.augment, task.epoch, task.batch)
         images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, compact)
+        if compact and task.budget:
+            self.builder.fit(task.budget)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault
             self.current[0] = -1
         return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id,

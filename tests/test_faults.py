@@ -485,3 +485,71 @@ def test_workers_that_keep_dying_are_replaced_with_a_growing_delay(tmp_path, ima
     # ...but only after waiting 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s between the 8 deaths, not in a tight loop
     assert "replacing it in 0.1 s" in log and "replacing it in 3.2 s" in log
     assert elapsed > 6.3 and "workers died 8 times before the first batch" in log
+
+
+def test_lowering_the_worker_count_does_not_stall_the_loop_and_leaves_shared_helpers_alone(tmp_path, image_root):
+    """A surplus worker that does not exit at once (here: stopped) is reaped later, escalating
+    to a kill, while ``results()`` returns at once; ``Pool.stop`` leaves the process-wide
+    forkserver to the CLI's exit, for other multiprocessing users of this process."""
+    from multiprocessing import forkserver
+
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+
+    d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 2})))
+    assert d._setup()
+    try:
+        pool = d.pool
+        wait_until(lambda: pool.results() and all(w.ready for w in pool.workers.values()), 30, "workers ready")
+        ws = list(pool.workers.values())
+        for w in ws:
+            os.kill(w.process.pid, signal.SIGSTOP)
+        pool.resize(1)
+        t0 = time.monotonic()
+        pool.results()
+        assert time.monotonic() - t0 < 1.0  # was 3 + 2 + 1 s of joins per surplus worker
+        assert len(pool.workers) == 1
+        gone = [w for w in ws if w.wid not in pool.workers]
+        wait_until(lambda: pool.results() is not None and not pool._stopping, 15, "the surplus worker reaped")
+        assert not gone[0].process.is_alive()
+        for w in pool.workers.values():
+            os.kill(w.process.pid, signal.SIGCONT)
+        server = forkserver._forkserver._forkserver_pid
+    finally:
+        d._teardown()
+    assert server is not None and forkserver._forkserver._forkserver_pid == server
+    os.kill(server, 0)  # still running: only `prefetchd run`'s exit stops it
+
+
+def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_root):
+    """A failed batch past its back-off that cannot go out (every worker slot taken) must not
+    make the loop wait 0 s: it would spin a core. Worker results and progress wake it."""
+    import threading
+
+    from prefetchd.config import load as load_config
+    from prefetchd.daemon import Daemon
+
+    d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 1, "max_tasks_in_flight": 2},
+                                        progress={"poll_interval_s": 0.5})))
+    assert d._setup()
+    pool = d.pool
+    try:
+        wait_until(lambda: pool.results() and all(w.ready for w in pool.workers.values()), 30, "workers ready")
+        for w in pool.workers.values():
+            os.kill(w.process.pid, signal.SIGSTOP)  # they keep their tasks: no slot comes free
+        d._schedule()
+        assert pool.idle() == 0
+        key = next(iter(pool.workers.values())).tasks[0]
+        key = (key.rank, key.epoch, key.batch)
+        assert d.planner.finished(key)
+        d.planner.failed(key, time.monotonic() - 100)  # due long ago
+        calls = []
+        schedule = d._schedule
+        d._schedule = lambda: (calls.append(1), schedule())
+        threading.Timer(1.0, lambda: (setattr(d, "_stop", True), d._wake())).start()
+        d._loop()
+        assert len(calls) < 50, f"{len(calls)} loop turns in 1 s"  # spinning made tens of thousands
+    finally:
+        for w in pool.workers.values():
+            os.kill(w.process.pid, signal.SIGCONT)
+        d._teardown()

@@ -94,7 +94,9 @@ def _reference(cfg_path: str, epochs: int = 2) -> dict:
         for b in range(sampler.batches_per_epoch):
             compact = hybrid.on_gpu(cfg.augment, e, b)
             images, used, labels, replaced, _ = maker.fill(e, sampler.batch_indices(e, 0, b), compact)
-            if compact:
+            if compact:  # within the daemon's bound, as the worker keeps it
+                maker.builder.fit(hybrid.compact_bound(index.path, sampler.batch_indices(e, 0, b),
+                                                       cfg.augment.output_size))
                 raw = maker.builder.pack(BatchMeta(0, e, b, sampler.batches_per_epoch, 0), used, labels, replaced)
                 images = stage(jpegbatch.parse(raw)).permute(0, 2, 3, 1).numpy()
             out[(e, b)] = (images.copy(), labels.copy(), used.copy())
@@ -233,22 +235,64 @@ def test_compact_batches_through_the_pinned_pool_and_side_stream(tmp_path, mixed
     assert d.stop() == 0
 
 
+def test_the_estimate_bounds_every_compact_batch_before_any_is_published(tmp_path, mixed_root):
+    """Output 16x16 and whole JPEGs: compact batches are far above pixel batches. The bound the
+    planner uses comes from the batch's own files (no batch published yet, none adopted), and
+    the worker keeps a batch with a quarantined sample's larger stand-in within it."""
+    from prefetchd.daemon import Daemon
+    from prefetchd.worker import Task
+
+    cfg = load_config(small_config(tmp_path, mixed_root, augment={"decode": "gpu", "output_size": 16}))
+    d = Daemon(cfg)
+    d.index, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    L = cfg.loader
+    d.sampler = Sampler(len(d.index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    maker = BatchMaker(WorkerSetup(cfg, d.index.files_dir, None, 0, str(tmp_path)))
+    for e in range(3):
+        for b in range(d.sampler.batches_per_epoch):
+            est = d._estimate((0, e, b))
+            task = Task(0, e, b, d.sampler.batches_per_epoch, d.sampler.batch_indices(e, 0, b), budget=est)
+            res = maker.make(task)
+            assert res.error is None and res.size <= est, (e, b, res.size, est)
+            os.unlink(res.tmp_path)
+    assert est > 5 * (16 * 16 * 3 * 6)  # compact batches, far above a pixel batch
+    # a budget below what the JPEGs need: the largest become pixels until the batch fits
+    idx = d.sampler.batch_indices(0, 0, 0)
+    tight = hybrid.compact_bound(lambda i: os.devnull, idx, 16)  # every sample at pixel size
+    res = maker.make(Task(0, 0, 0, d.sampler.batches_per_epoch, idx, budget=tight))
+    assert res.error is None and res.size <= tight
+    assert (jpegbatch.read_file(res.tmp_path).params["kind"] == jpegbatch.KIND_PIXELS).all()
+
+
 def test_compact_batches_larger_than_pixel_batches_keep_max_bytes(tmp_path, mixed_root, daemon_factory):
     """Small outputs of whole JPEGs: a compact batch is many times a pixel batch's size, so the
-    pixel-batch estimate would let the ring run past buffer.max_bytes; the largest compact batch
-    published so far bounds the next one instead."""
+    pixel-batch estimate would let the ring run past buffer.max_bytes; each compact batch's
+    bound, from its files' sizes, keeps it within, at every moment (temp files included)."""
     d_ = tmp_path / "tight"
     d_.mkdir()
-    # the first batches of this corpus are about 33, 89, 32 and 42 kB: with the pixel-batch estimate
-    # (8.7 kB) the fourth would be made at 154 kB in the ring, ending at 196 kB
-    max_bytes = 170_000
+    max_bytes = 170_000  # a few compact batches of this corpus, fewer than capacity
     cfg = small_config(d_, mixed_root, augment={"decode": "gpu", "output_size": 16},
-                       workers={"count": 1, "max_tasks_in_flight": 1},
+                       workers={"count": 2, "max_tasks_in_flight": 2},
                        buffer={"capacity": 8, "refill_at": 8, "max_bytes": max_bytes})
     buf = load_config(cfg).buffer.dir
     d = daemon_factory(cfg)
-    st = wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s.get("blocked") and s, 60,
-                    "the daemon to stop at buffer.max_bytes")
+
+    def ring_bytes() -> int:
+        n = 0
+        for name in os.listdir(buf) if os.path.isdir(buf) else ():
+            if name.endswith(".batch") or name.startswith(".tmp-"):
+                try:
+                    n += os.path.getsize(os.path.join(buf, name))
+                except FileNotFoundError:
+                    pass
+        return n
+
+    def blocked():
+        assert ring_bytes() <= max_bytes
+        s = status.read_json(buf, status.STATUS_NAME)
+        return s and s.get("blocked") and s
+
+    st = wait_until(blocked, 60, "the daemon to stop at buffer.max_bytes")
     sizes = [os.path.getsize(os.path.join(buf, n)) for n in sorted(os.listdir(buf)) if n.endswith(".batch")]
     assert len(sizes) >= 2 and min(sizes) > 5 * (16 * 16 * 3 * 6)  # compact batches, far above pixels
     assert "max_bytes" in st["blocked"] and st["bytes_used"] == sum(sizes) <= max_bytes, (st, sizes)
