@@ -156,3 +156,13 @@ def test_reload_takes_validation_capacity_but_refuses_other_validation_changes()
     for change in ({"root": "/w"}, {"batch_size": 7}, {"resize": 300}, {"enabled": False}):
         new = C.from_dict({**base, "validation": {**base["validation"], **change}})
         assert _reload_blockers(old, new) == "validation.enabled/root/file_list/batch_size/resize", change
+
+
+def test_validation_is_decoded_on_the_cpu_under_hybrid_decode():
+    from prefetchd import hybrid
+
+    cfg = C.from_dict({"dataset": {"root": "/d"}, "augment": {"decode": "hybrid", "gpu_share": 1.0},
+                       "validation": {"enabled": True, "root": "/v"}})
+    assert hybrid.on_gpu(cfg.augment, 0, 0)  # train batches go to the GPU
+    v = cfg.val_augment()
+    assert v.decode == "cpu" and not any(hybrid.on_gpu(v, 0, b) for b in range(8))
