@@ -177,14 +177,7 @@ def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarra
     h_.update(body)
     header = encode_header(meta, layout, flags, h_.intdigest())
     reserve(fd, layout.file_size)
-    parts = [header, arrays + pad, body]
-    total = 0
-    for part in parts:  # os.write may write less than asked on large buffers
-        view = memoryview(part)
-        while view.nbytes:
-            k = os.write(fd, view)
-            total += k
-            view = view[k:]
+    total = write_parts(fd, [header, arrays + pad, body])
     if total != layout.file_size:  # pragma: no cover - guarded by the loop above
         raise OSError(f"wrote {total} bytes, expected {layout.file_size}")
     return total
@@ -208,16 +201,45 @@ class Batch:
 
 
 def read_header(buf) -> tuple:
-    if len(buf) < HEADER_SIZE:
-        raise BatchFileError(f"file of {len(buf)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    fields = HEADER.unpack_from(buf, 0)
-    if fields[0] != MAGIC:
-        raise BatchFileError(f"bad magic {fields[0]!r}; not a prefetchd batch file")
-    if fields[1] != VERSION:
-        raise BatchFileError(f"batch format version {fields[1]} is not supported (this reader knows {VERSION})")
-    if fields[2] != HEADER_SIZE:
-        raise BatchFileError(f"header size {fields[2]} is not {HEADER_SIZE}")
+    return check_header(buf, HEADER, MAGIC, VERSION, "")
+
+
+def check_header(buf, header: struct.Struct, magic: bytes, version: int, kind: str) -> tuple:
+    """The header's fields, after checking its length, magic, version and header size (shared by
+    both kinds of batch file; ``kind`` names the kind in the errors: "" or "compact ")."""
+    if len(buf) < header.size:
+        raise BatchFileError(f"file of {len(buf)} bytes is shorter than the {header.size}-byte header")
+    fields = header.unpack_from(buf, 0)
+    if fields[0] != magic:
+        raise BatchFileError(f"bad magic {fields[0]!r}; not a prefetchd {kind}batch file")
+    if fields[1] != version:
+        raise BatchFileError(f"{kind}batch format version {fields[1]} is not supported (this reader knows {version})")
+    if fields[2] != header.size:
+        raise BatchFileError(f"header size {fields[2]} is not {header.size}")
     return fields
+
+
+def verify_checksum(mv: memoryview, checksum: int, kind: str) -> None:
+    """Check the xxh3-64 of the whole file with the checksum field (bytes 16..24) read as zero."""
+    h_ = xxhash.xxh3_64()
+    h_.update(mv[:16])
+    h_.update(_ZERO8)
+    h_.update(mv[24:])
+    if h_.intdigest() != checksum:
+        raise BatchFileError(f"checksum mismatch (corrupt {kind}batch file)")
+
+
+def write_parts(fd: int, parts) -> int:
+    """Write the buffers in order (``os.write`` may write less than asked on large buffers);
+    returns the bytes written."""
+    total = 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view.nbytes:
+            k = os.write(fd, view)
+            total += k
+            view = view[k:]
+    return total
 
 
 def expected_size(buf) -> int:
@@ -240,12 +262,7 @@ def parse(buf, verify: bool = True) -> Batch:
     if len(mv) != fsize:
         raise BatchFileError(f"file is {len(mv)} bytes, its header says {fsize} (torn or truncated)")
     if verify:
-        h_ = xxhash.xxh3_64()
-        h_.update(mv[:16])
-        h_.update(_ZERO8)
-        h_.update(mv[24:])
-        if h_.intdigest() != checksum:
-            raise BatchFileError("checksum mismatch (corrupt batch file)")
+        verify_checksum(mv, checksum, "")
     arr = np.frombuffer(mv, dtype=np.uint8)
     ints = arr[io: io + 24 * n].view("<i8")
     return Batch(
@@ -257,6 +274,11 @@ def parse(buf, verify: bool = True) -> Batch:
 
 def read_file(path: str, verify: bool = True) -> Batch:
     """Read a batch file into fresh memory and parse it (for tools and tests)."""
+    return parse(read_whole(path), verify=verify)
+
+
+def read_whole(path: str) -> np.ndarray:
+    """A whole file in fresh memory (uint8), not following a symlink."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
@@ -265,7 +287,7 @@ def read_file(path: str, verify: bool = True) -> Batch:
             copy_into(fd, buf)
     finally:
         os.close(fd)
-    return parse(buf, verify=verify)
+    return buf
 
 
 def reserve(fd: int, size: int) -> None:

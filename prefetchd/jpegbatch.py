@@ -80,7 +80,6 @@ inside the upright frame, orientation 1..8, ops valid).
 
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 
@@ -210,14 +209,7 @@ def write_batch(fd: int, *args, **kwargs) -> int:
     parts = encode(*args, **kwargs)
     size = sum(memoryview(p).nbytes for p in parts)
     batchfile.reserve(fd, size)
-    total = 0
-    for part in parts:  # os.write may write less than asked on large buffers
-        view = memoryview(part).cast("B")
-        while view.nbytes:
-            k = os.write(fd, view)
-            total += k
-            view = view[k:]
-    return total
+    return batchfile.write_parts(fd, parts)
 
 
 def is_compact(head) -> bool:
@@ -234,16 +226,7 @@ def expected_size(head) -> int:
 
 
 def _read_header(mv: memoryview) -> tuple:
-    if len(mv) < HEADER_SIZE:
-        raise BatchFileError(f"file of {len(mv)} bytes is shorter than the {HEADER_SIZE}-byte header")
-    fields = HEADER.unpack_from(mv, 0)
-    if fields[0] != MAGIC:
-        raise BatchFileError(f"bad magic {fields[0]!r}; not a prefetchd compact batch file")
-    if fields[1] != VERSION:
-        raise BatchFileError(f"compact batch format version {fields[1]} is not supported (this reader knows {VERSION})")
-    if fields[2] != HEADER_SIZE:
-        raise BatchFileError(f"header size {fields[2]} is not {HEADER_SIZE}")
-    return fields
+    return batchfile.check_header(mv, HEADER, MAGIC, VERSION, "compact ")
 
 
 def parse(buf, verify: bool = True) -> JpegBatch:
@@ -260,12 +243,7 @@ def parse(buf, verify: bool = True) -> JpegBatch:
     if len(mv) != fsize:
         raise BatchFileError(f"file is {len(mv)} bytes, its header says {fsize} (torn or truncated)")
     if verify:
-        h_ = xxhash.xxh3_64()
-        h_.update(mv[:16])
-        h_.update(bytes(8))
-        h_.update(mv[24:])
-        if h_.intdigest() != checksum:
-            raise BatchFileError("checksum mismatch (corrupt compact batch file)")
+        batchfile.verify_checksum(mv, checksum, "compact ")
     ints = arr[io: po].view("<i8")
     params = arr[po: do].view(PARAM)
     _check_params(params, h, w, do, fsize)
@@ -309,12 +287,4 @@ def parse_any(buf, verify: bool = True):
 
 def read_file(path: str, verify: bool = True):
     """Read a batch file of either kind into fresh memory and parse it (for tools and tests)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-        size = os.fstat(fd).st_size
-        buf = np.empty(size, dtype=np.uint8)
-        if size:
-            batchfile.readinto_fd(fd, memoryview(buf))
-    finally:
-        os.close(fd)
-    return parse_any(buf, verify)
+    return parse_any(batchfile.read_whole(path), verify)
