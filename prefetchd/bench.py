@@ -93,6 +93,15 @@ def decode_limit(paths: list[str], procs: int) -> float:
 # --- the daemon ----------------------------------------------------------------------------------------
 
 
+def stop_daemon(proc: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM the daemon a benchmark started; its process group is killed if it is not gone in time."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: dict, work: str,
                parent: str, capacity: int = 16, workers_extra: dict | None = None) -> dict:
     from prefetchd_client import PrefetchClient
@@ -126,11 +135,7 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
         return {"img_s": img_s, "images": n, "wait_s": wait, "first_batch_s": first_wait,
                 "max_child_rss_by_epoch": [max(r) if r else 0 for r in rss_by_epoch]}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_daemon(proc, 30)
         log.close()
         shutil.rmtree(buffer, ignore_errors=True)
 
@@ -225,11 +230,7 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
                 "main_cpu_ms_per_batch": 1000 * (cpu2 - first[0]) / max(1, produced - first[1]),
                 "published": produced}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_daemon(proc, 60)
         for p in readers:
             p.join(5)
             if p.is_alive():

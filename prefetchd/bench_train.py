@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 from . import status
+from .bench import stop_daemon
 
 
 def _tiny_model(torch, num_classes: int):
@@ -318,11 +319,7 @@ def run_train_bench(args) -> int:
     finally:
         if proc is not None:
             os.killpg(proc.pid, signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_daemon(proc, 30)
         if log is not None:
             log.close()
         shutil.rmtree(work, ignore_errors=True)

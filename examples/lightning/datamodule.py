@@ -34,10 +34,11 @@ import torch.distributed as dist
 from prefetchd_client import PrefetchClient
 
 
-class PrefetchTrainLoader:
-    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
-    state holds every rank's position, so that a checkpoint (which rank 0 writes) resumes each
-    rank where it was. Lightning saves and restores it as it does a StatefulDataLoader."""
+class PrefetchValLoader:
+    """The validation client as Lightning's val dataloader: one pass per ``iter()``, ``len()`` this
+    rank's val batches. Only those two: Lightning treats an object with a ``dataset`` as a
+    DataLoader (the client has one, sized, for scripts that read it), and a pass has no state
+    worth a checkpoint."""
 
     def __init__(self, client: PrefetchClient):
         self.client = client
@@ -47,6 +48,12 @@ class PrefetchTrainLoader:
 
     def __len__(self) -> int:
         return len(self.client)
+
+
+class PrefetchTrainLoader(PrefetchValLoader):
+    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
+    state holds every rank's position, so that a checkpoint (which rank 0 writes) resumes each
+    rank where it was. Lightning saves and restores it as it does a StatefulDataLoader."""
 
     def state_dict(self) -> dict[str, Any]:
         own = self.client.state_dict()
@@ -62,22 +69,6 @@ class PrefetchTrainLoader:
         if self.client.rank not in by_rank:
             raise ValueError(f"the checkpoint holds loader states of ranks {sorted(by_rank)}, not of rank {self.client.rank}")
         self.client.load_state_dict(by_rank[self.client.rank])
-
-
-class PrefetchValLoader:
-    """The validation client as Lightning's val dataloader: one pass per ``iter()``, ``len()`` this
-    rank's val batches. Only those two: Lightning treats an object with a ``dataset`` as a
-    DataLoader (the client has one, sized, for scripts that read it), and a pass has no state
-    worth a checkpoint."""
-
-    def __init__(self, client: PrefetchClient):
-        self.client = client
-
-    def __iter__(self):
-        return iter(self.client)
-
-    def __len__(self) -> int:
-        return len(self.client)
 
 
 class PrefetchDataModule(L.LightningDataModule):
