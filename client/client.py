@@ -149,6 +149,7 @@ class _PinnedPool:
         self._limit = limit
         self._free: list[tuple[Any, Any]] = []  # (tensor, event or None)
         self._count = 0
+        self.peak = 0  # the most buffers alive at once (never above ``limit``)
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, timeout: float, stop: threading.Event):
@@ -169,6 +170,7 @@ class _PinnedPool:
                             break
                 if self._count < self._limit:
                     self._count += 1
+                    self.peak = max(self.peak, self._count)
                     grow = True
                 else:
                     grow = False

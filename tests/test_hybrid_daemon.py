@@ -226,7 +226,10 @@ def test_compact_batches_through_the_pinned_pool_and_side_stream(tmp_path, mixed
             for b, (x, y) in enumerate(c):
                 assert x.is_contiguous(memory_format=torch.channels_last) and y.dtype == torch.int64
                 kept.append(((e, b), x, y))
-        assert copies.blocks <= 3 and copies.waits == 10  # pinned buffers reused; every batch waited for
+        # never more than prefetch + 1 pinned buffers alive, reused across batches; every batch waited
+        # for. Compact batches differ in size, so a free buffer too small for the next one is replaced:
+        # how often depends on which buffer's copy finished first, so allocations are not a fixed 3.
+        assert c._pool.peak <= 3 and copies.blocks < 10 and copies.waits == 10
     ref = _reference(cfg)
     assert [k for k, _, _ in kept] == sorted(ref)
     for key, x, y in kept:  # compared after the whole run: no pinned buffer reuse changed a yielded batch
