@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd import batchfile, jpegbatch, progress, status
-from prefetchd.config import Config, ConfigError
-from prefetchd.config import load as load_config
+from prefetchd.core.config import Config, ConfigError
+from prefetchd.core.config import load as load_config
+from prefetchd.format import batchfile, jpegbatch, progress, status
 
 try:
     import torch

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prefetchd import jpegbatch
+from prefetchd.format import jpegbatch
 
 _log = logging.getLogger(__name__)
 

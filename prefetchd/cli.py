@@ -16,9 +16,9 @@ import signal
 import sys
 import time
 
-from . import __version__
-from .config import EX_CONFIG, Config, ConfigError, format_size
-from .config import load as load_config
+from prefetchd import __version__
+from prefetchd.core.config import EX_CONFIG, Config, ConfigError, format_size
+from prefetchd.core.config import load as load_config
 
 log = logging.getLogger("prefetchd")
 
@@ -59,16 +59,16 @@ def cmd_run(args) -> int:
     early: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: early.append(signum))
-    from .dataset import DatasetError
-    from .ring import BufferBusy, RingError
+    from prefetchd.core.dataset import DatasetError
+    from prefetchd.daemon.ring import BufferBusy, RingError
 
     try:
         cfg = _load(args.config)
     except ConfigError as e:
         return _fail_config(e)
     setup_logging(args.log_level or cfg.log.level)
-    from .daemon import Daemon
-    from .sdnotify import Notifier
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.daemon.sdnotify import Notifier
 
     notifier = Notifier()
     daemon = None
@@ -95,16 +95,16 @@ def cmd_run(args) -> int:
         notifier.close()
         pool = getattr(daemon, "pool", None)
         if pool is None or pool.stopped_clean:  # this process exits now: its multiprocessing helpers too
-            from .pool import stop_helpers
+            from prefetchd.executors.pool import stop_helpers
 
             stop_helpers()
 
 
 def cmd_check(args) -> int:
-    from . import batchfile
-    from .dataset import DatasetError, load_index, val_labels
-    from .ring import is_tmpfs
-    from .sampler import Sampler
+    from prefetchd.core.dataset import DatasetError, load_index, val_labels
+    from prefetchd.core.sampler import Sampler
+    from prefetchd.daemon.ring import is_tmpfs
+    from prefetchd.format import batchfile
 
     try:
         cfg = _load(args.config)
@@ -129,7 +129,7 @@ def cmd_check(args) -> int:
           f"augment {cfg.augment.mode} -> {s}x{s}")
     V = cfg.validation
     if V.enabled:
-        from .sampler import ValSampler
+        from prefetchd.core.sampler import ValSampler
 
         try:
             val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
@@ -157,7 +157,7 @@ def _check_deployment(cfg: Config, args) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
-    from .deploy import Account, check_deployment
+    from prefetchd.tools.deploy import Account, check_deployment
 
     try:
         daemon = Account.lookup(args.user or pwd.getpwuid(os.geteuid()).pw_name)
@@ -187,8 +187,8 @@ def cmd_status(args) -> int:
 
 
 def _status_loop(cfg: Config, args) -> int:
-    from . import status
-    from .status import daemon_alive
+    from prefetchd.format import status
+    from prefetchd.format.status import daemon_alive
 
     while True:
         rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
@@ -211,7 +211,7 @@ def _status_loop(cfg: Config, args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from prefetchd.tools.demo import run_demo
 
     setup_logging("warning" if not args.verbose else "info")
     return run_demo(images=args.images, classes=args.classes, epochs=args.epochs, batch_size=args.batch_size,
@@ -219,8 +219,8 @@ def cmd_demo(args) -> int:
 
 
 def cmd_preview(args) -> int:
-    from .dataset import DatasetError
-    from .preview import run_preview
+    from prefetchd.core.dataset import DatasetError
+    from prefetchd.tools.preview import run_preview
 
     try:
         cfg = _load(args.config)
@@ -236,14 +236,14 @@ def cmd_bench(args) -> int:
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # tqdm's own switch: every bar, here and in what bench starts
     if args.client:
-        from .bench_client import run_client_bench
+        from prefetchd.tools.bench.client import run_client_bench
 
         return run_client_bench(args)
     if args.train:
-        from .bench_train import run_train_bench
+        from prefetchd.tools.bench.train import run_train_bench
 
         return run_train_bench(args)
-    from .bench import run_bench
+    from prefetchd.tools.bench.throughput import run_bench
 
     return run_bench(args)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import yaml
 
-from prefetchd.samples import make_image_folder
+from prefetchd.tools.samples import make_image_folder
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):
@@ -102,3 +102,12 @@ def daemon_factory(tmp_path):
     yield start
     for d in started:
         d.kill_group()
+
+
+def pixels(images):
+    """A pixel builder already holding ``images``: what a worker's ``write_temp`` is handed."""
+    from prefetchd.executors.builders import PixelBuilder
+
+    b = PixelBuilder(None)
+    b.reset(images)
+    return b

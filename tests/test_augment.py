@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefetchd import augment as A
-from prefetchd.config import AugmentConfig
-from prefetchd.samples import jpeg_bytes, photo_like
+from prefetchd.core import augment as A
+from prefetchd.core.config import AugmentConfig
+from prefetchd.tools.samples import jpeg_bytes, photo_like
 
 RNG = np.random.default_rng(11)
 PHOTO = photo_like(RNG, 500, 375)

@@ -12,13 +12,14 @@ from conftest import small_config
 from prefetchd_client import PrefetchClient, PrefetchError, normalize
 from test_daemon import reference_batches
 
-from prefetchd.config import ConfigError
+from prefetchd.core.config import ConfigError
 
 
 def test_importing_the_client_loads_no_daemon_pillow_or_opencv():
     code = ("import sys, prefetchd_client; bad = [m for m in sys.modules if m.split('.')[0] in "
-            "('PIL', 'cv2', 'simplejpeg', 'watchdog', 'psutil') or m in ('prefetchd.daemon', 'prefetchd.pool', "
-            "'prefetchd.worker', 'prefetchd.augment', 'multiprocessing.pool')]; print(bad)")
+            "('PIL', 'cv2', 'simplejpeg', 'watchdog', 'psutil') or m.startswith(('prefetchd.daemon', "
+            "'prefetchd.executors', 'prefetchd.tools', 'prefetchd.cli')) or m in ('prefetchd.core.augment', "
+            "'multiprocessing.pool')]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 

@@ -18,7 +18,7 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchError, PrefetchTimeout, normalize
 from test_daemon import published, reference_batches
 
-from prefetchd import batchfile, progress
+from prefetchd.format import batchfile, progress
 
 
 def _readers() -> list[threading.Thread]:

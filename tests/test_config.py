@@ -7,7 +7,7 @@ import sys
 import pytest
 import yaml
 
-from prefetchd import config as C
+from prefetchd.core import config as C
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.yaml")
 
@@ -147,7 +147,7 @@ def test_validation_section_defaults_and_errors(tmp_path):
 
 
 def test_reload_takes_validation_capacity_but_refuses_other_validation_changes():
-    from prefetchd.daemon import _reload_blockers
+    from prefetchd.daemon.loop import _reload_blockers
 
     base = {"dataset": {"root": "/d"}, "validation": {"enabled": True, "root": "/v"}}
     old = C.from_dict(base)
@@ -159,7 +159,7 @@ def test_reload_takes_validation_capacity_but_refuses_other_validation_changes()
 
 
 def test_validation_is_decoded_on_the_cpu_under_hybrid_decode():
-    from prefetchd import hybrid
+    from prefetchd.core import hybrid
 
     cfg = C.from_dict({"dataset": {"root": "/d"}, "augment": {"decode": "hybrid", "gpu_share": 1.0},
                        "validation": {"enabled": True, "root": "/v"}})

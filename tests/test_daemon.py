@@ -16,11 +16,11 @@ import pytest
 from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchTimeout
 
-from prefetchd import batchfile, status
-from prefetchd.config import load as load_config
-from prefetchd.dataset import load_index
-from prefetchd.sampler import Sampler
-from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd.core.config import load as load_config
+from prefetchd.core.dataset import load_index
+from prefetchd.core.sampler import Sampler
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.format import batchfile, status
 
 
 def reference_batches(cfg_path: str, epochs: int = 2):

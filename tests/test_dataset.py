@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from prefetchd.dataset import DatasetError, load_index, scan_image_folder
+from prefetchd.core.dataset import DatasetError, load_index, scan_image_folder
 
 
 def touch(path, data=b"x"):

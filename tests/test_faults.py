@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 import pytest
-from conftest import small_config, wait_until
+from conftest import pixels, small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchTimeout
 from test_daemon import collect, digest, published, reference_batches
 
-from prefetchd import progress, status
+from prefetchd.format import progress, status
 
 
 def test_daemon_sigkilled_repeatedly_restarts_and_the_trainer_sees_every_batch_once(tmp_path, image_root, daemon_factory):
@@ -146,8 +146,8 @@ def test_progress_polling_works_without_inotify(tmp_path, image_root, daemon_fac
 def test_a_sample_that_kills_its_worker_every_time_is_quarantined_after_a_second_try(tmp_path, image_root,
                                                                                        daemon_factory):
     cfg = small_config(tmp_path, image_root)
-    from prefetchd.dataset import load_index
-    from prefetchd.sampler import Sampler
+    from prefetchd.core.dataset import load_index
+    from prefetchd.core.sampler import Sampler
 
     index, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
     victim = int(Sampler(len(index), 6, seed=7).batch_indices(0, 0, 2)[3])  # in batch 2 of epoch 0
@@ -160,7 +160,7 @@ def test_a_sample_that_kills_its_worker_every_time_is_quarantined_after_a_second
     assert f"quarantined sample {victim} ({path}): its worker was killed by SIGSEGV twice" in log
     assert d.stop() == 0
     # the stand-in is the same deterministic replacement a broken file gets
-    from prefetchd.worker import replacement
+    from prefetchd.executors.worker import replacement
 
     stand_in = replacement(7, 0, victim, 1, len(index))
     assert got[(0, 0, 2)][1][3] == index.labels[stand_in]
@@ -202,10 +202,10 @@ def _mount_small_tmpfs(path) -> bool:
 def test_a_full_tmpfs_leaves_no_partial_file_and_recovers(tmp_path, image_root, daemon_factory):
     import subprocess
 
-    from prefetchd.config import load as load_config
-    from prefetchd.dataset import load_index
-    from prefetchd.sampler import Sampler
-    from prefetchd.worker import BatchMaker, Task, WorkerSetup
+    from prefetchd.core.config import load as load_config
+    from prefetchd.core.dataset import load_index
+    from prefetchd.core.sampler import Sampler
+    from prefetchd.executors.worker import BatchMaker, Task, WorkerSetup
 
     mnt = tmp_path / "small"
     if not _mount_small_tmpfs(mnt):  # needs root (CI and this project's machines run as root)
@@ -281,7 +281,7 @@ def test_progress_going_backwards_within_a_session_is_ignored_but_a_new_session_
 def test_buffer_on_a_disk_is_warned_about(tmp_path, image_root, daemon_factory):
     import tempfile
 
-    from prefetchd.ring import is_tmpfs
+    from prefetchd.daemon.ring import is_tmpfs
 
     # tmp_path is on the root disk on these machines; elsewhere /tmp may be a tmpfs
     parent = str(tmp_path) if not is_tmpfs(str(tmp_path)) else tempfile.mkdtemp(dir=os.path.dirname(__file__))
@@ -348,11 +348,11 @@ def _position(buf):
 
 
 def test_write_temp_leaves_nothing_behind_whatever_fails(tmp_path):
-    from prefetchd.worker import Task, write_temp
+    from prefetchd.executors.worker import Task, write_temp
 
     task = Task(0, 1 << 32, 0, 8, np.arange(2, dtype=np.int64))  # overflows the header's 32-bit epoch
     imgs = np.zeros((2, 8, 8, 3), np.uint8)
-    args = (str(tmp_path), task, 1, 0, imgs, np.arange(2), np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
+    args = (str(tmp_path), task, 1, 0, pixels(imgs), np.arange(2), np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
     for _ in range(2):  # the second try must not find the first's temp file in its way
         res = write_temp(*args)
         assert res.error and "File exists" not in res.error and res.tmp_path is None
@@ -360,9 +360,9 @@ def test_write_temp_leaves_nothing_behind_whatever_fails(tmp_path):
 
 
 def test_a_death_while_writing_blames_no_sample(tmp_path, image_root, monkeypatch):
-    from prefetchd import worker
-    from prefetchd.config import load as load_config
-    from prefetchd.dataset import load_index
+    from prefetchd.core.config import load as load_config
+    from prefetchd.core.dataset import load_index
+    from prefetchd.executors import worker
 
     cfg = load_config(small_config(tmp_path, image_root))
     index, _ = load_index(image_root, None, (".jpg", ".jpeg"), str(tmp_path / "cache"))
@@ -376,7 +376,7 @@ def test_a_death_while_writing_blames_no_sample(tmp_path, image_root, monkeypatc
 
 
 def test_quarantine_reasons_carry_no_object_addresses(tmp_path, image_root):
-    from prefetchd.worker import clean_reason
+    from prefetchd.executors.worker import clean_reason
 
     msg = "cannot identify image file <_io.BytesIO object at 0x7f3a2c1e9d50>"
     assert clean_reason(msg) == "cannot identify image file the file"
@@ -398,9 +398,9 @@ def test_sigterm_during_the_index_scan_stops_at_once(tmp_path, daemon_factory):
 
 
 def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
-    from prefetchd.config import load as load_config
-    from prefetchd.daemon import Daemon
-    from prefetchd.ring import Lock
+    from prefetchd.core.config import load as load_config
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.daemon.ring import Lock
 
     d = Daemon(load_config(small_config(tmp_path, image_root)))
     d.lock = Lock(str(tmp_path))
@@ -424,7 +424,7 @@ def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
 def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
     import tracemalloc
 
-    from prefetchd.worker import _read_all
+    from prefetchd.executors.worker import _read_all
 
     path = tmp_path / "img"
     data = os.urandom(100_000)
@@ -443,7 +443,7 @@ def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
 def test_a_batch_with_padding_does_not_copy_the_permutation():
     import tracemalloc
 
-    from prefetchd.sampler import Sampler
+    from prefetchd.core.sampler import Sampler
 
     s = Sampler(1_000_003, 256, seed=1, world_size=8)  # padding applies: 1,000,003 is not a multiple of 8
     s.batch_indices(0, 3, 0)  # the permutation itself is made (and cached) once per epoch
@@ -457,11 +457,11 @@ def test_a_batch_with_padding_does_not_copy_the_permutation():
 
 
 def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_path, image_root):
-    from prefetchd.config import load as load_config
-    from prefetchd.daemon import Daemon
-    from prefetchd.planner import Limits, Planner
-    from prefetchd.quarantine import QuarantineLog
-    from prefetchd.worker import Result
+    from prefetchd.core.config import load as load_config
+    from prefetchd.core.planner import Limits, Planner
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.executors.worker import Result
 
     d = Daemon(load_config(small_config(tmp_path, image_root)))
     d.planner = Planner((0, 1), 8, 2, Limits(4, 4, 1 << 30, 0), lambda b: 1000)
@@ -493,8 +493,8 @@ def test_lowering_the_worker_count_does_not_stall_the_loop_and_leaves_shared_hel
     forkserver to the CLI's exit, for other multiprocessing users of this process."""
     from multiprocessing import forkserver
 
-    from prefetchd.config import load as load_config
-    from prefetchd.daemon import Daemon
+    from prefetchd.core.config import load as load_config
+    from prefetchd.daemon.loop import Daemon
 
     d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 2})))
     assert d._setup()
@@ -526,8 +526,8 @@ def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_ro
     make the loop wait 0 s: it would spin a core. Worker results and progress wake it."""
     import threading
 
-    from prefetchd.config import load as load_config
-    from prefetchd.daemon import Daemon
+    from prefetchd.core.config import load as load_config
+    from prefetchd.daemon.loop import Daemon
 
     d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 1, "max_tasks_in_flight": 2},
                                         progress={"poll_interval_s": 0.5})))

@@ -5,8 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from prefetchd import batchfile as bf
-from prefetchd import progress as pf
+from prefetchd.format import batchfile as bf
+from prefetchd.format import progress as pf
 
 
 def _write(tmp_path, n=3, h=8, w=8):
@@ -93,7 +93,7 @@ def test_progress_reading_flag():
 
 def test_metrics_show_val_lanes_apart():
     pytest.importorskip("prometheus_client")
-    from prefetchd.metrics import families
+    from prefetchd.daemon.metrics import families
 
     rec = {"ranks": {"0": {"position": [1, 2]}},
            "val_ranks": {"0": {"position": [3, 1], "ready": 2, "active": True}}}

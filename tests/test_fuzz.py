@@ -19,7 +19,7 @@ import struct
 import pytest
 from conftest import small_config, wait_until
 
-from prefetchd import progress, status
+from prefetchd.format import progress, status
 
 N_FILES = 10_000
 _IN_CLOSE_NOWRITE = 0x10

@@ -12,8 +12,8 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, normalize
 from test_daemon import published
 
-from prefetchd import batchfile
-from prefetchd.samples import make_image_folder
+from prefetchd.format import batchfile
+from prefetchd.tools.samples import make_image_folder
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 EPOCHS, PER_EPOCH = 2, 3

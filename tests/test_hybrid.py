@@ -16,12 +16,14 @@ from PIL import Image, ImageOps
 from prefetchd_client import gpudecode
 from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 
-from prefetchd import augment, batchfile, hybrid, jpegbatch
-from prefetchd.batchfile import BatchFileError, BatchMeta
-from prefetchd.config import AugmentConfig, ConfigError, from_dict
-from prefetchd.dataset import load_index
-from prefetchd.samples import photo_like
-from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd.core import augment, hybrid
+from prefetchd.core.config import AugmentConfig, ConfigError, from_dict
+from prefetchd.core.dataset import load_index
+from prefetchd.executors import builders
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.format import batchfile, jpegbatch
+from prefetchd.format.batchfile import BatchFileError, BatchMeta
+from prefetchd.tools.samples import photo_like
 
 META = BatchMeta(rank=1, epoch=2, batch=3, batches_in_epoch=9, fingerprint=0xABCDEF)
 # Tolerances against the CPU path's pixels (0..255 levels), for JPEGs decoded by the stand-in
@@ -326,11 +328,11 @@ def test_colour_ops_on_the_device_are_bit_identical_to_the_cpu_paths():
 
 
 class HybridMaker(BatchMaker):
-    """The worker making compact batches (``fill(..., compact=True)``), packed in memory."""
+    """The worker making compact batches (``fill(..., self.compact)``), packed in memory."""
 
     def make_compact(self, epoch: int, indices: np.ndarray):
-        _, used, labels, replaced, quarantined = self.fill(epoch, indices, compact=True)
-        return self.builder.pack(META, used, labels, replaced), quarantined
+        _, used, labels, replaced, quarantined = self.fill(epoch, indices, self.compact)
+        return self.compact.pack(META, used, labels, replaced), quarantined
 
 
 def _makers(root: str, tmp_path, batch_size: int = 8, **aug):
@@ -447,7 +449,7 @@ def test_without_the_extra_or_cuda_the_error_names_the_extra(monkeypatch):
 def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog):
     # a JPEG the GPU decoder refuses (None) or misreads (wrong shape) is decoded on the CPU; one
     # that the CPU cannot decode either (corrupt entropy data) becomes zeros, marked as replaced
-    builder = hybrid.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=60, decode="gpu"))
+    builder = builders.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=60, decode="gpu"))
     images = np.zeros((3, 32, 32, 3), np.uint8)
     builder.reset(images)
     good = enc(PHOTO, quality=80)

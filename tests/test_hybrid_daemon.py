@@ -20,13 +20,15 @@ from PIL import Image
 from prefetchd_client import PrefetchClient, PrefetchError
 from prefetchd_client.gpudecode import DecodeStage
 
-from prefetchd import hybrid, jpegbatch, status
-from prefetchd.batchfile import BatchMeta
-from prefetchd.config import load as load_config
-from prefetchd.dataset import load_index
-from prefetchd.sampler import Sampler
-from prefetchd.samples import make_image_folder, photo_like
-from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd.core import hybrid
+from prefetchd.core.config import load as load_config
+from prefetchd.core.dataset import load_index
+from prefetchd.core.sampler import Sampler
+from prefetchd.executors import builders
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.format import jpegbatch, status
+from prefetchd.format.batchfile import BatchMeta
+from prefetchd.tools.samples import make_image_folder, photo_like
 
 # test_hybrid.py's bounds against the CPU path's pixels, per sample: the mean difference, and the
 # 99th percentile (the loose one, for samples the CPU path decodes at a reduced DCT scale)
@@ -93,11 +95,11 @@ def _reference(cfg_path: str, epochs: int = 2) -> dict:
     for e in range(epochs):
         for b in range(sampler.batches_per_epoch):
             compact = hybrid.on_gpu(cfg.augment, e, b)
-            images, used, labels, replaced, _ = maker.fill(e, sampler.batch_indices(e, 0, b), compact)
+            images, used, labels, replaced, _ = maker.fill(e, sampler.batch_indices(e, 0, b), maker.builder_for(e, b))
             if compact:  # within the daemon's bound, as the worker keeps it
-                maker.builder.fit(hybrid.compact_bound(index.path, sampler.batch_indices(e, 0, b),
-                                                       cfg.augment.output_size))
-                raw = maker.builder.pack(BatchMeta(0, e, b, sampler.batches_per_epoch, 0), used, labels, replaced)
+                maker.compact.fit(builders.compact_bound(index.path, sampler.batch_indices(e, 0, b),
+                                                         cfg.augment.output_size))
+                raw = maker.compact.pack(BatchMeta(0, e, b, sampler.batches_per_epoch, 0), used, labels, replaced)
                 images = stage(jpegbatch.parse(raw)).permute(0, 2, 3, 1).numpy()
             out[(e, b)] = (images.copy(), labels.copy(), used.copy())
     return out
@@ -242,8 +244,8 @@ def test_the_estimate_bounds_every_compact_batch_before_any_is_published(tmp_pat
     """Output 16x16 and whole JPEGs: compact batches are far above pixel batches. The bound the
     planner uses comes from the batch's own files (no batch published yet, none adopted), and
     the worker keeps a batch with a quarantined sample's larger stand-in within it."""
-    from prefetchd.daemon import Daemon
-    from prefetchd.worker import Task
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.executors.worker import Task
 
     cfg = load_config(small_config(tmp_path, mixed_root, augment={"decode": "gpu", "output_size": 16}))
     d = Daemon(cfg)
@@ -261,7 +263,7 @@ def test_the_estimate_bounds_every_compact_batch_before_any_is_published(tmp_pat
     assert est > 5 * (16 * 16 * 3 * 6)  # compact batches, far above a pixel batch
     # a budget below what the JPEGs need: the largest become pixels until the batch fits
     idx = d.sampler.batch_indices(0, 0, 0)
-    tight = hybrid.compact_bound(lambda i: os.devnull, idx, 16)  # every sample at pixel size
+    tight = builders.compact_bound(lambda i: os.devnull, idx, 16)  # every sample at pixel size
     res = maker.make(Task(0, 0, 0, d.sampler.batches_per_epoch, idx, budget=tight))
     assert res.error is None and res.size <= tight
     assert (jpegbatch.read_file(res.tmp_path).params["kind"] == jpegbatch.KIND_PIXELS).all()

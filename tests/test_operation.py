@@ -15,7 +15,7 @@ from conftest import small_config, wait_until
 from PIL import Image
 from test_daemon import published
 
-from prefetchd import status
+from prefetchd.format import status
 
 
 def _status(buf: str) -> dict:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from prefetchd.planner import Limits, Planner, retry_delay_s
+from prefetchd.core.planner import Limits, Planner, retry_delay_s
 
 MB = 1 << 20
 FREE = 1 << 40

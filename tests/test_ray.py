@@ -9,7 +9,7 @@ import pytest
 from conftest import small_config, wait_until
 from test_daemon import collect, digest, reference_batches
 
-from prefetchd import status
+from prefetchd.format import status
 
 # Keep the whole cluster on loopback: with this, Ray resolves its own address to 127.0.0.1 instead
 # of the machine's interface address (read when ray is imported; the daemon and nodes inherit it).

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefetchd.sampler import Sampler, ValSampler
+from prefetchd.core.sampler import Sampler, ValSampler
 
 
 @pytest.mark.parametrize("n, world, batch, drop_last", [(100, 1, 10, True), (103, 4, 8, False), (103, 4, 8, True),

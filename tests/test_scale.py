@@ -11,7 +11,7 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 from test_daemon import published, reference_batches
 
-from prefetchd import status
+from prefetchd.format import status
 
 
 def _collect_with_indices(cfg: str, rank: int) -> dict:

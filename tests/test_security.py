@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 import yaml
-from conftest import small_config, wait_until
+from conftest import pixels, small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchError
 from test_daemon import collect, digest, published, reference_batches
 
@@ -97,15 +97,15 @@ def test_file_modes_do_not_depend_on_the_umask(tmp_path, image_root):
 def test_quarantine_list_and_worker_temp_files_are_0640_whatever_the_umask(tmp_path, umask):
     import numpy as np
 
-    from prefetchd.quarantine import QuarantineLog
-    from prefetchd.worker import Quarantined, Task, write_temp
+    from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.executors.worker import Quarantined, Task, write_temp
 
     old = os.umask(umask)
     try:
         q = QuarantineLog(str(tmp_path), "ds", lambda i: f"img{i}")
         q.add(Quarantined(3, "img3", "broken"), 0)
         task = Task(0, 0, 0, 8, np.arange(2, dtype=np.int64))
-        res = write_temp(str(tmp_path), task, 1, 0, np.zeros((2, 8, 8, 3), np.uint8), np.arange(2),
+        res = write_temp(str(tmp_path), task, 1, 0, pixels(np.zeros((2, 8, 8, 3), np.uint8)), np.arange(2),
                          np.zeros(2, np.int64), np.full(2, -1), [], 0.0)
     finally:
         os.umask(old)
@@ -232,8 +232,8 @@ def test_check_finds_open_modes_wrong_owner_and_unreadable_progress(tmp_path, im
 
 
 def test_check_reads_the_mount_options_of_the_buffer(tmp_path, image_root):
-    from prefetchd.config import load
-    from prefetchd.deploy import Account, check_deployment
+    from prefetchd.core.config import load
+    from prefetchd.tools.deploy import Account, check_deployment
 
     cfg = load(small_config(tmp_path, image_root, buffer={"dir": "/dev/shm/prefetchd-check-test/buffer"}))
     findings = check_deployment(cfg, Account.lookup("root"), [])
@@ -243,7 +243,7 @@ def test_check_reads_the_mount_options_of_the_buffer(tmp_path, image_root):
 
 
 def test_mount_of_parses_mountinfo(tmp_path):
-    from prefetchd.deploy import mount_of
+    from prefetchd.tools.deploy import mount_of
 
     info = tmp_path / "mountinfo"
     info.write_text("22 1 254:1 / / rw,relatime shared:1 - ext4 /dev/vda1 rw\n"
@@ -257,7 +257,7 @@ def test_mount_of_parses_mountinfo(tmp_path):
 def test_a_trainer_outside_the_group_is_told_permission_is_denied(tmp_path, image_root, request):
     """A buffer of the daemon's group (0750, files 0640) and a trainer of another user outside it:
     the error says permission is denied and which group to join, not a timeout with a made-up age."""
-    from prefetchd import status
+    from prefetchd.format import status
 
     top = tempfile.mkdtemp(dir="/dev/shm")  # pytest's base dir is root's alone: nobody cannot reach tmp_path
     request.addfinalizer(lambda: shutil.rmtree(top))

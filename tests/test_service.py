@@ -14,7 +14,7 @@ import sys
 import pytest
 from conftest import small_config, wait_until
 
-from prefetchd.sdnotify import Notifier
+from prefetchd.daemon.sdnotify import Notifier
 
 UNITS = os.path.join(os.path.dirname(__file__), "..", "systemd")
 ANALYZE = shutil.which("systemd-analyze")

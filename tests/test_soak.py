@@ -15,11 +15,11 @@ import psutil
 from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 
-from prefetchd import batchfile, status
-from prefetchd.config import load as load_config
-from prefetchd.dataset import load_index
-from prefetchd.sampler import Sampler
-from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd.core.config import load as load_config
+from prefetchd.core.dataset import load_index
+from prefetchd.core.sampler import Sampler
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.format import batchfile, status
 
 SOAK_S = float(os.environ.get("PREFETCHD_SOAK_S", "60"))
 MAX_BYTES = 6 * 81920  # six of these batches: max_bytes, not capacity, bounds the buffer

@@ -37,7 +37,7 @@ import pytest
 import yaml
 from conftest import wait_until
 
-from prefetchd.samples import make_image_folder
+from prefetchd.tools.samples import make_image_folder
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMD = "/lib/systemd/systemd"

@@ -16,13 +16,13 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 from test_daemon import collect, reference_batches
 
-from prefetchd import status
-from prefetchd.config import ConfigError
-from prefetchd.config import load as load_config
-from prefetchd.dataset import load_index, val_labels
-from prefetchd.sampler import ValSampler
-from prefetchd.samples import make_image_folder
-from prefetchd.worker import BatchMaker, WorkerSetup
+from prefetchd.core.config import ConfigError
+from prefetchd.core.config import load as load_config
+from prefetchd.core.dataset import load_index, val_labels
+from prefetchd.core.sampler import ValSampler
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.format import status
+from prefetchd.tools.samples import make_image_folder
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from .config import AugmentConfig
+from prefetchd.core.config import AugmentConfig
 
 try:  # libjpeg-turbo through its own small wheel: faster than Pillow's decode to numpy
     import simplejpeg

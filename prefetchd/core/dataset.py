@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import xxhash
 
-from .bars import bar
+from prefetchd.core.bars import bar
 
 log = logging.getLogger("prefetchd.dataset")
 

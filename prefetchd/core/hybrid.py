@@ -18,24 +18,19 @@ For a batch that ``on_gpu`` assigns to the GPU, each sample is read as now and t
 The result is written as a compact batch (``prefetchd.jpegbatch``). Which batches go to the GPU is
 a pure function of the config and the batch number (``on_gpu``), never of timing.
 
-Wiring into the worker (``CompactBuilder``): when ``on_gpu(cfg.augment, epoch, batch)``, call
-``builder.reset(images)`` before filling, make each sample with ``builder.add(data, draws, out)``
-instead of ``augment.make_sample(data, cfg.augment, draws, out)`` (same arguments but the config,
-same ``SampleError`` for quarantine, same slot ``out = images[k]``), and write the file with
-``builder.write(fd, meta, used, labels, replaced)`` instead of ``batchfile.write_batch``.
+The worker's side (``prefetchd.executors.builders.CompactBuilder``) collects a batch's samples
+with these functions and writes the compact batch.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import augment, jpegbatch
-from .batchfile import BatchMeta
-from .config import AugmentConfig
+from prefetchd.core import augment
+from prefetchd.core.config import AugmentConfig
 
 _SOF_BASELINE = 0xC0
 _SOF_MARKERS = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -191,120 +186,3 @@ def cpu_reduction(im, cfg: AugmentConfig, crop: augment.Crop, orientation: int) 
     w, h = im.size
     scale = min(w // -(-w // r), h // -(-h // r))
     return next(a for a in (8, 4, 2, 1) if scale >= a)
-
-
-def compact_bound(path, indices, output_size: int) -> int:
-    """An upper bound on the compact batch of the samples ``indices`` (``path(i)``: a sample's
-    file): header and tables plus, per sample, the larger of its file and a pixel sample. A
-    quarantined sample's stand-in may be larger: ``CompactBuilder.fit`` keeps the batch within
-    this bound by making its largest JPEGs pixels. One stat per sample."""
-    pixel = output_size * output_size * 3
-    bound = jpegbatch.HEADER_SIZE + (24 + jpegbatch.PARAM.itemsize) * len(indices)
-    for i in indices:
-        try:
-            bound += max(pixel, os.stat(path(int(i))).st_size)
-        except OSError:
-            bound += pixel  # unreadable: it will be replaced, and fit() keeps the bound
-    return bound
-
-
-class CompactBuilder:
-    """Collects one batch's samples (GPU parameters and JPEG bytes, or finished CPU pixels) and
-    writes the compact batch. One per worker; reused from batch to batch."""
-
-    def __init__(self, cfg: AugmentConfig):
-        self.cfg = cfg
-        self._images: np.ndarray | None = None
-        self._params = jpegbatch.empty_params(0)
-        self._payloads: list = []
-        self._draws: list = []
-        self.cpu_reasons: dict[str, int] = {}  # why samples went to the CPU, for statistics
-
-    def reset(self, images: np.ndarray) -> None:
-        """Start a batch; ``images`` (uint8 [n, S, S, 3]) holds the CPU-made samples by slot."""
-        n = len(images)
-        self._images = images
-        self._params = jpegbatch.empty_params(n)
-        self._payloads = [None] * n
-        self._draws = [None] * n
-
-    def _slot(self, out: np.ndarray) -> int:
-        base = self._images
-        per = base[0].nbytes if len(base) else 1
-        k, rest = divmod(out.ctypes.data - base.ctypes.data, per)
-        if rest or not 0 <= k < len(base) or out.shape != base.shape[1:]:
-            raise ValueError("out must be one slot images[k] of the array given to reset()")
-        return k
-
-    def add(self, data: bytes, d: augment.Draws, out: np.ndarray, k: int | None = None) -> int:
-        """Make sample ``k`` (by default the slot ``out`` is) from ``data``: record a JPEG for the
-        GPU, or make the pixels into ``out`` on the CPU. Returns the kind. Raises SampleError as
-        ``augment.make_sample`` does (the caller quarantines and replaces as now)."""
-        if self._images is None:
-            raise RuntimeError("reset() first")
-        k = self._slot(out) if k is None else k
-        plan = plan_sample(data, self.cfg, d)
-        p = self._params[k]
-        self._draws[k] = d
-        if isinstance(plan, str):
-            augment.make_sample(data, self.cfg, d, out)
-            self.cpu_reasons[plan] = self.cpu_reasons.get(plan, 0) + 1
-            s = self.cfg.output_size
-            p["kind"], p["orientation"], p["reduce"], p["flip"], p["n_ops"] = jpegbatch.KIND_PIXELS, 1, 1, 0, 0
-            p["ops"], p["factors"], p["lighting"] = jpegbatch.OP_NONE, 0.0, 0.0
-            p["coded_width"], p["coded_height"], p["roi"] = s, s, (0, 0, s, s)
-            self._payloads[k] = out
-            return jpegbatch.KIND_PIXELS
-        p["kind"], p["orientation"], p["flip"] = jpegbatch.KIND_JPEG, plan.orientation, int(plan.flip)
-        p["reduce"] = plan.reduce
-        p["coded_width"], p["coded_height"], p["roi"] = plan.coded_width, plan.coded_height, plan.roi
-        p["n_ops"] = len(plan.ops)
-        p["ops"], p["factors"] = jpegbatch.OP_NONE, 0.0
-        for j, (op, f) in enumerate(plan.ops):
-            p["ops"][j], p["factors"][j] = op, f
-        p["lighting"] = plan.lighting
-        self._payloads[k] = data
-        return jpegbatch.KIND_JPEG
-
-    def size(self) -> int:
-        """The file the batch collected so far makes."""
-        n = len(self._payloads)
-        return jpegbatch.HEADER_SIZE + (24 + jpegbatch.PARAM.itemsize) * n + sum(
-            memoryview(p).nbytes for p in self._payloads if p is not None)
-
-    def fit(self, budget: int) -> None:
-        """Make the largest JPEGs pixels on the CPU until the file fits ``budget`` (the daemon's
-        bound, which reserves at least a pixel sample per slot, so this ends)."""
-        size = self.size()
-        while size > budget:
-            jpegs = [k for k in range(len(self._payloads)) if self._params[k]["kind"] == jpegbatch.KIND_JPEG]
-            if not jpegs:
-                return
-            k = max(jpegs, key=lambda k: len(self._payloads[k]))
-            data, out = self._payloads[k], self._images[k]
-            size -= len(data) - out.nbytes
-            augment.make_sample(data, self.cfg, self._draws[k], out)
-            p = self._params[k]
-            s = self.cfg.output_size
-            p["kind"], p["orientation"], p["reduce"], p["flip"], p["n_ops"] = jpegbatch.KIND_PIXELS, 1, 1, 0, 0
-            p["ops"], p["factors"], p["lighting"] = jpegbatch.OP_NONE, 0.0, 0.0
-            p["coded_width"], p["coded_height"], p["roi"] = s, s, (0, 0, s, s)
-            self._payloads[k] = out
-            self.cpu_reasons["batch over its size bound"] = self.cpu_reasons.get("batch over its size bound", 0) + 1
-
-    def encode(self, meta: BatchMeta, used: np.ndarray, labels: np.ndarray, replaced: np.ndarray) -> list:
-        if any(p is None for p in self._payloads):
-            raise RuntimeError("some samples of this batch were never added")
-        return jpegbatch.encode(meta, used, labels, replaced, self._params, self._payloads, self.cfg.output_size,
-                                self.cfg.output_size, self.cfg.interpolation, bool(self.cfg.lighting))
-
-    def pack(self, meta: BatchMeta, used: np.ndarray, labels: np.ndarray, replaced: np.ndarray) -> bytes:
-        return b"".join(bytes(p) for p in self.encode(meta, used, labels, replaced))
-
-    def write(self, fd: int, meta: BatchMeta, used: np.ndarray, labels: np.ndarray, replaced: np.ndarray) -> int:
-        """Write the batch to ``fd`` (positioned at 0), reserving its space first. Returns its size."""
-        if any(p is None for p in self._payloads):
-            raise RuntimeError("some samples of this batch were never added")
-        return jpegbatch.write_batch(fd, meta, used, labels, replaced, self._params, self._payloads,
-                                     self.cfg.output_size, self.cfg.output_size, self.cfg.interpolation,
-                                     bool(self.cfg.lighting))

@@ -42,19 +42,21 @@ from multiprocessing.connection import wait as mp_wait
 
 import psutil
 
-from . import batchfile, hybrid, status
-from .config import Config, ConfigError, format_size
-from .config import load as load_config
-from .dataset import load_index, val_labels
-from .planner import Limits, Planner
-from .pool import Pool
-from .progress import VAL_LANE, lane
-from .quarantine import QuarantineLog
-from .ring import Lock, Ring, is_tmpfs, prepare_dirs
-from .sampler import Sampler, ValSampler
-from .sessions import Sessions
-from .watcher import ProgressWatcher
-from .worker import Result, Task, WorkerSetup
+from prefetchd.core import hybrid
+from prefetchd.core.config import Config, ConfigError, format_size
+from prefetchd.core.config import load as load_config
+from prefetchd.core.dataset import load_index, val_labels
+from prefetchd.core.planner import Limits, Planner
+from prefetchd.core.sampler import Sampler, ValSampler
+from prefetchd.daemon.quarantine import QuarantineLog
+from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
+from prefetchd.daemon.sessions import Sessions
+from prefetchd.daemon.watcher import ProgressWatcher
+from prefetchd.executors import builders
+from prefetchd.executors.pool import Pool
+from prefetchd.executors.worker import Result, Task, WorkerSetup
+from prefetchd.format import batchfile, status
+from prefetchd.format.progress import VAL_LANE, lane
 
 log = logging.getLogger("prefetchd")
 
@@ -133,7 +135,7 @@ class Daemon:
                      "%(foreign)d from another stream", counts)
         self._write_meta()
         if cfg.metrics.enabled:
-            from .metrics import MetricsServer
+            from prefetchd.daemon.metrics import MetricsServer
 
             self.metrics = MetricsServer(cfg.metrics.address, cfg.metrics.port)
             self.metrics.start()
@@ -145,7 +147,7 @@ class Daemon:
         self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
-            from .raypool import RayPool
+            from prefetchd.executors.raypool import RayPool
 
             self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake)
             self.remote.start()
@@ -380,7 +382,7 @@ class Daemon:
             return batchfile.max_file_size(self.sampler.batch_len(b), size, size)
         bound = self._bounds.get(key)
         if bound is None:
-            bound = hybrid.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
+            bound = builders.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
             if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
                 self._bounds.clear()
             self._bounds[key] = bound

@@ -14,8 +14,8 @@ import logging
 import os
 import time
 
-from . import status
-from .worker import Quarantined
+from prefetchd.executors.worker import Quarantined
+from prefetchd.format import status
 
 log = logging.getLogger("prefetchd")
 

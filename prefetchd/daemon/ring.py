@@ -24,9 +24,9 @@ import time
 
 import psutil
 
-from . import batchfile, jpegbatch
-from .progress import VAL_LANE
-from .status import FILE_MODE, LOCK_NAME
+from prefetchd.format import batchfile, jpegbatch
+from prefetchd.format.progress import VAL_LANE
+from prefetchd.format.status import FILE_MODE, LOCK_NAME
 
 log = logging.getLogger("prefetchd.ring")
 

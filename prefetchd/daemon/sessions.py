@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .progress import Progress
+from prefetchd.format.progress import Progress
 
 log = logging.getLogger("prefetchd")
 

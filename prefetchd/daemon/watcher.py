@@ -16,7 +16,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from . import progress as progress_fmt
+from prefetchd.format import progress as progress_fmt
 
 log = logging.getLogger("prefetchd.watcher")
 

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from .worker import Result, Task, WorkerSetup, tmp_name, worker_main
+from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, worker_main
 
 log = logging.getLogger("prefetchd.pool")
 
@@ -91,7 +91,7 @@ class Pool:
         self.max_in_flight = max_in_flight
         self.task_timeout_s = task_timeout_s
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["prefetchd.worker"])
+        self.ctx.set_forkserver_preload(["prefetchd.executors.worker"])
         self.workers: dict[int, Worker] = {}
         self.suspects: list[tuple[int, str]] = []  # (sample index, how its worker died)
         self._next_id = 0

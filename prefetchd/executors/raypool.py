@@ -26,11 +26,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from . import hybrid
-from .batchfile import BatchMeta
-from .config import RayConfig
-from .progress import VAL_LANE
-from .worker import Quarantined, Result, Task, WorkerSetup, write_temp
+from prefetchd.core.config import RayConfig
+from prefetchd.executors.builders import Packed
+from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
+from prefetchd.format.batchfile import BatchMeta
+from prefetchd.format.progress import VAL_LANE
 
 log = logging.getLogger("prefetchd.ray")
 
@@ -53,7 +53,7 @@ def _actor_class(ray):
     @ray.remote(max_restarts=-1, max_task_retries=0)
     class BatchActor:
         def __init__(self, setup: WorkerSetup, worker_id: int):
-            from .worker import BatchMaker
+            from prefetchd.executors.worker import BatchMaker
 
             root = setup.index.root
             probe = setup.index.path(0)
@@ -66,20 +66,18 @@ def _actor_class(ray):
         def where(self) -> str:
             return ray.get_runtime_context().get_node_id()[:12] + ":" + str(os.getpid())
 
-        def fill(self, epoch, indices, crashers, compact=None, val=False):
-            """The batch's pixels; for a compact batch (``compact``: its rank, batch number and
-            batches in the epoch), the whole compact file as bytes in their place. ``val``: a
-            validation lane's batch, made by the actor's second maker."""
+        def fill(self, epoch, indices, crashers, where, val=False):
+            """The whole batch file as bytes (``where``: its rank, batch number and batches in the
+            epoch). ``val``: a validation lane's batch, made by the actor's second maker."""
             maker = self.val_maker if val else self.maker
             for i, reason in crashers:
                 maker.bad.setdefault(i, reason)
             t0 = time.perf_counter()
-            images, used, labels, replaced, quarantined = maker.fill(epoch, indices, compact is not None)
-            if compact is not None:
-                rank, batch, batches = compact
-                meta = BatchMeta(rank, epoch, batch, batches, maker.fingerprint)
-                images = maker.builder.pack(meta, used, labels, replaced)
-            return images, used, labels, replaced, quarantined, time.perf_counter() - t0
+            rank, batch, batches = where
+            builder = maker.builder_for(epoch, batch)
+            _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
+            data = builder.pack(BatchMeta(rank, epoch, batch, batches, maker.fingerprint), used, labels, replaced)
+            return data, used, labels, replaced, quarantined, time.perf_counter() - t0
 
     return BatchActor
 
@@ -215,10 +213,8 @@ class RayPool:
             if not ws:
                 return False
             w = min(ws, key=lambda w: len(w.tasks))
-            compact = ((task.rank, task.batch, task.batches_in_epoch)
-                       if task.rank < VAL_LANE and hybrid.on_gpu(self.setup.config.augment, task.epoch, task.batch)
-                       else None)
-            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, compact, task.rank >= VAL_LANE)
+            where = (task.rank, task.batch, task.batches_in_epoch)
+            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, where, task.rank >= VAL_LANE)
             w.tasks.append((task, time.monotonic(), ref))
         return True
 
@@ -273,9 +269,9 @@ class RayPool:
                           task.batch, type(value).__name__, _first_line(value))
                 lost.append(task)
                 continue
-            images, used, labels, replaced, quarantined, seconds = value
+            data, used, labels, replaced, quarantined, seconds = value
             setup = self.setup.val if task.rank >= VAL_LANE else self.setup
-            results.append(write_temp(buffer_dir, task, setup.fingerprint, worker_id, images, used, labels,
+            results.append(write_temp(buffer_dir, task, setup.fingerprint, worker_id, Packed(data), used, labels,
                                       replaced, list(quarantined), seconds))
 
     def _remote_setup(self, setup: WorkerSetup) -> WorkerSetup:

@@ -10,10 +10,9 @@ A sample whose file cannot be read or decoded is quarantined and replaced by ano
 chosen from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every
 batch stay independent of which worker made it.
 
-With ``augment.decode: hybrid | gpu``, a batch that ``hybrid.on_gpu`` gives the trainer's GPU is
-made by a ``hybrid.CompactBuilder`` instead: each sample is read and checked as above (same
-quarantine), but a JPEG the GPU's decoder takes is stored as its bytes with its crop, flip and
-jitter parameters, and the file is a compact batch (``prefetchd.jpegbatch``).
+Each batch is filled through a builder (``prefetchd.executors.builders``), chosen once per batch:
+pixels, or (``augment.decode: hybrid | gpu``, for the batches ``hybrid.on_gpu`` gives the
+trainer's GPU) a compact batch. Reading, quarantine and replacement are the same for both.
 """
 
 from __future__ import annotations
@@ -27,11 +26,13 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from . import augment, batchfile, hybrid
-from .config import Config
-from .dataset import Index, open_index_files
-from .progress import VAL_LANE
-from .status import FILE_MODE
+from prefetchd.core import augment, hybrid
+from prefetchd.core.config import Config
+from prefetchd.core.dataset import Index, open_index_files
+from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
+from prefetchd.format import batchfile
+from prefetchd.format.progress import VAL_LANE
+from prefetchd.format.status import FILE_MODE
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
@@ -125,10 +126,14 @@ class BatchMaker:
 
         s = self.cfg.augment.output_size
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
-        self.builder = hybrid.CompactBuilder(self.cfg.augment)
-        self._compact = False  # the batch being filled is a compact one (made through the builder)
+        self.pixels = PixelBuilder(self.cfg.augment)
+        self.compact = CompactBuilder(self.cfg.augment)
 
-    def _load(self, i: int, out: np.ndarray, epoch: int) -> None:
+    def builder_for(self, epoch: int, batch: int) -> Builder:
+        """The builder that makes this batch: compact where ``hybrid.on_gpu`` says so."""
+        return self.compact if hybrid.on_gpu(self.cfg.augment, epoch, batch) else self.pixels
+
+    def _load(self, i: int, out: np.ndarray, epoch: int, builder: Builder) -> None:
         path = self.index.path(i)
         if self.current is not None:
             self.current[0] = i  # if this sample kills the process, the daemon learns which
@@ -146,22 +151,17 @@ class BatchMaker:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
             raise augment.SampleError("empty file")
-        d = augment.draws(self.cfg.loader.seed, epoch, i)
-        if self._compact:
-            self.builder.add(data, d, out)
-        else:
-            augment.make_sample(data, self.cfg.augment, d, out)
+        builder.add(data, augment.draws(self.cfg.loader.seed, epoch, i), out)
 
-    def fill(self, epoch: int, indices: np.ndarray, compact: bool = False) -> tuple[
+    def fill(self, epoch: int, indices: np.ndarray, builder: Builder | None = None) -> tuple[
             np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:
-        """Decode and augment ``indices`` into the reused image array; with ``compact``, collect
-        the batch in ``self.builder`` instead (the images array then holds only the samples the
-        daemon decoded itself; write the batch with ``self.builder``)."""
+        """Make ``indices`` through ``builder`` (default: pixels) into the reused image array
+        (which holds every sample of a pixel batch, and the CPU-made ones of a compact batch);
+        the batch is then written by the same builder."""
+        builder = builder or self.pixels
         n = len(indices)
         images = self._images[:n]
-        self._compact = compact
-        if compact:
-            self.builder.reset(images)
+        builder.reset(images)
         used = np.array(indices, dtype=np.int64)
         replaced = np.full(n, -1, dtype=np.int64)
         quarantined: list[Quarantined] = []
@@ -172,7 +172,7 @@ class BatchMaker:
                 try:
                     if i in self.bad:
                         raise augment.SampleError(self.bad[i])
-                    self._load(i, images[k], epoch)
+                    self._load(i, images[k], epoch, builder)
                     break
                 except augment.SampleError as e:
                     if i not in self.bad:
@@ -193,15 +193,13 @@ class BatchMaker:
         t0 = time.perf_counter()
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
-        compact = hybrid.on_gpu(self.cfg.augment, task.epoch, task.batch)
-        images, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, compact)
-        if compact and task.budget:
-            self.builder.fit(task.budget)
+        builder = self.builder_for(task.epoch, task.batch)
+        _, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, builder)
+        builder.fit(task.budget)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault
             self.current[0] = -1
-        return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id,
-                          self.builder if compact else images, used, labels, replaced, quarantined,
-                          time.perf_counter() - t0)
+        return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, builder, used, labels,
+                          replaced, quarantined, time.perf_counter() - t0)
 
     def make_any(self, task: Task) -> Result:
         """``make``, for a task of either stream: a validation lane's batch is made by a second
@@ -216,13 +214,11 @@ class BatchMaker:
         return self._val.make(task)
 
 
-def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int,
-               images: np.ndarray | hybrid.CompactBuilder | bytes, used: np.ndarray, labels: np.ndarray,
-               replaced: np.ndarray, quarantined: list[Quarantined], seconds: float) -> Result:
-    """Write a made batch as an unpublished temp file (the daemon renames it into the ring).
-
-    ``images``: the pixels of a batch; or, for a compact batch, the builder that collected it, or
-    the whole file as ``bytes`` (``CompactBuilder.pack``, as a Ray worker returns it)."""
+def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, builder: Builder,
+               used: np.ndarray, labels: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined],
+               seconds: float) -> Result:
+    """Write a made batch as an unpublished temp file (the daemon renames it into the ring):
+    ``builder`` is what collected it (or ``Packed``, the file a Ray actor made)."""
     meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, fingerprint)
     path = os.path.join(buffer_dir, tmp_name(task, worker_id))
     try:
@@ -232,12 +228,7 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int,
                       quarantined=tuple(quarantined))
     try:
         os.fchmod(fd, FILE_MODE)  # whatever the worker's umask
-        if isinstance(images, hybrid.CompactBuilder):
-            size = images.write(fd, meta, used, labels, replaced)
-        elif isinstance(images, bytes):
-            size = _write_bytes(fd, images)
-        else:
-            size = batchfile.write_batch(fd, meta, used, labels, replaced, np.ascontiguousarray(images))
+        size = builder.write(fd, meta, used, labels, replaced)
     except BaseException as e:  # whatever it is, no temp file or descriptor outlives it
         os.close(fd)
         _unlink(path)
@@ -248,14 +239,6 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int,
                       quarantined=tuple(quarantined))
     os.close(fd)
     return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
-
-
-def _write_bytes(fd: int, data: bytes) -> int:
-    batchfile.reserve(fd, len(data))
-    view = memoryview(data)
-    while view.nbytes:  # os.write may write less than asked on large buffers
-        view = view[os.write(fd, view):]
-    return len(data)
 
 
 def _hang_once(path: str) -> None:

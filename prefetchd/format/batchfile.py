@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from .progress import lane, split_lane
+from prefetchd.format.progress import lane, split_lane
 
 MAGIC = b"PFDBATCH"
 VERSION = 1
@@ -153,12 +153,10 @@ def encode_header(meta: BatchMeta, layout: Layout, flags: int, checksum: int = 0
     )
 
 
-def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarray,
-                replaced: np.ndarray, images: np.ndarray) -> int:
-    """Write a whole batch file to ``fd`` (positioned at 0). Returns the file size.
-
-    ``images`` is uint8 ``[n, h, w, c]``, C-contiguous; it is written without a copy.
-    """
+def encode(meta: BatchMeta, indices: np.ndarray, labels: np.ndarray, replaced: np.ndarray,
+           images: np.ndarray) -> list:
+    """The file as a list of buffers to write in order; ``images`` (uint8 ``[n, h, w, c]``,
+    C-contiguous) is not copied."""
     n, h, w, c = images.shape
     if images.dtype != np.uint8 or not images.flags.c_contiguous:
         raise ValueError("images must be a C-contiguous uint8 array [n, h, w, c]")
@@ -175,11 +173,26 @@ def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarra
     h_.update(arrays)
     h_.update(pad)
     h_.update(body)
-    header = encode_header(meta, layout, flags, h_.intdigest())
-    reserve(fd, layout.file_size)
-    total = write_parts(fd, [header, arrays + pad, body])
-    if total != layout.file_size:  # pragma: no cover - guarded by the loop above
-        raise OSError(f"wrote {total} bytes, expected {layout.file_size}")
+    return [encode_header(meta, layout, flags, h_.intdigest()), arrays + pad, body]
+
+
+def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarray,
+                replaced: np.ndarray, images: np.ndarray) -> int:
+    """Write a whole batch file to ``fd`` (positioned at 0). Returns the file size.
+
+    ``images`` is uint8 ``[n, h, w, c]``, C-contiguous; it is written without a copy.
+    """
+    return write_file(fd, encode(meta, indices, labels, replaced, images))
+
+
+def write_file(fd: int, parts: list) -> int:
+    """Write an encoded file (either kind: ``encode``'s or ``jpegbatch.encode``'s buffers) to
+    ``fd`` (positioned at 0), reserving its space first. Returns the file size."""
+    size = sum(memoryview(p).nbytes for p in parts)
+    reserve(fd, size)
+    total = write_parts(fd, parts)
+    if total != size:  # pragma: no cover - guarded by write_parts' loop
+        raise OSError(f"wrote {total} bytes, expected {size}")
     return total
 
 

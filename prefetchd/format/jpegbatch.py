@@ -86,8 +86,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from . import batchfile
-from .batchfile import BatchFileError, BatchMeta
+from prefetchd.format import batchfile
+from prefetchd.format.batchfile import BatchFileError, BatchMeta
 
 MAGIC = b"PFDJPEGB"
 VERSION = 1
@@ -206,10 +206,7 @@ def pack(*args, **kwargs) -> bytes:
 def write_batch(fd: int, *args, **kwargs) -> int:
     """Write a whole compact batch to ``fd`` (positioned at 0); ``encode``'s arguments. Returns
     the file size. The space is reserved first, as ``batchfile.write_batch`` does."""
-    parts = encode(*args, **kwargs)
-    size = sum(memoryview(p).nbytes for p in parts)
-    batchfile.reserve(fd, size)
-    return batchfile.write_parts(fd, parts)
+    return batchfile.write_file(fd, encode(*args, **kwargs))
 
 
 def is_compact(head) -> bool:

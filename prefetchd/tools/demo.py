@@ -19,8 +19,8 @@ import time
 
 import yaml
 
-from .bars import bar
-from .samples import make_image_folder
+from prefetchd.core.bars import bar
+from prefetchd.tools.samples import make_image_folder
 
 
 def _buffer_parent() -> str:

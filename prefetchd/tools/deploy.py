@@ -20,8 +20,8 @@ import pwd
 import stat
 from dataclasses import dataclass
 
-from .config import Config, format_size
-from .ring import SETGID, dir_mode
+from prefetchd.core.config import Config, format_size
+from prefetchd.daemon.ring import SETGID, dir_mode
 
 HUGE_OK = ("within_size", "always", "advise")
 _THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -183,8 +183,8 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
 
 
 def _check_files(cfg: Config, daemon: Account, problem) -> None:
-    from . import batchfile
-    from .progress import FILE_MODE as PROGRESS_MODE
+    from prefetchd.format import batchfile
+    from prefetchd.format.progress import FILE_MODE as PROGRESS_MODE
 
     try:
         with os.scandir(cfg.buffer.dir) as it:

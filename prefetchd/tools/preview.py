@@ -12,8 +12,8 @@ import os
 import numpy as np
 from PIL import Image, ImageDraw
 
-from . import batchfile
-from .config import Config
+from prefetchd.core.config import Config
+from prefetchd.format import batchfile
 
 
 def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, str]:
@@ -25,9 +25,9 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         except (OSError, batchfile.BatchFileError):
             continue  # consumed or replaced meanwhile: try the next
         return b.images, b.labels, b.indices, f"{name} from the buffer"
-    from .dataset import load_index
-    from .sampler import Sampler
-    from .worker import BatchMaker, WorkerSetup
+    from prefetchd.core.dataset import load_index
+    from prefetchd.core.sampler import Sampler
+    from prefetchd.executors.worker import BatchMaker, WorkerSetup
 
     index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
     L = cfg.loader
@@ -38,7 +38,7 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 
 
 def class_names(cfg: Config) -> tuple[str, ...]:
-    from .dataset import load_index
+    from prefetchd.core.dataset import load_index
 
     try:
         index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)

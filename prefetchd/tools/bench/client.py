@@ -29,9 +29,9 @@ import time
 import numpy as np
 import yaml
 
-from . import batchfile, status
-from .config import load as load_config
-from .ring import Lock, is_tmpfs
+from prefetchd.core.config import load as load_config
+from prefetchd.daemon.ring import Lock, is_tmpfs
+from prefetchd.format import batchfile, status
 
 
 def _write_ring(work: str, batches: int, batch_size: int, size: int) -> str:

@@ -1,6 +1,6 @@
 """The daemon's side of hybrid decode against the CPU path, per image, on this machine's CPU.
 
-``python -m prefetchd.hybridbench [--root DIR] [--passes 3]``: makes (or reads) an image folder,
+``python -m prefetchd.tools.bench.hybrid [--root DIR] [--passes 3]``: makes (or reads) an image folder,
 sorts its files into those the GPU would decode and those the daemon keeps, and times
 ``hybrid.plan_sample`` and ``augment.make_sample`` over each, one pass after another; also the
 compact batch's size against the pixel batch's. No GPU involved (BENCHMARKS.md, Hybrid decode).
@@ -15,9 +15,11 @@ import time
 
 import numpy as np
 
-from . import augment, batchfile, hybrid, jpegbatch
-from .config import AugmentConfig
-from .samples import make_image_folder
+from prefetchd.core import augment, hybrid
+from prefetchd.core.config import AugmentConfig
+from prefetchd.executors import builders
+from prefetchd.format import batchfile, jpegbatch
+from prefetchd.tools.samples import make_image_folder
 
 
 def _ms_per_image(datas: list[bytes], fn, passes: int) -> list[float]:
@@ -31,7 +33,7 @@ def _ms_per_image(datas: list[bytes], fn, passes: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m prefetchd.hybridbench")
+    ap = argparse.ArgumentParser(prog="python -m prefetchd.tools.bench.hybrid")
     ap.add_argument("--root", help="an image folder (default: 256 generated photo-like JPEGs)")
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args(argv)
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = AugmentConfig(decode="gpu")
     n, s = len(datas), cfg.output_size
     images = np.empty((n, s, s, 3), np.uint8)
-    builder = hybrid.CompactBuilder(cfg)
+    builder = builders.CompactBuilder(cfg)
     builder.reset(images)
     for i, d in enumerate(datas):
         builder.add(d, augment.draws(0, 0, i), images[i])

@@ -42,9 +42,9 @@ from multiprocessing import get_context
 
 import numpy as np
 
-from . import batchfile
-from .bars import bar
-from .demo import write_config
+from prefetchd.core.bars import bar
+from prefetchd.format import batchfile
+from prefetchd.tools.demo import write_config
 
 
 def _cores() -> int:
@@ -165,7 +165,7 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
               work: str, parent: str, daemon_src: str | None = None) -> dict:
     import psutil
 
-    from . import status
+    from prefetchd.format import status
 
     run = tempfile.mkdtemp(prefix=f"ranks{ranks}-", dir=work)
     buffer = tempfile.mkdtemp(prefix="prefetchd-bench-", dir=parent)
@@ -266,8 +266,8 @@ class _PeerDataset:
             im = Image.open(f).convert("RGB")
         w, h = im.size
         if self.mode == "random_resized_crop":
-            from .augment import Draws, crop_for
-            from .config import AugmentConfig
+            from prefetchd.core.augment import Draws, crop_for
+            from prefetchd.core.config import AugmentConfig
             c = crop_for(AugmentConfig(mode="random_resized_crop"), w, h,
                          Draws(np.random.random(48), np.zeros(3)))
             im = im.resize((224, 224), Image.Resampling.BILINEAR, box=(c.left, c.top, c.right, c.bottom))
@@ -436,7 +436,7 @@ def _augment(args) -> dict:
 
 
 def run_bench(args) -> int:
-    from .config import load as load_config
+    from prefetchd.core.config import load as load_config
 
     work = tempfile.mkdtemp(prefix="prefetchd-bench-")
     try:
@@ -453,7 +453,7 @@ def run_bench(args) -> int:
             batch = args.batch_size or 64
             workers = args.workers or _cores()
         else:
-            from .samples import make_image_folder
+            from prefetchd.tools.samples import make_image_folder
 
             root = os.path.join(work, "data")
             t = time.monotonic()
@@ -464,7 +464,7 @@ def run_bench(args) -> int:
             workers = args.workers or _cores()
         paths = list_images(root)
         aug = _augment(args)
-        from .ring import is_tmpfs
+        from prefetchd.daemon.ring import is_tmpfs
 
         parent = _buffer_parent(args)
         print(f"corpus {root}: {len(paths)} images; batch {batch}; augment {aug or 'scale (default)'}; "

@@ -42,8 +42,8 @@ import time
 import numpy as np
 import yaml
 
-from . import status
-from .bench import stop_daemon
+from prefetchd.format import status
+from prefetchd.tools.bench.throughput import stop_daemon
 
 
 def _tiny_model(torch, num_classes: int):
@@ -74,7 +74,7 @@ class _RRCFolder:
     machines where torchvision does not import)."""
 
     def __init__(self, root: str, size: int):
-        from .bench import list_images
+        from prefetchd.tools.bench.throughput import list_images
 
         self.paths = list_images(root)
         classes = sorted({os.path.basename(os.path.dirname(p)) for p in self.paths})
@@ -90,8 +90,8 @@ class _RRCFolder:
         import torch
         from PIL import Image
 
-        from .augment import Draws, crop_for
-        from .config import AugmentConfig
+        from prefetchd.core.augment import Draws, crop_for
+        from prefetchd.core.config import AugmentConfig
 
         with open(self.paths[i], "rb") as f:
             im = Image.open(f).convert("RGB")
@@ -211,7 +211,7 @@ def run_train_bench(args) -> int:
         return 2
     from prefetchd_client import PrefetchClient
 
-    from .bench import _buffer_parent, _cores
+    from prefetchd.tools.bench.throughput import _buffer_parent, _cores
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -227,7 +227,7 @@ def run_train_bench(args) -> int:
     try:
         root = args.root
         if root is None:
-            from .samples import make_image_folder
+            from prefetchd.tools.samples import make_image_folder
 
             root = os.path.join(work, "data")
             make_image_folder(root, classes=20, per_class=max(1, args.images // 20), seed=1)
