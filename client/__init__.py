@@ -9,23 +9,21 @@
         for images, labels in loader:                     # one epoch: float [B,3,H,W], int64 [B]
             ...
             checkpoint["loader"] = loader.state_dict()
+
+Modules by role: ``loader`` (``PrefetchClient``, the public loader), ``reader`` (the reader thread
+and batch files), ``memory`` (pinned buffers and device copies), ``normalize``, ``gpudecode``
+(compact batches decoded on the GPU), ``common`` (errors, ``BatchInfo``, constants; imports
+nothing of the client).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .client import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    BatchInfo,
-    CudaTransfer,
-    PrefetchClient,
-    PrefetchError,
-    PrefetchTimeout,
-    _normalize_numpy,
-    _normalize_torch,
-)
+from .common import BatchInfo, PrefetchError, PrefetchTimeout
+from .loader import PrefetchClient
+from .memory import CudaTransfer
+from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
 
 __all__ = ["BatchInfo", "CudaTransfer", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize",
            "IMAGENET_MEAN", "IMAGENET_STD"]

@@ -1,10 +1,10 @@
 """The client's decode stage for compact batches (``augment.decode: hybrid | gpu``).
 
-``DecodeStage(device)`` turns a parsed ``prefetchd.jpegbatch.JpegBatch`` into the uint8
+``DecodeStage(device)`` turns a parsed ``prefetchd.format.jpegbatch.JpegBatch`` into the uint8
 ``[B, 3, H, W]`` channels-last tensor the CPU path yields: JPEG payloads are decoded on the device
 in one batched call (nvImageCodec, which uses the GPU's hardware JPEG engines where it can), then
 each is turned upright (EXIF orientation), cropped, resampled (2x area halving while the region is
-at least twice the output, then the configured filter, as ``prefetchd.augment`` does), and the
+at least twice the output, then the configured filter, as ``prefetchd.core.augment`` does), and the
 batch is jittered, lit and flipped with the parameters the daemon drew. PIXELS payloads (files
 the daemon decoded on its CPU) are copied in unchanged. Crops, flips, jitter parameters and labels
 equal the CPU path's; the pixels differ slightly (the IDCT, the resampling arithmetic, and lanczos,
@@ -215,7 +215,7 @@ def _round_u8(x: torch.Tensor) -> torch.Tensor:
 
 def resample(x: torch.Tensor, hh: int, ww: int, interpolation: str) -> torch.Tensor:
     """float ``[1, 3, h, w]`` holding whole numbers -> ``[1, 3, hh, ww]``, rounded, as
-    ``prefetchd.augment._resample`` does it with OpenCV."""
+    ``prefetchd.core.augment._resample`` does it with OpenCV."""
     if interpolation not in ("nearest", "area"):
         while x.shape[2] >= 2 * hh and x.shape[3] >= 2 * ww:
             h2, w2 = x.shape[2] // 2, x.shape[3] // 2

@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--daemon-src", help="run the daemon from this source tree (an A/B comparison)")
     b.add_argument("--plot", help="PNG path for the sweep's error-bar plot (needs matplotlib)")
     b.add_argument("--json", help="write the figures to this JSON file")
-    k = b.add_argument_group("client cost (--client) and training (--train); see bench_client.py, bench_train.py")
+    k = b.add_argument_group("client cost (--client) and training (--train); see tools/bench/client.py, tools/bench/train.py")
     k.add_argument("--client", action="store_true", help="time the trainer's thread inside next(), next batch ready")
     k.add_argument("--train", metavar="MODEL", help="train MODEL (tiny, or a torchvision model such as resnet50) fed "
                    "from a batch on the device, the client and a DataLoader")

@@ -147,15 +147,15 @@ def test_validation_section_defaults_and_errors(tmp_path):
 
 
 def test_reload_takes_validation_capacity_but_refuses_other_validation_changes():
-    from prefetchd.daemon.loop import _reload_blockers
+    from prefetchd.core.config import reload_blockers
 
     base = {"dataset": {"root": "/d"}, "validation": {"enabled": True, "root": "/v"}}
     old = C.from_dict(base)
-    assert _reload_blockers(old, C.from_dict({**base, "validation": {**base["validation"], "capacity": 3}})) is None
-    assert _reload_blockers(old, C.from_dict({**base, "buffer": {"capacity": 5}})) is None  # a defaulted capacity
+    assert reload_blockers(old, C.from_dict({**base, "validation": {**base["validation"], "capacity": 3}})) is None
+    assert reload_blockers(old, C.from_dict({**base, "buffer": {"capacity": 5}})) is None  # a defaulted capacity
     for change in ({"root": "/w"}, {"batch_size": 7}, {"resize": 300}, {"enabled": False}):
         new = C.from_dict({**base, "validation": {**base["validation"], **change}})
-        assert _reload_blockers(old, new) == "validation.enabled/root/file_list/batch_size/resize", change
+        assert reload_blockers(old, new) == "validation.enabled/root/file_list/batch_size/resize", change
 
 
 def test_validation_is_decoded_on_the_cpu_under_hybrid_decode():

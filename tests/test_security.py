@@ -123,7 +123,7 @@ def test_a_group_the_daemon_may_not_use_is_one_clear_line(request):
     os.chown(buf, NOBODY, NOBODY)
     request.addfinalizer(lambda: shutil.rmtree(top))
     # modules are imported as root: the interpreter lives under /root, which nobody cannot read
-    r = subprocess.run([sys.executable, "-c", "import os, sys; from prefetchd.ring import prepare_dirs, RingError; "
+    r = subprocess.run([sys.executable, "-c", "import os, sys; from prefetchd.daemon.ring import prepare_dirs, RingError; "
                         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
                         "try: prepare_dirs(sys.argv[1], sys.argv[1] + '/progress', 'root')\n"
                         "except RingError as e: print(e)", buf], capture_output=True, text=True, timeout=60)
@@ -268,7 +268,7 @@ def test_a_trainer_outside_the_group_is_told_permission_is_denied(tmp_path, imag
     open(os.path.join(buf, status.LOCK_NAME), "w").close()
     cfg = small_config(tmp_path, image_root, buffer={"dir": buf})
     # modules and config are loaded as root: the interpreter lives under /root, which nobody cannot read
-    code = ("import os, sys; from prefetchd_client import PrefetchClient; from prefetchd.config import load\n"
+    code = ("import os, sys; from prefetchd_client import PrefetchClient; from prefetchd.core.config import load\n"
             "cfg = load(sys.argv[1]); os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
             "c = PrefetchClient(cfg, timeout=0.5, as_numpy=True)\n"
             "try: c.meta()\n"

@@ -577,3 +577,24 @@ def _resolve_relative(data: dict, base: str) -> dict:
             if not os.path.isabs(p):
                 body[key] = os.path.join(base, p)
     return out
+
+
+def reload_blockers(old: Config, new: Config) -> str | None:
+    """What keeps ``new`` from being applied to a running daemon by SIGHUP (restart keys that
+    changed), or None."""
+    if new.stream_fingerprint() != old.stream_fingerprint():
+        diffs = [f"loader.{k}" for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")
+                 if getattr(new.loader, k) != getattr(old.loader, k)]
+        diffs += ["augment.*"] if new.augment != old.augment else []
+        return ", ".join(diffs) or "the stream"
+    if new.dataset != old.dataset:
+        return "dataset.*"
+    if new.loader != old.loader:
+        return "loader.ranks/epochs"
+    if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
+        return "validation.enabled/root/file_list/batch_size/resize"
+    if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
+        return "buffer.dir/group"
+    if new.progress.dir != old.progress.dir:
+        return "progress.dir"
+    return None

@@ -43,20 +43,21 @@ from multiprocessing.connection import wait as mp_wait
 import psutil
 
 from prefetchd.core import hybrid
-from prefetchd.core.config import Config, ConfigError, format_size
+from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, val_labels
 from prefetchd.core.planner import Limits, Planner
-from prefetchd.core.sampler import Sampler, ValSampler
+from prefetchd.core.sampler import Sampler
 from prefetchd.daemon.quarantine import QuarantineLog
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.sessions import Sessions
+from prefetchd.daemon.validation import ValStream
 from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
 from prefetchd.executors.pool import Pool
 from prefetchd.executors.worker import Result, Task, WorkerSetup
 from prefetchd.format import batchfile, status
-from prefetchd.format.progress import VAL_LANE, lane
+from prefetchd.format.progress import VAL_LANE
 
 log = logging.getLogger("prefetchd")
 
@@ -121,7 +122,7 @@ class Daemon:
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
                                self._estimate)
         if cfg.validation.enabled:
-            self.val = _ValStream(cfg, self.val_index, self.ranks, self.fingerprint_hex)
+            self.val = ValStream(cfg, self.val_index, self.ranks, self.fingerprint_hex)
         lanes = tuple(self.ranks) + (self.val.lanes if self.val else ())
         self.watcher = ProgressWatcher(cfg.progress_dir, lanes, self._wake, cfg.progress.inotify)
         self._apply_progress(self.watcher.poll(), initial=True)
@@ -505,7 +506,7 @@ class Daemon:
         except ConfigError as e:
             log.error("reload refused: %s; keeping the running configuration", e)
             new = None
-        why = _reload_blockers(self.cfg, new) if new is not None else None
+        why = reload_blockers(self.cfg, new) if new is not None else None
         if why:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
@@ -574,68 +575,6 @@ def _quietly(fn, what: str):
         return None
 
 
-class _ValStream:
-    """The validation stream's state in the daemon: sampler, planner and sessions of its lanes."""
-
-    def __init__(self, cfg: Config, index, ranks, train_fingerprint: str):
-        V = cfg.validation
-        self.index = index
-        self.sampler = ValSampler(len(index), V.batch_size, cfg.loader.world_size)
-        self.ranks = tuple(ranks)
-        self.lanes = tuple(lane("val", r) for r in ranks)
-        self.stream_fingerprint = cfg.val_stream_fingerprint()
-        self.fingerprint_hex = hashlib.sha256(
-            f"{cfg.val_stream_fingerprint()}|{train_fingerprint}|{index.fingerprint}".encode()).hexdigest()[:16]
-        self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
-        bpp = max(1, self.sampler.max_batches)
-        size = cfg.augment.output_size
-        self.planner = Planner(self.lanes, bpp, None, Limits(V.capacity, V.capacity, cfg.buffer.max_bytes,
-                                                             cfg.buffer.min_free_bytes),
-                               lambda key: batchfile.max_file_size(V.batch_size, size, size),
-                               pass_len=lambda r: self.sampler.batches(r - VAL_LANE))
-        self.sessions = Sessions(self.lanes, bpp, self.fingerprint_hex)
-
-    def worker_setup(self, cfg: Config, train):
-        """What a worker needs to make this stream's batches: the eval augmentation, the val
-        batch size, the val index (labels mapped to the train classes), this stream's fingerprint."""
-        vcfg = replace(cfg, augment=cfg.val_augment(),
-                       loader=replace(cfg.loader, batch_size=cfg.validation.batch_size))
-        return replace(train, config=vcfg, index_dir=None, index=self.index, fingerprint=self.fingerprint,
-                       bad=frozenset())
-
-    def task(self, r: int, e: int, b: int) -> Task:
-        rank = r - VAL_LANE
-        return Task(r, e, b, self.sampler.batches(rank), self.sampler.batch_indices(rank, b), ())
-
-    def apply(self, r: int, p, now: float, initial: bool) -> list:
-        """A lane's progress record: moves, then starts or stops the lane. Returns batches to delete."""
-        evicted = []
-        move = self.sessions.apply(r, p, now, initial)
-        if move is not None:
-            evicted += self.planner.set_position(r, move.epoch, move.batch)
-        # a pass is made only while its trainer reads it (also after a daemon restart mid-pass)
-        evicted += self.planner.set_active(r, p.reading)
-        return evicted
-
-    def meta(self) -> dict:
-        s = self.sampler
-        return {"fingerprint": self.fingerprint_hex, "stream_fingerprint": self.stream_fingerprint,
-                "num_samples": s.num_samples, "batch_size": s.batch_size,
-                "batches": {str(r): s.batches(r) for r in self.ranks},
-                "samples": {str(r): s.share(r) for r in self.ranks}}
-
-    def status(self, now: float) -> dict:
-        out = {}
-        for r, lane_id in zip(self.ranks, self.lanes, strict=True):
-            rs = self.planner.rank_status(lane_id)
-            rs["position"] = list(divmod(self.planner.ranks[lane_id].pos, self.planner.bpe))
-            seen = self.sessions.last_seen.get(lane_id)
-            rs.update(pass_batches=self.sampler.batches(r), wait_s=self.sessions.wait_s[lane_id],
-                      last_progress_age_s=None if seen is None else now - seen)
-            out[str(r)] = rs
-        return out
-
-
 def _limits(b) -> Limits:
     return Limits(b.capacity, b.refill_at, b.max_bytes, b.min_free_bytes)
 
@@ -657,22 +596,3 @@ def _own_cpu_s() -> float:
 def stream_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:
     """16 hex digits identifying the batch stream: config settings that change bytes + dataset."""
     return hashlib.sha256(f"{cfg.stream_fingerprint()}|{dataset_fingerprint}".encode()).hexdigest()[:16]
-
-
-def _reload_blockers(old: Config, new: Config) -> str | None:
-    if new.stream_fingerprint() != old.stream_fingerprint():
-        diffs = [f"loader.{k}" for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")
-                 if getattr(new.loader, k) != getattr(old.loader, k)]
-        diffs += ["augment.*"] if new.augment != old.augment else []
-        return ", ".join(diffs) or "the stream"
-    if new.dataset != old.dataset:
-        return "dataset.*"
-    if new.loader != old.loader:
-        return "loader.ranks/epochs"
-    if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
-        return "validation.enabled/root/file_list/batch_size/resize"
-    if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
-        return "buffer.dir/group"
-    if new.progress.dir != old.progress.dir:
-        return "progress.dir"
-    return None

@@ -1,290 +1,53 @@
-"""The trainer's side: read ready batches from the ring, report progress, resume exactly.
+"""The public loader, ``PrefetchClient``: the trainer's position, DataLoader habits (``len``,
+``set_epoch``, ``state_dict``), the daemon's metadata, iteration, progress reports, lifetime.
 
-Imports only prefetchd's shared format modules (config, batchfile, jpegbatch, progress, status),
-numpy and, when installed, torch; never the daemon, Pillow or the pool.
+Imports only prefetchd's shared modules (``prefetchd.format``, ``prefetchd.core.config``), numpy
+and, when installed, torch; never the daemon, Pillow or the pool. Reading files is
+``reader.BatchFiles``'s (a mixin of the client, run in the reader thread), host memory and copies
+``memory``'s, normalisation ``normalize``'s, decoding compact batches ``gpudecode``'s.
 
 Hybrid decode (``augment.decode: hybrid | gpu``). Some batch files are compact batches (JPEG bytes
-and parameters, ``prefetchd.jpegbatch``); the reader thread decodes them with a
+and parameters, ``prefetchd.format.jpegbatch``); the reader thread decodes them with a
 ``gpudecode.DecodeStage`` on the device (on the side stream, like a copy) and yields the same
 uint8 ``[B, 3, H, W]`` images. The stage is made when the client is, so a missing GPU extra is
 an error at start; ``decoder=`` replaces its JPEG decoder (a CPU one makes the path run without
 a GPU).
 
-Threads. A reader thread per iteration opens, reads, verifies and parses the next batch files
-(``prefetch`` of them ahead, bounded), reports each to the daemon once it is in this process's
-memory, and with a CUDA device starts its copy on a side stream. The trainer's thread only takes
-the next item from a queue (and, on a GPU, makes its stream wait on the copy's event). Errors in
-the reader are raised in the trainer's thread, unchanged, when it reaches that batch. The
-position the trainer sees (``epoch``, ``batch``, ``state_dict()``) is the trainer's own, never the
-reader's read-ahead.
+The position the trainer sees (``epoch``, ``batch``, ``state_dict()``) is the trainer's own, never
+the reader's read-ahead.
 
 Memory. A yielded batch is never written again: numpy arrays and CPU tensors are fresh per batch;
 pinned CPU tensors are fresh blocks of the host allocator (torch's caching allocator reuses a
-block only once it is freed and its copies are done); a CUDA batch is copied out of a pinned
-buffer from a small pool, and a buffer returns to that pool only after the event recorded after
-its last copy has completed.
+block only once it is freed and its copies are done); CUDA batches come through ``memory``'s pool.
 """
 
 from __future__ import annotations
 
-import grp
 import os
-import queue
 import secrets
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
-from prefetchd.format import batchfile, jpegbatch, progress, status
+from prefetchd.format import progress, status
+
+from .common import _POLL_MIN_S, _STATE_FORMAT, BatchInfo, PrefetchError, PrefetchTimeout, _Stopped
+from .memory import CudaTransfer, _PinnedPool
+from .reader import BatchFiles, ReadAhead
 
 try:
     import torch
 except ImportError:  # numpy arrays only
     torch = None
 
-_POLL_MIN_S = 0.0005
-_POLL_MAX_S = 0.005
-_QUEUE_POLL_S = 0.05  # how often a blocked reader or trainer looks at the stop flag / the other side
-_JOIN_TIMEOUT_S = 10.0  # a stopped reader finishes its current file (milliseconds) and exits
-_STATE_FORMAT = "prefetchd-loader"
 
-
-@dataclass(frozen=True)
-class BatchInfo:
-    """What the last batch yielded was: its place in the stream, its samples, and whether it was
-    an echo (a repeat served instead of waiting, only with ``client.echo_factor`` > 1)."""
-
-    rank: int
-    epoch: int
-    batch: int
-    indices: np.ndarray  # dataset indices of the samples
-    # per sample: the index a quarantined sample stood in for, else -1; its own index where the
-    # client could decode it neither on the GPU nor on the CPU and zeros stand in (hybrid decode)
-    replaced: np.ndarray
-    echo: int = 0  # 0: first service; k: the k-th repeat
-
-
-class PrefetchError(RuntimeError):
-    """The client cannot go on; the message says what it waited for or found."""
-
-
-class PrefetchTimeout(PrefetchError, TimeoutError):
-    """No batch arrived within the timeout."""
-
-
-class _Stopped(Exception):
-    """The reader was told to stop (seek, close, a new iteration)."""
-
-
-# --- host memory and host-to-device copies --------------------------------------------------------------
-
-
-class CudaTransfer:
-    """Pinned host memory and asynchronous copies to a CUDA device.
-
-    The client uses a transfer object through these methods only, so tests without a GPU can
-    pass a stand-in (``PrefetchClient(..., transfer=...)``) that behaves like pinned memory and a
-    copy engine: a copy runs some time after it is queued, and its event says when.
-
-    * ``available()``: can pinned memory and copies be had at all.
-    * ``resolve(device)``: the concrete device (``cuda`` -> ``cuda:<current device>``, read in the
-      trainer's thread at first use, so ``torch.cuda.set_device`` after construction counts).
-    * ``empty(nbytes)``: a fresh uint8 pinned host tensor.
-    * ``stream(device)``: a side stream; ``context(device, stream)``: make it current (reader thread).
-    * ``to_device(tensor, device)``: queue a copy on the current stream; ``copy_(dst, src)``: queue
-      a copy into an existing tensor (the decode stage's PIXELS rows); ``record(stream)``: an
-      event (``query()``, ``synchronize()``) after everything queued so far.
-    * ``wait(event, device, tensors)``: in the trainer's thread, make its current stream wait for
-      the event and mark the tensors as used there.
-    """
-
-    def available(self) -> bool:
-        return torch is not None and torch.cuda.is_available()
-
-    def resolve(self, device):
-        if device.type == "cuda" and device.index is None:
-            return torch.device("cuda", torch.cuda.current_device())
-        return device
-
-    def empty(self, nbytes: int):
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def stream(self, device):
-        return torch.cuda.Stream(device)
-
-    def context(self, device, stream):
-        torch.cuda.set_device(device)  # the current device is per thread
-        return torch.cuda.stream(stream)
-
-    def to_device(self, tensor, device):
-        return tensor.to(device, non_blocking=True)
-
-    def copy_(self, dst, src):
-        return dst.copy_(src, non_blocking=True)
-
-    def record(self, stream):
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return ev
-
-    def wait(self, event, device, tensors) -> None:
-        cur = torch.cuda.current_stream(device)
-        cur.wait_event(event)
-        for t in tensors:
-            t.record_stream(cur)  # allocated on the side stream, used on the trainer's
-
-
-class _PinnedPool:
-    """Pinned buffers for the copies to the device. A buffer comes back with the event recorded
-    after its last copy and is handed out again only once that event has completed."""
-
-    def __init__(self, transfer, limit: int):
-        self._transfer = transfer
-        self._limit = limit
-        self._free: list[tuple[Any, Any]] = []  # (tensor, event or None)
-        self._count = 0
-        self.peak = 0  # the most buffers alive at once (never above ``limit``)
-        self._lock = threading.Lock()
-
-    def acquire(self, nbytes: int, timeout: float, stop: threading.Event):
-        deadline = time.monotonic() + timeout
-        delay = _POLL_MIN_S
-        while True:
-            with self._lock:
-                for i, (t, ev) in enumerate(self._free):
-                    if t.numel() >= nbytes and (ev is None or ev.query()):
-                        del self._free[i]
-                        return t
-                if self._count >= self._limit:
-                    # a buffer too small for this batch (a short last batch came first) makes room
-                    for i, (t, ev) in enumerate(self._free):
-                        if t.numel() < nbytes and (ev is None or ev.query()):
-                            del self._free[i]
-                            self._count -= 1
-                            break
-                if self._count < self._limit:
-                    self._count += 1
-                    self.peak = max(self.peak, self._count)
-                    grow = True
-                else:
-                    grow = False
-            if grow:
-                try:
-                    return self._transfer.empty(nbytes)
-                except BaseException:
-                    with self._lock:
-                        self._count -= 1
-                    raise
-            if stop.is_set():
-                raise _Stopped()
-            if time.monotonic() >= deadline:
-                raise PrefetchTimeout(f"waited {timeout:.1f} s for a pinned buffer's copy to the device to finish; "
-                                      "is the GPU hung?")
-            time.sleep(delay)
-            delay = min(delay * 1.5, _POLL_MAX_S)
-
-    def release(self, tensor, event) -> None:
-        base = getattr(tensor, "_base", None)  # the whole buffer, not the batch's view of it
-        with self._lock:
-            self._free.append((tensor if base is None else base, event))
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-            self._count = 0
-        for _, ev in free:
-            if ev is not None:
-                ev.synchronize()  # the copy must be done before the memory goes back
-
-
-# --- the read-ahead thread ---------------------------------------------------------------------------------
-
-
-class _ReadAhead:
-    """One epoch's read-ahead: a thread loads batches ``start..n-1`` into a queue of ``depth``."""
-
-    def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
-        self.epoch = epoch
-        self.stop = threading.Event()
-        self.opened = start - 1  # the last batch whose file the reader has opened (it is in hand)
-        self._q: queue.Queue = queue.Queue(depth)
-        self._thread = threading.Thread(target=self._run, args=(client, epoch, start, n),
-                                        name=f"prefetchd-reader-r{client.rank}-e{epoch}", daemon=True)
-        self._thread.start()
-
-    def _run(self, client: PrefetchClient, epoch: int, start: int, n: int) -> None:
-        try:
-            with client._reader_context():
-                for b in range(start, n):
-                    item = client._load(epoch, b, self.stop, self._opened)
-                    if not self._put(("ok", item)):
-                        return
-        except _Stopped:
-            return
-        except BaseException as e:  # raised again in the trainer's thread, as it was
-            self._put(("error", e))
-
-    def _put(self, msg) -> bool:
-        while not self.stop.is_set():
-            try:
-                self._q.put(msg, timeout=_QUEUE_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _opened(self, batch: int) -> None:
-        self.opened = batch
-
-    def ready(self) -> bool:
-        return not self._q.empty()
-
-    def in_hand(self, batch: int) -> bool:
-        """Whether ``batch`` is delivered or on its way: the reader has opened its file (the
-        daemon may delete the file from then on) or an item (or error) is waiting."""
-        return self.opened >= batch or not self._q.empty()
-
-    def get(self, timeout: float, waiting_for: str):
-        """The next item, waiting at most ``timeout`` (the reader bounds its own waits by the
-        same timeout, so this only fires if the reader itself is stuck)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                kind, value = self._q.get(timeout=_QUEUE_POLL_S)
-            except queue.Empty:
-                if self.stop.is_set():
-                    raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
-                                        "close() or a newer iteration of the same client") from None
-                if not self._thread.is_alive() and self._q.empty():
-                    raise PrefetchError(f"the reader thread ended without {waiting_for}") from None
-                if time.monotonic() >= deadline:
-                    raise PrefetchTimeout(f"waited {timeout:.1f} s for the reader thread to deliver {waiting_for}") from None
-                continue
-            if kind == "error":
-                raise value
-            return value
-
-    def close(self) -> None:
-        self.stop.set()
-        while True:  # drop what was read ahead (and wake a reader blocked on a full queue)
-            try:
-                self._q.get_nowait()
-            except queue.Empty:
-                break
-        if self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_TIMEOUT_S)
-
-
-# --- the client --------------------------------------------------------------------------------------------
-
-
-class PrefetchClient:
+class PrefetchClient(BatchFiles):
     """Iterate the batches prefetchd prepared for one rank.
 
     DataLoader habits::
@@ -334,7 +97,7 @@ class PrefetchClient:
                  verify: bool = True, normalize: bool = False, dtype: Any = None, prefetch: int | None = None,
                  transfer: Any = None, decoder: Any = None, split: str = "train"):
         self._closed = True  # until fully built: __del__ must not trip over a half-made client
-        self._reader: _ReadAhead | None = None
+        self._reader: ReadAhead | None = None
         self._pool: _PinnedPool | None = None
         self.cfg = config if isinstance(config, Config) else load_config(config)
         self.rank = _resolve_rank(self.cfg, rank)
@@ -565,7 +328,7 @@ class PrefetchClient:
             if val:
                 self._end_pass()
             return
-        reader = self._reader = _ReadAhead(self, epoch, start, n, self.prefetch)
+        reader = self._reader = ReadAhead(self, epoch, start, n, self.prefetch)
         echo = self.echo_factor > 1 and not val
         done = False
         try:
@@ -608,7 +371,7 @@ class PrefetchClient:
         self._reading = False
         self._write_progress(self.epoch, self.batch)
 
-    def _next(self, reader: _ReadAhead, epoch: int, batch: int):
+    def _next(self, reader: ReadAhead, epoch: int, batch: int):
         t0 = time.monotonic()
         try:
             # the reader bounds each of its own waits (file, pinned buffer, directory) by the timeout
@@ -626,7 +389,8 @@ class PrefetchClient:
         if r is not None:
             r.close()
 
-    # --- reading (in the reader thread) -------------------------------------------------------------
+
+    # --- the device and the decode stage ---------------------------------------------------------
 
     def _resolve_device(self) -> None:
         """Fix the CUDA device at first use, in the trainer's thread (torchrun scripts call
@@ -655,197 +419,6 @@ class PrefetchClient:
             return DecodeStage(device if device is not None else torch.device("cpu"), self._decoder)
         except DecodeUnavailable as e:
             raise PrefetchError(f"augment.decode: {mode}: {e}".replace(f"{mode}: augment.decode: ", "")) from None
-
-    def _reader_context(self):
-        if self._copy:
-            return self._transfer.context(self.device, self._stream)
-        return _NoContext()
-
-    def _path(self, epoch: int, batch: int) -> str:
-        return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch))
-
-    def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event) -> int:
-        path = self._path(epoch, batch)
-        deadline = time.monotonic() + self.timeout
-        delay = _POLL_MIN_S
-        while True:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except FileNotFoundError:
-                pass
-            if stop.is_set():
-                raise _Stopped()
-            if time.monotonic() >= deadline:
-                raise PrefetchTimeout(f"waited {self.timeout:.1f} s for rank {self.rank} epoch {epoch} batch {batch} "
-                                      f"({path}); " + self._daemon_state())
-            time.sleep(delay)
-            delay = min(delay * 1.5, _POLL_MAX_S)
-
-    def _daemon_state(self) -> str:
-        denied = self._permission_denied()
-        if denied:
-            return denied
-        alive = status.daemon_alive(self.dir)
-        if alive is False:
-            return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
-        s = status.read_json(self.dir, status.STATUS_NAME) or {}
-        state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
-        if not isinstance(s.get("updated"), (int, float)):
-            return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
-        rs = s.get("ranks", {}).get(str(self.rank), {})
-        extra = f"; it says: {s['blocked']}" if s.get("blocked") else ""
-        return (state + f"its status is {time.time() - s['updated']:.0f} s old, rank {self.rank} has "
-                f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}")
-
-    def _permission_denied(self) -> str | None:
-        """What a trainer outside the buffer's group is told: the file it may not read, the group."""
-        path = os.path.join(self.dir, status.META_NAME)
-        try:
-            os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
-            return None
-        except PermissionError:
-            pass
-        except OSError:
-            return None
-        group = self.cfg.buffer.group
-        if group is None:
-            try:
-                group = grp.getgrgid(os.stat(self.dir).st_gid).gr_name
-            except (OSError, KeyError):
-                group = "of the buffer"
-        return f"cannot read {path}: permission denied: is this user in group {group} (buffer.group)?"
-
-    def _host_buffer(self, size: int, stop: threading.Event):
-        """Where to read a file of ``size`` bytes: (torch tensor or None, numpy view of it)."""
-        if self._copy and self.pin_memory:
-            t = self._pool.acquire(size, self.timeout, stop)[:size]
-            return t, t.numpy()
-        if self.pin_memory:  # pinned CPU tensors for the trainer: a fresh block per batch
-            t = self._transfer.empty(size)
-            return t, t.numpy()
-        arr = np.empty(size, dtype=np.uint8)
-        return None, arr
-
-    def _load(self, epoch: int, batch: int, stop: threading.Event, opened=None):
-        path = self._path(epoch, batch)
-        fd = self._open_when_ready(epoch, batch, stop)
-        if opened is not None:
-            opened(batch)
-        try:
-            st = os.fstat(fd)
-            head = os.pread(fd, batchfile.HEADER_SIZE, 0)
-            try:
-                size = jpegbatch.expected_size(head)  # either kind: pixels or compact
-            except batchfile.BatchFileError as e:
-                raise PrefetchError(f"{path}: {e}") from None
-            if st.st_uid != os.stat(self.dir).st_uid:
-                raise PrefetchError(f"{path} is owned by uid {st.st_uid}, not by the daemon's; refusing it")
-            if st.st_size != size:
-                raise PrefetchError(f"{path} is {st.st_size} bytes, its header says {size}")
-            host, arr = self._host_buffer(size, stop)
-            try:
-                batchfile.copy_into(fd, arr)
-            except BaseException:
-                self._give_back(host, None)
-                raise
-        finally:
-            os.close(fd)
-        try:
-            try:
-                b = jpegbatch.parse_any(arr, verify=self.verify)
-            except batchfile.BatchFileError as e:
-                raise PrefetchError(f"{path}: {e}") from None
-            if isinstance(b, jpegbatch.JpegBatch) and self._stage is None:
-                raise PrefetchError(f"{path} is a compact batch (hybrid decode) but this client's config has "
-                                    "augment.decode: cpu; use the daemon's config")
-            fp = batchfile.fingerprint_u64(self._fingerprint())
-            if (b.rank, b.epoch, b.batch, b.fingerprint) != (self._lane, epoch, batch, fp):
-                raise PrefetchError(f"{path} holds lane {b.rank} epoch {b.epoch} batch {b.batch} of "
-                                    f"stream {b.fingerprint:016x}, not the expected one of {fp:016x} (stale batch)")
-            self.batches_read += 1
-            self.bytes_read += size
-            # the file is in this process's memory now: the daemon may delete it and make the next
-            # (a stop landing here raises _Stopped: the buffer goes back to the pool all the same)
-            self._write_progress(epoch, batch + 1, reader=stop)
-        except BaseException:
-            self._give_back(host, None)
-            raise
-        info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
-        return self._convert(b, host, info.replaced) + (info,)
-
-    def _give_back(self, host, event) -> None:
-        if host is not None and self._copy and self.pin_memory:
-            self._pool.release(host, event)
-
-    def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
-        """(images, labels, event or None) as the trainer gets them; ``replaced`` (the batch's, a
-        copy) is marked where the decode stage had to put a stand-in in place of a sample."""
-        if isinstance(b, jpegbatch.JpegBatch):
-            return self._convert_compact(b, host, replaced)
-        if self.as_numpy:
-            images = b.images.transpose(0, 3, 1, 2)
-            if self.normalize:
-                images = _normalize_numpy(images, dtype=self.dtype)
-            return (images, b.labels.copy(), None)
-        if host is None:
-            images = torch.from_numpy(b.images).permute(0, 3, 1, 2)  # [N, C, H, W], channels-last strides
-            labels = torch.from_numpy(b.labels.astype(np.int64))
-        else:  # views of the pinned tensor itself (not of its numpy alias), so torch sees pinned memory
-            lay = batchfile.Layout(*b.images.shape)
-            images = host[lay.images_offset: lay.images_offset + lay.images_nbytes].view(*b.images.shape)
-            images = images.permute(0, 3, 1, 2)
-            labels = host[lay.labels_offset: lay.labels_offset + 8 * lay.n].view(torch.int64)
-        if not self._copy:
-            if self.normalize:
-                images = _normalize_torch(images, self.dtype)
-            return (images, labels, None)
-        # pinned or pageable (host is None), the copies and the normalize run on the side stream:
-        # the trainer's stream waits on the event recorded after them and marks the outputs as
-        # used there (record_stream), else it could read them early and the allocator reuse them
-        try:
-            gi = self._transfer.to_device(images, self.device)
-            gl = self._transfer.to_device(labels, self.device)
-            if self.normalize:
-                gi = _normalize_torch(gi, self.dtype)  # on the side stream, after the copy
-            ev = self._transfer.record(self._stream)
-        except BaseException:
-            self._give_back(host, None)
-            raise
-        self._give_back(host, ev)  # reused only once ev (after both copies) has completed
-        return (gi, gl, ev)
-
-    def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
-        """A compact batch decoded by the stage: in the reader thread, on the side stream when
-        copying to a CUDA device (the trainer's stream waits on the event recorded after it)."""
-        if self.as_numpy:
-            images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
-            if self.normalize:
-                images = _normalize_numpy(images, dtype=self.dtype)
-            return (images, b.labels.copy(), None)
-        if not self._copy:
-            images = self._stage(b, source=host, replaced=replaced)
-            labels = torch.from_numpy(b.labels.copy())
-            if self.normalize:
-                images = _normalize_torch(images, self.dtype)
-            return (images, labels, None)
-        # on the side stream, pinned or not: the trainer waits on the event recorded after it all
-        try:
-            if host is not None:  # the labels section, viewed in the pinned buffer b was parsed from
-                lo = b.labels.ctypes.data - b.buffer.ctypes.data
-                labels = host[lo: lo + 8 * len(b)].view(torch.int64)
-            else:
-                labels = torch.from_numpy(b.labels.copy())
-            # copied before the decode is queued: a pageable copy waits for the stream's earlier work
-            gl = self._transfer.to_device(labels, self.device)
-            gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
-            if self.normalize:
-                gi = _normalize_torch(gi, self.dtype)
-            ev = self._transfer.record(self._stream)
-        except BaseException:
-            self._give_back(host, None)
-            raise
-        self._give_back(host, ev)  # the pinned file is read by the decode and copies before ev
-        return (gi, gl, ev)
 
     # --- progress ----------------------------------------------------------------------------------
 
@@ -915,51 +488,6 @@ class _Sized:
     def __len__(self) -> int:
         return self._n
 
-
-class _NoContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_CONSTANTS: dict = {}
-
-
-def _constants(mean, std, device, dtype):
-    """(scale, shift) with x * scale + shift == (x / 255 - mean) / std, made once per device,
-    dtype and stream without a host-to-device copy (a pageable copy would sync the host)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-    key = (tuple(mean), tuple(std), device, dtype, stream)
-    c = _CONSTANTS.get(key)
-    if c is None:
-        scale = torch.empty(len(mean), device=device, dtype=dtype)
-        shift = torch.empty(len(mean), device=device, dtype=dtype)
-        for i, (m, s) in enumerate(zip(mean, std, strict=True)):
-            scale[i].fill_(1.0 / (255.0 * s))  # a fill kernel with a host scalar: no copy, no sync
-            shift[i].fill_(-m / s)
-        c = _CONSTANTS[key] = (scale.view(1, -1, 1, 1), shift.view(1, -1, 1, 1))
-    return c
-
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def _normalize_torch(images, dtype=None, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    dtype = dtype or torch.float32
-    # low-precision outputs are computed in float32 and rounded once
-    work = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-    scale, shift = _constants(mean, std, images.device, work)
-    out = torch.addcmul(shift, images.to(work), scale)
-    return out if work == dtype else out.to(dtype)
-
-
-def _normalize_numpy(images, dtype=np.float32, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    scale = (1.0 / (255.0 * np.asarray(std, dtype=np.float32))).reshape(1, -1, 1, 1)
-    shift = (-np.asarray(mean, dtype=np.float32) / np.asarray(std, dtype=np.float32)).reshape(1, -1, 1, 1)
-    return (np.asarray(images, dtype=np.float32) * scale + shift).astype(dtype or np.float32, copy=False)
 
 
 def _state_int(state: Mapping, key: str, *default):

@@ -1,0 +1,44 @@
+"""What every module of the client shares: its errors, ``BatchInfo``, and its timing constants.
+
+The bottom of the client's imports: it imports nothing of the client, so the modules above it
+(memory, normalize, reader, loader) make no cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_POLL_MIN_S = 0.0005
+_POLL_MAX_S = 0.005
+_QUEUE_POLL_S = 0.05  # how often a blocked reader or trainer looks at the stop flag / the other side
+_JOIN_TIMEOUT_S = 10.0  # a stopped reader finishes its current file (milliseconds) and exits
+_STATE_FORMAT = "prefetchd-loader"
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the last batch yielded was: its place in the stream, its samples, and whether it was
+    an echo (a repeat served instead of waiting, only with ``client.echo_factor`` > 1)."""
+
+    rank: int
+    epoch: int
+    batch: int
+    indices: np.ndarray  # dataset indices of the samples
+    # per sample: the index a quarantined sample stood in for, else -1; its own index where the
+    # client could decode it neither on the GPU nor on the CPU and zeros stand in (hybrid decode)
+    replaced: np.ndarray
+    echo: int = 0  # 0: first service; k: the k-th repeat
+
+
+class PrefetchError(RuntimeError):
+    """The client cannot go on; the message says what it waited for or found."""
+
+
+class PrefetchTimeout(PrefetchError, TimeoutError):
+    """No batch arrived within the timeout."""
+
+
+class _Stopped(Exception):
+    """The reader was told to stop (seek, close, a new iteration)."""

@@ -1,0 +1,316 @@
+"""Reading batch files, in the reader thread: one ``ReadAhead`` per iteration opens, reads,
+verifies and parses the next files (``prefetch`` of them ahead, bounded), reports each to the
+daemon once it is in this process's memory, and with a CUDA device starts its copy (and, for a
+compact batch, its decode) on a side stream. The trainer's thread only takes the next item from a
+queue. Errors in the reader are raised in the trainer's thread, unchanged, when it reaches that
+batch.
+
+``BatchFiles`` is the client's file side (a mixin of ``PrefetchClient``): where a batch's file is,
+waiting for it with a deadline, reading it into host memory, checking it, converting it to what
+the trainer gets, and saying what the daemon is doing when a wait times out.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from prefetchd.format import batchfile, jpegbatch, status
+
+from .common import (
+    _JOIN_TIMEOUT_S,
+    _POLL_MAX_S,
+    _POLL_MIN_S,
+    _QUEUE_POLL_S,
+    BatchInfo,
+    PrefetchError,
+    PrefetchTimeout,
+    _Stopped,
+)
+from .memory import _NoContext
+from .normalize import _normalize_numpy, _normalize_torch
+
+if TYPE_CHECKING:
+    from .loader import PrefetchClient
+
+try:
+    import torch
+except ImportError:  # numpy arrays only
+    torch = None
+
+
+class ReadAhead:
+    """One epoch's read-ahead: a thread loads batches ``start..n-1`` into a queue of ``depth``."""
+
+    def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
+        self.epoch = epoch
+        self.stop = threading.Event()
+        self.opened = start - 1  # the last batch whose file the reader has opened (it is in hand)
+        self._q: queue.Queue = queue.Queue(depth)
+        self._thread = threading.Thread(target=self._run, args=(client, epoch, start, n),
+                                        name=f"prefetchd-reader-r{client.rank}-e{epoch}", daemon=True)
+        self._thread.start()
+
+    def _run(self, client: PrefetchClient, epoch: int, start: int, n: int) -> None:
+        try:
+            with client._reader_context():
+                for b in range(start, n):
+                    item = client._load(epoch, b, self.stop, self._opened)
+                    if not self._put(("ok", item)):
+                        return
+        except _Stopped:
+            return
+        except BaseException as e:  # raised again in the trainer's thread, as it was
+            self._put(("error", e))
+
+    def _put(self, msg) -> bool:
+        while not self.stop.is_set():
+            try:
+                self._q.put(msg, timeout=_QUEUE_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _opened(self, batch: int) -> None:
+        self.opened = batch
+
+    def ready(self) -> bool:
+        return not self._q.empty()
+
+    def in_hand(self, batch: int) -> bool:
+        """Whether ``batch`` is delivered or on its way: the reader has opened its file (the
+        daemon may delete the file from then on) or an item (or error) is waiting."""
+        return self.opened >= batch or not self._q.empty()
+
+    def get(self, timeout: float, waiting_for: str):
+        """The next item, waiting at most ``timeout`` (the reader bounds its own waits by the
+        same timeout, so this only fires if the reader itself is stuck)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                kind, value = self._q.get(timeout=_QUEUE_POLL_S)
+            except queue.Empty:
+                if self.stop.is_set():
+                    raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
+                                        "close() or a newer iteration of the same client") from None
+                if not self._thread.is_alive() and self._q.empty():
+                    raise PrefetchError(f"the reader thread ended without {waiting_for}") from None
+                if time.monotonic() >= deadline:
+                    raise PrefetchTimeout(f"waited {timeout:.1f} s for the reader thread to deliver {waiting_for}") from None
+                continue
+            if kind == "error":
+                raise value
+            return value
+
+    def close(self) -> None:
+        self.stop.set()
+        while True:  # drop what was read ahead (and wake a reader blocked on a full queue)
+            try:
+                self._q.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT_S)
+
+
+
+class BatchFiles:
+    """The client's reading of batch files (see the module docstring); runs in the reader thread."""
+
+    def _reader_context(self):
+        if self._copy:
+            return self._transfer.context(self.device, self._stream)
+        return _NoContext()
+
+    def _path(self, epoch: int, batch: int) -> str:
+        return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch))
+
+    def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event) -> int:
+        path = self._path(epoch, batch)
+        deadline = time.monotonic() + self.timeout
+        delay = _POLL_MIN_S
+        while True:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                pass
+            if stop.is_set():
+                raise _Stopped()
+            if time.monotonic() >= deadline:
+                raise PrefetchTimeout(f"waited {self.timeout:.1f} s for rank {self.rank} epoch {epoch} batch {batch} "
+                                      f"({path}); " + self._daemon_state())
+            time.sleep(delay)
+            delay = min(delay * 1.5, _POLL_MAX_S)
+
+    def _daemon_state(self) -> str:
+        denied = self._permission_denied()
+        if denied:
+            return denied
+        alive = status.daemon_alive(self.dir)
+        if alive is False:
+            return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
+        s = status.read_json(self.dir, status.STATUS_NAME) or {}
+        state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
+        if not isinstance(s.get("updated"), (int, float)):
+            return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
+        rs = s.get("ranks", {}).get(str(self.rank), {})
+        extra = f"; it says: {s['blocked']}" if s.get("blocked") else ""
+        return (state + f"its status is {time.time() - s['updated']:.0f} s old, rank {self.rank} has "
+                f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}")
+
+    def _permission_denied(self) -> str | None:
+        """What a trainer outside the buffer's group is told: the file it may not read, the group."""
+        path = os.path.join(self.dir, status.META_NAME)
+        try:
+            os.close(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            return None
+        except PermissionError:
+            pass
+        except OSError:
+            return None
+        group = self.cfg.buffer.group
+        if group is None:
+            try:
+                group = grp.getgrgid(os.stat(self.dir).st_gid).gr_name
+            except (OSError, KeyError):
+                group = "of the buffer"
+        return f"cannot read {path}: permission denied: is this user in group {group} (buffer.group)?"
+
+    def _host_buffer(self, size: int, stop: threading.Event):
+        """Where to read a file of ``size`` bytes: (torch tensor or None, numpy view of it)."""
+        if self._copy and self.pin_memory:
+            t = self._pool.acquire(size, self.timeout, stop)[:size]
+            return t, t.numpy()
+        if self.pin_memory:  # pinned CPU tensors for the trainer: a fresh block per batch
+            t = self._transfer.empty(size)
+            return t, t.numpy()
+        arr = np.empty(size, dtype=np.uint8)
+        return None, arr
+
+    def _load(self, epoch: int, batch: int, stop: threading.Event, opened=None):
+        path = self._path(epoch, batch)
+        fd = self._open_when_ready(epoch, batch, stop)
+        if opened is not None:
+            opened(batch)
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, batchfile.HEADER_SIZE, 0)
+            try:
+                size = jpegbatch.expected_size(head)  # either kind: pixels or compact
+            except batchfile.BatchFileError as e:
+                raise PrefetchError(f"{path}: {e}") from None
+            if st.st_uid != os.stat(self.dir).st_uid:
+                raise PrefetchError(f"{path} is owned by uid {st.st_uid}, not by the daemon's; refusing it")
+            if st.st_size != size:
+                raise PrefetchError(f"{path} is {st.st_size} bytes, its header says {size}")
+            host, arr = self._host_buffer(size, stop)
+            try:
+                batchfile.copy_into(fd, arr)
+            except BaseException:
+                self._give_back(host, None)
+                raise
+        finally:
+            os.close(fd)
+        try:
+            try:
+                b = jpegbatch.parse_any(arr, verify=self.verify)
+            except batchfile.BatchFileError as e:
+                raise PrefetchError(f"{path}: {e}") from None
+            if isinstance(b, jpegbatch.JpegBatch) and self._stage is None:
+                raise PrefetchError(f"{path} is a compact batch (hybrid decode) but this client's config has "
+                                    "augment.decode: cpu; use the daemon's config")
+            fp = batchfile.fingerprint_u64(self._fingerprint())
+            if (b.rank, b.epoch, b.batch, b.fingerprint) != (self._lane, epoch, batch, fp):
+                raise PrefetchError(f"{path} holds lane {b.rank} epoch {b.epoch} batch {b.batch} of "
+                                    f"stream {b.fingerprint:016x}, not the expected one of {fp:016x} (stale batch)")
+            self.batches_read += 1
+            self.bytes_read += size
+            # the file is in this process's memory now: the daemon may delete it and make the next
+            # (a stop landing here raises _Stopped: the buffer goes back to the pool all the same)
+            self._write_progress(epoch, batch + 1, reader=stop)
+        except BaseException:
+            self._give_back(host, None)
+            raise
+        info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
+        return self._convert(b, host, info.replaced) + (info,)
+
+    def _give_back(self, host, event) -> None:
+        if host is not None and self._copy and self.pin_memory:
+            self._pool.release(host, event)
+
+    def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
+        """(images, labels, event or None) as the trainer gets them; ``replaced`` (the batch's, a
+        copy) is marked where the decode stage had to put a stand-in in place of a sample."""
+        if isinstance(b, jpegbatch.JpegBatch):
+            return self._convert_compact(b, host, replaced)
+        if self.as_numpy:
+            images = b.images.transpose(0, 3, 1, 2)
+            if self.normalize:
+                images = _normalize_numpy(images, dtype=self.dtype)
+            return (images, b.labels.copy(), None)
+        if host is None:
+            images = torch.from_numpy(b.images).permute(0, 3, 1, 2)  # [N, C, H, W], channels-last strides
+            labels = torch.from_numpy(b.labels.astype(np.int64))
+        else:  # views of the pinned tensor itself (not of its numpy alias), so torch sees pinned memory
+            lay = batchfile.Layout(*b.images.shape)
+            images = host[lay.images_offset: lay.images_offset + lay.images_nbytes].view(*b.images.shape)
+            images = images.permute(0, 3, 1, 2)
+            labels = host[lay.labels_offset: lay.labels_offset + 8 * lay.n].view(torch.int64)
+        if not self._copy:
+            if self.normalize:
+                images = _normalize_torch(images, self.dtype)
+            return (images, labels, None)
+        # pinned or pageable (host is None), the copies and the normalize run on the side stream:
+        # the trainer's stream waits on the event recorded after them and marks the outputs as
+        # used there (record_stream), else it could read them early and the allocator reuse them
+        try:
+            gi = self._transfer.to_device(images, self.device)
+            gl = self._transfer.to_device(labels, self.device)
+            if self.normalize:
+                gi = _normalize_torch(gi, self.dtype)  # on the side stream, after the copy
+            ev = self._transfer.record(self._stream)
+        except BaseException:
+            self._give_back(host, None)
+            raise
+        self._give_back(host, ev)  # reused only once ev (after both copies) has completed
+        return (gi, gl, ev)
+
+    def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
+        """A compact batch decoded by the stage: in the reader thread, on the side stream when
+        copying to a CUDA device (the trainer's stream waits on the event recorded after it)."""
+        if self.as_numpy:
+            images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
+            if self.normalize:
+                images = _normalize_numpy(images, dtype=self.dtype)
+            return (images, b.labels.copy(), None)
+        if not self._copy:
+            images = self._stage(b, source=host, replaced=replaced)
+            labels = torch.from_numpy(b.labels.copy())
+            if self.normalize:
+                images = _normalize_torch(images, self.dtype)
+            return (images, labels, None)
+        # on the side stream, pinned or not: the trainer waits on the event recorded after it all
+        try:
+            if host is not None:  # the labels section, viewed in the pinned buffer b was parsed from
+                lo = b.labels.ctypes.data - b.buffer.ctypes.data
+                labels = host[lo: lo + 8 * len(b)].view(torch.int64)
+            else:
+                labels = torch.from_numpy(b.labels.copy())
+            # copied before the decode is queued: a pageable copy waits for the stream's earlier work
+            gl = self._transfer.to_device(labels, self.device)
+            gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
+            if self.normalize:
+                gi = _normalize_torch(gi, self.dtype)
+            ev = self._transfer.record(self._stream)
+        except BaseException:
+            self._give_back(host, None)
+            raise
+        self._give_back(host, ev)  # the pinned file is read by the decode and copies before ev
+        return (gi, gl, ev)
