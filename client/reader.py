@@ -160,10 +160,22 @@ class BatchFiles:
         state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
         if not isinstance(s.get("updated"), (int, float)):
             return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
+        age = f"its status is {time.time() - s['updated']:.0f} s old, "
+        if self.split == "val":
+            return state + age + self._val_lane_state(s)
         rs = s.get("ranks", {}).get(str(self.rank), {})
         extra = f"; it says: {s['blocked']}" if s.get("blocked") else ""
-        return (state + f"its status is {time.time() - s['updated']:.0f} s old, rank {self.rank} has "
+        return (state + age + f"rank {self.rank} has "
                 f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}")
+
+    def _val_lane_state(self, s: dict) -> str:
+        """What the status says of this rank's validation lane (not of its train rank)."""
+        rs = (s.get("val_ranks") or {}).get(str(self.rank), {})
+        doing = "reading" if rs.get("active") else "idle, not reading"
+        extra = f"; it says: {s['val_blocked']}" if s.get("val_blocked") else ""
+        return (f"rank {self.rank}'s validation lane ({doing}) has {rs.get('ready', '?')} ready and "
+                f"{rs.get('in_flight', '?')} in flight at pass/batch {rs.get('position', '?')} of "
+                f"{rs.get('pass_batches', '?')} batches{extra}")
 
     def _permission_denied(self) -> str | None:
         """What a trainer outside the buffer's group is told: the file it may not read, the group."""

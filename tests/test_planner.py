@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -300,3 +301,78 @@ def test_pass_bounded_lanes_make_nothing_until_active_and_stop_at_the_pass_end()
     p.set_active(1, True)
     assert p.plan(10, 0.0, FREE).submit == [(1, 1, 0), (1, 1, 1)]
     assert p.rank_status(0)["active"] is False and p.rank_status(1)["active"] is True
+
+
+def _fill(p: Planner, now: float = 0.0) -> None:
+    while (plan := p.plan(100, now, FREE)).submit:
+        run(p, plan.submit, size=1000)
+
+
+def test_an_active_val_pass_gets_room_from_the_far_end_of_the_fullest_train_windows():
+    """Train's windows fill max_bytes (the repro of issue 23); a val pass starts: train's budget
+    leaves room for the lanes' next batches, taken from the far end of the fullest windows, never
+    a rank's front; when the pass ends, train takes the bytes back."""
+    train = Planner((0, 1), 100, None, Limits(6, 6, 10_000, 0), lambda k: 1000)
+    val = Planner((9, 10), 5, None, Limits(4, 4, 10_000, 0), lambda k: 1000, pass_len=lambda r: 5)
+    _fill(train)
+    assert train.held == 10_000 and [train.rank_status(r)["ready"] for r in (0, 1)] == [5, 5]
+    assert val.room_wanted() == 0  # no lane is read: nothing kept, train keeps everything
+    val.set_active(9, True)
+    val.set_active(10, True)
+    assert val.room_wanted() == 2000  # each lane's next batch
+    train.limits = replace(train.limits, others=val.room_wanted())
+    gone = train.shrink(train.budget)
+    assert sorted(gone) == [(0, 0, 4), (1, 0, 4)]  # one from each window's far end
+    assert train.held == 8000 and train.plan(10, 0.0, FREE).submit == []  # and it does not remake them
+    assert "train holds 7.8 KiB, validation 2.0 KiB, 0 B left" in train.plan(10, 0.0, FREE).blocked
+    val.limits = replace(val.limits, others=train.held)
+    sub = val.plan(10, 0.0, FREE).submit
+    assert sorted(sub) == [(9, 0, 0), (10, 0, 0)]  # one each: progress, within max_bytes
+    run(val, sub, size=1000)
+    assert val.room_wanted() == 2000  # held: no more is kept
+    # lane 9's trainer reads its batch: the room it frees goes to its next batch, not to train
+    val.set_position(9, 0, 1)
+    assert val.room_wanted() == 2000
+    train.limits = replace(train.limits, others=val.room_wanted())
+    assert train.shrink(train.budget) == [] and train.plan(10, 0.0, FREE).submit == []
+    val.limits = replace(val.limits, others=train.held)
+    assert val.plan(10, 0.0, FREE).submit == [(9, 0, 1)]
+    # the pass ends: its lanes hold nothing, want nothing; train refills to max_bytes
+    val.set_active(9, False)
+    val.set_active(10, False)
+    val.finished((9, 0, 1))
+    assert val.room_wanted() == 0
+    train.limits = replace(train.limits, others=0)
+    assert sorted(train.plan(10, 0.0, FREE).submit) == [(0, 0, 4), (1, 0, 4)]
+
+
+def test_shrink_never_takes_a_ranks_front_batch_and_evens_the_windows():
+    p = Planner((0, 1, 2), 100, None, Limits(8, 8, 1 << 40, 0), lambda k: 1000)
+    p.set_position(1, 0, 10)
+    p.set_position(2, 0, 20)
+    for r, n in ((0, 6), (1, 2), (2, 1)):  # windows of 6, 2 and 1 ready batches
+        pos = p.ranks[r].pos
+        for g in range(pos, pos + n):
+            p.adopt(p.key(r, g), 1000)
+    gone = p.shrink(5000)
+    assert sorted(gone) == [(0, 0, 2), (0, 0, 3), (0, 0, 4), (0, 0, 5)]  # the fullest window, from its far end
+    assert p.held == 5000
+    gone = p.shrink(0)  # asked for everything: the fronts stay
+    assert sorted(gone) == [(0, 0, 1), (1, 0, 11)]
+    assert [p.rank_status(r)["ahead"] for r in (0, 1, 2)] == [1, 1, 1]
+    assert p.held == 3000 and p.shrink(0) == []
+
+
+def test_val_blocked_messages_say_what_each_stream_holds_and_the_setting():
+    val = Planner((9,), 5, None, Limits(4, 4, 3000, 0), lambda k: 1000, pass_len=lambda r: 5)
+    val.set_active(9, True)
+    val.limits = replace(val.limits, others=3000)  # train holds it all (what take_rest never allows)
+    plan = val.plan(4, 0.0, FREE)
+    assert plan.cause == "max_bytes"
+    assert plan.blocked == ("buffer.max_bytes (2.9 KiB) reached: validation holds 0 B, train 2.9 KiB, 0 B left; "
+                            "a validation batch needs 1000 B")
+    tiny = Planner((9,), 5, None, Limits(4, 4, 500, 0), lambda k: 1000, pass_len=lambda r: 5)
+    tiny.set_active(9, True)
+    plan = tiny.plan(4, 0.0, FREE)
+    assert plan.cause == "too_small"
+    assert plan.blocked == "one validation batch needs 1000 B but buffer.max_bytes is 500 B; raise buffer.max_bytes"

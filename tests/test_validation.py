@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -21,7 +22,7 @@ from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, val_labels
 from prefetchd.core.sampler import ValSampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
-from prefetchd.format import status
+from prefetchd.format import batchfile, status
 from prefetchd.tools.samples import make_image_folder
 
 
@@ -173,3 +174,105 @@ def test_cli_check_summarises_the_validation_stream(tmp_path, image_root, val_ro
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "validation: 17 samples; [3, 2] batches of up to 4 per pass for ranks [0, 1]; eval resize 74" in r.stdout
+
+
+_TRAIN_BATCH = batchfile.max_file_size(8, 32, 32)  # 28 KiB: issue 23's repro
+_VAL_BATCH = batchfile.max_file_size(4, 32, 32)
+
+
+def _full_train_config(tmp_path, image_root, val_root, ranks: int) -> tuple[str, int]:
+    """Issue 23's repro: train windows of up to 6 batches of 28 KiB fill ``buffer.max_bytes``
+    (6 batches at 1 rank, 12 at 3 ranks: fewer than ranks x capacity)."""
+    max_bytes = (6 if ranks == 1 else 4 * ranks) * _TRAIN_BATCH
+    cfg = small_config(tmp_path, image_root, loader={"world_size": ranks, "ranks": list(range(ranks)),
+                                                     "batch_size": 8, "epochs": None},
+                       augment={"output_size": 32, "scale_min": 36, "scale_max": 60},
+                       buffer={"capacity": 6, "refill_at": 6, "max_bytes": max_bytes},
+                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2})
+    return cfg, max_bytes
+
+
+class _Trainer(threading.Thread):
+    """A train reader at a trainer's pace until stopped; what it read and what went wrong."""
+
+    def __init__(self, cfg: str, rank: int):
+        super().__init__(daemon=True)
+        self.cfg, self.rank, self.read, self.error = cfg, rank, 0, None
+        self.stop = threading.Event()
+
+    def run(self):
+        try:
+            with PrefetchClient(self.cfg, rank=self.rank, as_numpy=True, timeout=60) as c:
+                while not self.stop.is_set():
+                    for _ in c:
+                        self.read += 1
+                        time.sleep(0.02)  # a step
+                        if self.stop.is_set():
+                            break
+        except BaseException as e:
+            self.error = e
+
+
+def _val_passes(cfg: str, rank: int, passes: int, out: dict, step_s: float = 0.0) -> None:
+    try:
+        with PrefetchClient(cfg, rank=rank, split="val", as_numpy=True, timeout=60) as c:
+            for _ in range(passes):
+                got = []
+                for _x, _y in c:
+                    got += c.last_batch.indices.tolist()
+                    time.sleep(step_s)
+                out.setdefault(rank, []).append(got)
+    except BaseException as e:
+        out[("error", rank)] = e
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_validation_makes_progress_when_train_windows_fill_max_bytes(tmp_path, image_root, val_root,
+                                                                     daemon_factory, ranks):
+    cfg, max_bytes = _full_train_config(tmp_path, image_root, val_root, ranks)
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s["train_bytes"] == max_bytes,
+               60, "train's windows to fill max_bytes")
+    trainers = [_Trainer(cfg, r) for r in range(ranks)]
+    for t in trainers:
+        t.start()
+    wait_until(lambda: all(t.read >= 2 or t.error for t in trainers), 60, "the trainers reading")
+    before = [t.read for t in trainers]
+    out: dict = {}
+    vals = [threading.Thread(target=_val_passes, args=(cfg, r, 2, out, 0.2), daemon=True) for r in range(ranks)]
+    samples = []
+    for v in vals:
+        v.start()
+    deadline = time.monotonic() + 120
+    while any(v.is_alive() for v in vals) and time.monotonic() < deadline:
+        s = status.read_json(buf, status.STATUS_NAME)
+        if s and any(v["active"] for v in s["val_ranks"].values()):
+            samples.append(s)
+        time.sleep(0.05)
+    assert not any(v.is_alive() for v in vals), "the validation passes did not finish in 120 s"
+    assert not [e for k, e in out.items() if isinstance(k, tuple)], out
+    during = [t.read - b for t, b in zip(trainers, before, strict=True)]
+    for t in trainers:
+        t.stop.set()
+    for t in trainers:
+        t.join(30)
+        assert t.error is None, t.error
+    # every pass complete, every val sample exactly once per pass across the ranks
+    for p in range(2):
+        assert sorted(i for r in range(ranks) for i in out[r][p]) == list(range(17)), p
+    # train kept reading meanwhile, from windows that gave up no more than validation's room
+    assert all(n >= 2 for n in during), during
+    assert samples, "no status was written while a pass was read"
+    for s in samples:
+        assert s["val_bytes"] <= ranks * 2 * _VAL_BATCH  # validation.capacity 2 per lane at most
+        # train gave room back (its windows are more than their front batches): within max_bytes
+        assert s["train_bytes"] + s["val_bytes"] <= max_bytes, s
+    # the passes are over: train takes its bytes back
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s["val_bytes"] == 0
+               and s["train_bytes"] == max_bytes, 60, "train to take the bytes back")
+    assert d.stop() == 0
+    # one warning per spell of waiting (per stream), not a flood while a lane is limited
+    waits = [ln for ln in d.log().splitlines() if "waiting:" in ln]
+    assert len(waits) <= 2 * 2 * ranks, waits
+    assert not any("buffer.max_bytes is 0 B" in ln for ln in waits), waits

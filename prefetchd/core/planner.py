@@ -30,8 +30,16 @@ held behind a gap do not count: the trainer cannot read them), so a slow (full) 
 the others. A due gap at a rank's front (a failed or lost batch the trainer waits for) goes
 before everything else and is exempt from ``max_bytes``: room is made by evicting that rank's
 farthest ready batches (see ``_front_holes``). Any other batch is handed out only if ready +
-in-flight bytes + its estimate stay within ``max_bytes``, and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
+in-flight bytes + its estimate stay within the planner's *budget*, ``max_bytes - others``
+(``others``: what another stream sharing ``buffer.max_bytes`` holds or keeps), and the filesystem keeps ``min_free_bytes`` free after the part of the in-flight
 bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
+
+Sharing ``max_bytes`` between the train stream and the validation lanes (the loop's part, with
+two planners): the val planner's ``room_wanted`` is what it holds plus one batch for each active
+lane that holds none of its next batches; the train planner's ``others`` is that, so a pass
+being read always has room for its next batches, and ``shrink`` takes train's excess back from
+the far end of its fullest windows (never a rank's front batch: the one its trainer reads next).
+When the pass ends its lanes hold nothing and want nothing: train's budget is ``max_bytes`` again.
 Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
 state changed since the last one: O(log ranks) per batch handed out; a position move costs
 O(batches that left the window) (a jump back also walks the new window once). Nothing walks
@@ -56,6 +64,7 @@ class Limits:
     refill_at: int
     max_bytes: int
     min_free_bytes: int
+    others: int = 0  # bytes of max_bytes another stream holds or keeps: this planner's budget is the rest
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Plan:
     submit: list[Key]
     blocked: str | None = None  # why production waits, if it does
     evictions: list[Key] = field(default_factory=list)  # published batches dropped to make room: delete them
+    cause: str | None = None  # what blocks, in one word ("max_bytes", "too_small", "disk"): a spell's identity
 
 
 @dataclass
@@ -80,6 +90,11 @@ class _Rank:
 def retry_delay_s(failures: int) -> float:
     """Back-off before a batch that failed ``failures`` times in a row is tried again."""
     return min(RETRY_MAX_S, RETRY_BASE_S * 2.0 ** min(failures - 1, 30))
+
+
+def _beyond_front(s: _Rank) -> bool:
+    """Whether the rank has a ready batch past its front (all ready batches are in its window)."""
+    return len(s.ready) > (s.pos in s.ready)
 
 
 def _size(n: int) -> str:
@@ -101,7 +116,10 @@ class Planner:
         self.limits = limits
         self._estimate = estimate
         self._pass_len = pass_len
+        self.name, self._other = ("validation", "train") if pass_len is not None else ("train", "validation")
+        self._batch = "validation batch" if pass_len is not None else "batch"
         self.ranks: dict[int, _Rank] = {r: _Rank(active=pass_len is None) for r in ranks}
+        self._active: set[int] = set() if pass_len is not None else set(self.ranks)
         self._orphans: dict[Key, list[int]] = {}  # in flight but no longer wanted: estimates
         self.failures: dict[Key, int] = {}  # failures in a row per batch (cleared by a success)
         self.bytes_ready = 0
@@ -140,6 +158,7 @@ class Planner:
             return []
         hi = self.window_end(r)
         s.active = active
+        (self._active.add if active else self._active.discard)(r)
         self._check.add(r)
         if active:
             s.filling = True
@@ -333,6 +352,7 @@ class Planner:
         out: list[Key] = []
         evictions: list[Key] = []
         blocked = self._front_holes(slots, now, free_bytes, temp_bytes, out, evictions)
+        cause = "disk" if blocked else None
         heap = self._heap
         while len(out) < slots and heap:
             have, r, ver = heapq.heappop(heap)
@@ -345,18 +365,13 @@ class Planner:
                 continue
             key = self.key(r, g)
             est = self._estimate(key)
-            if self.bytes_ready + self.bytes_inflight + est > lim.max_bytes:
-                if self.bytes_ready + self.bytes_inflight == 0:
-                    blocked = (f"one batch needs {_size(est)} but buffer.max_bytes is {_size(lim.max_bytes)}; "
-                               "raise buffer.max_bytes")
-                else:
-                    blocked = f"buffer.max_bytes ({_size(lim.max_bytes)}) reached"
+            if self.held + est > self.budget:
+                blocked, cause = self._over_bytes(est)
                 heapq.heappush(heap, (have, r, ver))
                 break
             unwritten = max(0, self.bytes_inflight - temp_bytes)
             if free_bytes - unwritten - est < lim.min_free_bytes:
-                blocked = (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
-                           f"and buffer.min_free_bytes keeps {_size(lim.min_free_bytes)}")
+                blocked, cause = self._disk_full(free_bytes, est), "disk"
                 heapq.heappush(heap, (have, r, ver))
                 break
             s.holes.pop(g, None)
@@ -367,7 +382,69 @@ class Planner:
         if len(heap) > 4 * len(self.ranks) + 64:  # drop stale entries now and then
             self._heap = [e for e in heap if e[2] == self._ver[e[1]] and self.ranks[e[1]].filling]
             heapq.heapify(self._heap)
-        return Plan(out, blocked, evictions)
+        return Plan(out, blocked, evictions, cause)
+
+    @property
+    def held(self) -> int:
+        """Bytes this planner holds: published plus the estimates of what is being made."""
+        return self.bytes_ready + self.bytes_inflight
+
+    @property
+    def budget(self) -> int:
+        """What this planner may hold: ``max_bytes`` less what the other stream holds or keeps."""
+        return self.limits.max_bytes - self.limits.others
+
+    def _over_bytes(self, est: int) -> tuple[str, str]:
+        lim = self.limits
+        if est > lim.max_bytes:
+            return (f"one {self._batch} needs {_size(est)} but buffer.max_bytes is {_size(lim.max_bytes)}; "
+                    "raise buffer.max_bytes"), "too_small"
+        left = max(0, lim.max_bytes - self.held - lim.others)
+        return (f"buffer.max_bytes ({_size(lim.max_bytes)}) reached: {self.name} holds {_size(self.held)}, "
+                f"{self._other} {_size(lim.others)}, {_size(left)} left; a {self._batch} needs {_size(est)}",
+                "max_bytes")
+
+    def _disk_full(self, free_bytes: int, est: int) -> str:
+        return (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
+                f"and buffer.min_free_bytes keeps {_size(self.limits.min_free_bytes)}")
+
+    def room_wanted(self) -> int:
+        """For a pass-bounded planner: the bytes it must be able to hold, what it holds plus one
+        batch for each active lane that holds none of its next batches (its front is missing)
+        and has batches left in its pass. O(active lanes)."""
+        room = self.held
+        for r in self._active:
+            s = self.ranks[r]
+            if s.pos < self.window_end(r) and self.ahead(r) == 0:
+                room += self._estimate(self.key(r, s.pos))
+        return room
+
+    def shrink(self, budget: int) -> list[Key]:
+        """Give bytes back until this planner holds at most ``budget``: evict the farthest ready
+        batch of the rank holding the most, again and again (so windows shrink evenly from their
+        far end). A rank's front batch (its position: what its trainer reads next) stays; what
+        is in flight counts until it lands. Returns the published batches to delete. O(1) when
+        within the budget; else O(ranks + evicted x (log ranks + window)): only when another
+        stream takes room."""
+        if self.held <= budget:
+            return []
+        heap = [(-(len(s.ready) + len(s.inflight)), r) for r, s in self.ranks.items() if _beyond_front(s)]
+        heapq.heapify(heap)
+        evicted = []
+        while self.held > budget and heap:
+            _, r = heapq.heappop(heap)
+            s = self.ranks[r]
+            far = max(s.ready)
+            if far <= s.pos:
+                continue
+            self.bytes_ready -= s.ready.pop(far)
+            s.cursor = min(s.cursor, far)
+            s.ready_front = min(s.ready_front, far)
+            evicted.append(self.key(r, far))
+            self._check.add(r)
+            if _beyond_front(s):
+                heapq.heappush(heap, (-(len(s.ready) + len(s.inflight)), r))
+        return evicted
 
     def _front_holes(self, slots: int, now: float, free_bytes: int, temp_bytes: int, out: list[Key],
                      evictions: list[Key]) -> str | None:
@@ -394,7 +471,7 @@ class Planner:
             est = self._estimate(key)
             if est > lim.max_bytes:
                 continue  # can never fit: the heap pass below says so
-            while self.bytes_ready + self.bytes_inflight + est > lim.max_bytes and s.ready:
+            while self.held + est > self.budget and s.ready:
                 far = max(s.ready)  # a walk of the window, but only on this rare path
                 if far < g:
                     break
@@ -403,8 +480,7 @@ class Planner:
                 evictions.append(self.key(r, far))
             unwritten = max(0, self.bytes_inflight - temp_bytes)
             if free_bytes - unwritten - est < lim.min_free_bytes:
-                blocked = (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
-                           f"and buffer.min_free_bytes keeps {_size(lim.min_free_bytes)}")
+                blocked = self._disk_full(free_bytes, est)
                 continue
             del s.holes[g]
             s.inflight[g] = est

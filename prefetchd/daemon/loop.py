@@ -18,9 +18,8 @@ per-batch back-off); this module is the shell that carries its plans out. Each t
 The validation stream (``validation.enabled``) runs in the same loop: a second planner whose
 lanes (``progress.VAL_LANE + rank``) are pass-bounded and active only while their trainer
 iterates a pass (``reading`` in its progress file). Both share the workers and
-``buffer.max_bytes`` (each planner is given what the other does not hold); train is planned
-first and validation gets the slots train leaves free. A trainer that validates reads no train
-batches meanwhile, so its train window is full and validation gets the workers.
+``buffer.max_bytes``: train is planned first, validation gets the slots it leaves, and a pass
+being read always keeps room for its lanes' next batches (``validation.ValStream.make_room``).
 
 Signal handlers only record the signal and wake the loop, which does the work: SIGTERM/SIGINT
 stop it cleanly (also during the dataset scan; workers stopped, temp files removed, published
@@ -52,6 +51,7 @@ from prefetchd.daemon.quarantine import QuarantineLog
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.sessions import Sessions
 from prefetchd.daemon.validation import ValStream
+from prefetchd.daemon.waiting import Waiting
 from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
 from prefetchd.executors.pool import Pool
@@ -75,8 +75,7 @@ class Daemon:
         self._stop = False
         self._reload = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.blocked: str | None = None
-        self._blocked_logged: str | None = None
+        self.waiting = Waiting()  # why each stream waits: the status, one log line per spell
         self.produced_batches = 0
         self.produced_images = 0
         self.failed_batches = 0
@@ -337,13 +336,17 @@ class Daemon:
     # --- making batches ---------------------------------------------------------------------------
 
     def _schedule(self) -> None:
+        if self.val:  # a pass being read keeps room for its next batches (validation.py: make_room)
+            for key in self.val.make_room(self.planner):
+                self.ring.evict(key)
         slots = sum(ex.idle() for ex in self._executors())
         if not slots:
             return
         was_idle = not any(p.busy() for p in self._planners())
-        submit = self._plan(self.planner, slots, self.val.planner if self.val else None)
-        if self.val and len(submit) < slots:  # validation gets what train leaves
-            submit += self._plan(self.val.planner, slots - len(submit), self.planner)
+        submit = self._plan(self.planner, slots)
+        if self.val and len(submit) < slots:  # validation gets the slots train leaves
+            self.val.take_rest(self.planner)
+            submit += self._plan(self.val.planner, slots - len(submit))
         for r, e, b in submit:
             if r >= VAL_LANE:
                 task = self.val.task(r, e, b)
@@ -355,20 +358,13 @@ class Daemon:
         if was_idle and submit:
             self._last_activity = time.monotonic()
 
-    def _plan(self, planner: Planner, slots: int, other: Planner | None) -> list:
-        """One planner's plan; ``buffer.max_bytes`` is shared with the other planner's bytes."""
-        if other is not None:
-            held = other.bytes_ready + other.bytes_inflight
-            planner.limits = replace(planner.limits, max_bytes=max(0, self.cfg.buffer.max_bytes - held))
+    def _plan(self, planner: Planner, slots: int) -> list:
+        """One planner's plan (its share of ``buffer.max_bytes`` is set in its limits' ``others``)."""
         plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
         for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
             self.ring.evict(key)
-        if planner is not self.planner and not plan.blocked:
-            return plan.submit
-        self.blocked = plan.blocked
-        if plan.blocked and not (self._blocked_logged or "").startswith(plan.blocked[:24]):
-            log.warning("waiting: %s", plan.blocked)  # once per cause until a batch is published again
-            self._blocked_logged = plan.blocked
+        if plan.cause is not None or len(plan.submit) < slots:  # else it ran out of slots, not of room
+            self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic())
         return plan.submit
 
     def _estimate(self, key: tuple[int, int, int]) -> int:
@@ -417,7 +413,6 @@ class Daemon:
         planner.published(key, res.size)
         now = time.time()
         self._last_activity = time.monotonic()
-        self._blocked_logged = None
         self.produced_batches += 1
         self.produced_images += res.samples
         self._produced.append((now, res.samples))
@@ -460,7 +455,9 @@ class Daemon:
             "consumed_img_s": _rate(self._consumed, now, self.t_start),
             "first_batch_s": None if self.first_batch_at is None else self.first_batch_at - self.t_start,
             "bytes_used": self.ring.bytes_used, "max_bytes": self.cfg.buffer.max_bytes,
-            "fs_free": self.ring.free_bytes(), "blocked": self.blocked, "quarantined": len(self.quarantine),
+            "fs_free": self.ring.free_bytes(), "quarantined": len(self.quarantine),
+            "blocked": self.waiting.blocked.get("train"), "val_blocked": self.waiting.blocked.get("validation"),
+            "train_bytes": self.planner.held, "val_bytes": self.val.planner.held if self.val else None,
             "progress_watch": self.watcher.mode, "rss_bytes": rss, "ranks": ranks,
             "executor": self.cfg.workers.executor, "ray": self.remote.status() if self.remote is not None else None,
             "main_cpu_s": _own_cpu_s(), "val_ranks": self.val.status(now) if self.val else None,

@@ -107,8 +107,13 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
     if s.get("ray"):
         r = s["ray"]
         lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade")
+    if s.get("val_bytes") is not None:
+        lines.append(f"  of max_bytes, train holds {s.get('train_bytes', 0) / 2**20:,.2f} MiB, validation "
+                     f"{s['val_bytes'] / 2**20:,.2f} MiB")
     if s.get("blocked"):
         lines.append(f"  waiting: {s['blocked']}")
+    if s.get("val_blocked"):
+        lines.append(f"  validation waiting: {s['val_blocked']}")
     for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
         e, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"
