@@ -149,8 +149,31 @@ def cmd_check(args) -> int:
           f"max_bytes {format_size(B.max_bytes)}")
     if need > B.max_bytes:
         print(f"note: buffer.max_bytes holds only {B.max_bytes // per_batch} batches, fewer than capacity x ranks")
+    if V.enabled:
+        _check_val_room(cfg, per_batch, need)
     print(f"workers: {cfg.workers.resolved_count()}")
     return _check_deployment(cfg, args)
+
+
+def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
+    """Warn when max_bytes cannot hold train's windows plus one validation batch per rank: while a
+    pass is read, train's windows shrink to make room (and if train's front batches alone fill
+    max_bytes, validation goes over it by up to one batch per rank)."""
+    from prefetchd.format import batchfile
+
+    B, ranks, s = cfg.buffer, len(cfg.loader.ranks), cfg.augment.output_size
+    val = batchfile.max_file_size(cfg.validation.batch_size, s, s) * ranks
+    if need + val <= B.max_bytes:
+        return
+    give = min(need, B.max_bytes) + val - B.max_bytes
+    print(f"warning: buffer.max_bytes ({format_size(B.max_bytes)}) cannot hold train's windows "
+          f"({format_size(need)}) plus one validation batch per rank ({ranks} x "
+          f"{format_size(val // ranks)} = {format_size(val)}): while a validation pass is read, train's "
+          f"windows give up {format_size(give)} to make room; raise buffer.max_bytes to "
+          f"{format_size(need + val)} to avoid it")
+    if per_batch * ranks + val > B.max_bytes:
+        print(f"warning: buffer.max_bytes ({format_size(B.max_bytes)}) cannot even hold one train batch and one "
+              f"validation batch per rank ({format_size(per_batch * ranks + val)}): validation will go over it")
 
 
 def _check_deployment(cfg: Config, args) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ import time
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient
+from prefetchd_client import PrefetchClient, PrefetchTimeout
 from test_daemon import collect, reference_batches
 
 from prefetchd.core.config import ConfigError
@@ -276,3 +277,38 @@ def test_validation_makes_progress_when_train_windows_fill_max_bytes(tmp_path, i
     waits = [ln for ln in d.log().splitlines() if "waiting:" in ln]
     assert len(waits) <= 2 * 2 * ranks, waits
     assert not any("buffer.max_bytes is 0 B" in ln for ln in waits), waits
+
+
+def test_check_warns_when_max_bytes_cannot_hold_train_windows_and_a_val_batch_per_rank(tmp_path, image_root,
+                                                                                       val_root):
+    cfg, _ = _full_train_config(tmp_path, image_root, val_root, 1)
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert ("warning: buffer.max_bytes (168.0 KiB) cannot hold train's windows (168.0 KiB) plus one validation "
+            "batch per rank (1 x 16.0 KiB = 16.0 KiB): while a validation pass is read, train's windows give up "
+            "16.0 KiB to make room; raise buffer.max_bytes to 184.0 KiB to avoid it") in r.stdout, r.stdout + r.stderr
+    roomy = small_config(tmp_path, image_root, validation={"enabled": True, "root": val_root})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", roomy], capture_output=True,
+                       text=True, timeout=120)
+    assert "validation batch per rank" not in r.stdout, r.stdout
+
+
+def test_a_val_clients_timeout_quotes_its_own_val_lane(tmp_path, image_root, val_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": val_root, "batch_size": 4})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s["ranks"]["0"]["ahead"] >= 3, 60,
+               "the train window filled")
+    with PrefetchClient(cfg, split="val", as_numpy=True, timeout=3) as c:
+        c.meta()
+        os.kill(d.pid, signal.SIGSTOP)  # the daemon makes nothing: the val pass waits out its timeout
+        try:
+            with pytest.raises(PrefetchTimeout) as err:
+                next(iter(c))
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+    msg = str(err.value)
+    assert "waited 3.0 s for rank 0 epoch 0 batch 0" in msg and "/v0000-" in msg, msg
+    assert "rank 0's validation lane" in msg and "at pass/batch [0, 0] of 5 batches" in msg, msg
+    assert "epoch/batch" not in msg, msg  # the train rank's figures are not this lane's
+    assert d.stop() == 0
