@@ -163,6 +163,7 @@ class PrefetchClient(BatchFiles):
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._jumps = 0
         self._last_written: tuple[int, int] | None = None
+        self._held: object | None = None  # the iteration under way (its token), if any
         self._closed = False
 
     # --- DataLoader-shaped attributes ----------------------------------------------------------------
@@ -201,6 +202,7 @@ class PrefetchClient(BatchFiles):
         if epoch < 0 or batch < 0:
             raise ValueError("epoch and batch must be >= 0")
         self._stop_reader()
+        self._held = None  # an iteration this ends leaves the position to this seek
         self.epoch, self.batch = int(epoch), int(batch)
         self._write_progress(self.epoch, self.batch)
 
@@ -212,16 +214,20 @@ class PrefetchClient(BatchFiles):
 
     def state_dict(self) -> dict:
         """The trainer's position (not the reader's read-ahead), shaped like torchdata's
-        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done."""
-        fp = self._fingerprint() if self._meta else None
+        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done. Names its
+        stream (``fingerprint``, from the daemon's meta.json: waits for it up to the timeout,
+        also before the first batch) and its ``split``."""
+        fp = self._fingerprint()
         return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
                 "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
                 "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
-                "world_size": self.world_size, "fingerprint": fp}
+                "world_size": self.world_size, "fingerprint": fp, "split": self.split}
 
-    def load_state_dict(self, state: Mapping) -> None:
+    def load_state_dict(self, state: Mapping, allow_unverified: bool = False) -> None:
         """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
-        fingerprint}``) was. Refuses another rank's state, another world size, or another stream's."""
+        fingerprint}``) was. Refuses another rank's state, another world size, another stream's,
+        the other split's, a position past the end of its epoch, and a state that names no stream
+        (no ``fingerprint``) unless ``allow_unverified=True``."""
         if not isinstance(state, Mapping):
             raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
         pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
@@ -236,14 +242,47 @@ class PrefetchClient(BatchFiles):
         if world is not None and world != self.world_size:
             raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
                                 f"has loader.world_size {self.world_size}; positions do not carry over")
-        fp = state.get("fingerprint")
-        if fp:
-            have = self._fingerprint()
-            if fp != have:
-                raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
-                                    f"{have} (dataset, loader or augment settings changed); resuming would not "
-                                    "continue the same stream: start the loader afresh or use the old config")
+        self._check_state_split(state)
+        self._check_state_stream(state, allow_unverified)
+        self._check_state_position(epoch, batch)
         self.seek(epoch, batch)
+
+    def _check_state_split(self, state: Mapping) -> None:
+        """A train state into a ``split="val"`` client, or the reverse: said as such (by the
+        state's ``split``, or, in a state without one, by the other stream's fingerprint)."""
+        split = state.get("split")
+        if split is None and state.get("fingerprint"):
+            m = self.meta()
+            theirs = {"train": m.get("fingerprint"), "val": (m.get("validation") or {}).get("fingerprint")}
+            split = next((k for k, v in theirs.items() if k != self.split and v == state["fingerprint"]), None)
+        if split is not None and split != self.split:
+            raise PrefetchError(f"this loader state is a split={split!r} loader's, this client reads "
+                                f"split={self.split!r}; load each loader's own state (the train loader's into the "
+                                "train loader, the val loader's into the val loader)")
+
+    def _check_state_stream(self, state: Mapping, allow_unverified: bool) -> None:
+        """The state's stream is the daemon's; a state naming none is refused unless the caller says so."""
+        fp = state.get("fingerprint")
+        if not fp:
+            if allow_unverified:
+                return
+            raise PrefetchError("this loader state names no stream (its fingerprint is missing), so it cannot be "
+                                "checked against the stream the daemon makes; save it again with state_dict(), or "
+                                "pass allow_unverified=True to load_state_dict() to use its position anyway")
+        have = self._fingerprint()
+        if fp != have:
+            raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
+                                f"{have} (dataset, loader or augment settings changed); resuming would not "
+                                "continue the same stream: start the loader afresh or use the old config")
+
+    def _check_state_position(self, epoch: int, batch: int) -> None:
+        """A position past the end of its epoch (or pass) is no position of this stream."""
+        n = self.batches_per_epoch
+        if batch > n:
+            what = "pass" if self.split == "val" else "epoch"
+            raise PrefetchError(f"this loader state is at batch {batch} of {what} {epoch}, which has {n} batches: "
+                                "past its end, so it is no position of this stream (another batch size, dataset "
+                                "or world size?)")
 
     # --- daemon metadata ---------------------------------------------------------------------------
 
@@ -298,10 +337,15 @@ class PrefetchClient(BatchFiles):
     # --- iteration ---------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        """One epoch (a pass, for ``split="val"``) from the current position; afterwards the
-        position is (epoch + 1, 0), so the next ``for`` runs the next epoch, as a DataLoader with
-        ``set_epoch`` does. A val pass left early (``break``) counts as done: the next ``for``
-        is a new pass from its first batch."""
+        """One epoch from the current position; afterwards the position is (epoch + 1, 0), so the
+        next ``for`` runs the next epoch, as a DataLoader with ``set_epoch`` does. For
+        ``split="val"`` each ``for`` is a whole new pass: a pass left early (``break``) counts
+        as done, and an iteration still held (``it = iter(val); next(it)``) is ended here, its
+        pass over, so the new one starts at its first batch."""
+        if self.split == "val" and self._held is not None:
+            self._stop_reader()
+            self._held = None
+            self._end_pass()
         return self.iter_epoch(self.epoch)
 
     def iter_epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
@@ -329,8 +373,8 @@ class PrefetchClient(BatchFiles):
                 self._end_pass()
             return
         reader = self._reader = ReadAhead(self, epoch, start, n, self.prefetch)
+        token = self._held = object()  # this iteration, until it ends or a newer one ends it
         echo = self.echo_factor > 1 and not val
-        done = False
         try:
             for b in range(start, n):
                 out = self._next(reader, epoch, b)
@@ -352,16 +396,16 @@ class PrefetchClient(BatchFiles):
                 # hold no batch while the trainer runs: freeing one (munmap of 38.5 MB) is the
                 # trainer's business, not a cost of the next next()
                 out = None
-            done = True
         finally:
             reader.close()
             if self._reader is reader:
                 self._reader = None
-            if val and not done:  # left early: the pass is over, the daemon deletes what it made
+            mine = self._held is token  # not ended by seek() or a newer iteration, which own the position
+            if mine:
+                self._held = None
+            if val and mine:  # done or left early: the pass is over, the daemon deletes what it made
                 self._end_pass()
-        if val:
-            self._end_pass()
-        else:
+        if not val:
             self._write_progress(self.epoch, self.batch)
 
     def _end_pass(self) -> None:

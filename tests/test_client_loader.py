@@ -129,7 +129,10 @@ def test_load_state_dict_refuses_another_rank_world_or_stream_and_takes_old_dict
             loader.load_state_dict({"model": 1})
         with pytest.raises(PrefetchError, match="batch must be a non-negative integer, got 'x'"):
             loader.load_state_dict({"epoch": 0, "batch": "x"})
-        loader.load_state_dict({"epoch": 1, "batch": 2, "rank": 0, "fingerprint": None})  # the old shape
+        with pytest.raises(PrefetchError, match="names no stream .* allow_unverified=True"):
+            loader.load_state_dict({"epoch": 1, "batch": 2, "rank": 0, "fingerprint": None})
+        # the old shape, its position taken on the caller's word
+        loader.load_state_dict({"epoch": 1, "batch": 2, "rank": 0, "fingerprint": None}, allow_unverified=True)
         assert (loader.epoch, loader.batch) == (1, 2)
         next(iter(loader))
         assert (loader.last_batch.epoch, loader.last_batch.batch) == (1, 2)
@@ -143,7 +146,8 @@ def test_seek_before_the_daemon_made_its_directories_waits_for_it(tmp_path, imag
     timer.start()
     try:
         with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
-            loader.load_state_dict({"epoch": 1, "batch": 6, "rank": 0})  # the README's resume, daemon starting too
+            # a position without a stream, daemon starting too
+            loader.load_state_dict({"epoch": 1, "batch": 6, "rank": 0}, allow_unverified=True)
             got = [loader.last_batch.batch for _ in loader]
     finally:
         timer.join()

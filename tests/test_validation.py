@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient, PrefetchTimeout
+from prefetchd_client import PrefetchClient, PrefetchError, PrefetchTimeout
 from test_daemon import collect, reference_batches
 
 from prefetchd.core.config import ConfigError
@@ -311,4 +311,74 @@ def test_a_val_clients_timeout_quotes_its_own_val_lane(tmp_path, image_root, val
     assert "waited 3.0 s for rank 0 epoch 0 batch 0" in msg and "/v0000-" in msg, msg
     assert "rank 0's validation lane" in msg and "at pass/batch [0, 0] of 5 batches" in msg, msg
     assert "epoch/batch" not in msg, msg  # the train rank's figures are not this lane's
+    assert d.stop() == 0
+
+
+def test_loader_states_name_their_stream_and_split_and_stay_inside_the_epoch(tmp_path, image_root, val_root,
+                                                                              daemon_factory):
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": val_root, "batch_size": 4})
+    (tmp_path / "other").mkdir()
+    other = small_config(tmp_path / "other", image_root, loader={"seed": 99})  # another stream, its own daemon
+    d, d2 = daemon_factory(cfg), daemon_factory(other)
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as t:
+        fresh = t.state_dict()  # before the first batch, meta.json not read yet: fetched for it
+        assert fresh["fingerprint"] == t.meta()["fingerprint"] and fresh["split"] == "train"
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as t:
+        t.seek(1, 3)  # only a seek
+        sought = t.state_dict()
+        assert (sought["epoch"], sought["batch"], sought["fingerprint"]) == (1, 3, fresh["fingerprint"])
+    with PrefetchClient(other, as_numpy=True, timeout=60) as o:  # another dataset or seed refuses both
+        for state in (fresh, sought):
+            with pytest.raises(PrefetchError, match=f"is for stream {fresh['fingerprint']}.*changed"):
+                o.load_state_dict(state)
+        with pytest.raises(PrefetchError, match=r"names no stream .* allow_unverified=True"):
+            o.load_state_dict(fresh | {"fingerprint": None})
+        o.load_state_dict(sought | {"fingerprint": None}, allow_unverified=True)  # on the caller's word
+        assert (o.epoch, o.batch) == (1, 3)
+    with PrefetchClient(cfg, split="val", as_numpy=True, timeout=60) as v:
+        vstate = v.state_dict()
+        assert vstate["fingerprint"] == v.meta()["validation"]["fingerprint"] and vstate["split"] == "val"
+        with pytest.raises(PrefetchError, match="split='train' loader's, this client reads split='val'"):
+            v.load_state_dict(sought)
+        older = {k: sought[k] for k in ("epoch", "batch", "rank", "fingerprint")}  # no "split": its fingerprint says
+        with pytest.raises(PrefetchError, match="split='train' loader's, this client reads split='val'"):
+            v.load_state_dict(older)
+        with pytest.raises(PrefetchError, match="batch 6 of pass 0, which has 5 batches: past its end"):
+            v.load_state_dict(vstate | {"batch": 6, "_sampler_iter_state": {"epoch": 0, "batch": 6}})
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as t:
+        with pytest.raises(PrefetchError, match="split='val' loader's, this client reads split='train'"):
+            t.load_state_dict(vstate)
+        with pytest.raises(PrefetchError, match="batch 50 of epoch 0, which has 8 batches: past its end"):
+            t.load_state_dict(fresh | {"batch": 50, "_sampler_iter_state": {"epoch": 0, "batch": 50}})
+        t.load_state_dict(sought)
+        assert (t.epoch, t.batch) == (1, 3)
+    assert d.stop() == 0 and d2.stop() == 0
+
+
+def test_each_val_for_is_a_new_pass_ending_an_iteration_still_held(tmp_path, image_root, val_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": val_root, "batch_size": 4})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, split="val", as_numpy=True, timeout=60) as v:
+        it = iter(v)
+        next(it)
+        next(it)
+        assert (v.epoch, v.batch) == (0, 2)
+        got = []
+        for _ in v:  # a new pass from its first batch, not the rest of the held one
+            got.append((v.last_batch.epoch, v.last_batch.batch, v.last_batch.indices.tolist()))
+        assert [(e, b) for e, b, _ in got] == [(1, b) for b in range(5)]
+        assert sorted(i for *_, idx in got for i in idx) == list(range(17))  # every sample in this pass
+        with pytest.raises(PrefetchError, match="ended by"):
+            next(it)  # the held iteration was ended; its end leaves the new position alone
+        del it
+        assert (v.epoch, v.batch) == (2, 0)
+        wait_until(lambda: val_files(buf) == [], 20, "the finished pass's val batches deleted")
+    # train keeps "from the current position": a new `for` goes on where the held one was
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as t:
+        it = iter(t)
+        next(it)
+        next(it)
+        assert [t.last_batch.batch for _ in t] == list(range(2, 8))
+        del it
     assert d.stop() == 0
