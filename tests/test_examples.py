@@ -13,6 +13,8 @@ import pytest
 import torch
 from conftest import small_config
 
+from prefetchd.format import batchfile
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMAGENET = os.path.join(REPO, "examples", "imagenet", "train.py")
 LIGHTNING = os.path.join(REPO, "examples", "lightning", "train.py")
@@ -68,13 +70,18 @@ def test_imagenet_example_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon
 
 def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_root, daemon_factory):
     # the train images stand in as the val set (same class folders): 48 samples over 2 ranks in
-    # batches of 5, so each rank's last val batch is partial; the sums count each sample once
-    cfg = _stream(tmp_path, "val", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]},
+    # batches of 5, so each rank's last val batch is partial; the sums count each sample once.
+    # buffer.max_bytes is 1.5 train windows (6 batches of 6 x 64 x 64): less than the two ranks'
+    # windows (2 x capacity 4), so train fills it and each validation pass lives on the room
+    # train gives back while it is read (issue 23)
+    window = 4 * batchfile.max_file_size(6, 64, 64)
+    cfg = _stream(tmp_path, "val", image_root, loader={"epochs": 2, "world_size": 2, "ranks": [0, 1]},
+                  buffer={"max_bytes": window * 3 // 2},
                   validation={"enabled": True, "root": image_root, "batch_size": 5})
     daemon = daemon_factory(cfg)
-    r = _run(_torchrun(2) + [IMAGENET, cfg, "--arch", "tiny", "--epochs", "1", "--val", "--checkpoint",
+    r = _run(_torchrun(2) + [IMAGENET, cfg, "--arch", "tiny", "--epochs", "2", "--val", "--checkpoint",
                              str(tmp_path / "val.pt")], cwd=str(tmp_path))
-    assert r.stdout.count(" * validation: 48 samples") == 1, r.stdout
+    assert r.stdout.count(" * validation: 48 samples") == 2, r.stdout  # after each epoch
     assert daemon.stop() == 0
 
 
