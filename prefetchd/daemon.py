@@ -138,11 +138,12 @@ class Daemon:
             self.metrics = MetricsServer(cfg.metrics.address, cfg.metrics.port)
             self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
-                            self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records))
+                            self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records),
+                            index_fingerprint=self.index.fingerprint)
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
-        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s)
+        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
             from .raypool import RayPool

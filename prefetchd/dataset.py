@@ -194,12 +194,14 @@ def _stamps_valid(stamps: list) -> bool:
     return True
 
 
-def _load_cache(cdir: str) -> Index | None:
+def _load_cache(cdir: str, validate: bool = True) -> Index | None:
+    """The cached index in ``cdir``; None if there is none or (``validate``) the dataset changed
+    since it was scanned."""
     meta_path = os.path.join(cdir, "meta.json")
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-        if meta.get("version") != _CACHE_VERSION or not _stamps_valid(meta["stamps"]):
+        if meta.get("version") != _CACHE_VERSION or (validate and not _stamps_valid(meta["stamps"])):
             return None
         arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
                   for k in ("blob", "offsets", "labels")}
@@ -278,9 +280,28 @@ def val_labels(val, train):
     return replace(val, classes=train.classes, labels=table[np.asarray(val.labels)], files_dir=None)
 
 
-def open_index_files(files_dir: str) -> Index:
-    """Open a cached index read-only by memory map (what workers do)."""
-    index = _load_cache(files_dir)
+def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
+    """Open a cached index read-only by memory map (what workers do).
+
+    The dataset is not looked at: a worker serves the index its daemon read, even if the
+    dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
+    ``fingerprint``, the files must hold that index (another process may have rescanned a
+    changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
+    index = _load_cache(files_dir, validate=False)
     if index is None:
-        raise DatasetError(f"the index cache in {files_dir} is missing or stale")
+        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
+    if fingerprint is not None and index.fingerprint != fingerprint:
+        raise DatasetError(f"the index cache in {files_dir} holds index {index.fingerprint}, not {fingerprint}")
     return index
+
+
+def index_files_hold(files_dir: str, fingerprint: str) -> bool:
+    """Do the cache files in ``files_dir`` still hold the index ``fingerprint`` (cheap: meta.json
+    and the files' presence; the arrays are not read)?"""
+    try:
+        with open(os.path.join(files_dir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        return (meta.get("fingerprint") == fingerprint
+                and all(os.path.isfile(os.path.join(files_dir, meta["files"][k])) for k in ("blob", "offsets", "labels")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -86,6 +86,7 @@ class WorkerSetup:
     buffer_dir: str
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
     val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
+    index_fingerprint: str | None = None  # the index the files in index_dir must hold (the daemon's)
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -114,7 +115,8 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
-        self.index = setup.index if setup.index is not None else open_index_files(setup.index_dir)
+        self.index = (setup.index if setup.index is not None
+                      else open_index_files(setup.index_dir, setup.index_fingerprint))
         self.fingerprint = setup.fingerprint
         self.buffer_dir = setup.buffer_dir
         self.worker_id = worker_id
