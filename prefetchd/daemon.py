@@ -53,6 +53,7 @@ from .quarantine import QuarantineLog
 from .ring import Lock, Ring, is_tmpfs, prepare_dirs
 from .sampler import Sampler, ValSampler
 from .sessions import Sessions
+from .storage import STORAGE_RETRY_S
 from .watcher import ProgressWatcher
 from .worker import Result, Task, WorkerSetup
 
@@ -87,6 +88,8 @@ class Daemon:
         self.remote = None
         self.metrics = None
         self.val = None  # the validation stream's state, when validation.enabled
+        self.dataset_unreadable: str | None = None  # why, while batches meet an unreadable dataset root
+        self._unreadable_since = 0.0
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -397,11 +400,22 @@ class Daemon:
             else:
                 self.quarantine.add(q, res.epoch)
         if res.error:
-            if planner.finished(key):
+            if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
+                if planner.finished(key):
+                    planner.deferred(key, time.monotonic() + STORAGE_RETRY_S)
+                if self.dataset_unreadable is None:
+                    log.error("%s: batches are tried again every %.1f s until it is back; no sample is "
+                              "quarantined meanwhile", res.error, STORAGE_RETRY_S)
+                    self.dataset_unreadable, self._unreadable_since = res.error, time.monotonic()
+            elif planner.finished(key):
                 delay = planner.failed(key, time.monotonic())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
+        if self.dataset_unreadable is not None:
+            log.info("the dataset root is readable again (unreadable for %.1f s)",
+                     time.monotonic() - self._unreadable_since)
+            self.dataset_unreadable = None
         if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return
@@ -462,6 +476,7 @@ class Daemon:
             "progress_watch": self.watcher.mode, "rss_bytes": rss, "ranks": ranks,
             "executor": self.cfg.workers.executor, "ray": self.remote.status() if self.remote is not None else None,
             "main_cpu_s": _own_cpu_s(), "val_ranks": self.val.status(now) if self.val else None,
+            "dataset_unreadable": self.dataset_unreadable,
         }
 
     def _write_status(self) -> dict:

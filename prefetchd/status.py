@@ -109,6 +109,8 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade")
     if s.get("blocked"):
         lines.append(f"  waiting: {s['blocked']}")
+    if s.get("dataset_unreadable"):
+        lines.append(f"  waiting: {s['dataset_unreadable']}; batches are tried again until it is back")
     for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
         e, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"

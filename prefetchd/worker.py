@@ -32,6 +32,7 @@ from .config import Config
 from .dataset import Index, open_index_files
 from .progress import VAL_LANE
 from .status import FILE_MODE
+from .storage import SampleUnreadable, StorageUnavailable, read_sample
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16
@@ -75,6 +76,7 @@ class Result:
     samples: int = 0
     quarantined: tuple[Quarantined, ...] = ()
     error: str | None = None  # the whole batch failed (e.g. the buffer filesystem is full)
+    unavailable: bool = False  # ...because the dataset root could not be read (storage.StorageUnavailable)
 
 
 @dataclass(frozen=True)
@@ -138,13 +140,9 @@ class BatchMaker:
             os.kill(os.getpid(), signal.SIGSEGV)
         if _HANG_ON:
             _hang_once(path)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                data = _read_all(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
+        try:  # a storage hiccup raises StorageUnavailable: no sample is blamed (storage.py)
+            data = read_sample(path, self.index.root, _read_all)
+        except SampleUnreadable as e:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
             raise augment.SampleError("empty file")
@@ -167,7 +165,18 @@ class BatchMaker:
         used = np.array(indices, dtype=np.int64)
         replaced = np.full(n, -1, dtype=np.int64)
         quarantined: list[Quarantined] = []
-        for k in range(n):
+        try:
+            self._fill(epoch, used, replaced, quarantined, images)
+        except StorageUnavailable:  # the batch is made again later: what it quarantined is said then
+            for q in quarantined:
+                self.bad.pop(q.index, None)
+            raise
+        labels = self.index.labels[used].astype(np.int64)
+        return images, used, labels, replaced, quarantined
+
+    def _fill(self, epoch: int, used: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined],
+              images: np.ndarray) -> None:
+        for k in range(len(used)):
             i = int(used[k])
             attempt = 0
             while True:
@@ -188,8 +197,6 @@ class BatchMaker:
             if i != used[k]:
                 replaced[k] = used[k]
                 used[k] = i
-        labels = self.index.labels[used].astype(np.int64)
-        return images, used, labels, replaced, quarantined
 
     def make(self, task: Task) -> Result:
         t0 = time.perf_counter()
@@ -303,6 +310,8 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
             return
         try:
             result = maker.make_any(task)
+        except StorageUnavailable as e:  # said once by the daemon, which tries the batch again soon
+            result = Result(task.rank, task.epoch, task.batch, None, error=str(e), unavailable=True)
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
             result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
         try:
