@@ -90,6 +90,7 @@ class Daemon:
         self.val = None  # the validation stream's state, when validation.enabled
         self.dataset_unreadable: str | None = None  # why, while batches meet an unreadable dataset root
         self._unreadable_since = 0.0
+        self._rescan_box: dict | None = None  # a SIGHUP's dataset rescan, while it runs
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -265,6 +266,7 @@ class Daemon:
             if self._reload:
                 self._do_reload()
                 poll_s = self.cfg.progress.poll_interval_s
+            self._finish_rescan()
             now = time.monotonic()
             full = now >= next_poll  # every file now and then; else only those inotify named
             if full:
@@ -512,6 +514,7 @@ class Daemon:
 
     def _do_reload(self) -> None:
         self._reload = False
+        self._start_rescan()
         if self.notify:
             self.notify.reloading()
         try:
@@ -540,6 +543,47 @@ class Daemon:
                      new.buffer.capacity, new.buffer.refill_at, format_size(new.buffer.max_bytes))
         if self.notify:
             self.notify.ready()
+
+    # --- the dataset, looked at again --------------------------------------------------------------
+
+    def _start_rescan(self) -> None:
+        """SIGHUP: scan the dataset again, on a thread (a large tree takes a while), and say in
+        ``_finish_rescan`` whether it changed. The running stream keeps the index it started with:
+        its batches are a function of it, and trainers check the stream's fingerprint. A sample
+        gone since is found unreadable when a batch reaches it and replaced, as any unreadable
+        one; samples added are served after a restart (a new stream). Workers never look at the
+        dataset to start (``pool.Pool._worker_setup``)."""
+        if self._rescan_box is not None:
+            return  # one at a time
+        D, box = self.cfg.dataset, {}
+        self._rescan_box = box
+
+        def scan():
+            try:  # no cache write: the daemon's workers map the cache files of the running index
+                box["index"] = load_index(D.root, D.file_list, D.extensions, D.cache_dir, use_cache=False)[0]
+            except Exception as e:  # handed to the loop
+                box["error"] = e
+            self._wake()
+
+        threading.Thread(target=scan, name="prefetchd-rescan", daemon=True).start()
+
+    def _finish_rescan(self) -> None:
+        box = self._rescan_box
+        if not box:
+            return
+        self._rescan_box = None
+        if "error" in box:
+            log.warning("dataset rescan (SIGHUP): %s; serving the index read at start", box["error"])
+            return
+        new = box["index"]
+        if new.fingerprint == self.index.fingerprint:
+            log.info("dataset rescan (SIGHUP): unchanged, %d samples", len(new))
+            return
+        added, gone = dataset_diff(self.index, new)
+        log.warning("dataset rescan (SIGHUP): the dataset changed since this daemon read it (%d samples added, "
+                    "%d gone, %d classes now): this stream keeps the index it started with (%d samples); gone "
+                    "samples are replaced as batches reach them; restart the daemon to serve the new index "
+                    "(a new stream)", added, gone, len(new.classes), len(self.index))
 
     # --- teardown ---------------------------------------------------------------------------------
 
@@ -666,6 +710,15 @@ def _rate(dq: deque, now: float, t_start: float) -> float | None:
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def dataset_diff(old, new) -> tuple[int, int]:
+    """(samples added, samples gone) between two indexes, by path and label."""
+    def keys(index):
+        return {(index.relpath(i), index.classes[int(index.labels[i])]) for i in range(len(index))}
+
+    a, b = keys(old), keys(new)
+    return len(b - a), len(a - b)
 
 
 def stream_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:
