@@ -194,7 +194,10 @@ def _status_loop(cfg: Config, args) -> int:
         rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
         alive = daemon_alive(cfg.buffer.dir)
         if args.json:
-            print(json.dumps({"alive": alive, "status": rec}, indent=1, sort_keys=True))
+            out = {"alive": alive, "status": rec}
+            if rec is not None:  # a live daemon's figures it could not rewrite (a full filesystem)
+                out["stale"] = bool(alive) and status.is_stale(rec)
+            print(json.dumps(out, indent=1, sort_keys=True))
         elif rec is None:
             print(f"no status in {cfg.buffer.dir}: the daemon has not run there"
                   + ("" if alive is False else " (a daemon holds the lock; starting?)"))

@@ -26,6 +26,7 @@ LOCK_NAME = "daemon.lock"
 # Every file the daemon writes, whatever its umask: the daemon writes, its group (trainers of
 # ``buffer.group``) reads; the directory's own mode keeps everyone else out.
 FILE_MODE = 0o640
+STALE_AFTER_S = 5.0  # status.json is rewritten every second: older than this, it is stale
 
 
 def lock_pid(directory: str) -> int | None:
@@ -80,6 +81,15 @@ def read_json(directory: str, name: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_stale(s: dict[str, Any], now: float | None = None) -> bool:
+    """A running daemon's status older than ``STALE_AFTER_S`` (it is rewritten every second):
+    its figures no longer describe the daemon (it cannot write the file: a full filesystem)."""
+    updated = s.get("updated")
+    if s.get("state") == "stopped" or not isinstance(updated, (int, float)):
+        return False
+    return (time.time() if now is None else now) - updated > STALE_AFTER_S
+
+
 def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -90,6 +100,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
     state = s.get("state", "?")
     if alive is False:
         state = f"not running (last status {age:.0f} s ago said {state!r})"
+    elif is_stale(s):
+        state = (f"{state}, but these figures are STALE: written {age:.0f} s ago; the daemon cannot rewrite "
+                 f"{STATUS_NAME} (is the buffer's filesystem full?)")
     lines = [
         f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
         f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batches), "
