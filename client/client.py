@@ -27,7 +27,9 @@ its last copy has completed.
 
 from __future__ import annotations
 
+import errno
 import grp
+import logging
 import os
 import queue
 import secrets
@@ -53,6 +55,10 @@ _POLL_MAX_S = 0.005
 _QUEUE_POLL_S = 0.05  # how often a blocked reader or trainer looks at the stop flag / the other side
 _JOIN_TIMEOUT_S = 10.0  # a stopped reader finishes its current file (milliseconds) and exits
 _STATE_FORMAT = "prefetchd-loader"
+_PROGRESS_RETRY_S = 0.1  # a progress write a full disk refused is tried again this often while waiting
+# progress writes failing with these (a full disk, a hiccup) are tried again, not raised
+_PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+_log = logging.getLogger("prefetchd_client")
 
 
 @dataclass(frozen=True)
@@ -400,6 +406,7 @@ class PrefetchClient:
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._jumps = 0
         self._last_written: tuple[int, int] | None = None
+        self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._closed = False
 
     # --- DataLoader-shaped attributes ----------------------------------------------------------------
@@ -668,6 +675,7 @@ class PrefetchClient:
         path = self._path(epoch, batch)
         deadline = time.monotonic() + self.timeout
         delay = _POLL_MIN_S
+        retry_at = 0.0
         while True:
             try:
                 return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -678,6 +686,9 @@ class PrefetchClient:
             if time.monotonic() >= deadline:
                 raise PrefetchTimeout(f"waited {self.timeout:.1f} s for rank {self.rank} epoch {epoch} batch {batch} "
                                       f"({path}); " + self._daemon_state())
+            if self._unsaved is not None and time.monotonic() >= retry_at:  # the daemon makes this
+                self._retry_progress()  # batch once it knows where we are
+                retry_at = time.monotonic() + _PROGRESS_RETRY_S
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)
 
@@ -865,7 +876,7 @@ class PrefetchClient:
             while True:
                 try:
                     progress.write(self.progress_dir, p)
-                    return
+                    break
                 except FileNotFoundError:
                     # the daemon creates the directory as it starts: a trainer started beside it waits
                     now = time.monotonic()
@@ -875,7 +886,32 @@ class PrefetchClient:
                                               f"{self.progress_dir} to appear; " + self._daemon_state()) from None
                     time.sleep(0.01)
                 except OSError as e:
-                    raise PrefetchError(f"cannot write the progress file in {self.progress_dir}: {e.strerror}") from None
+                    if e.errno not in _PASSING_ERRNOS:  # permission denied, read-only: a deployment error
+                        raise PrefetchError(f"cannot write the progress file in {self.progress_dir}: "
+                                            f"{e.strerror}") from None
+                    # a full RAM disk (the progress dir is in the buffer by default) must not end the
+                    # training: it goes on from the ring, the write is tried again while the reader
+                    # waits and with the next batch, and the daemon keeps the last position it saw
+                    if self._unsaved is None:
+                        _log.warning("cannot write the progress file in %s: %s; reading on from the ring and "
+                                     "trying again", self.progress_dir, e.strerror)
+                    self._unsaved = p
+                    return
+            if self._unsaved is not None:
+                _log.info("the progress file in %s is written again", self.progress_dir)
+                self._unsaved = None
+
+    def _retry_progress(self) -> None:
+        """Write the progress record a full disk refused (while the reader waits for a batch)."""
+        with self._progress_lock:
+            if self._unsaved is None:
+                return
+            try:
+                progress.write(self.progress_dir, self._unsaved)
+            except OSError:
+                return
+            _log.info("the progress file in %s is written again", self.progress_dir)
+            self._unsaved = None
 
     # --- lifetime -------------------------------------------------------------------------------------
 

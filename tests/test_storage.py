@@ -180,3 +180,83 @@ def test_a_transient_errno_is_tried_again_and_only_a_lasting_one_blames_the_samp
         storage.read_sample(str(tmp_path / "gone.jpg"), str(tmp_path), flaky(0))
     with pytest.raises(storage.StorageUnavailable, match="the dataset root .* is unreadable"):
         storage.read_sample(str(tmp_path / "x" / "a.jpg"), str(tmp_path / "x"), flaky(0))
+
+
+# --- 3. a full RAM disk: the trainer reads on from the ring ----------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs of its own (tests run as root); unmounted afterwards whatever happens."""
+    mnt = tmp_path / "ramdisk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root; CI runs as root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path) -> None:
+    """Fill the filesystem of ``path`` with one file, as another program would."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_full_ram_disk_does_not_stop_the_trainer_and_status_says_its_figures_are_stale(
+        tmp_path, image_root, daemon_factory, small_tmpfs):
+    buf = small_tmpfs / "buffer"
+    cfg = small_config(tmp_path, image_root, buffer={"dir": str(buf), "min_free_bytes": 1})
+    ref, _ = reference_batches(cfg)
+    d = daemon_factory(cfg)
+    filler = small_tmpfs / "filler"
+    got: dict = {}
+    during: list = []
+
+    def fault(e, b):
+        if (e, b) == (0, 0):
+            wait_until(lambda: _status(buf).get("ranks", {}).get("0", {}).get("ready") == 4, 30, "a full ring")
+            _fill(filler)
+            t = time.monotonic()
+            threading.Timer(5.0, filler.unlink).start()  # the disk stays full for 5 s
+            during.append(t)
+        elif during and filler.exists():
+            during.append((e, b))  # read from the ring while the disk is full
+
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        _read(c, (0, 1), got, between=fault)
+    assert len(during) >= 3, during  # the batches already in the ring were read during the fill
+    assert digest(got) == _expected(ref)
+    # the disk full again, no trainer: `prefetchd status` says its figures are stale
+    _fill(filler)
+    try:
+        def stale():
+            r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg],
+                               capture_output=True, text=True, timeout=60)
+            return "STALE" in r.stdout and r.stdout
+        out = wait_until(stale, 30, "`prefetchd status` saying its figures are stale", interval=0.5)
+        assert "is the buffer's filesystem full?" in out
+    finally:
+        filler.unlink()
+    assert d.stop() == 0
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
+
+
+def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+    def check(cfg):
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")}))
+    assert "warning: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")},
+                             progress={"dir": str(tmp_path / "progress")}))
+    assert "shares a filesystem" not in out, out
