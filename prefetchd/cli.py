@@ -124,6 +124,13 @@ def cmd_check(args) -> int:
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)")
+    if index.skipped:  # the rule: prefetchd/dataset.py's docstring
+        print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
+              "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
+        for what in index.skipped[:20]:
+            print(f"  skipped {what}")
+        if len(index.skipped) > 20:
+            print(f"  ... and {len(index.skipped) - 20} more")
     print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
           f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
           f"augment {cfg.augment.mode} -> {s}x{s}")

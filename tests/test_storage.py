@@ -260,3 +260,28 @@ def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_pa
     out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")},
                              progress={"dir": str(tmp_path / "progress")}))
     assert "shares a filesystem" not in out, out
+
+
+# --- 4. a directory symlink to an ancestor ----------------------------------------------------------
+
+def test_a_symlink_to_an_ancestor_serves_every_image_once_with_its_own_label(tmp_path, image_root, daemon_factory):
+    plain = tmp_path / "plain"  # the same images, no symlink: what the stream must be
+    (plain_dir := tmp_path / "p").mkdir()
+    shutil.copytree(image_root, plain)
+    ref, index = reference_batches(small_config(plain_dir, str(plain)))
+    root = tmp_path / "root"
+    shutil.copytree(image_root, root)
+    first = sorted(os.listdir(root))[0]
+    os.symlink("..", root / first / "up")
+    cfg = small_config(tmp_path, str(root))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and f"dataset: {len(index)} samples" in r.stdout, r.stdout + r.stderr
+    assert f"skipped {first}/up -> .. (a directory symlink into dataset.root" in r.stdout, r.stdout
+    d = daemon_factory(cfg)
+    got: dict = {}
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        assert len(c.dataset) == len(index) == 48
+        _read(c, (0, 1), got)
+    assert d.stop() == 0
+    assert digest(got) == _expected(ref)  # same images, same labels: each image once, under its own class
