@@ -275,6 +275,7 @@ class Daemon:
             self._balance_executors()
             self._schedule()
             if now >= next_status:
+                self._restore_lock()
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry(now) for p in self._planners())]
@@ -480,6 +481,15 @@ class Daemon:
             "main_cpu_s": _own_cpu_s(), "val_ranks": self.val.status(now) if self.val else None,
             "dataset_unreadable": self.dataset_unreadable,
         }
+
+    def _restore_lock(self) -> None:
+        """daemon.lock removed by hand: made again (the directory's own lock kept the buffer ours)."""
+        try:
+            if self.lock.restore():
+                log.warning("%s was removed or replaced; made it again (this daemon still holds the buffer)",
+                            self.lock.path)
+        except OSError as e:
+            log.warning("cannot make %s again: %s", self.lock.path, e.strerror)
 
     def _write_status(self) -> dict:
         rec = self.status_record()

@@ -44,8 +44,13 @@ def daemon_alive(directory: str) -> bool | None:
     path = os.path.join(directory, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # removed by hand? the daemon also locks the directory itself (ring.Lock)
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
     except OSError:
         return None
     try:
