@@ -537,6 +537,7 @@ class Daemon:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
         elif new is not None:
+            self._apply_metrics(new.metrics)
             self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
                                validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
@@ -553,6 +554,30 @@ class Daemon:
                      new.buffer.capacity, new.buffer.refill_at, format_size(new.buffer.max_bytes))
         if self.notify:
             self.notify.ready()
+
+    def _apply_metrics(self, new) -> None:
+        """metrics.* by SIGHUP: the endpoint is started, stopped or moved now (a failure is said
+        and leaves metrics off; the rest of the reload applies)."""
+        if new == self.cfg.metrics:
+            return
+        from .metrics import MetricsServer
+
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
+        if new.enabled:
+            server = MetricsServer(new.address, new.port)
+            try:
+                server.start()
+            except OSError as e:
+                log.error("reload: cannot serve metrics: %s; metrics are off until a reload that works", e.strerror)
+                new = replace(new, enabled=False)
+            else:
+                self.metrics = server
+                server.update(self.status_record())
+        elif self.cfg.metrics.enabled:
+            log.info("metrics: stopped (metrics.enabled: false)")
+        self.cfg = replace(self.cfg, metrics=new)
 
     # --- the dataset, looked at again --------------------------------------------------------------
 

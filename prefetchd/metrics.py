@@ -123,7 +123,11 @@ class MetricsServer:
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self._snapshot))
-        self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
+        try:
+            self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
+        except OSError as e:  # the key to change, not only the socket's complaint
+            raise OSError(e.errno, f"metrics.port {self.port} on metrics.address {self.address}: {e.strerror}; "
+                          "choose a free port (or 0 for any) or set metrics.enabled: false") from None
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", self.address, self.port)
 
