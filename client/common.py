@@ -6,6 +6,7 @@ The bottom of the client's imports: it imports nothing of the client, so the mod
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,9 @@ _POLL_MAX_S = 0.005
 _QUEUE_POLL_S = 0.05  # how often a blocked reader or trainer looks at the stop flag / the other side
 _JOIN_TIMEOUT_S = 10.0  # a stopped reader finishes its current file (milliseconds) and exits
 _STATE_FORMAT = "prefetchd-loader"
+_PROGRESS_RETRY_S = 0.1  # a progress write a full disk refused is tried again this often while waiting
+# progress writes failing with these (a full disk, a hiccup) are tried again, not raised
+_PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
 
 
 @dataclass(frozen=True)

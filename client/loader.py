@@ -23,6 +23,7 @@ block only once it is freed and its copies are done); CUDA batches come through 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -37,7 +38,15 @@ from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.format import progress, status
 
-from .common import _POLL_MIN_S, _STATE_FORMAT, BatchInfo, PrefetchError, PrefetchTimeout, _Stopped
+from .common import (
+    _PASSING_ERRNOS,
+    _POLL_MIN_S,
+    _STATE_FORMAT,
+    BatchInfo,
+    PrefetchError,
+    PrefetchTimeout,
+    _Stopped,
+)
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
 
@@ -45,6 +54,8 @@ try:
     import torch
 except ImportError:  # numpy arrays only
     torch = None
+
+_log = logging.getLogger("prefetchd_client")
 
 
 class PrefetchClient(BatchFiles):
@@ -164,6 +175,7 @@ class PrefetchClient(BatchFiles):
         self._jumps = 0
         self._last_written: tuple[int, int] | None = None
         self._held: object | None = None  # the iteration under way (its token), if any
+        self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._closed = False
 
     # --- DataLoader-shaped attributes ----------------------------------------------------------------
@@ -482,7 +494,7 @@ class PrefetchClient(BatchFiles):
             while True:
                 try:
                     progress.write(self.progress_dir, p)
-                    return
+                    break
                 except FileNotFoundError:
                     # the daemon creates the directory as it starts: a trainer started beside it waits
                     now = time.monotonic()
@@ -492,7 +504,32 @@ class PrefetchClient(BatchFiles):
                                               f"{self.progress_dir} to appear; " + self._daemon_state()) from None
                     time.sleep(0.01)
                 except OSError as e:
-                    raise PrefetchError(f"cannot write the progress file in {self.progress_dir}: {e.strerror}") from None
+                    if e.errno not in _PASSING_ERRNOS:  # permission denied, read-only: a deployment error
+                        raise PrefetchError(f"cannot write the progress file in {self.progress_dir}: "
+                                            f"{e.strerror}") from None
+                    # a full RAM disk (the progress dir is in the buffer by default) must not end the
+                    # training: it goes on from the ring, the write is tried again while the reader
+                    # waits and with the next batch, and the daemon keeps the last position it saw
+                    if self._unsaved is None:
+                        _log.warning("cannot write the progress file in %s: %s; reading on from the ring and "
+                                     "trying again", self.progress_dir, e.strerror)
+                    self._unsaved = p
+                    return
+            if self._unsaved is not None:
+                _log.info("the progress file in %s is written again", self.progress_dir)
+                self._unsaved = None
+
+    def _retry_progress(self) -> None:
+        """Write the progress record a full disk refused (while the reader waits for a batch)."""
+        with self._progress_lock:
+            if self._unsaved is None:
+                return
+            try:
+                progress.write(self.progress_dir, self._unsaved)
+            except OSError:
+                return
+            _log.info("the progress file in %s is written again", self.progress_dir)
+            self._unsaved = None
 
     # --- lifetime -------------------------------------------------------------------------------------
 

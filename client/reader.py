@@ -27,6 +27,7 @@ from .common import (
     _JOIN_TIMEOUT_S,
     _POLL_MAX_S,
     _POLL_MIN_S,
+    _PROGRESS_RETRY_S,
     _QUEUE_POLL_S,
     BatchInfo,
     PrefetchError,
@@ -136,6 +137,7 @@ class BatchFiles:
         path = self._path(epoch, batch)
         deadline = time.monotonic() + self.timeout
         delay = _POLL_MIN_S
+        retry_at = 0.0
         while True:
             try:
                 return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -146,6 +148,9 @@ class BatchFiles:
             if time.monotonic() >= deadline:
                 raise PrefetchTimeout(f"waited {self.timeout:.1f} s for rank {self.rank} epoch {epoch} batch {batch} "
                                       f"({path}); " + self._daemon_state())
+            if self._unsaved is not None and time.monotonic() >= retry_at:  # the daemon makes this
+                self._retry_progress()  # batch once it knows where we are
+                retry_at = time.monotonic() + _PROGRESS_RETRY_S
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)
 

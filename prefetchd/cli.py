@@ -124,6 +124,13 @@ def cmd_check(args) -> int:
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)")
+    if index.skipped:  # the rule: prefetchd/dataset.py's docstring
+        print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
+              "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
+        for what in index.skipped[:20]:
+            print(f"  skipped {what}")
+        if len(index.skipped) > 20:
+            print(f"  ... and {len(index.skipped) - 20} more")
     print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
           f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
           f"augment {cfg.augment.mode} -> {s}x{s}")
@@ -217,7 +224,10 @@ def _status_loop(cfg: Config, args) -> int:
         rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
         alive = daemon_alive(cfg.buffer.dir)
         if args.json:
-            print(json.dumps({"alive": alive, "status": rec}, indent=1, sort_keys=True))
+            out = {"alive": alive, "status": rec}
+            if rec is not None:  # a live daemon's figures it could not rewrite (a full filesystem)
+                out["stale"] = bool(alive) and status.is_stale(rec)
+            print(json.dumps(out, indent=1, sort_keys=True))
         elif rec is None:
             print(f"no status in {cfg.buffer.dir}: the daemon has not run there"
                   + ("" if alive is False else " (a daemon holds the lock; starting?)"))

@@ -67,3 +67,20 @@ def test_symlink_loops_are_not_followed_forever(tmp_path):
     os.symlink(str(tmp_path / "a"), str(tmp_path / "a/loop"))
     index, _ = scan_image_folder(str(tmp_path), (".jpg",))
     assert len(index) == 1
+
+
+def test_a_directory_symlink_to_an_ancestor_indexes_every_image_once_with_its_own_label(tmp_path):
+    for c in ("a", "b", "c"):
+        touch(str(tmp_path / c / "1.jpg"))
+    touch(str(tmp_path / "a" / "sub" / "2.jpg"))
+    os.symlink("..", str(tmp_path / "a" / "up"))  # a loop through the root: b and c again, as label 0
+    os.symlink("../b", str(tmp_path / "c" / "b-again"))  # another class's folder
+    outside = tmp_path.parent / (tmp_path.name + "-outside")
+    touch(str(outside / "3.jpg"))
+    os.symlink(str(outside), str(tmp_path / "c" / "ext"))  # outside the root: followed...
+    os.symlink(str(outside), str(tmp_path / "b" / "ext2"))  # ...once
+    index, _ = scan_image_folder(str(tmp_path), (".jpg",))
+    got = sorted((index.relpath(i), index.classes[index.labels[i]]) for i in range(len(index)))
+    assert got == [("a/1.jpg", "a"), ("a/sub/2.jpg", "a"), ("b/1.jpg", "b"), ("b/ext2/3.jpg", "b"),
+                   ("c/1.jpg", "c")]
+    assert sorted(s.split()[0] for s in index.skipped) == ["a/up", "c/b-again", "c/ext"]

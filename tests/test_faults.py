@@ -553,3 +553,25 @@ def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_ro
         for w in pool.workers.values():
             os.kill(w.process.pid, signal.SIGCONT)
         d._teardown()
+
+
+def test_a_deleted_lock_file_does_not_let_a_second_daemon_take_the_buffer(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    os.unlink(os.path.join(buf, status.LOCK_NAME))
+    assert status.daemon_alive(buf) is True  # the directory's lock still says so
+    other_dir = tmp_path / "other"
+    other_dir.mkdir()
+    other = small_config(other_dir, image_root, loader={"seed": 8}, buffer={"dir": buf})
+    d2 = daemon_factory(other)
+    assert d2.proc.wait(60) == 1
+    assert f"another prefetchd (pid {d.pid}) already serves {buf}" in d2.log()
+    assert len(published(buf)) == 4  # its batches are the first daemon's still
+    wait_until(lambda: status.lock_pid(buf) == d.pid, 30, "daemon.lock made again by its daemon")
+    assert "was removed or replaced; made it again" in d.log()
+    got = collect(cfg)
+    ref, _ = reference_batches(cfg)
+    assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+    assert d.stop() == 0

@@ -93,10 +93,39 @@ def test_metrics_port_taken_is_a_clear_error(tmp_path, image_root, daemon_factor
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        cfg = small_config(tmp_path, image_root, metrics={"enabled": True, "port": s.getsockname()[1]})
+        port = s.getsockname()[1]
+        cfg = small_config(tmp_path, image_root, metrics={"enabled": True, "port": port})
         d = daemon_factory(cfg)
         assert d.proc.wait(30) == 1
     assert "cannot run" in d.log() and "Address already in use" in d.log()
+    assert f"metrics.port {port} on metrics.address 127.0.0.1" in d.log()  # the key to change
+
+
+def test_metrics_enabled_by_sighup_listens_and_a_taken_port_is_said(tmp_path, image_root, daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: _status(buf).get("ranks", {}).get("0", {}).get("ready") == 4, 30, "a full buffer")
+    port = _free_port()
+    _edit(cfg, "metrics", enabled=True, port=port)
+    d.proc.send_signal(signal.SIGHUP)
+
+    def scrape():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return ""
+
+    text = wait_until(lambda: "prefetchd_rank_ready_batches" in (t := scrape()) and t, 30, "metrics after SIGHUP")
+    assert "prefetchd_produced_batches_total" in text
+    with socket.socket() as taken:  # moved to a taken port: said, naming the key; the daemon goes on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        _edit(cfg, "metrics", port=taken.getsockname()[1])
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "reload: cannot serve metrics: metrics.port" in d.log(), 30, "the refusal")
+    assert scrape() == "" and d.proc.poll() is None
+    assert d.stop() == 0
 
 
 def test_preview_writes_a_grid_of_labelled_samples(tmp_path, image_root, daemon_factory):

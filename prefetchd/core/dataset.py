@@ -4,7 +4,12 @@ Two sources:
 
 * an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
   among the sorted class names, files are sorted, as torchvision's ``ImageFolder`` does;
-  extensions are matched case-insensitively; directory symlinks are followed, loops are not.
+  extensions are matched case-insensitively. Directory symlinks, by one rule that never indexes
+  an image twice or under another class's label: one whose target lies inside the root (a loop
+  to an ancestor, a link to another class) is not followed, its images are indexed where they
+  are; one pointing outside the root is followed, and a directory reached a second time (by
+  another link) is skipped. What was skipped is kept with the index (``Index.skipped``, shown by
+  ``prefetchd check``).
 * a file list: one ``path label`` per line (``#`` comments and blank lines allowed); relative
   paths are relative to the list's directory.
 
@@ -33,7 +38,7 @@ from prefetchd.core.bars import bar
 
 log = logging.getLogger("prefetchd.dataset")
 
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: directory symlinks into the root are not followed (version 1 indexed them twice)
 
 
 class DatasetError(ValueError):
@@ -49,6 +54,7 @@ class Index:
     labels: np.ndarray  # int32 [n]
     fingerprint: str  # hex: content hash of paths and labels
     files_dir: str | None = None  # where the .npy files live (for workers to mmap)
+    skipped: tuple[str, ...] = ()  # directories the scan did not index, each with why
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -105,28 +111,40 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
     rel: list[bytes] = []
     labels: list[int] = []
     empty: list[str] = []
+    real_root = os.path.realpath(root)
+    seen: set[tuple[int, int]] = set()  # every directory indexed, whichever class reached it
+    skipped: list[str] = []
     # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
     classes_bar = bar(classes, desc=f"scanning {root}", unit="class", leave=False)
     for label, cls in enumerate(classes_bar):
         top = os.path.join(root, cls)
-        seen: set[tuple[int, int]] = set()
         found = 0
-        for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=_walk_error):
+        why = _not_followed(top, real_root)
+        for dirpath, dirnames, filenames in [] if why else os.walk(top, followlinks=True, onerror=_walk_error):
             st = os.stat(dirpath)
             key = (st.st_dev, st.st_ino)
-            if key in seen:  # a symlink loop: do not descend again
-                log.warning("skipping %s: a directory symlink loop", dirpath)
+            if key in seen:  # reached before (by another link): its images have their label already
+                skipped.append(f"{os.path.relpath(dirpath, root)} (a directory already indexed by another path)")
                 dirnames[:] = []
                 continue
             seen.add(key)
             stamps.append((dirpath, st.st_mtime_ns))
             dirnames.sort()
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            keep = []
+            for d in dirnames:
+                why_not = None if d.startswith(".") else _not_followed(os.path.join(dirpath, d), real_root)
+                if why_not:
+                    skipped.append(f"{os.path.relpath(os.path.join(dirpath, d), root)} {why_not}")
+                elif not d.startswith("."):
+                    keep.append(d)
+            dirnames[:] = keep
             for name in sorted(filenames):
                 if name.lower().endswith(exts):
                     rel.append(os.fsencode(os.path.relpath(os.path.join(dirpath, name), root)))
                     labels.append(label)
                     found += 1
+        if why:
+            skipped.append(f"{cls} {why}")
         if not found:
             empty.append(cls)
         classes_bar.set_postfix_str(f"{len(rel):,} images", refresh=False)
@@ -134,9 +152,24 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if skipped:
+        log.warning("%d director%s not indexed (directory symlinks into dataset.root are not followed, a "
+                    "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
+                    "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if not rel:
         raise DatasetError(f"dataset.root {root} holds no images with extensions {', '.join(exts)}")
-    return _build(root, classes, rel, labels), stamps
+    return replace(_build(root, classes, rel, labels), skipped=tuple(skipped)), stamps
+
+
+def _not_followed(path: str, real_root: str) -> str | None:
+    """Why the directory symlink ``path`` is not followed (its target lies inside the root, where
+    its images are indexed under their own class), or None (not a symlink, or pointing outside)."""
+    if not os.path.islink(path):
+        return None
+    target = os.path.realpath(path)
+    if target == real_root or target.startswith(real_root.rstrip(os.sep) + os.sep):
+        return f"-> {os.readlink(path)} (a directory symlink into dataset.root: its images are indexed where they are)"
+    return None
 
 
 def _walk_error(err: OSError) -> None:
@@ -194,17 +227,19 @@ def _stamps_valid(stamps: list) -> bool:
     return True
 
 
-def _load_cache(cdir: str) -> Index | None:
+def _load_cache(cdir: str, validate: bool = True) -> Index | None:
+    """The cached index in ``cdir``; None if there is none or (``validate``) the dataset changed
+    since it was scanned."""
     meta_path = os.path.join(cdir, "meta.json")
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-        if meta.get("version") != _CACHE_VERSION or not _stamps_valid(meta["stamps"]):
+        if meta.get("version") != _CACHE_VERSION or (validate and not _stamps_valid(meta["stamps"])):
             return None
         arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
                   for k in ("blob", "offsets", "labels")}
         return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
-                     arrays["labels"], meta["fingerprint"], files_dir=cdir)
+                     arrays["labels"], meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -220,7 +255,8 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
         os.replace(tmp, os.path.join(cdir, name))
         files[k] = name
     meta = {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-            "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index)}
+            "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index),
+            "skipped": list(index.skipped)}
     fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f)
@@ -278,9 +314,28 @@ def val_labels(val, train):
     return replace(val, classes=train.classes, labels=table[np.asarray(val.labels)], files_dir=None)
 
 
-def open_index_files(files_dir: str) -> Index:
-    """Open a cached index read-only by memory map (what workers do)."""
-    index = _load_cache(files_dir)
+def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
+    """Open a cached index read-only by memory map (what workers do).
+
+    The dataset is not looked at: a worker serves the index its daemon read, even if the
+    dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
+    ``fingerprint``, the files must hold that index (another process may have rescanned a
+    changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
+    index = _load_cache(files_dir, validate=False)
     if index is None:
-        raise DatasetError(f"the index cache in {files_dir} is missing or stale")
+        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
+    if fingerprint is not None and index.fingerprint != fingerprint:
+        raise DatasetError(f"the index cache in {files_dir} holds index {index.fingerprint}, not {fingerprint}")
     return index
+
+
+def index_files_hold(files_dir: str, fingerprint: str) -> bool:
+    """Do the cache files in ``files_dir`` still hold the index ``fingerprint`` (cheap: meta.json
+    and the files' presence; the arrays are not read)?"""
+    try:
+        with open(os.path.join(files_dir, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        return (meta.get("fingerprint") == fingerprint
+                and all(os.path.isfile(os.path.join(files_dir, meta["files"][k])) for k in ("blob", "offsets", "labels")))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

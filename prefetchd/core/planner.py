@@ -281,6 +281,11 @@ class Planner:
         self._unmade(key, now + delay)
         return delay
 
+    def deferred(self, key: Key, retry_at: float) -> None:
+        """The batch could not be made through no fault of its own (the dataset's storage was
+        unreadable): it is tried again at ``retry_at``, and its back-off is left as it was."""
+        self._unmade(key, retry_at)
+
     def lost(self, key: Key) -> None:
         """The batch's worker died or was given up on: make it again, now."""
         self._unmade(key, 0.0)

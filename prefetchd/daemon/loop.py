@@ -39,15 +39,16 @@ from collections import deque
 from dataclasses import replace
 from multiprocessing.connection import wait as mp_wait
 
-import psutil
-
 from prefetchd.core import hybrid
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
+from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.quarantine import QuarantineLog
+from prefetchd.daemon.report import status_record
+from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.sessions import Sessions
 from prefetchd.daemon.validation import ValStream
@@ -55,6 +56,7 @@ from prefetchd.daemon.waiting import Waiting
 from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
 from prefetchd.executors.pool import Pool
+from prefetchd.executors.storage import STORAGE_RETRY_S
 from prefetchd.executors.worker import Result, Task, WorkerSetup
 from prefetchd.format import batchfile, status
 from prefetchd.format.progress import VAL_LANE
@@ -62,7 +64,6 @@ from prefetchd.format.progress import VAL_LANE
 log = logging.getLogger("prefetchd")
 
 _STATUS_INTERVAL_S = 1.0
-_RATE_WINDOW_S = 10.0
 _CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a broken setup
 
 
@@ -89,6 +90,9 @@ class Daemon:
         self.remote = None
         self.metrics = None
         self.val = None  # the validation stream's state, when validation.enabled
+        self.dataset_unreadable: str | None = None  # why, while batches meet an unreadable dataset root
+        self._unreadable_since = 0.0
+        self._rescan: Rescan | None = None  # a SIGHUP's dataset rescan, while it runs
 
     # --- set-up -----------------------------------------------------------------------------------
 
@@ -140,11 +144,12 @@ class Daemon:
             self.metrics = MetricsServer(cfg.metrics.address, cfg.metrics.port)
             self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
-                            self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records))
+                            self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records),
+                            index_fingerprint=self.index.fingerprint)
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
-        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s)
+        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
@@ -263,6 +268,7 @@ class Daemon:
             if self._reload:
                 self._do_reload()
                 poll_s = self.cfg.progress.poll_interval_s
+            self._finish_rescan()
             now = time.monotonic()
             full = now >= next_poll  # every file now and then; else only those inotify named
             if full:
@@ -271,6 +277,7 @@ class Daemon:
             self._balance_executors()
             self._schedule()
             if now >= next_status:
+                self._restore_lock()
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry(now) for p in self._planners())]
@@ -395,11 +402,22 @@ class Daemon:
             else:
                 self.quarantine.add(q, res.epoch)
         if res.error:
-            if planner.finished(key):
+            if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
+                if planner.finished(key):
+                    planner.deferred(key, time.monotonic() + STORAGE_RETRY_S)
+                if self.dataset_unreadable is None:
+                    log.error("%s: batches are tried again every %.1f s until it is back; no sample is "
+                              "quarantined meanwhile", res.error, STORAGE_RETRY_S)
+                    self.dataset_unreadable, self._unreadable_since = res.error, time.monotonic()
+            elif planner.finished(key):
                 delay = planner.failed(key, time.monotonic())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
+        if self.dataset_unreadable is not None:
+            log.info("the dataset root is readable again (unreadable for %.1f s)",
+                     time.monotonic() - self._unreadable_since)
+            self.dataset_unreadable = None
         if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return
@@ -423,45 +441,17 @@ class Daemon:
     # --- status -----------------------------------------------------------------------------------
 
     def status_record(self) -> dict:
-        """From counters kept up to date, O(ranks): no window is walked."""
-        now = time.time()
-        ranks = {}
-        for r in self.ranks:
-            rs = self.planner.rank_status(r)
-            seen = self.sessions.last_seen.get(r)
-            rs.update(wait_s=self.sessions.wait_s[r], echoed=self.sessions.echoed[r],
-                      last_progress_age_s=None if seen is None else now - seen)
-            ranks[str(r)] = rs
-        up = max(now - self.t_start, 1e-9)
-        rss = 0
-        respawn = self.pool.respawn_due()  # a worker is missing, replaced after this back-off
-        for pid in [os.getpid(), *self.pool.pids()]:
-            try:
-                rss += psutil.Process(pid).memory_info().rss
-            except psutil.Error:
-                pass
-        return {
-            "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
-            "state": "stopping" if self._stop else "running", "updated": now, "started": self.t_start,
-            "uptime_s": up, "buffer_dir": self.cfg.buffer.dir, "fingerprint": self.fingerprint_hex,
-            "capacity": self.cfg.buffer.capacity, "refill_at": self.cfg.buffer.refill_at,
-            "workers": self.pool.count, "workers_alive": self.pool.alive(), "worker_restarts": self.pool.restarts,
-            "worker_timeouts": self.pool.timeouts, "worker_pids": self.pool.pids(),
-            "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
-            "worker_utilisation": min(1.0, self.pool.busy_s() / (up * max(1, self.pool.count))),
-            "produced_batches": self.produced_batches, "produced_images": self.produced_images,
-            "failed_batches": self.failed_batches,
-            "produced_img_s": _rate(self._produced, now, self.t_start),
-            "consumed_img_s": _rate(self._consumed, now, self.t_start),
-            "first_batch_s": None if self.first_batch_at is None else self.first_batch_at - self.t_start,
-            "bytes_used": self.ring.bytes_used, "max_bytes": self.cfg.buffer.max_bytes,
-            "fs_free": self.ring.free_bytes(), "quarantined": len(self.quarantine),
-            "blocked": self.waiting.blocked.get("train"), "val_blocked": self.waiting.blocked.get("validation"),
-            "train_bytes": self.planner.held, "val_bytes": self.val.planner.held if self.val else None,
-            "progress_watch": self.watcher.mode, "rss_bytes": rss, "ranks": ranks,
-            "executor": self.cfg.workers.executor, "ray": self.remote.status() if self.remote is not None else None,
-            "main_cpu_s": _own_cpu_s(), "val_ranks": self.val.status(now) if self.val else None,
-        }
+        """The status record (``status.json``, metrics), from counters: see ``report.status_record``."""
+        return status_record(self)
+
+    def _restore_lock(self) -> None:
+        """daemon.lock removed by hand: made again (the directory's own lock kept the buffer ours)."""
+        try:
+            if self.lock.restore():
+                log.warning("%s was removed or replaced; made it again (this daemon still holds the buffer)",
+                            self.lock.path)
+        except OSError as e:
+            log.warning("cannot make %s again: %s", self.lock.path, e.strerror)
 
     def _write_status(self) -> dict:
         rec = self.status_record()
@@ -496,6 +486,7 @@ class Daemon:
 
     def _do_reload(self) -> None:
         self._reload = False
+        self._start_rescan()
         if self.notify:
             self.notify.reloading()
         try:
@@ -508,6 +499,7 @@ class Daemon:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
         elif new is not None:
+            self._apply_metrics(new.metrics)
             self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
                                validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
@@ -524,6 +516,25 @@ class Daemon:
                      new.buffer.capacity, new.buffer.refill_at, format_size(new.buffer.max_bytes))
         if self.notify:
             self.notify.ready()
+
+    def _apply_metrics(self, new) -> None:
+        """metrics.* by SIGHUP: the endpoint is started, stopped or moved now (``metrics.reload``)."""
+        if new != self.cfg.metrics:
+            self.metrics, applied = reload_metrics(self.metrics, self.cfg.metrics, new, self.status_record)
+            self.cfg = replace(self.cfg, metrics=applied)
+
+    # --- the dataset, looked at again (SIGHUP) -------------------------------------------------------
+
+    def _start_rescan(self) -> None:
+        if self._rescan is None:  # one at a time
+            D = self.cfg.dataset
+            self._rescan = Rescan(lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
+                                                     use_cache=False)[0], self._wake)
+
+    def _finish_rescan(self) -> None:
+        if self._rescan is not None and self._rescan.done():
+            self._rescan, rescan = None, self._rescan
+            rescan.report(self.index)
 
     # --- teardown ---------------------------------------------------------------------------------
 
@@ -574,20 +585,6 @@ def _quietly(fn, what: str):
 
 def _limits(b) -> Limits:
     return Limits(b.capacity, b.refill_at, b.max_bytes, b.min_free_bytes)
-
-
-def _rate(dq: deque, now: float, t_start: float) -> float | None:
-    while dq and dq[0][0] < now - _RATE_WINDOW_S:
-        dq.popleft()
-    if not dq:
-        return 0.0
-    span = min(_RATE_WINDOW_S, now - t_start)
-    return sum(n for _, n in dq) / span if span > 0 else None
-
-
-def _own_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 def stream_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 log = logging.getLogger("prefetchd.metrics")
 
@@ -123,7 +124,11 @@ class MetricsServer:
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self._snapshot))
-        self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
+        try:
+            self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
+        except OSError as e:  # the key to change, not only the socket's complaint
+            raise OSError(e.errno, f"metrics.port {self.port} on metrics.address {self.address}: {e.strerror}; "
+                          "choose a free port (or 0 for any) or set metrics.enabled: false") from None
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", self.address, self.port)
 
@@ -132,3 +137,23 @@ class MetricsServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def reload_metrics(server: MetricsServer | None, old, new, snapshot: Callable[[], dict]):
+    """``metrics.*`` changed by SIGHUP: stop, start or move the endpoint now. Returns (the server
+    or None, the settings in force): a port that cannot be bound is said and leaves metrics off,
+    and the rest of the reload applies."""
+    if server is not None:
+        server.stop()
+        server = None
+    if new.enabled:
+        server = MetricsServer(new.address, new.port)
+        try:
+            server.start()
+        except OSError as e:
+            log.error("reload: cannot serve metrics: %s; metrics are off until a reload that works", e.strerror)
+            return None, replace(new, enabled=False)
+        server.update(snapshot())
+    elif old.enabled:
+        log.info("metrics: stopped (metrics.enabled: false)")
+    return server, new

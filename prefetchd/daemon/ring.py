@@ -149,39 +149,104 @@ def is_tmpfs(path: str) -> bool:
 
 
 class Lock:
-    """An exclusive ``flock`` on ``daemon.lock``; the kernel drops it when the daemon dies."""
+    """An exclusive ``flock`` on the buffer directory itself, and on ``daemon.lock`` in it; the
+    kernel drops both when the daemon dies.
+
+    The directory's lock is the truth: it cannot be lost by deleting a file, so a second daemon
+    started after someone removed ``daemon.lock`` still finds the first one and never deletes the
+    batches of the stream it serves. ``daemon.lock`` holds the pid, and clients (and older tools)
+    take a shared lock on it to see whether a daemon runs (``status.daemon_alive`` falls back to
+    the directory when the file is gone)."""
 
     def __init__(self, directory: str):
+        self.dir = directory
         self.path = os.path.join(directory, LOCK_NAME)
         self.fd = -1
+        self.dir_fd = -1
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if not _flock_exclusive(dfd):
+                raise BufferBusy(f"another prefetchd (pid {_holder(self.dir)}) already serves {self.dir}")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        except BaseException:
+            os.close(dfd)
+            raise
         os.fchmod(fd, FILE_MODE)  # clients of the group take a shared lock to see if we run
-        deadline = time.monotonic() + 0.5  # a `status` or client probe holds it shared for microseconds
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as e:
-                busy = e.errno in (errno.EWOULDBLOCK, errno.EACCES)
-                if busy and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                    continue
-                other = os.pread(fd, 32, 0).decode(errors="replace").strip()
-                os.close(fd)
-                if busy:
-                    raise BufferBusy(f"another prefetchd (pid {other or '?'}) already serves "
-                                     f"{os.path.dirname(self.path)}") from None
-                raise
+        try:
+            busy = not _flock_exclusive(fd)
+        except BaseException:
+            os.close(fd)
+            os.close(dfd)
+            raise
+        if busy:  # a daemon of an older version, which locks only the file
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            os.close(dfd)
+            raise BufferBusy(f"another prefetchd (pid {other or '?'}) already serves {self.dir}")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd, self.dir_fd = fd, dfd
+
+    def restore(self) -> bool:
+        """Make ``daemon.lock`` again if someone removed or replaced it (clients look at it to see
+        whether a daemon runs, and which). True if it was made again. Call now and then."""
+        if self.fd < 0:
+            return False
+        try:
+            if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(self.fd).st_ino:
+                return False
+        except FileNotFoundError:
+            pass
+        tmp = f"{self.path}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else holds it
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            os.rename(tmp, self.path)  # whole, locked and with our pid from its first moment
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        os.close(self.fd)
         self.fd = fd
+        return True
 
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
+
+
+def _flock_exclusive(fd: int) -> bool:
+    """Take an exclusive flock on ``fd``; False if another process holds it."""
+    deadline = time.monotonic() + 0.5  # a `status` or client probe holds it shared for microseconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+def _holder(directory: str) -> str:
+    """The pid of the daemon that holds ``directory``, as its lock file or meta.json says."""
+    from prefetchd.format.status import META_NAME, lock_pid, read_json
+
+    pid = lock_pid(directory) or (read_json(directory, META_NAME) or {}).get("pid")
+    return str(pid) if pid else "?"
 
 
 class Ring:

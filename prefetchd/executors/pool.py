@@ -29,9 +29,10 @@ import os
 import signal
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
+from prefetchd.core.dataset import index_files_hold
 from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, worker_main
 
 log = logging.getLogger("prefetchd.pool")
@@ -85,8 +86,11 @@ def _describe_exit(code: int | None) -> str:
 
 
 class Pool:
-    def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2, task_timeout_s: float = 120.0):
+    def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2, task_timeout_s: float = 120.0,
+                 index=None):
         self.setup = setup
+        self.index = index  # the daemon's own index: sent whole to a worker if its cache files are gone
+        self._index_sent_warned = False
         self.count = count
         self.max_in_flight = max_in_flight
         self.task_timeout_s = task_timeout_s
@@ -113,13 +117,29 @@ class Pool:
         parent, child = self.ctx.Pipe(duplex=True)
         current = self.ctx.RawArray("q", 1)
         current[0] = -1
-        p = self.ctx.Process(target=worker_main, args=(child, wid, self.setup, current),
+        p = self.ctx.Process(target=worker_main, args=(child, wid, self._worker_setup(), current),
                              name=f"prefetchd-worker-{wid}", daemon=True)
         p.start()
         child.close()
         w = Worker(wid, p, parent, current=current)
         self.workers[wid] = w
         return w
+
+    def _worker_setup(self) -> WorkerSetup:
+        """What a new worker is born from: the daemon's index, never a fresh look at the dataset.
+        Normally the worker maps the cache files the daemon read; if another process rescanned a
+        changed dataset and replaced them, the index goes down the worker's pipe instead (a copy
+        per worker, but a worker that starts)."""
+        s = self.setup
+        if s.index is not None or s.index_dir is None or s.index_fingerprint is None or self.index is None:
+            return s
+        if index_files_hold(s.index_dir, s.index_fingerprint):
+            return s
+        if not self._index_sent_warned:
+            log.warning("the index cache in %s no longer holds this daemon's index (the dataset was rescanned by "
+                        "another process?); new workers are sent the index through their pipe", s.index_dir)
+            self._index_sent_warned = True
+        return replace(s, index_dir=None, index=replace(self.index, files_dir=None))
 
     def resize(self, count: int) -> None:
         """Grow at once; shrink as workers fall idle."""

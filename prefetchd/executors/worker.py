@@ -30,6 +30,7 @@ from prefetchd.core import augment, hybrid
 from prefetchd.core.config import Config
 from prefetchd.core.dataset import Index, open_index_files
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
+from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 from prefetchd.format import batchfile
 from prefetchd.format.progress import VAL_LANE
 from prefetchd.format.status import FILE_MODE
@@ -76,6 +77,7 @@ class Result:
     samples: int = 0
     quarantined: tuple[Quarantined, ...] = ()
     error: str | None = None  # the whole batch failed (e.g. the buffer filesystem is full)
+    unavailable: bool = False  # ...because the dataset root could not be read (storage.StorageUnavailable)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class WorkerSetup:
     buffer_dir: str
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
     val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
+    index_fingerprint: str | None = None  # the index the files in index_dir must hold (the daemon's)
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -115,7 +118,8 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
-        self.index = setup.index if setup.index is not None else open_index_files(setup.index_dir)
+        self.index = (setup.index if setup.index is not None
+                      else open_index_files(setup.index_dir, setup.index_fingerprint))
         self.fingerprint = setup.fingerprint
         self.buffer_dir = setup.buffer_dir
         self.worker_id = worker_id
@@ -141,13 +145,9 @@ class BatchMaker:
             os.kill(os.getpid(), signal.SIGSEGV)
         if _HANG_ON:
             _hang_once(path)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                data = _read_all(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
+        try:  # a storage hiccup raises StorageUnavailable: no sample is blamed (storage.py)
+            data = read_sample(path, self.index.root, _read_all)
+        except SampleUnreadable as e:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
             raise augment.SampleError("empty file")
@@ -165,7 +165,18 @@ class BatchMaker:
         used = np.array(indices, dtype=np.int64)
         replaced = np.full(n, -1, dtype=np.int64)
         quarantined: list[Quarantined] = []
-        for k in range(n):
+        try:
+            self._fill(epoch, used, replaced, quarantined, images, builder)
+        except StorageUnavailable:  # the batch is made again later: what it quarantined is said then
+            for q in quarantined:
+                self.bad.pop(q.index, None)
+            raise
+        labels = self.index.labels[used].astype(np.int64)
+        return images, used, labels, replaced, quarantined
+
+    def _fill(self, epoch: int, used: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined],
+              images: np.ndarray, builder: Builder) -> None:
+        for k in range(len(used)):
             i = int(used[k])
             attempt = 0
             while True:
@@ -186,8 +197,6 @@ class BatchMaker:
             if i != used[k]:
                 replaced[k] = used[k]
                 used[k] = i
-        labels = self.index.labels[used].astype(np.int64)
-        return images, used, labels, replaced, quarantined
 
     def make(self, task: Task) -> Result:
         t0 = time.perf_counter()
@@ -284,6 +293,8 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
             return
         try:
             result = maker.make_any(task)
+        except StorageUnavailable as e:  # said once by the daemon, which tries the batch again soon
+            result = Result(task.rank, task.epoch, task.batch, None, error=str(e), unavailable=True)
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
             result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
         try:

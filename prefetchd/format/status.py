@@ -26,6 +26,7 @@ LOCK_NAME = "daemon.lock"
 # Every file the daemon writes, whatever its umask: the daemon writes, its group (trainers of
 # ``buffer.group``) reads; the directory's own mode keeps everyone else out.
 FILE_MODE = 0o640
+STALE_AFTER_S = 5.0  # status.json is rewritten every second: older than this, it is stale
 
 
 def lock_pid(directory: str) -> int | None:
@@ -43,8 +44,13 @@ def daemon_alive(directory: str) -> bool | None:
     path = os.path.join(directory, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
+    except FileNotFoundError:  # removed by hand? the daemon also locks the directory itself (ring.Lock)
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
     except OSError:
         return None
     try:
@@ -80,6 +86,15 @@ def read_json(directory: str, name: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_stale(s: dict[str, Any], now: float | None = None) -> bool:
+    """A running daemon's status older than ``STALE_AFTER_S`` (it is rewritten every second):
+    its figures no longer describe the daemon (it cannot write the file: a full filesystem)."""
+    updated = s.get("updated")
+    if s.get("state") == "stopped" or not isinstance(updated, (int, float)):
+        return False
+    return (time.time() if now is None else now) - updated > STALE_AFTER_S
+
+
 def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -90,6 +105,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
     state = s.get("state", "?")
     if alive is False:
         state = f"not running (last status {age:.0f} s ago said {state!r})"
+    elif is_stale(s):
+        state = (f"{state}, but these figures are STALE: written {age:.0f} s ago; the daemon cannot rewrite "
+                 f"{STATUS_NAME} (is the buffer's filesystem full?)")
     lines = [
         f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
         f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batches), "
@@ -114,6 +132,8 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         lines.append(f"  waiting: {s['blocked']}")
     if s.get("val_blocked"):
         lines.append(f"  validation waiting: {s['val_blocked']}")
+    if s.get("dataset_unreadable"):
+        lines.append(f"  waiting: {s['dataset_unreadable']}; batches are tried again until it is back")
     for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0])):
         e, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r}: trainer at epoch {e} batch {b}; ready {rs.get('ready', 0)}/{s.get('capacity', '?')}"

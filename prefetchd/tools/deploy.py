@@ -134,7 +134,30 @@ def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> l
     _check_dir(cfg.progress_dir, "progress.dir", True, cfg, gid, daemon, trainers, problem, warning)
     _check_files(cfg, daemon, problem)
     _check_mount(cfg, problem, warning)
+    _check_progress_fs(cfg, warning)
     return out
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest ancestor that exists (where it will be created)."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_progress_fs(cfg: Config, warning) -> None:
+    """The progress files on the batches' filesystem (the default): a disk filled by something
+    else also stops the trainers' progress writes; the client reads on from the ring and retries,
+    but the daemon makes nothing new until a write gets through."""
+    try:
+        same = os.stat(_existing(cfg.progress_dir)).st_dev == os.stat(_existing(cfg.buffer.dir)).st_dev
+    except OSError:
+        return
+    if same:
+        warning(f"progress.dir {cfg.progress_dir} shares a filesystem with buffer.dir {cfg.buffer.dir}: when "
+                f"something else fills it, trainers cannot report their position (they read on from the ring and "
+                f"retry, and the daemon makes no new batch meanwhile); put progress.dir on another filesystem, "
+                f"e.g. a small tmpfs of its own")
 
 
 def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning) -> None:

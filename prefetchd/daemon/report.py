@@ -1,0 +1,70 @@
+"""The daemon's status record: what ``status.json``, ``prefetchd status`` and the metrics show
+(format in ``prefetchd.format.status``), read from the loop's counters."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+
+import psutil
+
+_RATE_WINDOW_S = 10.0
+
+
+def status_record(d) -> dict:
+    """The daemon ``d``'s status record (``status.json``, the metrics), from counters kept up to
+    date, O(ranks): no window is walked."""
+    now = time.time()
+    ranks = {}
+    for r in d.ranks:
+        rs = d.planner.rank_status(r)
+        seen = d.sessions.last_seen.get(r)
+        rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
+                  last_progress_age_s=None if seen is None else now - seen)
+        ranks[str(r)] = rs
+    up = max(now - d.t_start, 1e-9)
+    rss = 0
+    respawn = d.pool.respawn_due()  # a worker is missing, replaced after this back-off
+    for pid in [os.getpid(), *d.pool.pids()]:
+        try:
+            rss += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            pass
+    return {
+        "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
+        "state": "stopping" if d._stop else "running", "updated": now, "started": d.t_start,
+        "uptime_s": up, "buffer_dir": d.cfg.buffer.dir, "fingerprint": d.fingerprint_hex,
+        "capacity": d.cfg.buffer.capacity, "refill_at": d.cfg.buffer.refill_at,
+        "workers": d.pool.count, "workers_alive": d.pool.alive(), "worker_restarts": d.pool.restarts,
+        "worker_timeouts": d.pool.timeouts, "worker_pids": d.pool.pids(),
+        "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
+        "worker_utilisation": min(1.0, d.pool.busy_s() / (up * max(1, d.pool.count))),
+        "produced_batches": d.produced_batches, "produced_images": d.produced_images,
+        "failed_batches": d.failed_batches,
+        "produced_img_s": _rate(d._produced, now, d.t_start),
+        "consumed_img_s": _rate(d._consumed, now, d.t_start),
+        "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
+        "bytes_used": d.ring.bytes_used, "max_bytes": d.cfg.buffer.max_bytes,
+        "fs_free": d.ring.free_bytes(), "quarantined": len(d.quarantine),
+        "blocked": d.waiting.blocked.get("train"), "val_blocked": d.waiting.blocked.get("validation"),
+        "train_bytes": d.planner.held, "val_bytes": d.val.planner.held if d.val else None,
+        "progress_watch": d.watcher.mode, "rss_bytes": rss, "ranks": ranks,
+        "executor": d.cfg.workers.executor, "ray": d.remote.status() if d.remote is not None else None,
+        "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
+        "dataset_unreadable": d.dataset_unreadable,
+    }
+
+
+def _rate(dq: deque, now: float, t_start: float) -> float | None:
+    while dq and dq[0][0] < now - _RATE_WINDOW_S:
+        dq.popleft()
+    if not dq:
+        return 0.0
+    span = min(_RATE_WINDOW_S, now - t_start)
+    return sum(n for _, n in dq) / span if span > 0 else None
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system

@@ -1,0 +1,85 @@
+"""Reading a sample from the dataset's storage, telling a bad sample from a storage hiccup.
+
+A sample is quarantined (replaced for good, ``quarantine.jsonl``) only for what is its own
+fault. The rule, applied to every failed read:
+
+* the dataset root cannot be read (gone: unmounted or renamed away; not a directory; no
+  permission) -> ``StorageUnavailable``: no sample is blamed, the batch is made again once
+  the root is back (the daemon retries it every ``STORAGE_RETRY_S`` and says so once);
+* the read failed with an errno a network filesystem or a flaky disk gives for a moment
+  (EIO, ESTALE, a timeout, ...) -> tried again after each pause of ``TRANSIENT_PAUSES_S``;
+  only a sample that still fails while the root is readable is the sample's fault;
+* the file is missing while the root is readable -> tried once more (the root may have just
+  come back between the read and the look at the root), then the sample's fault;
+* anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once.
+
+Read timeouts that hang in the kernel are not seen here: ``workers.task_timeout_s`` kills the
+worker, and a kill blames no sample (``pool``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Callable
+
+# errnos a storage hiccup gives for a moment (NFS, Lustre, a flaky disk or network)
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,
+                              errno.EHOSTUNREACH, errno.ECONNRESET, errno.EAGAIN, errno.ENOLINK})
+TRANSIENT_PAUSES_S = (0.1, 0.5)  # pauses between the tries of a read that failed transiently
+STORAGE_RETRY_S = 0.5  # a batch that met an unreadable root is tried again after this (not a back-off)
+_MISSING = (errno.ENOENT, errno.ENOTDIR)
+
+
+class StorageUnavailable(RuntimeError):
+    """The dataset root cannot be read: no sample is to blame; make the batch again later."""
+
+
+class SampleUnreadable(OSError):
+    """The sample's own file cannot be read while the root can (``strerror`` says why)."""
+
+
+def root_unreadable(root: str) -> str | None:
+    """Why the dataset root cannot be read now, or None if it can."""
+    try:
+        st = os.stat(root)
+    except OSError as e:
+        return e.strerror or str(e)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if not os.access(root, os.R_OK | os.X_OK):
+        return "permission denied"
+    return None
+
+
+def read_sample(path: str, root: str, read_all: Callable[[int], bytes],
+                sleep: Callable[[float], None] = time.sleep) -> bytes:
+    """The bytes of the sample at ``path`` (under ``root``), by the rule of the module's docstring.
+    Raises ``StorageUnavailable`` or ``SampleUnreadable``."""
+    pauses = iter(TRANSIENT_PAUSES_S)
+    missing_retried = False
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return read_all(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            err = e
+        why = root_unreadable(root)
+        if why is not None:
+            raise StorageUnavailable(f"the dataset root {root} is unreadable ({why})") from None
+        if err.errno in TRANSIENT_ERRNOS:
+            pause = next(pauses, None)
+            if pause is not None:
+                sleep(pause)
+                continue
+            raise SampleUnreadable(err.errno, f"{err.strerror} (also when tried again after "
+                                   f"{sum(TRANSIENT_PAUSES_S):.1f} s)") from None
+        if err.errno in _MISSING and not missing_retried:
+            missing_retried = True
+            continue
+        raise SampleUnreadable(err.errno, err.strerror) from None

@@ -1,0 +1,288 @@
+"""Storage faults never stall training: a touched dataset, a storage hiccup, a full RAM disk.
+
+Each process test runs the real daemon with a trainer reading through the real client, and
+checks that the stream it reads stays byte for byte what was made in-process where the dataset
+did not change.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+from prefetchd_client import PrefetchClient
+from test_daemon import digest, reference_batches
+
+from prefetchd.executors import storage
+from prefetchd.format import status
+from prefetchd.tools.samples import make_image_folder
+
+
+def _status(buf) -> dict:
+    return status.read_json(str(buf), status.STATUS_NAME) or {}
+
+
+def _read(c: PrefetchClient, epochs, got: dict, waits: list | None = None, between=None) -> None:
+    for e in epochs:
+        t = time.monotonic()
+        for b, (x, y) in enumerate(c.iter_epoch(e)):
+            if waits is not None:
+                waits.append(time.monotonic() - t)
+            got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+            if between is not None:
+                between(e, b)
+            t = time.monotonic()
+
+
+def _expected(ref: dict) -> str:
+    return digest({k: v[:2] for k, v in ref.items()})
+
+
+# --- 1. a touched dataset: workers are born from the daemon's index ---------------------------------
+
+def test_a_touched_class_folder_then_a_killed_worker_is_replaced_and_training_goes_on(tmp_path, image_root,
+                                                                                     daemon_factory):
+    root = tmp_path / "root"
+    shutil.copytree(image_root, root)
+    cfg = small_config(tmp_path, str(root), workers={"count": 1})
+    buf = tmp_path / "buffer"
+    ref, _ = reference_batches(cfg)  # the index the daemon starts with (and caches)
+    d = daemon_factory(cfg)
+    got: dict = {}
+
+    def fault(e, b):
+        if (e, b) != (0, 0):
+            return
+        cls = sorted(os.listdir(root))[1]
+        os.utime(root / cls)  # `touch ROOT/<class>`: the cache's stamps no longer hold
+        (root / cls / "added.JPEG").write_bytes((root / cls / sorted(os.listdir(root / cls))[0]).read_bytes())
+        pids = wait_until(lambda: _status(buf).get("worker_pids"), 30, "worker pids")
+        os.kill(pids[0], signal.SIGKILL)
+        # the first death in a while is replaced at once (the back-off starts at 0)
+        new = wait_until(lambda: (p := _status(buf).get("worker_pids")) and p != pids and p, 30, "a new worker")
+        assert new[0] != pids[0]
+
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        _read(c, (0,), got, between=fault)
+        # a SIGHUP rescans: the change is said, the stream keeps the index it started with
+        d.proc.send_signal(signal.SIGHUP)
+        wait_until(lambda: "dataset rescan (SIGHUP): the dataset changed" in d.log(), 30, "the rescan's verdict")
+        _read(c, (1,), got)
+    assert d.stop() == 0
+    log = d.log()
+    assert digest(got) == _expected(ref)
+    assert "missing or stale" not in log and "exited with status 1" not in log
+    assert "1 samples added, 0 gone" in log
+    assert _status(buf)["worker_restarts"] == 1
+
+
+def test_workers_start_when_the_index_cache_was_replaced_by_another_process(tmp_path, image_root, daemon_factory):
+    root = tmp_path / "root"
+    shutil.copytree(image_root, root)
+    cfg = small_config(tmp_path, str(root), workers={"count": 1})
+    buf = tmp_path / "buffer"
+    ref, _ = reference_batches(cfg)
+    d = daemon_factory(cfg)
+    got: dict = {}
+
+    def fault(e, b):
+        if (e, b) != (0, 0):
+            return
+        cls = sorted(os.listdir(root))[2]
+        victim = root / cls / sorted(os.listdir(root / cls))[0]
+        shutil.copy(victim, root / cls / "zz-added.JPEG")
+        # another process (prefetchd check, say) rescans the changed dataset and rewrites the cache
+        subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                       timeout=120, check=False)
+        pids = wait_until(lambda: _status(buf).get("worker_pids"), 30, "worker pids")
+        os.kill(pids[0], signal.SIGKILL)
+        wait_until(lambda: (p := _status(buf).get("worker_pids")) and p != pids, 30, "a new worker")
+
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        _read(c, (0, 1), got, between=fault)
+    assert d.stop() == 0
+    assert digest(got) == _expected(ref)
+    assert "no longer holds this daemon's index" in d.log()
+
+
+# --- 2. a storage hiccup: nothing is quarantined, the batches are made once it is back -------------
+
+def test_a_dataset_root_gone_for_2_s_stalls_the_trainer_no_longer_than_the_outage_and_quarantines_nothing(
+        tmp_path, daemon_factory):
+    root = tmp_path / "root"
+    make_image_folder(str(root), classes=4, per_class=12, seed=3, long_side=160)
+    cfg = small_config(tmp_path, str(root), workers={"count": 1}, buffer={"capacity": 2, "refill_at": 2})
+    buf = tmp_path / "buffer"
+    ref, _ = reference_batches(cfg)
+    d = daemon_factory(cfg)
+    outage_s = 2.0
+    waits: list[float] = []
+    got: dict = {}
+    ended = threading.Event()
+
+    def outage():
+        os.rename(root, str(root) + ".away")
+        time.sleep(outage_s)  # the fault itself: storage gone for this long
+        os.rename(str(root) + ".away", root)
+        ended.set()
+
+    def fault(e, b):
+        if (e, b) == (0, 1):
+            threading.Thread(target=outage, daemon=True).start()
+
+    try:
+        with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+            _read(c, (0, 1), got, waits, between=fault)
+    finally:
+        if not root.exists():
+            os.rename(str(root) + ".away", root)
+    assert ended.is_set()
+    assert max(waits) < outage_s + 5, waits
+    assert digest(got) == _expected(ref)
+    wait_until(lambda: _status(buf).get("produced_batches", 0) >= 16, 30, "status after the last batch")
+    s = _status(buf)
+    assert s["quarantined"] == 0 and s["dataset_unreadable"] is None
+    assert d.stop() == 0
+    log = d.log()
+    assert not (buf / status.QUARANTINE_NAME).exists()
+    assert "quarantined sample" not in log and "replacements for sample" not in log
+    assert log.count(f"the dataset root {root} is unreadable") == 1, log  # said once, not per sample
+    assert "the dataset root is readable again" in log
+
+
+def test_a_transient_errno_is_tried_again_and_only_a_lasting_one_blames_the_sample(tmp_path, monkeypatch):
+    (tmp_path / "a.jpg").write_bytes(b"data")
+    calls = []
+    real_read = os.read
+
+    def flaky(fails):
+        def read_all(fd):
+            calls.append(fd)
+            if len(calls) <= fails:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return real_read(fd, 100)
+        return read_all
+
+    assert storage.read_sample(str(tmp_path / "a.jpg"), str(tmp_path), flaky(2), sleep=lambda s: None) == b"data"
+    calls.clear()
+    with pytest.raises(storage.SampleUnreadable, match="Input/output error .also when tried again"):
+        storage.read_sample(str(tmp_path / "a.jpg"), str(tmp_path), flaky(99), sleep=lambda s: None)
+    assert len(calls) == 1 + len(storage.TRANSIENT_PAUSES_S)
+    with pytest.raises(storage.SampleUnreadable, match="No such file"):  # missing while the root is there
+        storage.read_sample(str(tmp_path / "gone.jpg"), str(tmp_path), flaky(0))
+    with pytest.raises(storage.StorageUnavailable, match="the dataset root .* is unreadable"):
+        storage.read_sample(str(tmp_path / "x" / "a.jpg"), str(tmp_path / "x"), flaky(0))
+
+
+# --- 3. a full RAM disk: the trainer reads on from the ring ----------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs of its own (tests run as root); unmounted afterwards whatever happens."""
+    mnt = tmp_path / "ramdisk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0755", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root; CI runs as root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(path) -> None:
+    """Fill the filesystem of ``path`` with one file, as another program would."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_full_ram_disk_does_not_stop_the_trainer_and_status_says_its_figures_are_stale(
+        tmp_path, image_root, daemon_factory, small_tmpfs):
+    buf = small_tmpfs / "buffer"
+    cfg = small_config(tmp_path, image_root, buffer={"dir": str(buf), "min_free_bytes": 1})
+    ref, _ = reference_batches(cfg)
+    d = daemon_factory(cfg)
+    filler = small_tmpfs / "filler"
+    got: dict = {}
+    during: list = []
+
+    def fault(e, b):
+        if (e, b) == (0, 0):
+            wait_until(lambda: _status(buf).get("ranks", {}).get("0", {}).get("ready") == 4, 30, "a full ring")
+            _fill(filler)
+            t = time.monotonic()
+            threading.Timer(5.0, filler.unlink).start()  # the disk stays full for 5 s
+            during.append(t)
+        elif during and filler.exists():
+            during.append((e, b))  # read from the ring while the disk is full
+
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        _read(c, (0, 1), got, between=fault)
+    assert len(during) >= 3, during  # the batches already in the ring were read during the fill
+    assert digest(got) == _expected(ref)
+    # the disk full again, no trainer: `prefetchd status` says its figures are stale
+    _fill(filler)
+    try:
+        def stale():
+            r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg],
+                               capture_output=True, text=True, timeout=60)
+            return "STALE" in r.stdout and r.stdout
+        out = wait_until(stale, 30, "`prefetchd status` saying its figures are stale", interval=0.5)
+        assert "is the buffer's filesystem full?" in out
+    finally:
+        filler.unlink()
+    assert d.stop() == 0
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
+
+
+def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+    def check(cfg):
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")}))
+    assert "warning: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")},
+                             progress={"dir": str(tmp_path / "progress")}))
+    assert "shares a filesystem" not in out, out
+
+
+# --- 4. a directory symlink to an ancestor ----------------------------------------------------------
+
+def test_a_symlink_to_an_ancestor_serves_every_image_once_with_its_own_label(tmp_path, image_root, daemon_factory):
+    plain = tmp_path / "plain"  # the same images, no symlink: what the stream must be
+    (plain_dir := tmp_path / "p").mkdir()
+    shutil.copytree(image_root, plain)
+    ref, index = reference_batches(small_config(plain_dir, str(plain)))
+    root = tmp_path / "root"
+    shutil.copytree(image_root, root)
+    first = sorted(os.listdir(root))[0]
+    os.symlink("..", root / first / "up")
+    cfg = small_config(tmp_path, str(root))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and f"dataset: {len(index)} samples" in r.stdout, r.stdout + r.stderr
+    assert f"skipped {first}/up -> .. (a directory symlink into dataset.root" in r.stdout, r.stdout
+    d = daemon_factory(cfg)
+    got: dict = {}
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        assert len(c.dataset) == len(index) == 48
+        _read(c, (0, 1), got)
+    assert d.stop() == 0
+    assert digest(got) == _expected(ref)  # same images, same labels: each image once, under its own class
