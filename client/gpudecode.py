@@ -2,18 +2,27 @@
 
 ``DecodeStage(device)`` turns a parsed ``prefetchd.jpegbatch.JpegBatch`` into the uint8
 ``[B, 3, H, W]`` channels-last tensor the CPU path yields: JPEG payloads are decoded on the device
-in one batched call (nvImageCodec, which uses the GPU's hardware JPEG engines where it can), then
-each is turned upright (EXIF orientation), cropped, resampled (2x area halving while the region is
-at least twice the output, then the configured filter, as ``prefetchd.augment`` does), and the
-batch is jittered, lit and flipped with the parameters the daemon drew. PIXELS payloads (files
-the daemon decoded on its CPU) are copied in unchanged. Crops, flips, jitter parameters and labels
-equal the CPU path's; the pixels differ slightly (the IDCT, the resampling arithmetic, and lanczos,
-which torch lacks and is done as bicubic).
+in one batched call (nvImageCodec, which uses the GPU's hardware JPEG engines where it can), each
+only over the region its crop needs; then the whole batch is turned upright (EXIF orientation),
+reduced, resampled (2x area halving while the region is at least twice the output, then the
+configured filter, as ``prefetchd.augment`` does, rounding after each step), jittered, lit and
+flipped with the parameters the daemon drew, in a few batched launches (``resample_batch``: each
+step is a pair of batched matrix products over the padded batch). PIXELS payloads (files the
+daemon decoded on its CPU) are copied in unchanged. Crops, flips, jitter parameters and labels
+equal the CPU path's; the pixels differ slightly (the IDCT, the resampling arithmetic, and
+lanczos, which is done as bicubic).
 
 The decoder is injectable: anything called as ``decoder(jpegs)`` with a list of uint8 numpy arrays
 (the JPEG files) that returns, per file, a uint8 tensor ``[h, w, 3]`` (RGB, as stored: no EXIF
-orientation applied) on the stage's device, or None where it failed. Tests use a CPU decoder on
-``device="cpu"``; the default needs ``pip install 'prefetchd[gpu]'`` and CUDA.
+orientation applied) on the stage's device, or None where it failed. A decoder with
+``supports_regions = True`` is called as ``decoder(jpegs, regions)`` with, per file, the box
+``(x0, y0, x1, y1)`` of the stored image the stage needs, and returns just that box. Tests use a
+CPU decoder on ``device="cpu"``; the default needs ``pip install 'prefetchd[gpu]'`` and CUDA.
+
+A sample the decoder fails on (None, a wrong shape, or an exception out of the decoder) is decoded
+on the CPU instead, and where that fails too, zeros stand in for it: no decoder failure ends a
+batch. Each fallback is counted (``fallbacks``, which the client reports to the daemon); the
+first is logged in one line, and after that one line per ``_WARN_EVERY`` more.
 
 Imports only numpy, torch and the shared format module (nvImageCodec lazily, when the default
 decoder is made).
@@ -21,7 +30,9 @@ decoder is made).
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -35,6 +46,12 @@ _log = logging.getLogger(__name__)
 
 GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see README, Hybrid decode)"
 _GREY = (9798, 19235, 3735)  # BT.601 in 15-bit fixed point: OpenCV RGB2GRAY on uint8, bit for bit
+_WARN_EVERY = 1000  # after the first fallback, one log line per this many more
+# Every nvImageCodec name this module uses (tests/test_nvimgcodec_contract.py checks them against
+# the installed wheel: ColorSpec.RGB, say, was renamed SRGB in nvImageCodec 0.7)
+NVIMGCODEC_NAMES = ("CodeStream", "CodeStream.get_sub_code_stream", "Decoder", "Decoder.decode", "DecodeParams",
+                    "ColorSpec.SRGB", "Region", "__version__")
+NVIMGCODEC_MIN_VERSION = (0, 9)
 
 
 class DecodeUnavailable(RuntimeError):
@@ -46,15 +63,87 @@ class DecodeError(RuntimeError):
     on the CPU, and failing that puts a stand-in in its place: it never ends the iteration)."""
 
 
-Decoder = Callable[[Sequence[np.ndarray]], Sequence["torch.Tensor | None"]]
+Decoder = Callable[..., Sequence["torch.Tensor | None"]]
+
+
+def load_nvimgcodec():
+    """nvImageCodec's module, once checked: it imports, has every name this module uses, and its
+    nvJPEG back-end (the GPU decoders: hardware engines and CUDA) is registered. Raises
+    DecodeUnavailable saying what to install otherwise. Makes no CUDA context."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError as e:
+        raise DecodeUnavailable(f"nvImageCodec is not installed ({e}); {GPU_EXTRA_HINT}") from None
+    version = str(getattr(nvimgcodec, "__version__", "?"))
+    missing = [name for name in NVIMGCODEC_NAMES if not _has_path(nvimgcodec, name)]
+    try:
+        too_old = tuple(int(x) for x in version.split(".")[:2]) < NVIMGCODEC_MIN_VERSION
+    except ValueError:
+        too_old = False
+    if missing or too_old:
+        raise DecodeUnavailable(f"nvImageCodec {version} is not a release this client works with (it lacks "
+                                f"{', '.join(missing) or 'nothing, but is older than 0.9'}); {GPU_EXTRA_HINT}")
+    if nvjpeg_registered() is False:
+        raise DecodeUnavailable(f"nvImageCodec {version} is installed but its nvJPEG back-end is not registered "
+                                "(it could not load libnvjpeg, and without it every JPEG would be decoded on the "
+                                "CPU); install the nvJPEG runtime with it: pip install 'prefetchd[gpu]' "
+                                "(nvidia-nvimgcodec-cu13[nvjpeg], or prefetchd[gpu-cu12] for CUDA 12 builds of torch)")
+    return nvimgcodec
+
+
+def nvjpeg_registered(maps_path: str = "/proc/self/maps") -> bool | None:
+    """Whether nvImageCodec's nvJPEG extension loaded the nvJPEG library, which it does as the
+    module is imported (registering its decoders only if that works): the library is mapped in
+    this process. None where that cannot be told (no /proc)."""
+    try:
+        with open(maps_path) as f:
+            return any("/libnvjpeg.so" in line for line in f)
+    except OSError:
+        return None
+
+
+def _has_path(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def decode_params(nv):
+    """What the stage asks nvImageCodec for: RGB as stored (the stage applies EXIF orientation
+    itself, from the daemon's parameters), 8 bits."""
+    return nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False)
+
+
+def code_streams(nv, jpegs: Sequence[np.ndarray], regions=None) -> list:
+    """Per file, its nvImageCodec CodeStream (restricted to ``regions[k]``, (x0, y0, x1, y1),
+    when given), or the reason it cannot be had: nvImageCodec's parser refuses some files libjpeg
+    takes (a TEM or RST marker before the scan, say), and one refusal must not fail the others."""
+    out: list = []
+    for k, j in enumerate(jpegs):
+        try:
+            cs = nv.CodeStream(np.ascontiguousarray(j, dtype=np.uint8))
+            if regions is not None:
+                x0, y0, x1, y1 = (int(v) for v in regions[k])
+                cs = cs.get_sub_code_stream(region=nv.Region(y0, x0, y1, x1))
+            out.append(cs)
+        except Exception as e:  # RuntimeError("Failed to get image info") in 0.9
+            out.append(f"nvImageCodec cannot parse it ({type(e).__name__}: {e})")
+    return out
 
 
 class NvImageCodecDecoder:
     """Batched JPEG decoding with nvImageCodec on one CUDA device, on the current CUDA stream.
 
-    Made at start-up: raises DecodeUnavailable (naming the extra) where nvImageCodec is missing
-    or the device is not a CUDA device. nvImageCodec picks the hardware JPEG engines where the GPU
-    has them and the file allows, and its CUDA decoder otherwise."""
+    Made at start-up, it only checks (``load_nvimgcodec``): raises DecodeUnavailable (naming the
+    extra) where nvImageCodec or its nvJPEG back-end is missing or the device is not a CUDA
+    device. nvImageCodec's decoder itself is made at the first call, on ``device`` (the client
+    resolves ``cuda`` to the trainer's device first: under torchrun, after its ``set_device``).
+    nvImageCodec picks the hardware JPEG engines where the GPU has them and the file allows, and
+    its CUDA decoder otherwise. Decodes only each file's region."""
+
+    supports_regions = True
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -62,33 +151,50 @@ class NvImageCodecDecoder:
             raise DecodeUnavailable(f"augment.decode: hybrid | gpu needs a CUDA device, got {str(device)!r} "
                                     f"(torch.cuda.is_available() is {torch.cuda.is_available()}); "
                                     f"{GPU_EXTRA_HINT}, on a machine with CUDA, or set augment.decode: cpu")
-        try:
-            from nvidia import nvimgcodec
-        except ImportError as e:
-            raise DecodeUnavailable(f"nvImageCodec is not installed ({e}); {GPU_EXTRA_HINT}") from None
-        self._nv = nvimgcodec
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._decoder = nvimgcodec.Decoder(device_id=index)
-        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
-                                               allow_any_depth=False)
+        self._nv = load_nvimgcodec()
+        self._decoder = None
+        self._params = decode_params(self._nv)
+        self.refused: list[str | None] = []  # per file of the last call: why it was not decoded, else None
 
-    def __call__(self, jpegs: Sequence[np.ndarray]) -> list:
-        if not jpegs:
+    def _made(self):
+        if self._decoder is None:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._decoder = self._nv.Decoder(device_id=index)
+        return self._decoder
+
+    def __call__(self, jpegs: Sequence[np.ndarray], regions=None) -> list:
+        if not len(jpegs):
             return []
+        streams = code_streams(self._nv, jpegs, regions)
+        ok = [k for k, s in enumerate(streams) if not isinstance(s, str)]
+        self.refused = [s if isinstance(s, str) else None for s in streams]
+        out: list = [None] * len(jpegs)
+        if not ok:
+            return out
         stream = torch.cuda.current_stream(self.device)
-        images = self._decoder.decode([np.asarray(j) for j in jpegs], params=self._params,
-                                      cuda_stream=stream.cuda_stream)
-        # the images live in nvImageCodec's buffers: torch.as_tensor wraps them (CUDA array
-        # interface), and the crop that follows copies what it needs
-        return [None if im is None else torch.as_tensor(im, device=self.device) for im in images]
+        # nvImageCodec allocates the images on this stream and frees them on it (stream-ordered),
+        # so the copies the stage queues after this call read them before they are reused
+        images = self._made().decode([streams[k] for k in ok], params=self._params, cuda_stream=stream.cuda_stream)
+        for k, im in zip(ok, images, strict=True):
+            if im is not None:
+                out[k] = torch.as_tensor(im, device=self.device)
+        return out
 
 
 class DecodeStage:
-    """Decodes compact batches on ``device``; ``decoder`` defaults to nvImageCodec (CUDA only)."""
+    """Decodes compact batches on ``device``; ``decoder`` defaults to nvImageCodec (CUDA only).
+
+    ``fallbacks`` counts the samples the decoder failed on (decoded on the CPU instead, or
+    replaced by zeros where that failed too), ``replaced`` the latter; ``host_s`` and ``batches``
+    are the host time spent in calls and their number (the device work runs on after a call)."""
 
     def __init__(self, device="cuda", decoder: Decoder | None = None):
         self.device = torch.device(device)
         self.decoder = decoder if decoder is not None else NvImageCodecDecoder(self.device)
+        self.fallbacks = 0
+        self.replaced = 0
+        self.host_s = 0.0
+        self.batches = 0
 
     def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None,
                  replaced: np.ndarray | None = None, transfer=None) -> torch.Tensor:
@@ -98,10 +204,11 @@ class DecodeStage:
         the client's pinned buffer): PIXELS payloads are copied from views of it, asynchronously
         when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given.
 
-        A JPEG the decoder fails on (None, or the wrong shape) is decoded on the CPU (simplejpeg)
-        instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when given) is set
-        to its dataset index. Either way one warning names the sample: a corrupt image never ends
-        training."""
+        A JPEG the decoder fails on (None, the wrong shape, an exception) is decoded on the CPU
+        (simplejpeg) instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when
+        given) is set to its dataset index, with a warning naming the sample: a corrupt image
+        never ends training."""
+        t0 = time.perf_counter()
         n, hh, ww = len(b), b.height, b.width
         out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
         kinds = b.params["kind"]
@@ -119,35 +226,79 @@ class DecodeStage:
                 out[k].copy_(src, non_blocking=True)
         jk = np.flatnonzero(kinds == jpegbatch.KIND_JPEG)
         if len(jk):
-            decoded = self.decoder([b.payload(k) for k in jk])
-            crops = torch.empty((len(jk), 3, hh, ww), dtype=torch.uint8, device=self.device)
-            for j, k in enumerate(jk):
-                crops[j] = self._crop_one(decoded[j], b, int(k), replaced)
             p = b.params[jk]
+            crops = resample_batch(self._regions(b, jk, replaced), p["orientation"], p["reduce"], hh, ww,
+                                   b.interpolation, self.device)
             crops = apply_jitter(crops, p["n_ops"], p["ops"], p["factors"])
             if b.lighting:
                 crops = apply_lighting(crops, p["lighting"])
             flip = _to_device(p["flip"].astype(bool), self.device)
             crops = torch.where(flip[:, None, None, None], crops.flip(-1), crops)
             out[_to_device(jk, self.device)] = crops.permute(0, 2, 3, 1)
+        self.host_s += time.perf_counter() - t0
+        self.batches += 1
         return out.permute(0, 3, 1, 2)
 
-    def _crop_one(self, img, b: jpegbatch.JpegBatch, k: int, replaced: np.ndarray | None) -> torch.Tensor:
-        p, index, hh, ww = b.params[k], int(b.indices[k]), b.height, b.width
+    def _regions(self, b: jpegbatch.JpegBatch, jk: np.ndarray, replaced: np.ndarray | None) -> list:
+        """Per JPEG sample, the part of its stored image the crop needs (``[h, w, c]`` on the
+        device, a view where it can be), or None where neither decoder could make it."""
+        boxes = [stored_box(b.params[k]) for k in jk]
+        payloads = [b.payload(k) for k in jk]
+        regional = bool(getattr(self.decoder, "supports_regions", False))
         try:
-            return _crop_resample(img, p, index, hh, ww, b.interpolation)
-        except DecodeError as e:
-            first = e
+            got = list(self.decoder(payloads, boxes) if regional else self.decoder(payloads))
+            if len(got) != len(jk):
+                raise DecodeError(f"the decoder returned {len(got)} images for {len(jk)} files")
+            why = list(getattr(self.decoder, "refused", None) or [None] * len(jk))
+        except Exception as e:  # whatever the decoder raises, each sample falls back on its own
+            got, why = [None] * len(jk), [f"the decoder raised {type(e).__name__}: {e}"] * len(jk)
+        out = []
+        for j, k in enumerate(jk):
+            p, box = b.params[k], boxes[j]
+            x0, y0, x1, y1 = box
+            want = (y1 - y0, x1 - x0) if regional else (int(p["coded_height"]), int(p["coded_width"]))
+            img, problem = got[j], why[j] if j < len(why) else None
+            if img is not None and (img.ndim != 3 or tuple(img.shape[:2]) != want or img.shape[2] not in (1, 3)):
+                problem, img = f"it decoded to {tuple(img.shape)}, not {want[0]}x{want[1]}", None
+            if img is not None:
+                out.append(img if regional else img[y0:y1, x0:x1])
+                continue
+            out.append(self._on_the_cpu(b, int(k), box, problem or "the GPU decoder could not decode it", replaced))
+        return out
+
+    def _on_the_cpu(self, b: jpegbatch.JpegBatch, k: int, box, problem: str, replaced: np.ndarray | None):
+        p, index = b.params[k], int(b.indices[k])
+        cw, ch = int(p["coded_width"]), int(p["coded_height"])
+        what = f"dataset sample {index} ({cw}x{ch} baseline JPEG)"
+        self.fallbacks += 1
         try:
             img = _cpu_decode(b.payload(k), self.device)
-            x = _crop_resample(img, p, index, hh, ww, b.interpolation)
-            _log.warning("%s; decoded it on the CPU instead", first)
-            return x
+            if tuple(img.shape[:2]) != (ch, cw):
+                raise DecodeError(f"it decoded to {tuple(img.shape)}, its header says {ch}x{cw}x3")
         except Exception as e:  # a corrupt image must not stop training: zeros stand in for it
-            _log.warning("%s; the CPU decode failed too (%s): zeros stand in for it (replaced)", first, e)
-        if replaced is not None:
-            replaced[k] = index
-        return torch.zeros((3, hh, ww), dtype=torch.uint8, device=self.device)
+            self.replaced += 1
+            _log.warning("prefetchd: %s: %s; the CPU decode failed too (%s): zeros stand in for it (replaced)",
+                         what, problem, e)
+            if replaced is not None:
+                replaced[k] = index
+            return None
+        if self.fallbacks == 1 or self.fallbacks % _WARN_EVERY == 0:
+            _log.warning("prefetchd: %s: %s; decoded it on the CPU instead (%d such sample%s so far, counted as "
+                         "gpu_fallbacks in the daemon's status; logged once per %d)", what, problem, self.fallbacks,
+                         "" if self.fallbacks == 1 else "s", _WARN_EVERY)
+        x0, y0, x1, y1 = box
+        return img[y0:y1, x0:x1]
+
+
+def stored_box(p) -> tuple[int, int, int, int]:
+    """The box (x0, y0, x1, y1) of a JPEG sample's stored image that its crop needs: the crop in
+    stored coordinates, and with a reduction ``r`` the whole r x r blocks it covers."""
+    cw, ch = int(p["coded_width"]), int(p["coded_height"])
+    r = int(p["reduce"])
+    if r > 1:  # orientation 1 (checked at parse)
+        x0, y0, x1, y1 = (int(v) for v in p["roi"])
+        return x0 * r, y0 * r, min(x1 * r, cw), min(y1 * r, ch)
+    return coded_box(p["roi"], int(p["orientation"]), cw, ch)
 
 
 def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
@@ -215,7 +366,8 @@ def _round_u8(x: torch.Tensor) -> torch.Tensor:
 
 def resample(x: torch.Tensor, hh: int, ww: int, interpolation: str) -> torch.Tensor:
     """float ``[1, 3, h, w]`` holding whole numbers -> ``[1, 3, hh, ww]``, rounded, as
-    ``prefetchd.augment._resample`` does it with OpenCV."""
+    ``prefetchd.augment._resample`` does it with OpenCV: one sample at a time, the reference
+    that ``resample_batch`` computes for a batch at once (tests compare the two)."""
     if interpolation not in ("nearest", "area"):
         while x.shape[2] >= 2 * hh and x.shape[3] >= 2 * ww:
             h2, w2 = x.shape[2] // 2, x.shape[3] // 2
@@ -254,30 +406,180 @@ def _area(x: torch.Tensor, hh: int, ww: int) -> torch.Tensor:
     return torch.einsum("yh,bchw,xw->bcyx", wy, x, wx)
 
 
-def _crop_resample(img, p, index: int, hh: int, ww: int, interpolation: str) -> torch.Tensor:
-    cw, ch = int(p["coded_width"]), int(p["coded_height"])
-    if img is None:
-        raise DecodeError(f"the GPU decoder could not decode dataset sample {index} "
-                          f"({cw}x{ch} baseline JPEG); the daemon's checks let it through")
-    if img.ndim == 2:
-        img = img[:, :, None]
-    if img.shape[0] != ch or img.shape[1] != cw or img.shape[2] not in (1, 3):
-        raise DecodeError(f"dataset sample {index} decoded to {tuple(img.shape)}, its header says {ch}x{cw}x3")
-    r = int(p["reduce"])
-    if r > 1:  # orientation 1 (checked at parse): crop whole r x r blocks, then box-reduce them
-        x0, y0, x1, y1 = (int(v) for v in p["roi"])
-        region = img[y0 * r: min(y1 * r, ch), x0 * r: min(x1 * r, cw)]
-        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
-        x = _round_u8(F.avg_pool2d(x, r, ceil_mode=True))
+# --- the batch's geometry in a few launches ----------------------------------------------------------
+#
+# Every step of a sample's geometry acts on rows and columns separately: the r x r box reduction,
+# each 2x area halving, the final filter, and the flips and transposes of EXIF orientation. So
+# each step is ``round(A @ X @ B^T)`` with one matrix per axis, and a batch of samples of
+# different sizes takes each step as two batched matrix products over the zero-padded batch
+# (a sample with fewer halvings than another gets identity steps, which change no whole number).
+# The matrices come from the sizes alone and are cached; the flips are folded into the first
+# step's columns and the transposes into which axis is which.
+
+_PAD_BUDGET_BYTES = 256 << 20  # float32 working set of one chunk of the padded batch
+# per orientation: whether the output's rows come from the stored image's columns (a transpose),
+# and whether the stored rows, and the stored columns, are read backwards
+_ORIENT = {1: (False, False, False), 2: (False, False, True), 3: (False, True, True), 4: (False, True, False),
+           5: (True, False, False), 6: (True, True, False), 7: (True, True, True), 8: (True, False, True)}
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = a.astype(np.float32)
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=8192)
+def _area_matrix(n_in: int, n_out: int) -> np.ndarray:
+    """OpenCV's INTER_AREA when shrinking (as ``_area_weights``)."""
+    s = n_in / n_out
+    lo = np.arange(n_out, dtype=np.float64)[:, None] * s
+    j = np.arange(n_in, dtype=np.float64)[None, :]
+    return _frozen(np.clip(np.minimum(j + 1, lo + s) - np.maximum(j, lo), 0, None) / s)
+
+
+@functools.lru_cache(maxsize=8192)
+def _box_matrix(n_in: int, r: int) -> np.ndarray:
+    """r-pixel box averages, a partial last box averaged over what it holds (avg_pool2d, ceil_mode)."""
+    m = np.zeros((-(-n_in // r), n_in), dtype=np.float64)
+    for i in range(m.shape[0]):
+        lo, hi = i * r, min((i + 1) * r, n_in)
+        m[i, lo:hi] = 1.0 / (hi - lo)
+    return _frozen(m)
+
+
+@functools.lru_cache(maxsize=8192)
+def _filter_matrix(n_in: int, n_out: int, kind: str) -> np.ndarray:
+    """``F.interpolate(..., align_corners=False)`` along one axis, as a matrix."""
+    m = np.zeros((n_out, n_in), dtype=np.float64)
+    dst = np.arange(n_out)
+    scale = np.float32(n_in / n_out)
+    f32 = dst.astype(np.float32)  # source positions in float32, as torch computes them
+    if kind == "nearest":
+        m[dst, np.minimum(np.floor(f32 * scale).astype(np.int64), n_in - 1)] = 1.0
+    elif kind == "area":
+        return _area_matrix(n_in, n_out)
+    elif kind == "bilinear":
+        src = np.maximum(scale * (f32 + np.float32(0.5)) - np.float32(0.5), np.float32(0))
+        i0 = np.floor(src).astype(np.int64)
+        i1 = np.minimum(i0 + 1, n_in - 1)
+        t = src - i0.astype(np.float32)
+        np.add.at(m, (dst, i0), np.float32(1) - t)
+        np.add.at(m, (dst, i1), t)
+    else:  # bicubic (torch's, A = -0.75), borders clamped
+        src = scale * (f32 + np.float32(0.5)) - np.float32(0.5)
+        i = np.floor(src).astype(np.int64)
+        t = src - i.astype(np.float32)
+        a = np.float32(-0.75)
+        w = [((a * (t + 1) - 5 * a) * (t + 1) + 8 * a) * (t + 1) - 4 * a,
+             ((a + 2) * t - (a + 3)) * t * t + 1,
+             ((a + 2) * (1 - t) - (a + 3)) * (1 - t) * (1 - t) + 1,
+             ((a * (2 - t) - 5 * a) * (2 - t) + 8 * a) * (2 - t) - 4 * a]
+        for d in range(4):
+            np.add.at(m, (dst, np.clip(i - 1 + d, 0, n_in - 1)), w[d])
+    return _frozen(m)
+
+
+def _eye(n: int) -> np.ndarray:
+    return np.eye(n, dtype=np.float32)
+
+
+def _plan(h: int, w: int, orientation: int, reduce: int, hh: int, ww: int, interpolation: str):
+    """One sample's steps: (transposed, rows matrices, columns matrices), one pair per step, for
+    a stored region of ``h`` x ``w``; the output of the last step is ``hh`` x ``ww`` upright
+    (``ww`` x ``hh`` before its transpose when ``transposed``)."""
+    transposed, rev_rows, rev_cols = _ORIENT[int(orientation)]
+    rows, cols = [], []
+    if reduce > 1:
+        rows.append(_box_matrix(h, reduce))
+        cols.append(_box_matrix(w, reduce))
+        h, w = rows[-1].shape[0], cols[-1].shape[0]
+    th, tw = (ww, hh) if transposed else (hh, ww)  # targets of the stored rows and columns
+    if interpolation not in ("nearest", "area"):
+        while h >= 2 * th and w >= 2 * tw:
+            rows.append(_area_matrix(h, h // 2))
+            cols.append(_area_matrix(w, w // 2))
+            h, w = h // 2, w // 2
+    if interpolation == "area" and not (h >= th and w >= tw):
+        kind = "bilinear"  # enlarging: OpenCV's INTER_AREA is close to bilinear there
     else:
-        x0, y0, x1, y1 = coded_box(p["roi"], int(p["orientation"]), cw, ch)
-        region = orient(img[y0:y1, x0:x1], int(p["orientation"]))
-        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
-    return resample(x, hh, ww, interpolation)[0].to(torch.uint8)
+        kind = {"lanczos": "bicubic"}.get(interpolation, interpolation)
+    rows.append(_filter_matrix(h, th, kind))
+    cols.append(_filter_matrix(w, tw, kind))
+    if rev_rows:
+        rows[0] = rows[0][:, ::-1]
+    if rev_cols:
+        cols[0] = cols[0][:, ::-1]
+    return transposed, rows, cols
 
 
-def _as_rgb(region: torch.Tensor) -> torch.Tensor:
-    return region.expand(-1, -1, 3) if region.shape[2] == 1 else region
+def resample_batch(regions: Sequence[torch.Tensor | None], orientations, reductions, hh: int, ww: int,
+                   interpolation: str, device) -> torch.Tensor:
+    """The JPEG samples' crops, uint8 ``[m, 3, hh, ww]``: ``regions[j]`` is sample j's stored
+    region (uint8 ``[h, w, 1 | 3]``, as decoded, before orientation; None: zeros stand in),
+    reduced by ``reductions[j]`` (r x r boxes), turned upright by ``orientations[j]`` and
+    resampled as ``resample`` does it for one sample, rounding after each step. Launches: one
+    copy per sample into the padded batch, and a few per step for the batch (per chunk of about
+    ``_PAD_BUDGET_BYTES``)."""
+    m = len(regions)
+    out = torch.zeros((m, 3, hh, ww), dtype=torch.uint8, device=device)
+    plans = {}
+    for j, x in enumerate(regions):
+        if x is not None:
+            plans[j] = _plan(int(x.shape[0]), int(x.shape[1]), int(orientations[j]), int(reductions[j]), hh, ww,
+                             interpolation)
+    for transposed in (False, True):
+        group = sorted((j for j, pl in plans.items() if pl[0] == transposed),
+                       key=lambda j: -regions[j].shape[0] * regions[j].shape[1])
+        while group:  # largest first, so each chunk's padding is small
+            chunk, hmax, wmax = [], 0, 0
+            for j in group:
+                h, w = max(hmax, regions[j].shape[0]), max(wmax, regions[j].shape[1])
+                if chunk and (len(chunk) + 1) * 3 * h * w * 4 > _PAD_BUDGET_BYTES:
+                    break
+                chunk.append(j)
+                hmax, wmax = h, w
+            group = group[len(chunk):]
+            y = _run_steps([regions[j] for j in chunk], [plans[j] for j in chunk], hmax, wmax, device)
+            y = y.transpose(-1, -2) if transposed else y
+            out[_to_device(np.asarray(chunk, dtype=np.int64), device)] = y.to(torch.uint8)
+    return out
+
+
+def _run_steps(regions: list, plans: list, hmax: int, wmax: int, device) -> torch.Tensor:
+    g = len(regions)
+    steps = max(len(pl[1]) for pl in plans)
+    # every sample takes the same number of steps: identities before its last (filter) step
+    rows = [pl[1][:-1] + [_eye(pl[1][-1].shape[1])] * (steps - len(pl[1])) + pl[1][-1:] for pl in plans]
+    cols = [pl[2][:-1] + [_eye(pl[2][-1].shape[1])] * (steps - len(pl[2])) + pl[2][-1:] for pl in plans]
+    shapes = []  # per step: (rows out, rows in, cols out, cols in), the largest over the chunk
+    for s in range(steps):
+        shapes.append((max(r[s].shape[0] for r in rows), max(r[s].shape[1] for r in rows),
+                       max(c[s].shape[0] for c in cols), max(c[s].shape[1] for c in cols)))
+    sizes = [g * (ro * ri + co * ci) for ro, ri, co, ci in shapes]
+    host = np.zeros(sum(sizes), dtype=np.float32)  # all matrices, padded, in one copy to the device
+    at = 0
+    for s, (ro, ri, co, ci) in enumerate(shapes):
+        a = host[at: at + g * ro * ri].reshape(g, ro, ri)
+        bt = host[at + g * ro * ri: at + sizes[s]].reshape(g, co, ci)
+        for i in range(g):
+            r, c = rows[i][s], cols[i][s]
+            a[i, :r.shape[0], :r.shape[1]] = r
+            bt[i, :c.shape[0], :c.shape[1]] = c
+        at += sizes[s]
+    mats = _to_device(host, device)
+    x = torch.zeros((g, hmax, wmax, 3), dtype=torch.uint8, device=device)
+    for i, reg in enumerate(regions):
+        x[i, :reg.shape[0], :reg.shape[1]].copy_(reg)  # a grey region fills all three channels
+    x = x.permute(0, 3, 1, 2).float()
+    at = 0
+    for s, (ro, ri, co, ci) in enumerate(shapes):
+        a = mats[at: at + g * ro * ri].view(g, 1, ro, ri)
+        bt = mats[at + g * ro * ri: at + sizes[s]].view(g, 1, co, ci)
+        x = torch.matmul(torch.matmul(a, x[:, :, :ri, :ci]), bt.transpose(-1, -2))
+        x = x.round_().clamp_(0, 255)  # round half to even, as OpenCV's saturate_cast
+        at += sizes[s]
+    return x
 
 
 # --- colour -------------------------------------------------------------------------------------------

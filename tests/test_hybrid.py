@@ -444,7 +444,7 @@ def test_without_the_extra_or_cuda_the_error_names_the_extra(monkeypatch):
         DecodeStage("cuda:0")
 
 
-def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog):
+def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog, monkeypatch):
     # a JPEG the GPU decoder refuses (None) or misreads (wrong shape) is decoded on the CPU; one
     # that the CPU cannot decode either (corrupt entropy data) becomes zeros, marked as replaced
     builder = hybrid.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=60, decode="gpu"))
@@ -467,14 +467,30 @@ def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_
     def wrong_size(jpegs):
         return [torch.zeros((10, 10, 3), dtype=torch.uint8) for _ in jpegs]
 
-    for decoder, warned in ((failing, [12, 13]), (wrong_size, [11, 12, 13])):
+    def raising(jpegs):  # whatever the decoder raises ends no batch: every sample falls back alone
+        raise TypeError("decode(): incompatible function arguments")
+
+    # the first fallback is logged, the next ones only counted; each stand-in is logged
+    for decoder, warned, fallbacks in ((failing, [12, 13], 2), (wrong_size, [11, 13], 3), (raising, [11, 13], 3)):
         caplog.clear()
         replaced = np.full(3, -1)
+        stage = DecodeStage("cpu", decoder=decoder)
         with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
-            x = DecodeStage("cpu", decoder=decoder)(b, replaced=replaced)
+            x = stage(b, replaced=replaced)
         assert torch.equal(x[:2], want[:2])  # the CPU decode of the same file, bit for bit
         assert int(x[2].max()) == 0 and replaced.tolist() == [-1, -1, 13]
         assert [int(r.getMessage().split("dataset sample ")[1].split()[0]) for r in caplog.records] == warned
+        assert (stage.fallbacks, stage.replaced, stage.batches) == (fallbacks, 1, 1)
+    # a thousand more fallbacks make one more line, not a thousand
+    monkeypatch.setattr(gpudecode, "_WARN_EVERY", 4)
+    stage = DecodeStage("cpu", decoder=lambda jpegs: [None, None, None])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
+        for _ in range(4):
+            stage(b)
+    fell_back = [r.getMessage() for r in caplog.records if "decoded it on the CPU instead" in r.getMessage()]
+    # fallbacks 1, 4 and 8 were logged (12 was sample 13's, whose stand-in is logged on its own)
+    assert stage.fallbacks == 12 and len(fell_back) == 3 and "8 such samples so far" in fell_back[-1]
 
 
 def test_pixels_come_from_the_source_tensor_when_given():
@@ -517,3 +533,98 @@ def test_nvimgcodec_on_the_gpu_matches_the_cpu_path(image_root, tmp_path):
                 assert diff.max() == 0
             else:
                 assert diff.mean() < MEAN_TOL and np.percentile(diff, 99) <= P99_TOL_REDUCED, (k, diff.mean())
+
+
+# --- the batched geometry ---------------------------------------------------------------------------
+
+
+def _one_sample(region: torch.Tensor, orientation: int, r: int, hh: int, ww: int, interpolation: str):
+    """The reference, one sample at a time: reduce, orient, then ``gpudecode.resample``."""
+    x = region.expand(-1, -1, 3).permute(2, 0, 1).unsqueeze(0).float()
+    if r > 1:
+        x = torch.nn.functional.avg_pool2d(x, r, ceil_mode=True).round().clamp(0, 255)
+    x = gpudecode.orient(x[0].permute(1, 2, 0), orientation).permute(2, 0, 1).unsqueeze(0)
+    return gpudecode.resample(x, hh, ww, interpolation)[0].to(torch.uint8)
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos", "area", "nearest"])
+@pytest.mark.parametrize("hh, ww", [(24, 24), (20, 28)])
+def test_the_batched_geometry_equals_one_sample_at_a_time(interpolation, hh, ww):
+    rng = np.random.default_rng(len(interpolation) + hh)
+    regions, orientations, reductions = [], [], []
+    for j in range(14):
+        o = int(rng.integers(1, 9))
+        r = int(rng.choice([1, 2, 4])) if o == 1 else 1
+        h, w = int(rng.integers(6, 150)), int(rng.integers(6, 150))
+        c = 1 if j % 5 == 0 else 3  # greyscale JPEGs decode to one channel with some decoders
+        regions.append(torch.from_numpy(rng.integers(0, 256, (h, w, c), dtype=np.uint8)))
+        orientations.append(o)
+        reductions.append(r)
+    regions[3] = None  # a sample neither decoder could make: zeros
+    got = gpudecode.resample_batch(regions, np.array(orientations), np.array(reductions), hh, ww, interpolation, "cpu")
+    assert got.shape == (14, 3, hh, ww) and got.dtype == torch.uint8 and int(got[3].abs().max()) == 0
+    for j, reg in enumerate(regions):
+        if reg is None:
+            continue
+        want = _one_sample(reg, orientations[j], reductions[j], hh, ww, interpolation)
+        diff = (got[j].int() - want.int()).abs()
+        # the same arithmetic in another order: a sum landing on .5 may round the other way
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01, (j, orientations[j], reductions[j])
+
+
+def test_the_padded_batch_is_cut_into_chunks_within_the_memory_budget(monkeypatch):
+    rng = np.random.default_rng(3)
+    regions = [torch.from_numpy(rng.integers(0, 256, (int(rng.integers(40, 90)), int(rng.integers(40, 90)), 3),
+                                             dtype=np.uint8)) for _ in range(9)]
+    args = (np.ones(9, int), np.ones(9, int), 16, 16, "bilinear", "cpu")
+    whole = gpudecode.resample_batch(regions, *args)
+    budget = 3 * 90 * 90 * 4 * 2  # two samples of the largest size a chunk
+    monkeypatch.setattr(gpudecode, "_PAD_BUDGET_BYTES", budget)
+    chunks = []
+    real = gpudecode._run_steps
+
+    def run_steps(regs, plans, hmax, wmax, device):
+        chunks.append((len(regs), hmax, wmax))
+        return real(regs, plans, hmax, wmax, device)
+
+    monkeypatch.setattr(gpudecode, "_run_steps", run_steps)
+    assert torch.equal(gpudecode.resample_batch(regions, *args), whole)
+    assert sum(n for n, _, _ in chunks) == 9 and len(chunks) >= 3
+    assert all(n * 3 * h * w * 4 <= budget for n, h, w in chunks), chunks
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view  # a view (slice, permute) launches nothing
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_stage_makes_a_few_torch_calls_per_batch_not_ten_per_image(tmp_path):
+    """Each torch call but a view is a kernel launch on a GPU: the decode stage issues about one per image
+    (its copy into the padded batch) and a few dozen per batch, whatever the batch size."""
+    builder = hybrid.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=120, decode="gpu",
+                                                  brightness=0.3, contrast=0.3, saturation=0.3, lighting=0.1))
+    rng = np.random.default_rng(5)
+    datas = [with_orientation(photo_like(rng, int(rng.integers(60, 200)), int(rng.integers(60, 200))),
+                              1 + i % 8, quality=85) for i in range(64)]
+
+    def ops_for(n: int) -> int:
+        images = np.zeros((n, 32, 32, 3), np.uint8)
+        builder.reset(images)
+        for k in range(n):
+            builder.add(datas[k], augment.draws(0, 0, k), images[k])
+        b = jpegbatch.parse(builder.pack(META, np.arange(n), np.zeros(n), np.full(n, -1)))
+        assert (b.params["kind"] == jpegbatch.KIND_JPEG).all()
+        stage = DecodeStage("cpu", decoder=cpu_decoder)
+        with _CountOps() as count:
+            stage(b)
+        return count.ops - n  # less the decoder's own from_numpy per file
+
+    small, large = ops_for(16), ops_for(64)
+    per_image = (large - small) / 48
+    assert per_image <= 1.5, (small, large)  # the per-sample loop made 10-20
+    assert small - 16 <= 200, small  # about 180 a batch (colour jitter's three steps are most of them)
