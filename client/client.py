@@ -823,8 +823,14 @@ class PrefetchClient:
                 images = _normalize_numpy(images, dtype=self.dtype)
             return (images, b.labels.copy(), None)
         if not self._copy:
-            images = self._stage(b, source=host, replaced=replaced)
-            labels = torch.from_numpy(b.labels.copy())
+            # pin_memory=True without a device: the decoded batch and its labels in a fresh pinned block
+            dst = self._transfer.empty(_labels_at(b) + 8 * len(b)) if self.pin_memory else None
+            images = self._stage(b, source=host, replaced=replaced, out=dst)
+            if dst is None:
+                labels = torch.from_numpy(b.labels.copy())
+            else:
+                labels = dst[_labels_at(b):].view(torch.int64)
+                labels.copy_(torch.from_numpy(b.labels))
             if self.normalize:
                 images = _normalize_torch(images, self.dtype)
             return (images, labels, None)
@@ -860,6 +866,7 @@ class PrefetchClient:
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
+                                  gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,
                                   reading=self._reading)
             deadline = None
             while True:
@@ -914,6 +921,11 @@ class _Sized:
 
     def __len__(self) -> int:
         return self._n
+
+
+def _labels_at(b: jpegbatch.JpegBatch) -> int:
+    """Where the labels go in a pinned block after a compact batch's decoded images (8-aligned)."""
+    return -(-len(b) * b.height * b.width * 3 // 8) * 8
 
 
 class _NoContext:

@@ -197,12 +197,14 @@ class DecodeStage:
         self.batches = 0
 
     def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None,
-                 replaced: np.ndarray | None = None, transfer=None) -> torch.Tensor:
+                 replaced: np.ndarray | None = None, transfer=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's images, uint8 ``[n, 3, H, W]`` with channels-last strides, on the device.
 
         ``source``, if given, is a uint8 tensor over the same memory ``b`` was parsed from (e.g.
         the client's pinned buffer): PIXELS payloads are copied from views of it, asynchronously
-        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given.
+        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given. ``out``,
+        if given, is a uint8 tensor on the device of at least ``n * H * W * 3`` bytes to hold the
+        images (a pinned block, say); the result is a view of it.
 
         A JPEG the decoder fails on (None, the wrong shape, an exception) is decoded on the CPU
         (simplejpeg) instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when
@@ -210,7 +212,10 @@ class DecodeStage:
         never ends training."""
         t0 = time.perf_counter()
         n, hh, ww = len(b), b.height, b.width
-        out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
+        if out is None:
+            out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
+        else:
+            out = out.view(-1)[: n * hh * ww * 3].view(n, hh, ww, 3)
         kinds = b.params["kind"]
         for k in np.flatnonzero(kinds == jpegbatch.KIND_PIXELS):
             p = b.params[k]

@@ -432,6 +432,7 @@ class Daemon:
             rs = self.planner.rank_status(r)
             seen = self.sessions.last_seen.get(r)
             rs.update(wait_s=self.sessions.wait_s[r], echoed=self.sessions.echoed[r],
+                      gpu_fallbacks=self.sessions.gpu_fallbacks[r],
                       last_progress_age_s=None if seen is None else now - seen)
             ranks[str(r)] = rs
         up = max(now - self.t_start, 1e-9)
