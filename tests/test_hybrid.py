@@ -220,6 +220,57 @@ def test_sniffing_sends_only_what_the_hardware_takes(name, data, refusal):
     assert (got is None) if refusal is None else (refusal in got), (name, got)
 
 
+def _after_soi(data: bytes, segment: bytes) -> bytes:
+    return data[:2] + segment + data[2:]
+
+
+def _in_the_scan(data: bytes, at: float, new: bytes, old: int = 0) -> bytes:
+    """``data`` with ``new`` put inside its entropy-coded data, at fraction ``at`` of it, in place of ``old`` bytes."""
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2: sos + 4], "big")
+    i = start + int((len(data) - 2 - start) * at)
+    while data[i - 1] == 0xFF or data[i] == 0xFF:  # not in the middle of a stuffed byte or marker
+        i += 1
+    return data[:i] + new + data[i + old:]
+
+
+def _rst_renumbered(data: bytes) -> bytes:
+    sos = data.index(b"\xff\xda")
+    i = data.index(b"\xff\xd1", sos)
+    return data[:i] + b"\xff\xd5" + data[i + 2:]
+
+
+def _table_selector(data: bytes, ids: int) -> bytes:
+    sos = data.index(b"\xff\xda")
+    return data[:sos + 6] + bytes([ids]) + data[sos + 7:]
+
+
+_BASE = enc(PHOTO, quality=90)
+_RST = enc(PHOTO, quality=90, restart_marker_blocks=4)
+# JPEGs libjpeg may take but the GPU path must not: each name, the file, and the reason the daemon's
+# check gives (tests/test_nvimgcodec_contract.py checks these against nvImageCodec's parser too)
+CORRUPT_JPEGS = [
+    ("TEM before the scan", _after_soi(_BASE, b"\xff\x01"), "stray marker"),
+    ("RST before the scan", _after_soi(_BASE, b"\xff\xd3"), "stray marker"),
+    ("RST without a restart interval", _in_the_scan(_BASE, 0.5, b"\xff\xd0"), "restart markers where"),
+    ("a restart marker lost", _in_the_scan(_RST, 0.0, b"", 0).replace(b"\xff\xd2", b"", 1), "restart markers"),
+    ("restart markers out of sequence", _rst_renumbered(_RST), "out of sequence"),
+    ("a DHT marker inside the scan", _in_the_scan(_BASE, 0.5, b"\xff\xc4"), "marker FFC4 inside"),
+    ("cut short, an EOI appended", _BASE[:_BASE.index(b"\xff\xda") + 60] + b"\xff\xd9", "(truncated)"),
+    ("an undefined Huffman table", _table_selector(_BASE, 0x33), "Huffman table"),
+]
+
+
+@pytest.mark.parametrize("name, data, reason", CORRUPT_JPEGS, ids=[c[0] for c in CORRUPT_JPEGS])
+def test_jpegs_with_unsound_markers_or_entropy_data_stay_on_the_cpu(name, data, reason):
+    """The hardware decoder reports success for corrupt entropy data (a garbage image): the
+    daemon keeps files whose markers or entropy-coded data are unsound, for the CPU path to
+    decode or quarantine. The well-formed variants of the same files go to the GPU."""
+    assert hybrid.hw_refusal(hybrid.scan_jpeg(_BASE)) is None and hybrid.hw_refusal(hybrid.scan_jpeg(_RST)) is None
+    got = hybrid.hw_refusal(hybrid.scan_jpeg(data))
+    assert got is not None and reason in got, (name, got)
+
+
 def test_rgb_coded_jpegs_stay_on_the_cpu():
     """libjpeg-turbo (and so the CPU path) reads components named R, G, B as RGB, not YCbCr; a
     decoder that assumed YCbCr would get the colours wrong, so the daemon keeps such files."""
@@ -455,8 +506,11 @@ def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_
     corrupt = good[:sos + 20] + bytes([0xFF, 0xD0 + 5]) * 64 + b"\xff\xd9"
     with pytest.raises(ValueError):
         simplejpeg.decode_jpeg(corrupt, colorspace="RGB")
-    for k, data in enumerate((good, good, corrupt)):
-        builder.add(data, augment.draws(0, 0, k), images[k])
+    assert "restart markers" in hybrid.hw_refusal(hybrid.scan_jpeg(corrupt))  # the daemon keeps such a file
+    with monkeypatch.context() as m:  # ... but should one get through, the client copes
+        m.setattr(hybrid, "hw_refusal", lambda info: None)
+        for k, data in enumerate((good, good, corrupt)):
+            builder.add(data, augment.draws(0, 0, k), images[k])
     b = jpegbatch.parse(builder.pack(META, np.array([11, 12, 13]), np.zeros(3), np.full(3, -1)))
     assert (b.params["kind"] == jpegbatch.KIND_JPEG).all()
     want = DecodeStage("cpu", decoder=lambda jpegs: cpu_decoder(jpegs[:2]) + [None])(b)
