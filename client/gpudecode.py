@@ -124,9 +124,11 @@ def code_streams(nv, jpegs: Sequence[np.ndarray], regions=None) -> list:
     for k, j in enumerate(jpegs):
         try:
             cs = nv.CodeStream(np.ascontiguousarray(j, dtype=np.uint8))
+            _ = cs.width  # the constructor parses nothing (0.9): reading the header does
             if regions is not None:
                 x0, y0, x1, y1 = (int(v) for v in regions[k])
                 cs = cs.get_sub_code_stream(region=nv.Region(y0, x0, y1, x1))
+                _ = cs.width
             out.append(cs)
         except Exception as e:  # RuntimeError("Failed to get image info") in 0.9
             out.append(f"nvImageCodec cannot parse it ({type(e).__name__}: {e})")
