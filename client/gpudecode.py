@@ -2,18 +2,27 @@
 
 ``DecodeStage(device)`` turns a parsed ``prefetchd.format.jpegbatch.JpegBatch`` into the uint8
 ``[B, 3, H, W]`` channels-last tensor the CPU path yields: JPEG payloads are decoded on the device
-in one batched call (nvImageCodec, which uses the GPU's hardware JPEG engines where it can), then
-each is turned upright (EXIF orientation), cropped, resampled (2x area halving while the region is
-at least twice the output, then the configured filter, as ``prefetchd.core.augment`` does), and the
-batch is jittered, lit and flipped with the parameters the daemon drew. PIXELS payloads (files
-the daemon decoded on its CPU) are copied in unchanged. Crops, flips, jitter parameters and labels
-equal the CPU path's; the pixels differ slightly (the IDCT, the resampling arithmetic, and lanczos,
-which torch lacks and is done as bicubic).
+in one batched call (nvImageCodec, which uses the GPU's hardware JPEG engines where it can), each
+only over the region its crop needs; then the whole batch is turned upright (EXIF orientation),
+reduced, resampled (2x area halving while the region is at least twice the output, then the
+configured filter, as ``prefetchd.core.augment`` does, rounding after each step), jittered, lit and
+flipped with the parameters the daemon drew, in a few batched launches (``resample_batch``: each
+step is a pair of batched matrix products over the padded batch). PIXELS payloads (files the
+daemon decoded on its CPU) are copied in unchanged. Crops, flips, jitter parameters and labels
+equal the CPU path's; the pixels differ slightly (the IDCT, the resampling arithmetic, and
+lanczos, which is done as bicubic).
 
 The decoder is injectable: anything called as ``decoder(jpegs)`` with a list of uint8 numpy arrays
 (the JPEG files) that returns, per file, a uint8 tensor ``[h, w, 3]`` (RGB, as stored: no EXIF
-orientation applied) on the stage's device, or None where it failed. Tests use a CPU decoder on
-``device="cpu"``; the default needs ``pip install 'prefetchd[gpu]'`` and CUDA.
+orientation applied) on the stage's device, or None where it failed. A decoder with
+``supports_regions = True`` is called as ``decoder(jpegs, regions)`` with, per file, the box
+``(x0, y0, x1, y1)`` of the stored image the stage needs, and returns just that box. Tests use a
+CPU decoder on ``device="cpu"``; the default needs ``pip install 'prefetchd[gpu]'`` and CUDA.
+
+A sample the decoder fails on (None, a wrong shape, or an exception out of the decoder) is decoded
+on the CPU instead, and where that fails too, zeros stand in for it: no decoder failure ends a
+batch. Each fallback is counted (``fallbacks``, which the client reports to the daemon); the
+first is logged in one line, and after that one line per ``_WARN_EVERY`` more.
 
 Imports only numpy, torch and the shared format module (nvImageCodec lazily, when the default
 decoder is made).
@@ -22,19 +31,32 @@ decoder is made).
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from prefetchd.format import jpegbatch
+
+from .gpuops import (
+    _to_device,
+    apply_jitter,
+    apply_lighting,
+    coded_box,
+    resample_batch,
+)
 
 _log = logging.getLogger(__name__)
 
 GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see README, Hybrid decode)"
-_GREY = (9798, 19235, 3735)  # BT.601 in 15-bit fixed point: OpenCV RGB2GRAY on uint8, bit for bit
+_WARN_EVERY = 1000  # after the first fallback, one log line per this many more
+# Every nvImageCodec name this module uses (tests/test_nvimgcodec_contract.py checks them against
+# the installed wheel: ColorSpec.RGB, say, was renamed SRGB in nvImageCodec 0.7)
+NVIMGCODEC_NAMES = ("CodeStream", "CodeStream.get_sub_code_stream", "Decoder", "Decoder.decode", "DecodeParams",
+                    "ColorSpec.SRGB", "Region", "__version__")
+NVIMGCODEC_MIN_VERSION = (0, 9)
 
 
 class DecodeUnavailable(RuntimeError):
@@ -46,15 +68,89 @@ class DecodeError(RuntimeError):
     on the CPU, and failing that puts a stand-in in its place: it never ends the iteration)."""
 
 
-Decoder = Callable[[Sequence[np.ndarray]], Sequence["torch.Tensor | None"]]
+Decoder = Callable[..., Sequence["torch.Tensor | None"]]
+
+
+def load_nvimgcodec():
+    """nvImageCodec's module, once checked: it imports, has every name this module uses, and its
+    nvJPEG back-end (the GPU decoders: hardware engines and CUDA) is registered. Raises
+    DecodeUnavailable saying what to install otherwise. Makes no CUDA context."""
+    try:
+        from nvidia import nvimgcodec
+    except ImportError as e:
+        raise DecodeUnavailable(f"nvImageCodec is not installed ({e}); {GPU_EXTRA_HINT}") from None
+    version = str(getattr(nvimgcodec, "__version__", "?"))
+    missing = [name for name in NVIMGCODEC_NAMES if not _has_path(nvimgcodec, name)]
+    try:
+        too_old = tuple(int(x) for x in version.split(".")[:2]) < NVIMGCODEC_MIN_VERSION
+    except ValueError:
+        too_old = False
+    if missing or too_old:
+        raise DecodeUnavailable(f"nvImageCodec {version} is not a release this client works with (it lacks "
+                                f"{', '.join(missing) or 'nothing, but is older than 0.9'}); {GPU_EXTRA_HINT}")
+    if nvjpeg_registered() is False:
+        raise DecodeUnavailable(f"nvImageCodec {version} is installed but its nvJPEG back-end is not registered "
+                                "(it could not load libnvjpeg, and without it every JPEG would be decoded on the "
+                                "CPU); install the nvJPEG runtime with it: pip install 'prefetchd[gpu]' "
+                                "(nvidia-nvimgcodec-cu13[nvjpeg], or prefetchd[gpu-cu12] for CUDA 12 builds of torch)")
+    return nvimgcodec
+
+
+def nvjpeg_registered(maps_path: str = "/proc/self/maps") -> bool | None:
+    """Whether nvImageCodec's nvJPEG extension loaded the nvJPEG library, which it does as the
+    module is imported (registering its decoders only if that works): the library is mapped in
+    this process. None where that cannot be told (no /proc)."""
+    try:
+        with open(maps_path) as f:
+            return any("/libnvjpeg.so" in line for line in f)
+    except OSError:
+        return None
+
+
+def _has_path(obj, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def decode_params(nv):
+    """What the stage asks nvImageCodec for: RGB as stored (the stage applies EXIF orientation
+    itself, from the daemon's parameters), 8 bits."""
+    return nv.DecodeParams(apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, allow_any_depth=False)
+
+
+def code_streams(nv, jpegs: Sequence[np.ndarray], regions=None) -> list:
+    """Per file, its nvImageCodec CodeStream (restricted to ``regions[k]``, (x0, y0, x1, y1),
+    when given), or the reason it cannot be had: nvImageCodec's parser refuses some files libjpeg
+    takes (a TEM or RST marker before the scan, say), and one refusal must not fail the others."""
+    out: list = []
+    for k, j in enumerate(jpegs):
+        try:
+            cs = nv.CodeStream(np.ascontiguousarray(j, dtype=np.uint8))
+            _ = cs.width  # the constructor parses nothing (0.9): reading the header does
+            if regions is not None:
+                x0, y0, x1, y1 = (int(v) for v in regions[k])
+                cs = cs.get_sub_code_stream(region=nv.Region(y0, x0, y1, x1))
+                _ = cs.width
+            out.append(cs)
+        except Exception as e:  # RuntimeError("Failed to get image info") in 0.9
+            out.append(f"nvImageCodec cannot parse it ({type(e).__name__}: {e})")
+    return out
 
 
 class NvImageCodecDecoder:
     """Batched JPEG decoding with nvImageCodec on one CUDA device, on the current CUDA stream.
 
-    Made at start-up: raises DecodeUnavailable (naming the extra) where nvImageCodec is missing
-    or the device is not a CUDA device. nvImageCodec picks the hardware JPEG engines where the GPU
-    has them and the file allows, and its CUDA decoder otherwise."""
+    Made at start-up, it only checks (``load_nvimgcodec``): raises DecodeUnavailable (naming the
+    extra) where nvImageCodec or its nvJPEG back-end is missing or the device is not a CUDA
+    device. nvImageCodec's decoder itself is made at the first call, on ``device`` (the client
+    resolves ``cuda`` to the trainer's device first: under torchrun, after its ``set_device``).
+    nvImageCodec picks the hardware JPEG engines where the GPU has them and the file allows, and
+    its CUDA decoder otherwise. Decodes only each file's region."""
+
+    supports_regions = True
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -62,48 +158,71 @@ class NvImageCodecDecoder:
             raise DecodeUnavailable(f"augment.decode: hybrid | gpu needs a CUDA device, got {str(device)!r} "
                                     f"(torch.cuda.is_available() is {torch.cuda.is_available()}); "
                                     f"{GPU_EXTRA_HINT}, on a machine with CUDA, or set augment.decode: cpu")
-        try:
-            from nvidia import nvimgcodec
-        except ImportError as e:
-            raise DecodeUnavailable(f"nvImageCodec is not installed ({e}); {GPU_EXTRA_HINT}") from None
-        self._nv = nvimgcodec
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        self._decoder = nvimgcodec.Decoder(device_id=index)
-        self._params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.RGB,
-                                               allow_any_depth=False)
+        self._nv = load_nvimgcodec()
+        self._decoder = None
+        self._params = decode_params(self._nv)
+        self.refused: list[str | None] = []  # per file of the last call: why it was not decoded, else None
 
-    def __call__(self, jpegs: Sequence[np.ndarray]) -> list:
-        if not jpegs:
+    def _made(self):
+        if self._decoder is None:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._decoder = self._nv.Decoder(device_id=index)
+        return self._decoder
+
+    def __call__(self, jpegs: Sequence[np.ndarray], regions=None) -> list:
+        if not len(jpegs):
             return []
+        streams = code_streams(self._nv, jpegs, regions)
+        ok = [k for k, s in enumerate(streams) if not isinstance(s, str)]
+        self.refused = [s if isinstance(s, str) else None for s in streams]
+        out: list = [None] * len(jpegs)
+        if not ok:
+            return out
         stream = torch.cuda.current_stream(self.device)
-        images = self._decoder.decode([np.asarray(j) for j in jpegs], params=self._params,
-                                      cuda_stream=stream.cuda_stream)
-        # the images live in nvImageCodec's buffers: torch.as_tensor wraps them (CUDA array
-        # interface), and the crop that follows copies what it needs
-        return [None if im is None else torch.as_tensor(im, device=self.device) for im in images]
+        # nvImageCodec allocates the images on this stream and frees them on it (stream-ordered),
+        # so the copies the stage queues after this call read them before they are reused
+        images = self._made().decode([streams[k] for k in ok], params=self._params, cuda_stream=stream.cuda_stream)
+        for k, im in zip(ok, images, strict=True):
+            if im is not None:
+                out[k] = torch.as_tensor(im, device=self.device)
+        return out
 
 
 class DecodeStage:
-    """Decodes compact batches on ``device``; ``decoder`` defaults to nvImageCodec (CUDA only)."""
+    """Decodes compact batches on ``device``; ``decoder`` defaults to nvImageCodec (CUDA only).
+
+    ``fallbacks`` counts the samples the decoder failed on (decoded on the CPU instead, or
+    replaced by zeros where that failed too), ``replaced`` the latter; ``host_s`` and ``batches``
+    are the host time spent in calls and their number (the device work runs on after a call)."""
 
     def __init__(self, device="cuda", decoder: Decoder | None = None):
         self.device = torch.device(device)
         self.decoder = decoder if decoder is not None else NvImageCodecDecoder(self.device)
+        self.fallbacks = 0
+        self.replaced = 0
+        self.host_s = 0.0
+        self.batches = 0
 
     def __call__(self, b: jpegbatch.JpegBatch, source: torch.Tensor | None = None,
-                 replaced: np.ndarray | None = None, transfer=None) -> torch.Tensor:
+                 replaced: np.ndarray | None = None, transfer=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """The batch's images, uint8 ``[n, 3, H, W]`` with channels-last strides, on the device.
 
         ``source``, if given, is a uint8 tensor over the same memory ``b`` was parsed from (e.g.
         the client's pinned buffer): PIXELS payloads are copied from views of it, asynchronously
-        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given.
+        when it is pinned, through ``transfer.copy_(dst, src)`` when a transfer is given. ``out``,
+        if given, is a uint8 tensor on the device of at least ``n * H * W * 3`` bytes to hold the
+        images (a pinned block, say); the result is a view of it.
 
-        A JPEG the decoder fails on (None, or the wrong shape) is decoded on the CPU (simplejpeg)
-        instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when given) is set
-        to its dataset index. Either way one warning names the sample: a corrupt image never ends
-        training."""
+        A JPEG the decoder fails on (None, the wrong shape, an exception) is decoded on the CPU
+        (simplejpeg) instead; if that fails too, zeros stand in for it and ``replaced[k]`` (when
+        given) is set to its dataset index, with a warning naming the sample: a corrupt image
+        never ends training."""
+        t0 = time.perf_counter()
         n, hh, ww = len(b), b.height, b.width
-        out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
+        if out is None:
+            out = torch.empty((n, hh, ww, 3), dtype=torch.uint8, device=self.device)
+        else:
+            out = out.view(-1)[: n * hh * ww * 3].view(n, hh, ww, 3)
         kinds = b.params["kind"]
         for k in np.flatnonzero(kinds == jpegbatch.KIND_PIXELS):
             p = b.params[k]
@@ -119,35 +238,79 @@ class DecodeStage:
                 out[k].copy_(src, non_blocking=True)
         jk = np.flatnonzero(kinds == jpegbatch.KIND_JPEG)
         if len(jk):
-            decoded = self.decoder([b.payload(k) for k in jk])
-            crops = torch.empty((len(jk), 3, hh, ww), dtype=torch.uint8, device=self.device)
-            for j, k in enumerate(jk):
-                crops[j] = self._crop_one(decoded[j], b, int(k), replaced)
             p = b.params[jk]
+            crops = resample_batch(self._regions(b, jk, replaced), p["orientation"], p["reduce"], hh, ww,
+                                   b.interpolation, self.device)
             crops = apply_jitter(crops, p["n_ops"], p["ops"], p["factors"])
             if b.lighting:
                 crops = apply_lighting(crops, p["lighting"])
             flip = _to_device(p["flip"].astype(bool), self.device)
             crops = torch.where(flip[:, None, None, None], crops.flip(-1), crops)
             out[_to_device(jk, self.device)] = crops.permute(0, 2, 3, 1)
+        self.host_s += time.perf_counter() - t0
+        self.batches += 1
         return out.permute(0, 3, 1, 2)
 
-    def _crop_one(self, img, b: jpegbatch.JpegBatch, k: int, replaced: np.ndarray | None) -> torch.Tensor:
-        p, index, hh, ww = b.params[k], int(b.indices[k]), b.height, b.width
+    def _regions(self, b: jpegbatch.JpegBatch, jk: np.ndarray, replaced: np.ndarray | None) -> list:
+        """Per JPEG sample, the part of its stored image the crop needs (``[h, w, c]`` on the
+        device, a view where it can be), or None where neither decoder could make it."""
+        boxes = [stored_box(b.params[k]) for k in jk]
+        payloads = [b.payload(k) for k in jk]
+        regional = bool(getattr(self.decoder, "supports_regions", False))
         try:
-            return _crop_resample(img, p, index, hh, ww, b.interpolation)
-        except DecodeError as e:
-            first = e
+            got = list(self.decoder(payloads, boxes) if regional else self.decoder(payloads))
+            if len(got) != len(jk):
+                raise DecodeError(f"the decoder returned {len(got)} images for {len(jk)} files")
+            why = list(getattr(self.decoder, "refused", None) or [None] * len(jk))
+        except Exception as e:  # whatever the decoder raises, each sample falls back on its own
+            got, why = [None] * len(jk), [f"the decoder raised {type(e).__name__}: {e}"] * len(jk)
+        out = []
+        for j, k in enumerate(jk):
+            p, box = b.params[k], boxes[j]
+            x0, y0, x1, y1 = box
+            want = (y1 - y0, x1 - x0) if regional else (int(p["coded_height"]), int(p["coded_width"]))
+            img, problem = got[j], why[j] if j < len(why) else None
+            if img is not None and (img.ndim != 3 or tuple(img.shape[:2]) != want or img.shape[2] not in (1, 3)):
+                problem, img = f"it decoded to {tuple(img.shape)}, not {want[0]}x{want[1]}", None
+            if img is not None:
+                out.append(img if regional else img[y0:y1, x0:x1])
+                continue
+            out.append(self._on_the_cpu(b, int(k), box, problem or "the GPU decoder could not decode it", replaced))
+        return out
+
+    def _on_the_cpu(self, b: jpegbatch.JpegBatch, k: int, box, problem: str, replaced: np.ndarray | None):
+        p, index = b.params[k], int(b.indices[k])
+        cw, ch = int(p["coded_width"]), int(p["coded_height"])
+        what = f"dataset sample {index} ({cw}x{ch} baseline JPEG)"
+        self.fallbacks += 1
         try:
             img = _cpu_decode(b.payload(k), self.device)
-            x = _crop_resample(img, p, index, hh, ww, b.interpolation)
-            _log.warning("%s; decoded it on the CPU instead", first)
-            return x
+            if tuple(img.shape[:2]) != (ch, cw):
+                raise DecodeError(f"it decoded to {tuple(img.shape)}, its header says {ch}x{cw}x3")
         except Exception as e:  # a corrupt image must not stop training: zeros stand in for it
-            _log.warning("%s; the CPU decode failed too (%s): zeros stand in for it (replaced)", first, e)
-        if replaced is not None:
-            replaced[k] = index
-        return torch.zeros((3, hh, ww), dtype=torch.uint8, device=self.device)
+            self.replaced += 1
+            _log.warning("prefetchd: %s: %s; the CPU decode failed too (%s): zeros stand in for it (replaced)",
+                         what, problem, e)
+            if replaced is not None:
+                replaced[k] = index
+            return None
+        if self.fallbacks == 1 or self.fallbacks % _WARN_EVERY == 0:
+            _log.warning("prefetchd: %s: %s; decoded it on the CPU instead (%d such sample%s so far, counted as "
+                         "gpu_fallbacks in the daemon's status; logged once per %d)", what, problem, self.fallbacks,
+                         "" if self.fallbacks == 1 else "s", _WARN_EVERY)
+        x0, y0, x1, y1 = box
+        return img[y0:y1, x0:x1]
+
+
+def stored_box(p) -> tuple[int, int, int, int]:
+    """The box (x0, y0, x1, y1) of a JPEG sample's stored image that its crop needs: the crop in
+    stored coordinates, and with a reduction ``r`` the whole r x r blocks it covers."""
+    cw, ch = int(p["coded_width"]), int(p["coded_height"])
+    r = int(p["reduce"])
+    if r > 1:  # orientation 1 (checked at parse)
+        x0, y0, x1, y1 = (int(v) for v in p["roi"])
+        return x0 * r, y0 * r, min(x1 * r, cw), min(y1 * r, ch)
+    return coded_box(p["roi"], int(p["orientation"]), cw, ch)
 
 
 def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
@@ -155,175 +318,3 @@ def _cpu_decode(jpeg: np.ndarray, device) -> torch.Tensor:
     import simplejpeg  # a core dependency of prefetchd; only needed here, on a failure
 
     return _to_device(simplejpeg.decode_jpeg(bytes(jpeg), colorspace="RGB"), device)
-
-
-def _to_device(arr: np.ndarray, device) -> torch.Tensor:
-    """A host array on ``device`` without blocking the host on the stream's earlier work (a
-    pageable copy would wait for the decode queued before it): staged in a fresh pinned block,
-    which torch's caching host allocator hands out again only once this copy is done, and copied
-    with non_blocking. On the CPU: the array itself, as a tensor."""
-    t = torch.from_numpy(np.ascontiguousarray(arr))
-    if torch.device(device).type != "cuda":
-        return t
-    pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    pinned.copy_(t)
-    return pinned.to(device, non_blocking=True)
-
-
-# --- geometry ---------------------------------------------------------------------------------------
-
-
-def coded_box(roi, orientation: int, w: int, h: int) -> tuple[int, int, int, int]:
-    """The upright box ``roi`` (x0, y0, x1, y1) in the coordinates of the image as stored
-    (``w`` x ``h``), for an EXIF ``orientation``: ``orient(img[coded box]) == orient(img)[roi]``."""
-    x0, y0, x1, y1 = (int(v) for v in roi)
-    return {
-        1: (x0, y0, x1, y1),
-        2: (w - x1, y0, w - x0, y1),
-        3: (w - x1, h - y1, w - x0, h - y0),
-        4: (x0, h - y1, x1, h - y0),
-        5: (y0, x0, y1, x1),
-        6: (y0, h - x1, y1, h - x0),
-        7: (w - y1, h - x1, w - y0, h - x0),
-        8: (w - y1, x0, w - y0, x1),
-    }[int(orientation)]
-
-
-def orient(img: torch.Tensor, orientation: int) -> torch.Tensor:
-    """``[h, w, c]`` as stored -> upright, as ``PIL.ImageOps.exif_transpose`` turns it."""
-    o = int(orientation)
-    if o == 2:
-        return img.flip(1)
-    if o == 3:
-        return img.flip(0, 1)
-    if o == 4:
-        return img.flip(0)
-    if o == 5:
-        return img.transpose(0, 1)
-    if o == 6:
-        return img.transpose(0, 1).flip(1)
-    if o == 7:
-        return img.transpose(0, 1).flip(0, 1)
-    if o == 8:
-        return img.transpose(0, 1).flip(0)
-    return img
-
-
-def _round_u8(x: torch.Tensor) -> torch.Tensor:
-    return x.round().clamp_(0, 255)  # round half to even, as OpenCV's saturate_cast
-
-
-def resample(x: torch.Tensor, hh: int, ww: int, interpolation: str) -> torch.Tensor:
-    """float ``[1, 3, h, w]`` holding whole numbers -> ``[1, 3, hh, ww]``, rounded, as
-    ``prefetchd.core.augment._resample`` does it with OpenCV."""
-    if interpolation not in ("nearest", "area"):
-        while x.shape[2] >= 2 * hh and x.shape[3] >= 2 * ww:
-            h2, w2 = x.shape[2] // 2, x.shape[3] // 2
-            if x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0:
-                x = F.avg_pool2d(x, 2)
-            else:
-                x = _area(x, h2, w2)
-            x = _round_u8(x)
-    if interpolation == "nearest":
-        y = F.interpolate(x, size=(hh, ww), mode="nearest")
-    elif interpolation == "area" and x.shape[2] >= hh and x.shape[3] >= ww:
-        y = _area(x, hh, ww)
-    elif interpolation == "area":  # enlarging: OpenCV's INTER_AREA is close to bilinear there
-        y = F.interpolate(x, size=(hh, ww), mode="bilinear", align_corners=False)
-    elif interpolation == "bilinear":
-        y = F.interpolate(x, size=(hh, ww), mode="bilinear", align_corners=False)
-    else:  # bicubic, and lanczos (which torch lacks)
-        y = F.interpolate(x, size=(hh, ww), mode="bicubic", align_corners=False)
-    return _round_u8(y)
-
-
-def _area_weights(n_in: int, n_out: int, device) -> torch.Tensor:
-    """[n_out, n_in]: output pixel i averages source [i*s, (i+1)*s), s = n_in/n_out, each source
-    pixel weighted by how much of it the interval covers (OpenCV's INTER_AREA when shrinking;
-    torch's "area" mode is adaptive pooling, which differs for ratios that are not whole)."""
-    s = n_in / n_out
-    lo = torch.arange(n_out, dtype=torch.float64, device=device)[:, None] * s
-    j = torch.arange(n_in, dtype=torch.float64, device=device)[None, :]
-    cover = (torch.minimum(j + 1, lo + s) - torch.maximum(j, lo)).clamp_(min=0)
-    return (cover / s).float()
-
-
-def _area(x: torch.Tensor, hh: int, ww: int) -> torch.Tensor:
-    wy = _area_weights(x.shape[2], hh, x.device)
-    wx = _area_weights(x.shape[3], ww, x.device)
-    return torch.einsum("yh,bchw,xw->bcyx", wy, x, wx)
-
-
-def _crop_resample(img, p, index: int, hh: int, ww: int, interpolation: str) -> torch.Tensor:
-    cw, ch = int(p["coded_width"]), int(p["coded_height"])
-    if img is None:
-        raise DecodeError(f"the GPU decoder could not decode dataset sample {index} "
-                          f"({cw}x{ch} baseline JPEG); the daemon's checks let it through")
-    if img.ndim == 2:
-        img = img[:, :, None]
-    if img.shape[0] != ch or img.shape[1] != cw or img.shape[2] not in (1, 3):
-        raise DecodeError(f"dataset sample {index} decoded to {tuple(img.shape)}, its header says {ch}x{cw}x3")
-    r = int(p["reduce"])
-    if r > 1:  # orientation 1 (checked at parse): crop whole r x r blocks, then box-reduce them
-        x0, y0, x1, y1 = (int(v) for v in p["roi"])
-        region = img[y0 * r: min(y1 * r, ch), x0 * r: min(x1 * r, cw)]
-        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
-        x = _round_u8(F.avg_pool2d(x, r, ceil_mode=True))
-    else:
-        x0, y0, x1, y1 = coded_box(p["roi"], int(p["orientation"]), cw, ch)
-        region = orient(img[y0:y1, x0:x1], int(p["orientation"]))
-        x = _as_rgb(region).permute(2, 0, 1).unsqueeze(0).float()
-    return resample(x, hh, ww, interpolation)[0].to(torch.uint8)
-
-
-def _as_rgb(region: torch.Tensor) -> torch.Tensor:
-    return region.expand(-1, -1, 3) if region.shape[2] == 1 else region
-
-
-# --- colour -------------------------------------------------------------------------------------------
-
-
-def grey(x: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[n, 3, h, w]`` -> int32 ``[n, h, w]``, BT.601 as OpenCV rounds it on uint8."""
-    r, g, b = x.to(torch.int32).unbind(1)
-    return (r * _GREY[0] + g * _GREY[1] + b * _GREY[2] + (1 << 14)) >> 15
-
-
-def _lut(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Per-sample lookup: ``x`` uint8 [m, ...], ``table`` float64 [m, 256] (rounded, clipped here)."""
-    t = table.round().clamp(0, 255).to(torch.uint8)
-    m = x.shape[0]
-    return torch.gather(t, 1, x.reshape(m, -1).long()).reshape(x.shape)
-
-
-def apply_jitter(x: torch.Tensor, n_ops: np.ndarray, ops: np.ndarray, factors: np.ndarray) -> torch.Tensor:
-    """Colour jitter of uint8 ``[m, 3, h, w]``: each sample's ops in its own order (brightness and
-    contrast as lookup tables, saturation as a blend with the pixel's grey, as the CPU path)."""
-    if not len(n_ops) or int(n_ops.max()) == 0:
-        return x
-    dev = x.device
-    ramp = torch.arange(256, dtype=torch.float64, device=dev)[None, :]
-    for j in range(int(n_ops.max())):
-        op = np.where(j < n_ops, ops[:, j], jpegbatch.OP_NONE)
-        f = _to_device(np.ascontiguousarray(factors[:, j], dtype=np.float64), dev)[:, None]
-        op_t = _to_device(op.astype(np.int64), dev)
-        gr = grey(x)
-        mean = gr.to(torch.float64).mean(dim=(1, 2))[:, None]
-        contrast = (op_t == 1)[:, None]
-        table = torch.where(contrast, ramp * f + mean * (1 - f), ramp * f)
-        looked = _lut(x, table)
-        f32 = f.to(torch.float32)[:, :, None, None]
-        blend = _round_u8(x.float() * f32 + gr[:, None].float() * (1 - f32)).to(torch.uint8)
-        sel = op_t[:, None, None, None]
-        x = torch.where((sel == 0) | (sel == 1), looked, torch.where(sel == 2, blend, x))
-    return x
-
-
-def apply_lighting(x: torch.Tensor, offsets: np.ndarray) -> torch.Tensor:
-    """PCA lighting of uint8 ``[m, 3, h, w]``: per channel ``clip(rint(v + offset))``."""
-    dev = x.device
-    m = x.shape[0]
-    ramp = torch.arange(256, dtype=torch.float64, device=dev)
-    off = _to_device(np.ascontiguousarray(offsets, dtype=np.float64), dev)  # [m, 3]
-    table = (ramp[None, None, :] + off[:, :, None]).reshape(m * 3, 256)
-    return _lut(x.reshape(m * 3, *x.shape[2:]), table).reshape(x.shape)

@@ -489,6 +489,7 @@ class PrefetchClient(BatchFiles):
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
+                                  gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,
                                   reading=self._reading)
             deadline = None
             while True:

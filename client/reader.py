@@ -308,8 +308,14 @@ class BatchFiles:
                 images = _normalize_numpy(images, dtype=self.dtype)
             return (images, b.labels.copy(), None)
         if not self._copy:
-            images = self._stage(b, source=host, replaced=replaced)
-            labels = torch.from_numpy(b.labels.copy())
+            # pin_memory=True without a device: the decoded batch and its labels in a fresh pinned block
+            dst = self._transfer.empty(_labels_at(b) + 8 * len(b)) if self.pin_memory else None
+            images = self._stage(b, source=host, replaced=replaced, out=dst)
+            if dst is None:
+                labels = torch.from_numpy(b.labels.copy())
+            else:
+                labels = dst[_labels_at(b):].view(torch.int64)
+                labels.copy_(torch.from_numpy(b.labels))
             if self.normalize:
                 images = _normalize_torch(images, self.dtype)
             return (images, labels, None)
@@ -331,3 +337,8 @@ class BatchFiles:
             raise
         self._give_back(host, ev)  # the pinned file is read by the decode and copies before ev
         return (gi, gl, ev)
+
+
+def _labels_at(b: jpegbatch.JpegBatch) -> int:
+    """Where the labels go in a pinned block after a compact batch's decoded images (8-aligned)."""
+    return -(-len(b) * b.height * b.width * 3 // 8) * 8

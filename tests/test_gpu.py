@@ -10,7 +10,9 @@ import pytest
 import torch
 from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, normalize
+from prefetchd_client.client import CudaTransfer
 from test_daemon import published
+from test_hybrid_daemon import mixed_root  # noqa: F401 - a fixture
 
 from prefetchd.format import batchfile
 from prefetchd.tools.samples import make_image_folder
@@ -186,4 +188,125 @@ def test_pageable_device_batches_with_normalize_are_waited_for(tmp_path, big_roo
         want = normalize(torch.from_numpy(files[(0, i)][0]).permute(0, 3, 1, 2).cuda())
         assert torch.equal(x, want), f"batch {i} differs from normalize() of its file"
         assert torch.equal(y.cpu(), torch.from_numpy(files[(0, i)][1]))
+    assert d.stop() == 0
+
+
+# --- the synchronisation, with the side stream delayed on purpose -------------------------------------
+#
+# Each test below fails if one of the three orderings is removed: the trainer's stream waiting on
+# the copy's event (``wait_event``), the batch's memory marked as used on the trainer's stream
+# (``record_stream``), and a pinned buffer going back to the pool only once its copy is done (the
+# release event). The side stream sleeps before every copy, so without the ordering the trainer
+# (or the reader) runs ahead of the copy; values are taken on the trainer's stream right after
+# next(), with no synchronisation in between.
+
+_SLEEP_CYCLES = 50_000_000  # about 25-50 ms of GPU clock
+
+
+class SlowSideStream(CudaTransfer):
+    """The client's CUDA transfer, with the side stream held up before each copy."""
+
+    def to_device(self, tensor, device):
+        torch.cuda._sleep(_SLEEP_CYCLES)  # on the current stream: the reader's side stream
+        return super().to_device(tensor, device)
+
+    def copy_(self, dst, src):
+        torch.cuda._sleep(_SLEEP_CYCLES)
+        return super().copy_(dst, src)
+
+
+@needs_cuda
+def test_values_taken_right_after_next_with_a_slow_side_stream_are_the_files(tmp_path, big_root, daemon_factory):
+    # without wait_event the trainer's clone runs before the delayed copy has written the batch
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    snaps = {}
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2, transfer=SlowSideStream()) as c:
+        for e in range(EPOCHS):
+            for i, (x, y) in enumerate(c.iter_epoch(e)):
+                snaps[(e, i)] = (x.clone(), y.clone())  # queued on the trainer's stream at once; no sync
+                del x, y
+    torch.cuda.synchronize()
+    for key, (x, y) in snaps.items():
+        assert torch.equal(x.permute(0, 2, 3, 1).cpu(), torch.from_numpy(files[key][0])), f"{key} read before its copy"
+        assert torch.equal(y.cpu(), torch.from_numpy(files[key][1])), key
+    assert d.stop() == 0
+
+
+@needs_cuda
+def test_a_slow_trainer_dropping_each_batch_at_once_still_reads_it_whole(tmp_path, big_root, daemon_factory):
+    # the trainer's stream sleeps before it reads each batch, and drops the batch at once: without
+    # record_stream the allocator hands its memory to the next copy on the side stream, which
+    # overwrites it before the trainer's stream has read it
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    got = {}
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2) as c:
+        for e in range(EPOCHS):
+            for i, (x, y) in enumerate(c.iter_epoch(e)):
+                torch.cuda._sleep(4 * _SLEEP_CYCLES)  # on the trainer's stream
+                got[(e, i)] = (_sums(x), y.sum())
+                del x, y
+    torch.cuda.synchronize()
+    for key, (sums, ysum) in got.items():
+        assert torch.equal(sums.cpu(), _sums(torch.from_numpy(files[key][0]).permute(0, 3, 1, 2))), key
+        assert int(ysum) == int(files[key][1].sum())
+    assert d.stop() == 0
+
+
+@needs_cuda
+def test_a_pinned_buffer_is_not_refilled_while_its_slow_copy_is_pending(tmp_path, big_root, daemon_factory):
+    # the copies lag far behind the reader: without the release event a buffer would be handed out
+    # again, and the next file read into it, before the GPU had copied the batch out of it
+    cfg, d, files = _full_ring(tmp_path, big_root, daemon_factory)
+    kept = {}
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=3, transfer=SlowSideStream()) as c:
+        for e in range(EPOCHS):
+            for i, (x, y) in enumerate(c.iter_epoch(e)):
+                kept[(e, i)] = (x, y)
+        assert c._pool.peak <= 4
+    torch.cuda.synchronize()
+    for key, (x, _y) in kept.items():
+        assert torch.equal(x.permute(0, 2, 3, 1).cpu(), torch.from_numpy(files[key][0])), f"{key} has another file's bytes"
+    assert d.stop() == 0
+
+
+# --- hybrid decode, the client's whole path on the GPU ---------------------------------------------------
+
+
+def _has_nvimgcodec() -> bool:
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_nvimgcodec(), reason="needs CUDA and nvImageCodec (pip install 'prefetchd[gpu]')")
+def test_hybrid_decode_through_the_client_on_the_gpu_matches_the_cpu_path(tmp_path, mixed_root, daemon_factory):  # noqa: F811
+    """The real thing: the daemon with augment.decode: gpu, the client with its default decoder
+    (nvImageCodec) on the reader thread, the side stream (held up before each copy), the pinned
+    pool and the event; values taken right after next(). Against the CPU stand-in's pixels
+    within test_hybrid's tolerances, labels exact, and no sample fell back to the CPU."""
+    from test_hybrid_daemon import MEAN_TOL, P99_TOL, _config, _reference
+
+    cfg = _config(tmp_path, mixed_root, "gpu", "gpu")
+    d = daemon_factory(cfg)
+    ref = _reference(cfg)
+    snaps = {}
+    with PrefetchClient(cfg, device="cuda", timeout=120, prefetch=2, transfer=SlowSideStream()) as c:
+        for e in (0, 1):
+            for b, (x, y) in enumerate(c.iter_epoch(e)):
+                assert x.is_cuda and x.is_contiguous(memory_format=torch.channels_last) and y.dtype == torch.int64
+                snaps[(e, b)] = (x.clone(), y.clone())
+                del x, y
+        stage = c._stage
+        assert stage.batches == len(snaps) and stage.fallbacks == 0, (stage.fallbacks, stage.batches)
+        assert stage.host_s / stage.batches < 1.0  # host time per batch (a loose bound: the report says it)
+    torch.cuda.synchronize()
+    assert sorted(snaps) == sorted(ref)
+    for key, (x, y) in snaps.items():
+        assert torch.equal(y.cpu(), torch.from_numpy(ref[key][1])), key
+        got = x.permute(0, 2, 3, 1).cpu().numpy().astype(int)
+        for k in range(len(got)):
+            diff = np.abs(got[k] - ref[key][0][k].astype(int))
+            assert diff.mean() < MEAN_TOL and np.percentile(diff, 99) <= P99_TOL, (key, k, diff.mean())
     assert d.stop() == 0

@@ -13,7 +13,7 @@ import pytest
 import simplejpeg
 import torch
 from PIL import Image, ImageOps
-from prefetchd_client import gpudecode
+from prefetchd_client import gpudecode, gpuops
 from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 
 from prefetchd.core import augment, hybrid
@@ -222,6 +222,57 @@ def test_sniffing_sends_only_what_the_hardware_takes(name, data, refusal):
     assert (got is None) if refusal is None else (refusal in got), (name, got)
 
 
+def _after_soi(data: bytes, segment: bytes) -> bytes:
+    return data[:2] + segment + data[2:]
+
+
+def _in_the_scan(data: bytes, at: float, new: bytes, old: int = 0) -> bytes:
+    """``data`` with ``new`` put inside its entropy-coded data, at fraction ``at`` of it, in place of ``old`` bytes."""
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2: sos + 4], "big")
+    i = start + int((len(data) - 2 - start) * at)
+    while data[i - 1] == 0xFF or data[i] == 0xFF:  # not in the middle of a stuffed byte or marker
+        i += 1
+    return data[:i] + new + data[i + old:]
+
+
+def _rst_renumbered(data: bytes) -> bytes:
+    sos = data.index(b"\xff\xda")
+    i = data.index(b"\xff\xd1", sos)
+    return data[:i] + b"\xff\xd5" + data[i + 2:]
+
+
+def _table_selector(data: bytes, ids: int) -> bytes:
+    sos = data.index(b"\xff\xda")
+    return data[:sos + 6] + bytes([ids]) + data[sos + 7:]
+
+
+_BASE = enc(PHOTO, quality=90)
+_RST = enc(PHOTO, quality=90, restart_marker_blocks=4)
+# JPEGs libjpeg may take but the GPU path must not: each name, the file, and the reason the daemon's
+# check gives (tests/test_nvimgcodec_contract.py checks these against nvImageCodec's parser too)
+CORRUPT_JPEGS = [
+    ("TEM before the scan", _after_soi(_BASE, b"\xff\x01"), "stray marker"),
+    ("RST before the scan", _after_soi(_BASE, b"\xff\xd3"), "stray marker"),
+    ("RST without a restart interval", _in_the_scan(_BASE, 0.5, b"\xff\xd0"), "restart markers where"),
+    ("a restart marker lost", _in_the_scan(_RST, 0.0, b"", 0).replace(b"\xff\xd2", b"", 1), "restart markers"),
+    ("restart markers out of sequence", _rst_renumbered(_RST), "out of sequence"),
+    ("a DHT marker inside the scan", _in_the_scan(_BASE, 0.5, b"\xff\xc4"), "marker FFC4 inside"),
+    ("cut short, an EOI appended", _BASE[:_BASE.index(b"\xff\xda") + 60] + b"\xff\xd9", "(truncated)"),
+    ("an undefined Huffman table", _table_selector(_BASE, 0x33), "Huffman table"),
+]
+
+
+@pytest.mark.parametrize("name, data, reason", CORRUPT_JPEGS, ids=[c[0] for c in CORRUPT_JPEGS])
+def test_jpegs_with_unsound_markers_or_entropy_data_stay_on_the_cpu(name, data, reason):
+    """The hardware decoder reports success for corrupt entropy data (a garbage image): the
+    daemon keeps files whose markers or entropy-coded data are unsound, for the CPU path to
+    decode or quarantine. The well-formed variants of the same files go to the GPU."""
+    assert hybrid.hw_refusal(hybrid.scan_jpeg(_BASE)) is None and hybrid.hw_refusal(hybrid.scan_jpeg(_RST)) is None
+    got = hybrid.hw_refusal(hybrid.scan_jpeg(data))
+    assert got is not None and reason in got, (name, got)
+
+
 def test_rgb_coded_jpegs_stay_on_the_cpu():
     """libjpeg-turbo (and so the CPU path) reads components named R, G, B as RGB, not YCbCr; a
     decoder that assumed YCbCr would get the colours wrong, so the daemon keeps such files."""
@@ -295,14 +346,14 @@ def test_orientation_and_coded_box_match_pil():
         exif[0x0112] = o
         im.info["exif"] = exif.tobytes()
         ref = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(enc(im, "PNG", exif=exif.tobytes())))))
-        up = gpudecode.orient(torch.from_numpy(base), o).numpy()
+        up = gpuops.orient(torch.from_numpy(base), o).numpy()
         assert np.array_equal(up, ref), o
         uh, uw = up.shape[:2]
         for _ in range(20):
             x0, y0 = int(rng.integers(0, uw - 1)), int(rng.integers(0, uh - 1))
             x1, y1 = int(rng.integers(x0 + 1, uw + 1)), int(rng.integers(y0 + 1, uh + 1))
-            cx0, cy0, cx1, cy1 = gpudecode.coded_box((x0, y0, x1, y1), o, 21, 13)
-            got = gpudecode.orient(torch.from_numpy(base[cy0:cy1, cx0:cx1]), o).numpy()
+            cx0, cy0, cx1, cy1 = gpuops.coded_box((x0, y0, x1, y1), o, 21, 13)
+            got = gpuops.orient(torch.from_numpy(base[cy0:cy1, cx0:cx1]), o).numpy()
             assert np.array_equal(got, up[y0:y1, x0:x1]), (o, (x0, y0, x1, y1))
 
 
@@ -319,8 +370,8 @@ def test_colour_ops_on_the_device_are_bit_identical_to_the_cpu_paths():
         for j, (op, f) in enumerate(ops):
             codes[0, j], factors[0, j] = op, f
         x = torch.from_numpy(img).permute(2, 0, 1)[None].contiguous()
-        y = gpudecode.apply_jitter(x, np.array([len(ops)]), codes, factors)
-        y = gpudecode.apply_lighting(y, augment.lighting_offset(cfg.lighting, d)[None])
+        y = gpuops.apply_jitter(x, np.array([len(ops)]), codes, factors)
+        y = gpuops.apply_lighting(y, augment.lighting_offset(cfg.lighting, d)[None])
         assert np.array_equal(y[0].permute(1, 2, 0).numpy(), ref), (trial, ops)
 
 
@@ -446,7 +497,7 @@ def test_without_the_extra_or_cuda_the_error_names_the_extra(monkeypatch):
         DecodeStage("cuda:0")
 
 
-def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog):
+def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_error(caplog, monkeypatch):
     # a JPEG the GPU decoder refuses (None) or misreads (wrong shape) is decoded on the CPU; one
     # that the CPU cannot decode either (corrupt entropy data) becomes zeros, marked as replaced
     builder = builders.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=60, decode="gpu"))
@@ -457,8 +508,11 @@ def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_
     corrupt = good[:sos + 20] + bytes([0xFF, 0xD0 + 5]) * 64 + b"\xff\xd9"
     with pytest.raises(ValueError):
         simplejpeg.decode_jpeg(corrupt, colorspace="RGB")
-    for k, data in enumerate((good, good, corrupt)):
-        builder.add(data, augment.draws(0, 0, k), images[k])
+    assert "restart markers" in hybrid.hw_refusal(hybrid.scan_jpeg(corrupt))  # the daemon keeps such a file
+    with monkeypatch.context() as m:  # ... but should one get through, the client copes
+        m.setattr(hybrid, "hw_refusal", lambda info: None)
+        for k, data in enumerate((good, good, corrupt)):
+            builder.add(data, augment.draws(0, 0, k), images[k])
     b = jpegbatch.parse(builder.pack(META, np.array([11, 12, 13]), np.zeros(3), np.full(3, -1)))
     assert (b.params["kind"] == jpegbatch.KIND_JPEG).all()
     want = DecodeStage("cpu", decoder=lambda jpegs: cpu_decoder(jpegs[:2]) + [None])(b)
@@ -469,14 +523,30 @@ def test_a_file_the_decoder_fails_on_is_decoded_on_the_cpu_or_replaced_never_an_
     def wrong_size(jpegs):
         return [torch.zeros((10, 10, 3), dtype=torch.uint8) for _ in jpegs]
 
-    for decoder, warned in ((failing, [12, 13]), (wrong_size, [11, 12, 13])):
+    def raising(jpegs):  # whatever the decoder raises ends no batch: every sample falls back alone
+        raise TypeError("decode(): incompatible function arguments")
+
+    # the first fallback is logged, the next ones only counted; each stand-in is logged
+    for decoder, warned, fallbacks in ((failing, [12, 13], 2), (wrong_size, [11, 13], 3), (raising, [11, 13], 3)):
         caplog.clear()
         replaced = np.full(3, -1)
+        stage = DecodeStage("cpu", decoder=decoder)
         with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
-            x = DecodeStage("cpu", decoder=decoder)(b, replaced=replaced)
+            x = stage(b, replaced=replaced)
         assert torch.equal(x[:2], want[:2])  # the CPU decode of the same file, bit for bit
         assert int(x[2].max()) == 0 and replaced.tolist() == [-1, -1, 13]
         assert [int(r.getMessage().split("dataset sample ")[1].split()[0]) for r in caplog.records] == warned
+        assert (stage.fallbacks, stage.replaced, stage.batches) == (fallbacks, 1, 1)
+    # a thousand more fallbacks make one more line, not a thousand
+    monkeypatch.setattr(gpudecode, "_WARN_EVERY", 4)
+    stage = DecodeStage("cpu", decoder=lambda jpegs: [None, None, None])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="prefetchd_client.gpudecode"):
+        for _ in range(4):
+            stage(b)
+    fell_back = [r.getMessage() for r in caplog.records if "decoded it on the CPU instead" in r.getMessage()]
+    # fallbacks 1, 4 and 8 were logged (12 was sample 13's, whose stand-in is logged on its own)
+    assert stage.fallbacks == 12 and len(fell_back) == 3 and "8 such samples so far" in fell_back[-1]
 
 
 def test_pixels_come_from_the_source_tensor_when_given():
@@ -519,3 +589,98 @@ def test_nvimgcodec_on_the_gpu_matches_the_cpu_path(image_root, tmp_path):
                 assert diff.max() == 0
             else:
                 assert diff.mean() < MEAN_TOL and np.percentile(diff, 99) <= P99_TOL_REDUCED, (k, diff.mean())
+
+
+# --- the batched geometry ---------------------------------------------------------------------------
+
+
+def _one_sample(region: torch.Tensor, orientation: int, r: int, hh: int, ww: int, interpolation: str):
+    """The reference, one sample at a time: reduce, orient, then ``gpuops.resample``."""
+    x = region.expand(-1, -1, 3).permute(2, 0, 1).unsqueeze(0).float()
+    if r > 1:
+        x = torch.nn.functional.avg_pool2d(x, r, ceil_mode=True).round().clamp(0, 255)
+    x = gpuops.orient(x[0].permute(1, 2, 0), orientation).permute(2, 0, 1).unsqueeze(0)
+    return gpuops.resample(x, hh, ww, interpolation)[0].to(torch.uint8)
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos", "area", "nearest"])
+@pytest.mark.parametrize("hh, ww", [(24, 24), (20, 28)])
+def test_the_batched_geometry_equals_one_sample_at_a_time(interpolation, hh, ww):
+    rng = np.random.default_rng(len(interpolation) + hh)
+    regions, orientations, reductions = [], [], []
+    for j in range(14):
+        o = int(rng.integers(1, 9))
+        r = int(rng.choice([1, 2, 4])) if o == 1 else 1
+        h, w = int(rng.integers(6, 150)), int(rng.integers(6, 150))
+        c = 1 if j % 5 == 0 else 3  # greyscale JPEGs decode to one channel with some decoders
+        regions.append(torch.from_numpy(rng.integers(0, 256, (h, w, c), dtype=np.uint8)))
+        orientations.append(o)
+        reductions.append(r)
+    regions[3] = None  # a sample neither decoder could make: zeros
+    got = gpuops.resample_batch(regions, np.array(orientations), np.array(reductions), hh, ww, interpolation, "cpu")
+    assert got.shape == (14, 3, hh, ww) and got.dtype == torch.uint8 and int(got[3].abs().max()) == 0
+    for j, reg in enumerate(regions):
+        if reg is None:
+            continue
+        want = _one_sample(reg, orientations[j], reductions[j], hh, ww, interpolation)
+        diff = (got[j].int() - want.int()).abs()
+        # the same arithmetic in another order: a sum landing on .5 may round the other way
+        assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.01, (j, orientations[j], reductions[j])
+
+
+def test_the_padded_batch_is_cut_into_chunks_within_the_memory_budget(monkeypatch):
+    rng = np.random.default_rng(3)
+    regions = [torch.from_numpy(rng.integers(0, 256, (int(rng.integers(40, 90)), int(rng.integers(40, 90)), 3),
+                                             dtype=np.uint8)) for _ in range(9)]
+    args = (np.ones(9, int), np.ones(9, int), 16, 16, "bilinear", "cpu")
+    whole = gpuops.resample_batch(regions, *args)
+    budget = 3 * 90 * 90 * 4 * 2  # two samples of the largest size a chunk
+    monkeypatch.setattr(gpuops, "_PAD_BUDGET_BYTES", budget)
+    chunks = []
+    real = gpuops._run_steps
+
+    def run_steps(regs, plans, hmax, wmax, device):
+        chunks.append((len(regs), hmax, wmax))
+        return real(regs, plans, hmax, wmax, device)
+
+    monkeypatch.setattr(gpuops, "_run_steps", run_steps)
+    assert torch.equal(gpuops.resample_batch(regions, *args), whole)
+    assert sum(n for n, _, _ in chunks) == 9 and len(chunks) >= 3
+    assert all(n * 3 * h * w * 4 <= budget for n, h, w in chunks), chunks
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view  # a view (slice, permute) launches nothing
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_stage_makes_a_few_torch_calls_per_batch_not_ten_per_image(tmp_path):
+    """Each torch call but a view is a kernel launch on a GPU: the decode stage issues about one per image
+    (its copy into the padded batch) and a few dozen per batch, whatever the batch size."""
+    builder = builders.CompactBuilder(AugmentConfig(output_size=32, scale_min=40, scale_max=120, decode="gpu",
+                                                  brightness=0.3, contrast=0.3, saturation=0.3, lighting=0.1))
+    rng = np.random.default_rng(5)
+    datas = [with_orientation(photo_like(rng, int(rng.integers(60, 200)), int(rng.integers(60, 200))),
+                              1 + i % 8, quality=85) for i in range(64)]
+
+    def ops_for(n: int) -> int:
+        images = np.zeros((n, 32, 32, 3), np.uint8)
+        builder.reset(images)
+        for k in range(n):
+            builder.add(datas[k], augment.draws(0, 0, k), images[k])
+        b = jpegbatch.parse(builder.pack(META, np.arange(n), np.zeros(n), np.full(n, -1)))
+        assert (b.params["kind"] == jpegbatch.KIND_JPEG).all()
+        stage = DecodeStage("cpu", decoder=cpu_decoder)
+        with _CountOps() as count:
+            stage(b)
+        return count.ops - n  # less the decoder's own from_numpy per file
+
+    small, large = ops_for(16), ops_for(64)
+    per_image = (large - small) / 48
+    assert per_image <= 1.5, (small, large)  # the per-sample loop made 10-20
+    assert small - 16 <= 200, small  # about 180 a batch (colour jitter's three steps are most of them)

@@ -335,4 +335,48 @@ def test_a_sample_neither_the_gpu_nor_the_cpu_can_decode_is_replaced_and_trainin
     assert seen == sorted(b for e, b in ref if e == 0)
     warned = [r.getMessage() for r in caplog.records]
     assert warned and all("zeros stand in" in m and "dataset sample" in m for m in warned)
+    # the fallbacks are counted where an operator looks: status.json, `prefetchd status`, /metrics
+    buf = load_config(cfg).buffer.dir
+    st = wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and
+                    s["ranks"]["0"].get("gpu_fallbacks", 0) >= len(seen) - 1 and s, 30, "the fallbacks in status.json")
+    assert "samples its GPU could not decode" in status.format_status(st, True)
+    from prefetchd.metrics import families
+    fam = {f.name: f for f in families(st)}["prefetchd_trainer_gpu_decode_fallbacks"]
+    assert [(s.labels, s.value) for s in fam.samples if s.name.endswith("_total")] == \
+        [({"rank": "0"}, st["ranks"]["0"]["gpu_fallbacks"])]
+    assert d.stop() == 0
+
+
+def test_pin_memory_without_a_device_yields_compact_batches_in_fresh_pinned_blocks(tmp_path, mixed_root,
+                                                                                  daemon_factory):
+    """As for pixel batches (test_client_memory.py): ``pin_memory=True`` and no device yields
+    tensors in pinned memory, each batch in a block of its own, with the stand-in for pinning."""
+    from test_client_memory import DeferredCopies
+
+    class Blocks(DeferredCopies):
+        def __init__(self):
+            super().__init__()
+            self.ptrs = set()
+
+        def empty(self, nbytes):
+            t = super().empty(nbytes)
+            self.ptrs.add(t.untyped_storage().data_ptr())
+            return t
+
+    cfg = _config(tmp_path, mixed_root, "gpu", "pinnedcpu")
+    d = daemon_factory(cfg)
+    ref = _reference(cfg, epochs=1)
+    blocks = Blocks()
+    with PrefetchClient(cfg, pin_memory=True, transfer=blocks, prefetch=2, timeout=60, decoder=CountingDecoder()) as c:
+        assert c.pin_memory and c.device is None
+        kept = [(b, x, y) for b, (x, y) in enumerate(c.iter_epoch(0))]
+    storages = set()
+    for b, x, y in kept:
+        ptr = x.untyped_storage().data_ptr()
+        assert ptr in blocks.ptrs and y.untyped_storage().data_ptr() == ptr, b  # in a pinned block, both
+        storages.add(ptr)
+        assert x.is_contiguous(memory_format=torch.channels_last) and y.dtype == torch.int64
+        assert np.array_equal(x.permute(0, 2, 3, 1).numpy(), ref[(0, b)][0]), b  # unchanged after it was yielded
+        assert np.array_equal(y.numpy(), ref[(0, b)][1]), b
+    assert len(storages) == len(kept) == 5
     assert d.stop() == 0

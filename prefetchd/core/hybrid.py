@@ -6,10 +6,18 @@ For a batch that ``on_gpu`` assigns to the GPU, each sample is read as now and t
   ``SampleError`` and is quarantined and replaced exactly as on the CPU path);
 * ``scan_jpeg`` walks the JPEG's markers and ``hw_refusal`` says whether the GPU's hardware
   decoder takes it: baseline (SOF0), 8-bit, greyscale or YCbCr with 4:4:4, 4:2:2, 4:2:0 or 4:4:0
-  sampling, complete (an EOI marker after the scan). Everything else (progressive, arithmetic,
-  12-bit, CMYK/YCCK, RGB-coded, odd sampling, PNG whatever its name, truncated) is made by the
-  CPU path (``augment.make_sample``) and stored as finished pixels, bit-identical to
-  ``augment.decode: cpu``; a file the CPU path cannot decode is quarantined as now;
+  sampling, complete (an EOI marker after the scan), and sound in the structure of its markers
+  and entropy-coded data as far as can be told without decoding it (``scan_jpeg``: the tables it
+  uses are defined, no stray marker before the scan, one scan whose data holds only stuffed bytes
+  and restart markers in sequence, as many as its restart interval implies, and at least the 2
+  bits a block takes). Everything else (progressive, arithmetic, 12-bit, CMYK/YCCK, RGB-coded,
+  odd sampling, PNG whatever its name, truncated, corrupt) is made by the CPU path
+  (``augment.make_sample``) and stored as finished pixels, bit-identical to ``augment.decode:
+  cpu``; a file the CPU path cannot decode is quarantined as now. This matters because the
+  GPU's hardware decoder reports success for a batch once it is queued: a file with corrupt
+  entropy data comes back as a garbage image, not a failure. What these checks cannot see (bits
+  flipped inside the entropy data, keeping its structure) reaches the trainer as a damaged image
+  where the CPU path might have quarantined the file;
 * for a JPEG the GPU takes, the crop comes from the same draws and the same functions as on the
   CPU path (``augment.crop_for`` on the upright size, the same DCT reduction factor, and
   ``augment.roi_box`` in the reduced image, where the client takes it), and so do the flip, the jitter order and factors (``augment.jitter_ops``) and the lighting
@@ -64,6 +72,7 @@ class JpegInfo:
     adobe_transform: int | None  # APP14 "Adobe" colour transform, None if absent
     scan_offset: int  # where the first SOS marker starts
     complete: bool  # an EOI marker follows the scan
+    defect: str | None = None  # what is wrong with the markers or the entropy-coded data, if anything
 
 
 def scan_jpeg(data: bytes) -> JpegInfo | None:
@@ -73,6 +82,7 @@ def scan_jpeg(data: bytes) -> JpegInfo | None:
     if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
         return None
     pos, frame, adobe = 2, None, None
+    stray, restart, huffman, quant = 0, 0, set(), set()
     while pos + 4 <= n:
         if data[pos] != 0xFF:
             return None
@@ -81,6 +91,7 @@ def scan_jpeg(data: bytes) -> JpegInfo | None:
             pos += 1
             continue
         if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # standalone markers carry no length
+            stray += 1  # libjpeg skips a TEM or RST here; nvImageCodec's parser refuses the file
             pos += 2
             continue
         if marker == 0xD9:
@@ -99,15 +110,80 @@ def scan_jpeg(data: bytes) -> JpegInfo | None:
             frame = (marker, seg[0], (seg[3] << 8) | seg[4], (seg[1] << 8) | seg[2], comps)
         elif marker == 0xEE and seg[:5] == b"Adobe" and len(seg) >= 12:
             adobe = seg[11]
+        elif marker == 0xDD and len(seg) >= 2:  # DRI
+            restart = (seg[0] << 8) | seg[1]
+        elif marker == 0xC4:
+            huffman |= _table_ids(seg, huffman=True)
+        elif marker == 0xDB:
+            quant |= _table_ids(seg, huffman=False)
         elif marker == 0xDA:
             if frame is None:
                 return None
             # entropy-coded data never holds FF D9 (FF is stuffed as FF 00): a truncated file
             # has no EOI after its scan, whatever else it carries before
-            complete = data.rfind(b"\xff\xd9", pos + 2 + length) >= 0
+            end = data.rfind(b"\xff\xd9", pos + 2 + length)
             sof, precision, w, h, comps = frame
-            return JpegInfo(sof, precision, w, h, comps, adobe, pos, complete)
+            defect = None
+            if stray:
+                defect = f"{stray} stray marker{'s' if stray > 1 else ''} (TEM or RST) before the scan"
+            elif end >= 0:
+                defect = _scan_defect(data, seg, pos + 2 + length, end, frame, restart, huffman, quant)
+            return JpegInfo(sof, precision, w, h, comps, adobe, pos, end >= 0, defect)
         pos += 2 + length
+    return None
+
+
+def _table_ids(seg: bytes, huffman: bool) -> set:
+    """The (class, id) of each Huffman table (DHT) or the id of each quantisation table (DQT)."""
+    ids, i = set(), 0
+    while i < len(seg):
+        pq_tc, th = seg[i] >> 4, seg[i] & 15
+        if huffman:
+            ids.add((pq_tc, th))
+            i += 17 + sum(seg[i + 1: i + 17])
+        else:
+            ids.add(th)
+            i += 1 + (128 if pq_tc else 64)
+    return ids
+
+
+def _scan_defect(data: bytes, sos: bytes, start: int, end: int, frame, restart: int, huffman: set,
+                 quant: set) -> str | None:
+    """What is wrong with a baseline JPEG's one scan (entropy-coded data ``data[start:end]``, up to
+    its EOI), if anything, as far as can be told without decoding it. Vectorised: about a
+    microsecond per kilobyte."""
+    _, _, w, h, comps = frame
+    if sos:
+        ns = sos[0]
+        for i in range(ns):
+            if 2 + 2 * i >= len(sos):
+                return "a short scan header"
+            td_ta = sos[2 + 2 * i]
+            if (0, td_ta >> 4) not in huffman or (1, td_ta & 15) not in huffman:
+                return "a Huffman table the scan uses is not defined"
+    if not quant:
+        return "no quantisation table"
+    arr = np.frombuffer(data, dtype=np.uint8, count=end - start, offset=start)
+    ff = np.flatnonzero(arr[:-1] == 0xFF)
+    after = arr[ff + 1]
+    rst = after[(after >= 0xD0) & (after <= 0xD7)]
+    other = (after != 0) & (after != 0xFF) & ((after < 0xD0) | (after > 0xD7))
+    if other.any():
+        return f"a marker FF{int(after[other][0]):02X} inside the entropy-coded data (corrupt, or several scans)"
+    hmax = max(c[1] for c in comps)
+    vmax = max(c[2] for c in comps)
+    if len(comps) == 1:
+        mcus, blocks = -(-w // 8) * -(-h // 8), 1
+    else:
+        mcus, blocks = -(-w // (8 * hmax)) * -(-h // (8 * vmax)), sum(c[1] * c[2] for c in comps)
+    want_rst = (mcus - 1) // restart if restart else 0
+    if len(rst) != want_rst:
+        return f"{len(rst)} restart markers where its restart interval implies {want_rst} (corrupt)"
+    if len(rst) and not np.array_equal(rst - 0xD0, np.arange(len(rst)) % 8):
+        return "restart markers out of sequence (corrupt)"
+    payload = len(arr) - int((after == 0).sum()) - 2 * len(rst)
+    if payload * 8 < 2 * mcus * blocks:  # every block takes at least a DC and an end-of-block code
+        return f"{payload} bytes of entropy-coded data for {mcus * blocks} blocks (truncated)"
     return None
 
 
@@ -121,6 +197,8 @@ def hw_refusal(info: JpegInfo | None) -> str | None:
         return f"{info.precision}-bit samples"
     if not info.complete:
         return "truncated (no EOI marker after the scan)"
+    if info.defect:
+        return info.defect
     if info.width < 1 or info.height < 1:
         return "no frame size in the header"
     nc = len(info.components)

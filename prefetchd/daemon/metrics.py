@@ -67,15 +67,19 @@ def families(rec: dict):
                                  "their back-off", labels=["rank"])
     echoed = CounterMetricFamily("prefetchd_trainer_echoed_batches", "Batches the rank's client served again "
                                  "(data echoing)", labels=["rank"])
+    fallbacks = CounterMetricFamily("prefetchd_trainer_gpu_decode_fallbacks", "Samples of compact batches the "
+                                    "rank's GPU decoder failed on, decoded on the trainer's CPU instead (hybrid "
+                                    "decode)", labels=["rank"])
     for r, rs in sorted(rec.get("ranks", {}).items()):
         echoed.add_metric([r], rs.get("echoed", 0))
+        fallbacks.add_metric([r], rs.get("gpu_fallbacks", 0))
         retrying.add_metric([r], rs.get("retrying", 0))
         ready.add_metric([r], rs.get("ready", 0))
         ahead.add_metric([r], rs.get("ahead", 0))
         epoch.add_metric([r], rs.get("position", [0, 0])[0])
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
-    yield from (ready, ahead, epoch, batch, wait, echoed, retrying)
+    yield from (ready, ahead, epoch, batch, wait, echoed, retrying, fallbacks)
     vals = rec.get("val_ranks") or {}
     if vals:  # the validation stream's lanes, apart from train's
         vready = GaugeMetricFamily("prefetchd_val_rank_ready_batches", "Validation batches ready for the rank",

@@ -21,6 +21,7 @@ def status_record(d) -> dict:
         rs = d.planner.rank_status(r)
         seen = d.sessions.last_seen.get(r)
         rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
+                  gpu_fallbacks=d.sessions.gpu_fallbacks[r],
                   last_progress_age_s=None if seen is None else now - seen)
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)

@@ -32,6 +32,7 @@ class Sessions:
         self.session: dict[int, str] = {}
         self.wait_s = {r: 0.0 for r in ranks}
         self.echoed = {r: 0 for r in ranks}
+        self.gpu_fallbacks = {r: 0 for r in ranks}
         self.last_seen: dict[int, float] = {}  # wall-clock time of the last record per rank
         self._warned: dict[int, str] = {}
 
@@ -42,6 +43,7 @@ class Sessions:
         self.last_seen[r] = now
         self.wait_s[r] = p.wait_s
         self.echoed[r] = p.echoed
+        self.gpu_fallbacks[r] = p.gpu_fallbacks
         if new < old and not initial and p.session and p.session == self.session.get(r):
             if self._warned.get(r) != p.session:
                 log.warning("rank %d's progress went back from epoch %d batch %d to epoch %d batch %d within one "

@@ -13,6 +13,8 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
      "session": "4242-9f1c2a7b.3",            # changes whenever the writer moves backwards
      "echoed": 0,                             # batches served again (data echoing, opt-in)
+     "gpu_fallbacks": 0,                      # hybrid decode: samples the client's GPU decoder
+                                              # failed on, decoded on its CPU instead (or replaced)
      "reading": true}                         # false: the trainer reads nothing of this stream now
 
 The validation stream (``validation:`` in the config) has its own files per rank,
@@ -25,7 +27,7 @@ Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the 
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
 whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
-``pid``, ``batches``, ``echoed`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
+``pid``, ``batches``, ``echoed``, ``gpu_fallbacks`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
 non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
 not named here are ignored; the optional ones may be left out. The file's mode is 0644
 (``FILE_MODE``) whatever the writer's umask, so a daemon running as another user reads it.
@@ -88,6 +90,7 @@ class Progress:
     session: str = ""
     echoed: int = 0
     reading: bool = True
+    gpu_fallbacks: int = 0
 
     @property
     def position(self) -> tuple[int, int]:
@@ -142,7 +145,7 @@ def decode(data: bytes) -> Progress:
         if k not in d:
             raise ProgressError(f"missing field {k!r}")
         vals[k] = _int(d, k, _U32)
-    for k in ("pid", "batches", "echoed"):
+    for k in ("pid", "batches", "echoed", "gpu_fallbacks"):
         if k in d:
             vals[k] = _int(d, k, _I64)
     for k in ("time", "wait_s"):

@@ -141,7 +141,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
                      + (f", {rs['retrying']} failed waiting to be tried again" if rs.get("retrying") else "")
                      + f"), {rs.get('ahead', 0)} ahead; "
                      f"trainer waited {rs.get('wait_s', 0):.1f} s"
-                     + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "") + ("; done" if rs.get("done") else ""))
+                     + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "")
+                     + (f"; {rs['gpu_fallbacks']} samples its GPU could not decode, decoded on its CPU"
+                        if rs.get("gpu_fallbacks") else "") + ("; done" if rs.get("done") else ""))
     for r, rs in sorted((s.get("val_ranks") or {}).items(), key=lambda kv: int(kv[0])):
         p, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r} validation: " + (f"reading pass {p} at batch {b} of {rs.get('pass_batches', '?')}; "

@@ -9,8 +9,11 @@
   client decodes them on the device, with nvImageCodec (``prefetchd[gpu]``) on a GPU. On a CPU
   there is no hardware decoder: the client decodes with a stand-in CPU decoder (simplejpeg), so
   the rows show that the path runs and what it costs a CPU, not what a GPU would do. On CUDA each
-  prefetchd row also gives the peak GPU memory of the run (``torch.cuda.max_memory_allocated``),
-  so the hybrid rows' excess over the ``prefetchd`` row is what the decode stage holds;
+  prefetchd row also gives the device memory the run holds at its end (``torch.cuda.mem_get_info``:
+  used now less used before the client started, which sees nvImageCodec's own pools and stream-
+  ordered allocations, invisible to torch's ``max_memory_allocated``, also given), so the hybrid
+  rows' excess over the ``prefetchd`` row is what the decode stage holds; hybrid rows give the
+  decode stage's host time per batch (``DecodeStage.host_s``) and its CPU fallbacks;
   ``--decodes`` picks the rows (default ``cpu,hybrid,gpu``);
 * ``dataloader``: ``torch.utils.data.DataLoader`` with the same worker count and augmentation
   (torchvision's ImageFolder + v2 RandomResizedCrop/flip where torchvision imports, else the
@@ -272,6 +275,8 @@ def run_train_bench(args) -> int:
             if cuda:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
+                free, total = torch.cuda.mem_get_info(device)
+                used_before = total - free
             with PrefetchClient(cfg_path, device=device if cuda else None, timeout=120,
                                 prefetch=args.prefetch, decoder=decoder) as c:
 
@@ -285,6 +290,12 @@ def run_train_bench(args) -> int:
                 r["decoder"] = "-" if decode == "cpu" else ("nvImageCodec" if cuda else "stand-in: simplejpeg on the CPU")
                 if cuda:
                     r["peak_gpu_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+                    torch.cuda.synchronize(device)
+                    free, total = torch.cuda.mem_get_info(device)
+                    r["device_used_mib"] = (total - free - used_before) / 2**20
+                if c._stage is not None and c._stage.batches:
+                    r["decode_host_ms"] = c._stage.host_s / c._stage.batches * 1e3
+                    r["gpu_fallbacks"] = c._stage.fallbacks
                 rows.append(r)
             os.killpg(proc.pid, signal.SIGCONT)
             proc.send_signal(signal.SIGTERM)
@@ -305,7 +316,10 @@ def run_train_bench(args) -> int:
                 if r["decoder"] != "-":
                     note += f", decoded by {r['decoder']}"
                 if "peak_gpu_mib" in r:
-                    note += f", peak GPU memory {r['peak_gpu_mib']:,.0f} MiB"
+                    note += (f", device memory held {r['device_used_mib']:,.0f} MiB (torch's peak "
+                             f"{r['peak_gpu_mib']:,.0f} MiB)")
+                if "decode_host_ms" in r:
+                    note += f", decode stage {r['decode_host_ms']:.1f} ms host/batch, {r['gpu_fallbacks']} CPU fallbacks"
             elif r["feed"] == "dataloader":
                 note = f"{workers} workers, {r['how']}, pin_memory={device.type == 'cuda'}"
             print(f"{r['feed']:11} {r['img_s']:9.1f} {r['img_s'] / base:11.2f} {r['wait_share']:7.1%}  {note}")
