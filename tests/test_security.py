@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grp
+import json
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 import yaml
@@ -278,3 +280,81 @@ def test_a_trainer_outside_the_group_is_told_permission_is_denied(tmp_path, imag
     assert f"cannot read {buf}/meta.json: permission denied" in out, out
     assert "group root (buffer.group)" in out, out
     assert " s old" not in out, out
+
+
+# --- what a trainer can put in the progress directory: no kind of file hangs or stops the daemon -------
+
+
+def _fifo(path) -> str:
+    os.mkfifo(path, 0o644)
+    return str(path)
+
+
+def _socket_at(path) -> None:
+    """A Unix socket file at ``path``: bound from inside its directory (sun_path holds 108 bytes)."""
+    subprocess.run([sys.executable, "-c", "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])",
+                    os.path.basename(path)], cwd=os.path.dirname(path), check=True, timeout=30)
+
+
+def _returns_within(fn, timeout_s: float = 5.0):
+    """``fn()``'s result or exception; fails the test if it has not returned after ``timeout_s``
+    (a read blocked on a FIFO would never return)."""
+    box: dict = {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert box, f"{fn} did not return within {timeout_s:.0f} s"
+    return box.get("error", box.get("value"))
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink to a fifo", "symlink to a file", "symlink to /dev/zero",
+                                  "directory", "socket", "too large"])
+def test_read_regular_refuses_what_is_not_a_regular_file_at_once(tmp_path, what):
+    from prefetchd import untrusted
+
+    path = tmp_path / "progress-r0000.json"
+    (tmp_path / "file").write_text("{}")
+    if what == "fifo":
+        _fifo(path)
+    elif what == "symlink to a fifo":
+        os.symlink(_fifo(tmp_path / "fifo"), path)
+    elif what == "symlink to a file":  # one the reader may read and the writer may not, say
+        os.symlink(tmp_path / "file", path)
+    elif what == "symlink to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif what == "directory":
+        path.mkdir()
+    elif what == "socket":
+        _socket_at(str(path))
+    else:
+        path.write_bytes(b" " * 65537)
+    got = _returns_within(lambda: untrusted.read_regular(str(path), 65536))
+    assert isinstance(got, untrusted.NotRegular), got
+    want = {"fifo": "a FIFO", "directory": "a directory", "socket": "a socket", "too large": "larger than 65536 bytes"}
+    assert want.get(what, "a symbolic link") in str(got)
+    assert untrusted.read_regular(str(tmp_path / "file"), 65536) == b"{}"
+
+
+def test_status_reads_neither_a_fifo_nor_a_symlink(tmp_path, image_root):
+    """`prefetchd status` (often run by root) returns at once whatever sits at status.json."""
+    cfg = small_config(tmp_path, image_root)
+    buf = tmp_path / "buffer"
+    buf.mkdir(mode=0o700)
+    _fifo(buf / "status.json")
+    _fifo(buf / "daemon.lock")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 3 and "no status in" in r.stdout, r.stdout + r.stderr  # 3: not known to run
+    os.unlink(buf / "status.json")
+    (tmp_path / "secret.json").write_text('{"format": "prefetchd-status", "pid": 4242}')
+    os.symlink(tmp_path / "secret.json", buf / "status.json")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--json", "--config", cfg], capture_output=True,
+                       text=True, timeout=30)
+    assert json.loads(r.stdout)["status"] is None, r.stdout
