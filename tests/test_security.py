@@ -394,6 +394,22 @@ def test_stray_names_in_the_progress_directory_cost_one_warning_and_no_dirty_mar
     assert w._dirty == {0} and woken == [1]
 
 
+def test_stop_guard_ends_a_stuck_process_after_its_deadline_and_not_a_clean_one():
+    from prefetchd.stopguard import StopGuard
+
+    exits = []
+    g = StopGuard(lambda: [], deadline_s=0.3, exit=exits.append).start()
+    g.arm()
+    wait_until(lambda: exits, 10, "the guard's exit")
+    assert exits == [0] and g.fired
+    g.done()
+    g = StopGuard(lambda: [], deadline_s=0.3, exit=exits.append).start()
+    g.arm()
+    g.done()  # the clean stop came first
+    time.sleep(0.6)
+    assert exits == [0] and not g.fired
+
+
 def _status_age(buf) -> float:
     from prefetchd import status
 
@@ -473,6 +489,40 @@ def test_no_file_a_trainer_can_make_in_the_progress_directory_stalls_another_tra
     strays = [line for line in log.splitlines() if "entries that are not progress files" in line]
     assert 1 <= len(strays) <= 2, strays
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_a_daemon_whose_loop_is_stuck_within_10_s(tmp_path, image_root, daemon_factory, sig):
+    """The stop guard, not the loop: the loop is blocked (fault injection) when the signal comes."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = tmp_path / "buffer"
+    marker = tmp_path / "stuck"
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_STUCK_LOOP": str(marker)})
+    wait_until(lambda: len(published(str(buf))) == 4 and (buf / "status.json").exists(), 30, "a full buffer")
+    workers = json.loads((buf / "status.json").read_text())["worker_pids"]
+    marker.touch()
+    wait_until(lambda: _status_age(buf) > 2, 20, "the loop to be stuck (status.json no longer rewritten)")
+    t = time.monotonic()
+    d.proc.send_signal(sig)
+    assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
+    log = d.log()
+    assert "after the stop signal (the main thread is at " in log and "daemon.py" in log, log[-2000:]
+    for pid in workers:  # killed, not left to run on without their daemon
+        wait_until(lambda: not _alive(pid), 10, f"worker {pid} to be gone")  # noqa: B023
+    # the next start cleans up after it (temp files of the killed workers) and serves
+    d2 = daemon_factory(cfg)
+    wait_until(lambda: json.loads((buf / "status.json").read_text()).get("pid") == d2.pid, 30, "the next daemon's status")
+    assert collect(cfg, epochs=(0,), timeout=30)
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-") and int(n.rsplit("-", 1)[1]) in workers]
+    assert d2.stop() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_status_reads_neither_a_fifo_nor_a_symlink(tmp_path, image_root):
