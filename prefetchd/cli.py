@@ -69,11 +69,14 @@ def cmd_run(args) -> int:
     setup_logging(args.log_level or cfg.log.level)
     from prefetchd.daemon.loop import Daemon
     from prefetchd.daemon.sdnotify import Notifier
+    from prefetchd.daemon.stopguard import StopGuard
 
     notifier = Notifier()
     daemon = None
+    # a stop signal ends this process within the guard's deadline even if the loop never gets it
+    guard = StopGuard(lambda: daemon.pool.pids() if getattr(daemon, "pool", None) else []).start()
     try:
-        daemon = Daemon(cfg, notify=notifier, early_signals=early)
+        daemon = Daemon(cfg, notify=notifier, early_signals=early, stop_guard=guard)
         return daemon.run()
     except BufferBusy as e:
         log.error("%s", e)
@@ -98,6 +101,7 @@ def cmd_run(args) -> int:
             from prefetchd.executors.pool import stop_helpers
 
             stop_helpers()
+        guard.done()
 
 
 def cmd_check(args) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import grp
+import itertools
+import json
 import os
 import shutil
 import signal
@@ -10,6 +12,8 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 import pytest
 import yaml
@@ -278,3 +282,262 @@ def test_a_trainer_outside_the_group_is_told_permission_is_denied(tmp_path, imag
     assert f"cannot read {buf}/meta.json: permission denied" in out, out
     assert "group root (buffer.group)" in out, out
     assert " s old" not in out, out
+
+
+# --- what a trainer can put in the progress directory: no kind of file hangs or stops the daemon -------
+
+
+def _fifo(path) -> str:
+    os.mkfifo(path, 0o644)
+    return str(path)
+
+
+def _socket_at(path) -> None:
+    """A Unix socket file at ``path``: bound from inside its directory (sun_path holds 108 bytes)."""
+    subprocess.run([sys.executable, "-c", "import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])",
+                    os.path.basename(path)], cwd=os.path.dirname(path), check=True, timeout=30)
+
+
+def _returns_within(fn, timeout_s: float = 5.0):
+    """``fn()``'s result or exception; fails the test if it has not returned after ``timeout_s``
+    (a read blocked on a FIFO would never return)."""
+    box: dict = {}
+
+    def call():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    assert box, f"{fn} did not return within {timeout_s:.0f} s"
+    return box.get("error", box.get("value"))
+
+
+@pytest.mark.parametrize("what", ["fifo", "symlink to a fifo", "symlink to a file", "symlink to /dev/zero",
+                                  "directory", "socket", "too large"])
+def test_read_regular_refuses_what_is_not_a_regular_file_at_once(tmp_path, what):
+    from prefetchd.format import untrusted
+
+    path = tmp_path / "progress-r0000.json"
+    (tmp_path / "file").write_text("{}")
+    if what == "fifo":
+        _fifo(path)
+    elif what == "symlink to a fifo":
+        os.symlink(_fifo(tmp_path / "fifo"), path)
+    elif what == "symlink to a file":  # one the reader may read and the writer may not, say
+        os.symlink(tmp_path / "file", path)
+    elif what == "symlink to /dev/zero":
+        os.symlink("/dev/zero", path)
+    elif what == "directory":
+        path.mkdir()
+    elif what == "socket":
+        _socket_at(str(path))
+    else:
+        path.write_bytes(b" " * 65537)
+    got = _returns_within(lambda: untrusted.read_regular(str(path), 65536))
+    assert isinstance(got, untrusted.NotRegular), got
+    want = {"fifo": "a FIFO", "directory": "a directory", "socket": "a socket", "too large": "larger than 65536 bytes"}
+    assert want.get(what, "a symbolic link") in str(got)
+    assert untrusted.read_regular(str(tmp_path / "file"), 65536) == b"{}"
+
+
+def test_the_watcher_ignores_bad_kinds_with_one_warning_per_bad_spell(tmp_path, caplog):
+    from prefetchd.daemon.watcher import ProgressWatcher
+    from prefetchd.format import progress
+
+    val0 = progress.lane("val", 0)
+    w = ProgressWatcher(str(tmp_path), (0, 1, val0), lambda: None, use_inotify=False)
+    p1 = str(tmp_path / progress.progress_name(1))
+    pv = str(tmp_path / progress.progress_name(val0))
+    _fifo(pv)  # a validation lane's name too
+    progress.write(str(tmp_path), progress.Progress(1, 0, 3, session="s"))
+    caplog.set_level("WARNING", logger="prefetchd.watcher")
+    assert _returns_within(w.poll)[1].position == (0, 3)
+    assert [r.getMessage() for r in caplog.records] == [f"ignoring {pv}: it is a FIFO, not a regular file; keeping "
+                                                        "the last good position none"]
+    caplog.clear()
+    # one bad spell, whatever the name becomes meanwhile: one warning; the position is kept
+    steps = [lambda: os.replace(_fifo(tmp_path / ".f"), p1), lambda: os.replace(tmp_path / ".l", p1),
+             lambda: (os.unlink(p1), os.mkdir(p1)), lambda: (os.rmdir(p1), _socket_at(p1))]
+    os.symlink(_fifo(tmp_path / "elsewhere"), tmp_path / ".l")
+    for step in steps:
+        step()
+        assert _returns_within(w.poll) == {}
+    assert [r.getMessage() for r in caplog.records] == [f"ignoring {p1}: it is a FIFO, not a regular file; keeping "
+                                                        "the last good position (0, 3)"]
+    os.unlink(p1)
+    progress.write(str(tmp_path), progress.Progress(1, 0, 4, session="s"))  # a good file ends the spell...
+    assert _returns_within(w.poll)[1].position == (0, 4)
+    os.replace(_fifo(tmp_path / ".f"), p1)  # ...so the next bad one is said again
+    assert _returns_within(w.poll) == {}
+    assert len(caplog.records) == 2 and w.last[1].position == (0, 4)
+
+
+def test_stray_names_in_the_progress_directory_cost_one_warning_and_no_dirty_marks(tmp_path, caplog):
+    from prefetchd.daemon.watcher import ProgressWatcher
+
+    woken = []
+    w = ProgressWatcher(str(tmp_path), (0,), lambda: woken.append(1), use_inotify=False)
+    caplog.set_level("WARNING", logger="prefetchd.watcher")
+    for i in range(20_000):  # what watchdog's thread sees when a trainer makes 20,000 files there
+        w._mark(f"junk-{i}")
+    w._mark("progress-r0007.json")  # a rank this daemon does not serve
+    w._mark(".progress-abc.tmp")  # a client's temp file: not stray
+    assert not w._dirty and not woken
+    assert w.poll() == {} and w.poll() == {}
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 1 and "20001 change(s) to entries that are not progress files" in msgs[0], msgs
+    w._mark("progress-r0000.json")
+    assert w._dirty == {0} and woken == [1]
+
+
+def test_stop_guard_ends_a_stuck_process_after_its_deadline_and_not_a_clean_one():
+    from prefetchd.daemon.stopguard import StopGuard
+
+    exits = []
+    g = StopGuard(lambda: [], deadline_s=0.3, exit=exits.append).start()
+    g.arm()
+    wait_until(lambda: exits, 10, "the guard's exit")
+    assert exits == [0] and g.fired
+    g.done()
+    g = StopGuard(lambda: [], deadline_s=0.3, exit=exits.append).start()
+    g.arm()
+    g.done()  # the clean stop came first
+    time.sleep(0.6)
+    assert exits == [0] and not g.fired
+
+
+def _status_age(buf) -> float:
+    from prefetchd.format import status
+
+    s = status.read_json(str(buf), status.STATUS_NAME) or {}
+    return time.time() - s.get("updated", 0)
+
+
+def test_no_file_a_trainer_can_make_in_the_progress_directory_stalls_another_trainer(tmp_path, image_root,
+                                                                                     daemon_factory):
+    """A FIFO at a progress name before start; then, while rank 0 reads, rank 1's name becomes a
+    FIFO, a symlink to a FIFO, a directory, a socket, and 20,000 stray files appear: rank 0 never
+    waits more than 5 s for a batch, and SIGTERM stops the daemon within 10 s with status 0."""
+    from prefetchd.format import progress
+
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None, "world_size": 2})
+    buf = tmp_path / "buffer"
+    pdir = buf / "progress"
+    pdir.mkdir(parents=True, mode=0o700)
+    os.chmod(buf, 0o700)
+    for r in (0, 1):
+        _fifo(pdir / progress.progress_name(r))
+    p1 = str(pdir / progress.progress_name(1))
+    d = daemon_factory(cfg)
+    waits: list[float] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def read():
+        try:
+            with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
+                for e in itertools.count():
+                    it = iter(c.iter_epoch(e))
+                    while not stop.is_set():
+                        t = time.monotonic()
+                        if next(it, None) is None:
+                            break
+                        waits.append(time.monotonic() - t)
+                        time.sleep(0.02)  # a trainer's step
+                    if stop.is_set():
+                        return
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            errors.append(e)
+
+    t0 = time.monotonic()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_until(lambda: waits or errors, 20, "rank 0's first batch with a FIFO at both progress names")
+    assert not errors and time.monotonic() - t0 < 20
+
+    def rank1_position():
+        s = json.loads((buf / "status.json").read_text())
+        return s["ranks"]["1"]["position"]
+
+    progress.write(str(pdir), progress.Progress(1, 0, 2, session="s"))  # ends the start-up FIFO's bad spell
+    wait_until(lambda: rank1_position() == [0, 2], 20, "rank 1 at batch 2")
+    os.symlink(_fifo(tmp_path / "fifo"), pdir / ".link")
+    for step in (lambda: os.replace(_fifo(pdir / ".fifo"), p1), lambda: os.replace(pdir / ".link", p1),
+                 lambda: (os.unlink(p1), os.mkdir(p1)), lambda: (os.rmdir(p1), _socket_at(p1)),
+                 lambda: [open(pdir / f"stray-{i}", "w").close() for i in range(20_000)]):
+        n = len(waits)
+        step()
+        wait_until(lambda: len(waits) >= n + 10 or errors, 30, "rank 0's next 10 batches")  # noqa: B023
+        assert not errors and d.proc.poll() is None
+        assert _status_age(buf) < 5, "status.json is not kept up to date"
+    stop.set()
+    reader.join(30)
+    assert not errors, errors
+    assert max(waits) <= 5.0, f"rank 0 waited {max(waits):.1f} s for a batch"
+    assert rank1_position() == [0, 2]  # the last good position is kept
+    t = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
+    log = d.log()
+    bad = [line for line in log.splitlines() if f"ignoring {p1}" in line]
+    assert len(bad) == 2, bad  # the start-up FIFO, then one spell for everything after the good file
+    assert "it is a FIFO, not a regular file" in bad[0] and "keeping the last good position (0, 2)" in bad[1]
+    strays = [line for line in log.splitlines() if "entries that are not progress files" in line]
+    assert 1 <= len(strays) <= 2, strays
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_ends_a_daemon_whose_loop_is_stuck_within_10_s(tmp_path, image_root, daemon_factory, sig):
+    """The stop guard, not the loop: the loop is blocked (fault injection) when the signal comes."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    buf = tmp_path / "buffer"
+    marker = tmp_path / "stuck"
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_STUCK_LOOP": str(marker)})
+    wait_until(lambda: len(published(str(buf))) == 4 and (buf / "status.json").exists(), 30, "a full buffer")
+    workers = json.loads((buf / "status.json").read_text())["worker_pids"]
+    marker.touch()
+    wait_until(lambda: _status_age(buf) > 2, 20, "the loop to be stuck (status.json no longer rewritten)")
+    t = time.monotonic()
+    d.proc.send_signal(sig)
+    assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
+    log = d.log()
+    assert "after the stop signal (the main thread is at " in log and "daemon.py" in log, log[-2000:]
+    for pid in workers:  # killed, not left to run on without their daemon
+        wait_until(lambda: not _alive(pid), 10, f"worker {pid} to be gone")  # noqa: B023
+    # the next start cleans up after it (temp files of the killed workers) and serves
+    d2 = daemon_factory(cfg)
+    wait_until(lambda: json.loads((buf / "status.json").read_text()).get("pid") == d2.pid, 30, "the next daemon's status")
+    assert collect(cfg, epochs=(0,), timeout=30)
+    assert not [n for n in os.listdir(buf) if n.startswith(".tmp-") and int(n.rsplit("-", 1)[1]) in workers]
+    assert d2.stop() == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_status_reads_neither_a_fifo_nor_a_symlink(tmp_path, image_root):
+    """`prefetchd status` (often run by root) returns at once whatever sits at status.json."""
+    cfg = small_config(tmp_path, image_root)
+    buf = tmp_path / "buffer"
+    buf.mkdir(mode=0o700)
+    _fifo(buf / "status.json")
+    _fifo(buf / "daemon.lock")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 3 and "no status in" in r.stdout, r.stdout + r.stderr  # 3: not known to run
+    os.unlink(buf / "status.json")
+    (tmp_path / "secret.json").write_text('{"format": "prefetchd-status", "pid": 4242}')
+    os.symlink(tmp_path / "secret.json", buf / "status.json")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--json", "--config", cfg], capture_output=True,
+                       text=True, timeout=30)
+    assert json.loads(r.stdout)["status"] is None, r.stdout

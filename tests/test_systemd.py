@@ -565,6 +565,38 @@ def test_journal_lines_carry_priorities(deployed):
     assert not [msg for msg in (e["MESSAGE"] for e in ours) if re.match(r"<\d>|\d\d:\d\d:\d\d", msg)]
 
 
+def test_a_fifo_at_a_progress_name_neither_hangs_nor_stops_the_service(deployed):
+    """A trainer of the group makes a FIFO at a progress file's name, as any member could: the
+    service stays active (no watchdog restart), restarts through it, and serves another trainer."""
+    m = deployed
+    cfg = yaml.safe_load(m.run("cat /etc/prefetchd/prefetchd.yaml").stdout)
+    m.run("useradd --create-home bob && usermod -aG prefetchd bob")
+    name = "/run/prefetchd/buffer/progress/progress-r0000.json"
+    pid, restarts = show(m, "MainPID"), int(show(m, "NRestarts"))
+    mark = cursor(m)
+    t_fifo = time.time()
+    # made beside it and renamed over it: the name is never missing (a deletion would be the
+    # bad spell's one warning)
+    m.run(f"mkfifo -m 0644 {name}.fifo && mv -f {name}.fifo {name}", user=TRAINER)
+
+    def warned():
+        return [e["MESSAGE"] for e in journal(m, since=mark) if f"ignoring {name}" in str(e.get("MESSAGE", ""))]
+
+    assert "it is a FIFO, not a regular file" in wait_until(warned, 30, "the warning")[0]
+    status = lambda: json.loads(m.run("cat /run/prefetchd/buffer/status.json").stdout)  # noqa: E731
+    # still rewritten after the watchdog (WatchdogSec=5 here) would have restarted a stuck loop
+    wait_until(lambda: status()["updated"] > t_fifo + 7, 30, "status.json rewritten 7 s after the FIFO")
+    assert show(m, "MainPID") == pid and show(m, "ActiveState") == "active"
+    assert int(show(m, "NRestarts")) == restarts
+    # at start-up too: the restart gets READY=1 (Type=notify) with the FIFO still there
+    m.run("systemctl restart prefetchd", timeout=120)
+    assert show(m, "ActiveState") == "active" and m.run(f"test -p {name}", check=False).returncode == 0
+    got, order = finish(trainer(m, "/etc/prefetchd/prefetchd.yaml", 1, user="bob"))
+    assert got == reference(m, cfg, 1) and len(order) == 8
+    assert show(m, "ActiveState") == "active"
+    assert len(warned()) == 2, warned()  # one per bad spell: this daemon, and the one before the restart
+
+
 def test_stop_exits_0_and_leaves_no_temp_files(deployed):
     m = deployed
     mark = cursor(m)

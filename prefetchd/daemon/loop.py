@@ -24,6 +24,9 @@ being read always keeps room for its lanes' next batches (``validation.ValStream
 Signal handlers only record the signal and wake the loop, which does the work: SIGTERM/SIGINT
 stop it cleanly (also during the dataset scan; workers stopped, temp files removed, published
 batches kept for the next start, the lock released whatever fails), SIGHUP reloads the tunables.
+A stop signal also arms the ``stopguard.StopGuard`` the CLI hands in: should the main thread
+not get back to the loop (a call stuck in the kernel), the process still ends, with status 0,
+``stopguard.STOP_DEADLINE_S`` after the signal.
 """
 
 from __future__ import annotations
@@ -65,11 +68,15 @@ log = logging.getLogger("prefetchd")
 
 _STATUS_INTERVAL_S = 1.0
 _CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a broken setup
+# Fault injection for the test suite: once this file exists the loop blocks (as a call stuck in
+# the kernel would), so that only the stop guard can end the process. Unset in normal use.
+_STUCK_ON = os.environ.get("PREFETCHD_FAULT_STUCK_LOOP")
 
 
 class Daemon:
-    def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None):
+    def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None, stop_guard=None):
         self.cfg = cfg
+        self.stop_guard = stop_guard  # stopguard.StopGuard, armed by a stop signal
         self._early_signals = early_signals if early_signals is not None else []
         self.notify = notify
         self.t_start = time.time()
@@ -228,6 +235,8 @@ class Daemon:
             self._reload = True
         else:
             self._stop = True
+            if self.stop_guard is not None:
+                self.stop_guard.arm()
         self._wake()
 
     def _drain_wake(self) -> None:
@@ -265,6 +274,8 @@ class Daemon:
         poll_s = self.cfg.progress.poll_interval_s
         next_status = next_poll = 0.0
         while not self._stop:
+            if _STUCK_ON and os.path.exists(_STUCK_ON):
+                time.sleep(3600)  # resumed after a signal handler runs, like a call stuck in the kernel
             if self._reload:
                 self._do_reload()
                 poll_s = self.cfg.progress.poll_interval_s

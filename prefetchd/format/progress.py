@@ -29,8 +29,10 @@ whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` o
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
 ``pid``, ``batches``, ``echoed``, ``gpu_fallbacks`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
 non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
-not named here are ignored; the optional ones may be left out. The file's mode is 0644
-(``FILE_MODE``) whatever the writer's umask, so a daemon running as another user reads it.
+not named here are ignored; the optional ones may be left out. Only a regular file is read: a
+FIFO, a symlink, a directory or a socket at a progress file's name is refused the same way,
+without being waited on (``read``). The file's mode is 0644 (``FILE_MODE``) whatever the
+writer's umask, so a daemon running as another user reads it.
 
 Positions only move forward within a ``session``: a client that goes back (a resume, a seek, a
 new process) writes a new session, and the daemon treats that as a jump. A backwards move
@@ -45,6 +47,8 @@ import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass
+
+from prefetchd.format import untrusted
 
 FORMAT = "prefetchd-progress"
 VERSION = 1
@@ -184,11 +188,15 @@ def _short(text: str, limit: int = 60) -> str:
 
 
 def read(path: str) -> Progress:
+    """The progress file at ``path``. Whatever a trainer put there, this returns or raises
+    ``ProgressError`` at once: a FIFO, a symlink, a directory, a socket or a file larger than
+    ``MAX_BYTES`` is refused without blocking (``untrusted.read_regular``)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        data = untrusted.read_regular(path, MAX_BYTES)
     except FileNotFoundError:
         raise ProgressError("no progress file yet") from None
+    except untrusted.NotRegular as e:
+        raise ProgressError(str(e)) from None
     except OSError as e:
         raise ProgressError(f"cannot read: {e.strerror}") from None
     return decode(data)

@@ -8,6 +8,11 @@ digits, the batch header's u64), "num_samples", "num_classes", "batch_size",
 ``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
 are listed in ``format_status``. Both live in the buffer directory, mode 0640 (``FILE_MODE``)
 whatever the umask. Standard library only.
+
+Their readers (the client, ``prefetchd status``, often run by root) read them as they read
+any file they did not make: a regular file of at most ``MAX_JSON_BYTES`` or nothing, opened
+without following a symlink and without waiting on a FIFO (``untrusted.read_regular``). The
+lock file is probed the same way.
 """
 
 from __future__ import annotations
@@ -15,9 +20,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import time
 from typing import Any
+
+from prefetchd.format import untrusted
 
 META_NAME = "meta.json"
 STATUS_NAME = "status.json"
@@ -27,14 +35,15 @@ LOCK_NAME = "daemon.lock"
 # ``buffer.group``) reads; the directory's own mode keeps everyone else out.
 FILE_MODE = 0o640
 STALE_AFTER_S = 5.0  # status.json is rewritten every second: older than this, it is stale
+MAX_JSON_BYTES = 16 << 20  # status.json of thousands of ranks fits many times over
+_MAX_LOCK_BYTES = 64
 
 
 def lock_pid(directory: str) -> int | None:
     """The pid the daemon holding (or last holding) the lock wrote into it."""
     try:
-        with open(os.path.join(directory, LOCK_NAME), "rb") as f:
-            text = f.read(32).decode(errors="replace").strip()
-    except OSError:
+        text = untrusted.read_regular(os.path.join(directory, LOCK_NAME), _MAX_LOCK_BYTES).decode(errors="replace").strip()
+    except (OSError, untrusted.NotRegular):
         return None
     return int(text) if text.isdigit() else None
 
@@ -42,9 +51,11 @@ def lock_pid(directory: str) -> int | None:
 def daemon_alive(directory: str) -> bool | None:
     """True if a daemon holds the lock on ``directory``, False if none, None if unknown."""
     path = os.path.join(directory, LOCK_NAME)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    kind = stat.S_ISREG
+    try:  # O_NONBLOCK: a FIFO put at the lock's name must not hang the caller
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:  # removed by hand? the daemon also locks the directory itself (ring.Lock)
+        kind = stat.S_ISDIR
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -54,6 +65,8 @@ def daemon_alive(directory: str) -> bool | None:
     except OSError:
         return None
     try:
+        if not kind(os.fstat(fd).st_mode):  # not a lock the daemon made
+            return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
         return True
@@ -78,10 +91,11 @@ def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
 
 
 def read_json(directory: str, name: str) -> dict[str, Any] | None:
+    """The JSON object in the file, or None: missing, unreadable, not a regular file, larger
+    than ``MAX_JSON_BYTES`` or not a JSON object. Never blocks."""
     try:
-        with open(os.path.join(directory, name), encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = json.loads(untrusted.read_regular(os.path.join(directory, name), MAX_JSON_BYTES).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):  # NotRegular, UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return data if isinstance(data, dict) else None
 
