@@ -68,7 +68,10 @@ def cmd_run(args) -> int:
         return _fail_config(e)
     setup_logging(args.log_level or cfg.log.level)
     from .daemon import Daemon
+    from .helpers import become_subreaper
     from .sdnotify import Notifier
+
+    become_subreaper()  # the workers of a forkserver that died stay ours: watched, reaped
 
     notifier = Notifier()
     daemon = None

@@ -47,7 +47,7 @@ from .config import Config, ConfigError, format_size
 from .config import load as load_config
 from .dataset import load_index, val_labels
 from .planner import Limits, Planner
-from .pool import Pool
+from .pool import Pool, PoolError
 from .progress import VAL_LANE, lane
 from .quarantine import QuarantineLog
 from .ring import Lock, Ring, is_tmpfs, prepare_dirs
@@ -271,7 +271,7 @@ class Daemon:
             if now >= next_status:
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
-            due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry(now) for p in self._planners())]
+            due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
             waitables = [self._wake_r, *self.pool.waitables()]
             if self.remote is not None:
@@ -279,7 +279,11 @@ class Daemon:
             if self._wake_r in mp_wait(waitables, timeout):
                 self._drain_wake()
             for ex in self._executors():
-                results, lost = ex.results()
+                try:
+                    results, lost = ex.results()
+                except PoolError as e:  # no retry mended it: said, and the daemon stops
+                    log.error("%s", e)
+                    return 1
                 for res in results:
                     self._handle(res)
                 for t in lost:
@@ -449,6 +453,9 @@ class Daemon:
             "capacity": self.cfg.buffer.capacity, "refill_at": self.cfg.buffer.refill_at,
             "workers": self.pool.count, "workers_alive": self.pool.alive(), "worker_restarts": self.pool.restarts,
             "worker_timeouts": self.pool.timeouts, "worker_pids": self.pool.pids(),
+            "forkserver_restarts": self.pool.helpers.restarts["forkserver"],
+            "resource_tracker_restarts": self.pool.helpers.restarts["resource tracker"],
+            "helper_pids": {k.replace(" ", "_"): v for k, v in self.pool.helpers.pids().items()},
             "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
             "worker_utilisation": min(1.0, self.pool.busy_s() / (up * max(1, self.pool.count))),
             "produced_batches": self.produced_batches, "produced_images": self.produced_images,
