@@ -37,7 +37,7 @@ from multiprocessing import forkserver, resource_tracker
 
 log = logging.getLogger("prefetchd.pool")
 
-_SPAWN_TIMEOUT_S = 3.0  # a forkserver that has forked a worker before must fork the next within this...
+_SPAWN_TIMEOUT_S = 2.0  # a forkserver that has forked a worker before must fork the next within this...
 _FIRST_SPAWN_TIMEOUT_S = 30.0  # ...a new one first imports the worker's modules
 _HELPER_STOP_TIMEOUT_S = 2.0  # at exit: a helper not gone after this is killed
 _PR_SET_CHILD_SUBREAPER = 36

@@ -7,17 +7,15 @@ wait on) and ``stop()``.
 
 Each worker has its own duplex pipe, so the pool always knows which tasks a worker holds. A
 worker that dies (its pidfd or its pipe says so, without the forkserver's help) or holds one
-task longer than
-``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be, its temp files are
-removed at once, its tasks come back as lost (to be made again) and it is replaced, after a
-back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE,
-SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
-while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
-blame nobody, so random kills never quarantine a good sample.
-A worker's exit status comes from ``waitid`` when it is
-this process's child (its forkserver died: see ``helpers``), else from the forkserver's report;
-when neither comes within ``_EXIT_STATUS_GRACE_S`` (the forkserver is stopped) it is buried
-unknown, blaming nobody.
+task longer than ``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be,
+its temp files are removed at once, its tasks come back as lost (to be made again) and it is
+replaced, after a back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS,
+SIGILL, SIGFPE, SIGABRT, or an exit) while a sample was being decoded names that sample as a
+suspect; a death while writing, and a kill from outside (SIGKILL: the OOM killer, an operator,
+the deadline), blame nobody, so random kills never quarantine a good sample. A worker's exit
+status comes from ``waitid`` when it is this process's child (its forkserver died: see
+``helpers``), else from the forkserver's report; when neither comes within
+``_EXIT_STATUS_GRACE_S`` (the forkserver is stopped) it is buried unknown, blaming nobody.
 
 The forkserver and the resource tracker are watched by ``helpers.Helpers``: one that dies or
 does not answer a worker's start in time is replaced. A worker that cannot be started is tried

@@ -211,3 +211,33 @@ def test_helper_process_faults_keep_the_daemon_up_and_change_nothing(case, tmp_p
     print(f"\n{case}: {FAULTS} faults in {elapsed:.0f} s, {len(got)} batches read and identical, longest wait "
           f"{worst[0]:.2f} s, {st['worker_restarts']} worker restarts, {st['forkserver_restarts']} forkserver "
           f"and {st['resource_tracker_restarts']} resource tracker restarts")
+
+
+def test_a_worker_that_cannot_be_started_is_retried_with_the_back_off_and_only_a_minute_of_it_is_an_error(
+        tmp_path, image_root, monkeypatch, caplog):
+    from prefetchd import pool as poolmod
+    from prefetchd.helpers import SpawnError
+
+    c = load_config(small_config(tmp_path, image_root, workers={"count": 1}))
+    p = poolmod.Pool(WorkerSetup(c, None, None, 0, c.buffer.dir), 1)
+    why = "the forkserver (pid 1234) did not answer a worker's start within 3 s; killed it and started a new one"
+
+    def refuse(start):
+        raise SpawnError(why)
+
+    p.helpers.spawn = refuse
+    p.start()  # no exception: the daemon goes on serving the ring
+    delays = []
+    for _ in range(9):
+        delays.append(round(p.respawn_due() - time.monotonic(), 1))
+        p._respawn_at = 0.0  # its back-off is over
+        p.results()
+    assert delays == [0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10.0, 10.0]
+    assert f"cannot start worker 0: {why}; trying again in 0.1 s" in caplog.text
+    monkeypatch.setattr(poolmod, "_UNSTARTABLE_S", 1.0)
+    time.sleep(1.1)
+    p._respawn_at = 0.0
+    with pytest.raises(poolmod.PoolError, match=r"no worker could be started for 1 s; the last try: the forkserver "
+                                                r"\(pid 1234\) did not answer"):
+        p.results()
+    p.stop()
