@@ -142,6 +142,15 @@ class Helpers:
     def pids(self) -> dict[str, int | None]:
         return {name: _pid(name) for name in (FORKSERVER, TRACKER)}
 
+    def forkserver_stopped(self) -> bool:
+        """The forkserver is stopped (SIGSTOP): it will not report a worker's exit status."""
+        pid = _pid(FORKSERVER)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+        except (OSError, IndexError):
+            return False
+
     def waitables(self) -> list[int]:
         return [fd for _, fd in self._watched.values()]
 

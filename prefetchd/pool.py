@@ -200,7 +200,8 @@ class Pool:
             if w.dead_at is None and w.exited():
                 w.dead_at = now
             if w.dead_at is not None:
-                if self._exit_status(w) or now - w.dead_at >= _EXIT_STATUS_GRACE_S:
+                if (self._exit_status(w) or now - w.dead_at >= _EXIT_STATUS_GRACE_S
+                        or self.helpers.forkserver_stopped()):
                     lost += self._bury(w)
             elif w.tasks and now - w.head_since > self.task_timeout_s:
                 t = w.tasks[0]
