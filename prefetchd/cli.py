@@ -70,6 +70,9 @@ def cmd_run(args) -> int:
     from prefetchd.daemon.loop import Daemon
     from prefetchd.daemon.sdnotify import Notifier
     from prefetchd.daemon.stopguard import StopGuard
+    from prefetchd.executors.helpers import become_subreaper
+
+    become_subreaper()  # the workers of a forkserver that died stay ours: watched, reaped
 
     notifier = Notifier()
     daemon = None

@@ -265,7 +265,10 @@ def test_status_text_shows_timeouts_failed_batches_and_the_respawn_back_off():
            "main_cpu_s": 12.34, "capacity": 8,
            "ranks": {"0": {"position": [1, 2], "ready": 3, "in_flight": 1, "retrying": 2, "ahead": 1}}}
     text = status.format_status(rec, True)
-    assert "workers 3/4 (busy 0%, restarts 5, timeouts 2); the next worker starts in 1.6 s (back-off)" in text, text
+    assert ("workers 3/4 (busy 0%, restarts 5, timeouts 2); the next worker starts in 1.6 s (back-off); "
+            "forkserver restarts 0, resource tracker restarts 0") in text, text
+    rec.update(forkserver_restarts=3, resource_tracker_restarts=1)
+    assert "; forkserver restarts 3, resource tracker restarts 1" in status.format_status(rec, True)
     assert "failed batches 7 (each tried again after a back-off)" in text, text
     assert "main process CPU 12.3 s" in text, text
     assert "(+1 in flight, 2 failed waiting to be tried again)" in text, text

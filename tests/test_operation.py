@@ -80,6 +80,8 @@ def test_prometheus_metrics_on_loopback(tmp_path, image_root, daemon_factory):
     # the planner rewrite's counters: worker timeouts, failed batches (retried after a back-off), and
     # the main process's own CPU time, which is more than nothing once it has filled the buffer
     assert re.search(r"^prefetchd_worker_timeouts_total 0\.0$", text, re.M), text
+    assert re.search(r"^prefetchd_forkserver_restarts_total 0\.0$", text, re.M), text
+    assert re.search(r"^prefetchd_resource_tracker_restarts_total 0\.0$", text, re.M), text
     assert re.search(r"^prefetchd_failed_batches_total 0\.0$", text, re.M), text
     cpu = re.search(r"^prefetchd_main_cpu_seconds_total (\S+)$", text, re.M)
     assert cpu and float(cpu.group(1)) > 0, text

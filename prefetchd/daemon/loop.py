@@ -54,11 +54,12 @@ from prefetchd.daemon.report import status_record
 from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.sessions import Sessions
+from prefetchd.daemon.teardown import close_early, teardown
 from prefetchd.daemon.validation import ValStream
 from prefetchd.daemon.waiting import Waiting
 from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
-from prefetchd.executors.pool import Pool
+from prefetchd.executors.pool import Pool, PoolError
 from prefetchd.executors.storage import STORAGE_RETRY_S
 from prefetchd.executors.worker import Result, Task, WorkerSetup
 from prefetchd.format import batchfile, status
@@ -291,7 +292,7 @@ class Daemon:
                 self._restore_lock()
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
-            due = [next_poll, next_status, self.pool.respawn_due(), *(p.next_retry(now) for p in self._planners())]
+            due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
             waitables = [self._wake_r, *self.pool.waitables()]
             if self.remote is not None:
@@ -299,7 +300,11 @@ class Daemon:
             if self._wake_r in mp_wait(waitables, timeout):
                 self._drain_wake()
             for ex in self._executors():
-                results, lost = ex.results()
+                try:
+                    results, lost = ex.results()
+                except PoolError as e:  # no retry mended it: said, and the daemon stops
+                    log.error("%s", e)
+                    return 1
                 for res in results:
                     self._handle(res)
                 for t in lost:
@@ -550,48 +555,10 @@ class Daemon:
     # --- teardown ---------------------------------------------------------------------------------
 
     def _close_early(self) -> None:
-        """Set-up failed: stop what it started; the lock goes last, whatever happens."""
-        try:
-            for part in ("watcher", "metrics", "remote", "pool"):
-                obj = getattr(self, part, None)
-                if obj is not None:
-                    _quietly(obj.stop, part)
-        finally:
-            if hasattr(self, "lock"):
-                self.lock.release()
+        close_early(self)
 
     def _teardown(self) -> None:
-        """Workers stopped, temp files removed, published batches kept for the next start. A step
-        that fails is logged and the others still run; the lock is released last, always."""
-        try:
-            if self.notify:
-                _quietly(self.notify.stopping, "notify")
-            _quietly(self.watcher.stop, "progress watcher")
-            if self.metrics is not None:
-                _quietly(self.metrics.stop, "metrics server")
-            if self.remote is not None:
-                _quietly(self.remote.stop, "ray")
-            _quietly(self.pool.stop, "workers")
-            removed = _quietly(self.ring.remove_temp_files, "temp files")
-            if removed:
-                log.info("removed %d temp files of unfinished batches", removed)
-
-            def final_status():
-                rec = self.status_record()
-                rec["state"] = "stopped"
-                status.write_json(self.cfg.buffer.dir, status.STATUS_NAME, rec)
-
-            _quietly(final_status, "the final status")
-        finally:
-            self.lock.release()
-
-
-def _quietly(fn, what: str):
-    try:
-        return fn()
-    except Exception as e:  # teardown goes on: the lock must be released whatever failed
-        log.error("while stopping, %s: %s: %s", what, type(e).__name__, e)
-        return None
+        teardown(self)
 
 
 def _limits(b) -> Limits:

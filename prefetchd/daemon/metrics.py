@@ -43,6 +43,10 @@ def families(rec: dict):
     yield gauge("prefetchd_workers", "Configured worker processes", rec.get("workers"))
     yield gauge("prefetchd_workers_alive", "Worker processes alive", rec.get("workers_alive"))
     yield counter("prefetchd_worker_restarts", "Workers replaced after dying", rec.get("worker_restarts"))
+    yield counter("prefetchd_forkserver_restarts", "Forkservers (which start the workers) replaced after dying "
+                  "or not answering a worker's start", rec.get("forkserver_restarts"))
+    yield counter("prefetchd_resource_tracker_restarts", "multiprocessing resource trackers replaced after dying",
+                  rec.get("resource_tracker_restarts"))
     yield counter("prefetchd_worker_timeouts", "Workers killed for holding a batch past workers.task_timeout_s",
                   rec.get("worker_timeouts"))
     yield gauge("prefetchd_worker_respawn_wait_seconds", "Time until a missing worker is replaced (respawn "

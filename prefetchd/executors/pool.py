@@ -1,5 +1,4 @@
-"""The local executor: worker processes started by forkserver, one pipe each, watched by their
-sentinels.
+"""The local executor: worker processes started by forkserver, one pipe each, watched by pidfds.
 
 Every executor (this one, ``raypool.RayPool``) offers the same small interface the daemon's loop
 drives without asking which kind it has: ``idle()`` (free task slots), ``submit(task)``,
@@ -7,14 +6,23 @@ drives without asking which kind it has: ``idle()`` (free task slots), ``submit(
 wait on) and ``stop()``.
 
 Each worker has its own duplex pipe, so the pool always knows which tasks a worker holds. A
-worker that dies (its sentinel becomes ready) or holds one task longer than
-``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be, its temp files are
-removed at once, its tasks come back as lost (to be made again) and it is replaced, after a
-back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE,
-SIGABRT, or an exit) while a sample was being decoded names that sample as a suspect; a death
-while writing, and a kill from outside (SIGKILL: the OOM killer, an operator, the deadline),
-blame nobody, so random kills never quarantine a good sample.
-Teardown: terminate, join, kill. The forkserver and the resource tracker are process-wide
+worker that dies (its pidfd or its pipe says so, without the forkserver's help) or holds one
+task longer than ``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be,
+its temp files are removed at once, its tasks come back as lost (to be made again) and it is
+replaced, after a back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS,
+SIGILL, SIGFPE, SIGABRT, or an exit) while a sample was being decoded names that sample as a
+suspect; a death while writing, and a kill from outside (SIGKILL: the OOM killer, an operator,
+the deadline), blame nobody, so random kills never quarantine a good sample. A worker's exit
+status comes from ``waitid`` when it is this process's child (its forkserver died: see
+``helpers``), else from the forkserver's report; when neither comes within
+``_EXIT_STATUS_GRACE_S`` (the forkserver is stopped) it is buried unknown, blaming nobody.
+
+The forkserver and the resource tracker are watched by ``helpers.Helpers``: one that dies or
+does not answer a worker's start in time is replaced. A worker that cannot be started is tried
+again with the same back-off as a death; ``PoolError`` only when none could be started for
+``_UNSTARTABLE_S``.
+
+Teardown: terminate, wait, kill. The forkserver and the resource tracker are process-wide
 (other multiprocessing users in the same process share them), so only the CLI stops them, as
 its process exits (``stop_helpers``), and only if ``Pool.stop`` saw every worker gone. Surplus
 workers (a reload lowered the count) get a stop message and are reaped later by ``results``,
@@ -25,14 +33,19 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.process
 import os
 import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
 
 from prefetchd.core.dataset import index_files_hold
+from prefetchd.executors import helpers
+from prefetchd.executors.helpers import SpawnError, describe_exit
 from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, worker_main
 
 log = logging.getLogger("prefetchd.pool")
@@ -42,6 +55,8 @@ _WORKER_TERM_TIMEOUT_S = 2.0
 _RESPAWN_BASE_S = 0.1  # a worker dying soon after the last one is replaced after this, doubling...
 _RESPAWN_MAX_S = 10.0  # ...up to this
 _CALM_S = 30.0  # no death for this long: replace the next one at once again
+_EXIT_STATUS_GRACE_S = 0.5  # a dead worker's status not known after this (its forkserver is stopped): buried unknown
+_UNSTARTABLE_S = 60.0  # no worker could be started for this long: an error
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 
@@ -55,34 +70,24 @@ class Worker:
     ready: bool = False
     head_since: float = 0.0  # when the worker started on tasks[0]
     busy_s: float = 0.0
+    pid: int = 0
+    pidfd: int | None = None  # readable once the worker has exited (None: no pidfds; the pipe tells)
+    dead_at: float | None = None  # when its death was noticed (its status may come a little later)
+    code: int | None = None  # its exit status, once known
+
+    def exited(self) -> bool:
+        if self.dead_at is not None:
+            return True
+        if self.pidfd is not None:
+            return helpers.has_exited(self.pidfd)
+        return not self.process.is_alive()
 
 
-def stop_helpers() -> None:
-    """Stop multiprocessing's forkserver, then its resource tracker (the forkserver holds the
-    tracker's pipe). Left alone they exit only after seeing this process end, and systemd
-    (KillMode=mixed) SIGKILLs whatever of the unit is alive when the main process exits: "Killing
-    process N (python3) with signal SIGKILL" at every stop. ``_stop`` is how CPython's own tests
-    stop them (3.11 and later). For the process's exit only: it breaks any other multiprocessing
-    user still running in this process."""
-    from multiprocessing import forkserver, resource_tracker
-
-    for helper in (forkserver._forkserver, resource_tracker._resource_tracker):
-        stop = getattr(helper, "_stop", None)
-        if stop is not None:
-            stop()
+stop_helpers = helpers.stop_helpers  # the CLI's, at exit
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "vanished"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        hint = ", perhaps out of memory?" if -code == signal.SIGKILL else ""
-        return f"was killed by {name}{hint}"
-    return f"exited with status {code}"
+class PoolError(RuntimeError):
+    """No worker could be started for ``_UNSTARTABLE_S``; the message names what failed."""
 
 
 class Pool:
@@ -106,22 +111,33 @@ class Pool:
         self._last_death = -1e9
         self._stopping: list[tuple[Worker, float]] = []  # surplus workers told to stop: (worker, since)
         self.stopped_clean = False  # set by stop(): every worker is gone (the helpers may be stopped)
+        self.helpers = helpers.Helpers()
+        self._unstartable_since: float | None = None  # the first failed start since the last good one
+        self._orphans: list[tuple[int, int]] = []  # (pid, pidfd) of buried workers not reaped yet
 
     def start(self) -> None:
-        for _ in range(self.count):
-            self._spawn()
+        self._replace(force=True)
 
     def _spawn(self) -> Worker:
+        """Start one worker; ``SpawnError`` if it could not be (the forkserver is replaced)."""
         wid = self._next_id
-        self._next_id += 1
         parent, child = self.ctx.Pipe(duplex=True)
         current = self.ctx.RawArray("q", 1)
         current[0] = -1
         p = self.ctx.Process(target=worker_main, args=(child, wid, self._worker_setup(), current),
                              name=f"prefetchd-worker-{wid}", daemon=True)
-        p.start()
-        child.close()
-        w = Worker(wid, p, parent, current=current)
+        try:
+            self.helpers.spawn(p.start)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self._next_id += 1
+        # the pool watches and reaps it: multiprocessing must not poll it (and eat its exit status
+        # from the forkserver) nor join it at exit (forever, if the forkserver is stopped)
+        multiprocessing.process._children.discard(p)
+        w = Worker(wid, p, parent, current=current, pid=p.pid, pidfd=helpers.pidfd_open(p.pid))
         self.workers[wid] = w
         return w
 
@@ -142,10 +158,13 @@ class Pool:
         return replace(s, index_dir=None, index=replace(self.index, files_dir=None))
 
     def resize(self, count: int) -> None:
-        """Grow at once; shrink as workers fall idle."""
+        """Grow at once (a start that fails is retried after the back-off); shrink as workers
+        fall idle."""
         self.count = count
-        while len(self.workers) < count:
-            self._spawn()
+        try:
+            self._replace(force=True)
+        except PoolError:
+            pass  # results() says it and the daemon stops
 
     # --- the executor interface ---------------------------------------------------------------------
 
@@ -169,19 +188,23 @@ class Pool:
         return True
 
     def waitables(self) -> list:
-        objs: list = []
+        objs: list = list(self.helpers.waitables())
         for w in self.workers.values():
-            objs += [w.conn, w.process.sentinel]
+            if w.dead_at is not None:  # waiting for its status from the forkserver
+                objs.append(w.process.sentinel)
+            else:
+                objs += [w.conn, w.pidfd if w.pidfd is not None else w.process.sentinel]
         return objs
 
     def results(self) -> tuple[list[Result], list[Task]]:
         """Finished tasks, and tasks lost with dead or timed-out workers; does not block."""
         results: list[Result] = []
         lost: list[Task] = []
+        self.helpers.check()
         now = time.monotonic()
         for w in list(self.workers.values()):
             try:
-                while w.conn.poll():
+                while w.dead_at is None and w.conn.poll():
                     msg = w.conn.recv()
                     if isinstance(msg, tuple) and msg and msg[0] == "ready":
                         w.ready = True
@@ -192,21 +215,41 @@ class Pool:
                     results.append(msg)
                     if msg.error is None:
                         self._respawn_delay = 0.0
-            except (EOFError, OSError):
-                pass  # the sentinel tells the rest
-            if not w.process.is_alive():
-                lost += self._bury(w)
+            except (EOFError, OSError):  # its end of the pipe closed: it is dying
+                w.dead_at = now
+            if w.dead_at is None and w.exited():
+                w.dead_at = now
+            if w.dead_at is not None:
+                if (self._exit_status(w) or now - w.dead_at >= _EXIT_STATUS_GRACE_S
+                        or self.helpers.forkserver_stopped()):
+                    lost += self._bury(w)
             elif w.tasks and now - w.head_since > self.task_timeout_s:
                 t = w.tasks[0]
                 log.error("worker %d (pid %s) has held batch r%d e%d b%d for %.0f s (workers.task_timeout_s); "
-                          "killing it", w.wid, w.process.pid, t.rank, t.epoch, t.batch, now - w.head_since)
+                          "killing it", w.wid, w.pid, t.rank, t.epoch, t.batch, now - w.head_since)
                 self.timeouts += 1
-                w.process.kill()
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)
+                if w.pidfd is not None:
+                    helpers.wait_exited(w.pidfd, 1.0)
+                w.dead_at = now
+                self._exit_status(w)
                 lost += self._bury(w, blame=False)
+        self._reap_orphans()
         self._replace()
         self._shrink_idle()
         self._reap_stopping(now)
         return results, lost
+
+    def wake_due(self) -> float | None:
+        """When the loop must call ``results`` again without being woken: a worker is missing,
+        or a dead worker's status is awaited."""
+        due = [w.dead_at + _EXIT_STATUS_GRACE_S for w in self.workers.values() if w.dead_at is not None]
+        respawn = self.respawn_due()
+        if respawn is not None:
+            due.append(respawn)
+        if self._orphans:
+            due.append(time.monotonic() + 1.0)
+        return min(due) if due else None
 
     def stop(self) -> None:
         """Stop every worker now. Their work can be made again, so nothing is waited for; their
@@ -214,31 +257,77 @@ class Pool:
         ws = list(self.workers.values()) + [w for w, _ in self._stopping]
         self._stopping.clear()
         for w in ws:
-            if w.process.is_alive():
-                w.process.terminate()
-                try:  # a stopped (SIGSTOP) worker must run to die of SIGTERM
-                    os.kill(w.process.pid, signal.SIGCONT)
-                except OSError:
-                    pass
+            if not w.exited():
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGTERM)
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGCONT)  # a stopped (SIGSTOP) worker must run to die
         deadline = time.monotonic() + _WORKER_TERM_TIMEOUT_S
         for w in ws:
-            w.process.join(max(0.0, deadline - time.monotonic()))
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(1.0)
+            if not self._wait_exit(w, deadline - time.monotonic()):
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)
+                self._wait_exit(w, 1.0)
             self._remove_temp(w)
             w.conn.close()
+        clean = all(w.exited() for w in ws)  # nothing holds the tracker's pipe
+        for w in ws:
+            self._forget(w)
         self.workers.clear()
-        self.stopped_clean = not any(w.process.is_alive() for w in ws)  # nothing holds the tracker's pipe
+        self._reap_orphans()
+        self.helpers.close()
+        self.stopped_clean = clean
+
+    def _wait_exit(self, w: Worker, timeout: float) -> bool:
+        if w.pidfd is not None:
+            return w.dead_at is not None or helpers.wait_exited(w.pidfd, timeout)
+        w.process.join(max(0.0, timeout))
+        return not w.process.is_alive()
 
     # --- deaths ---------------------------------------------------------------------------------------
 
+    def _exit_status(self, w: Worker) -> bool:
+        """Learn a dead worker's exit status: from ``waitid`` if it is this process's child (its
+        forkserver died), else from its forkserver's report. False: not known yet."""
+        if w.pidfd is not None:
+            code = helpers.child_status(w.pidfd)
+            if code is not None:
+                w.code = code
+                return True
+        elif not w.process.is_alive():  # no pidfds: multiprocessing's own report
+            w.code = w.process.exitcode
+            return True
+        if not mp_wait([w.process.sentinel], 0):
+            return False
+        try:
+            w.code = forkserver.read_signed(w.process.sentinel)
+        except (EOFError, OSError):  # the forkserver died before it could say
+            w.code = None
+        return True
+
+    def _forget(self, w: Worker) -> None:
+        """The pool is done with ``w``; its pidfd is kept only until someone has reaped it."""
+        if w.pidfd is None:
+            return
+        if helpers.child_status(w.pidfd) is not None or helpers.is_gone(w.pidfd):
+            os.close(w.pidfd)
+        else:  # a zombie of a stopped forkserver: reaped here once that one is killed
+            self._orphans.append((w.pid, w.pidfd))
+        w.pidfd = None
+
+    def _reap_orphans(self) -> None:
+        keep = []
+        for pid, fd in self._orphans:
+            if helpers.child_status(fd) is not None or helpers.is_gone(fd):
+                os.close(fd)
+            else:
+                keep.append((pid, fd))
+        self._orphans = keep
+
     def _bury(self, w: Worker, blame: bool = True) -> list[Task]:
-        w.process.join(1.0)
+        if w.pidfd is not None and not helpers.has_exited(w.pidfd):
+            helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)  # its pipe broke, but it runs: no half-dead workers
         tasks = list(w.tasks)
         what = ", ".join(f"r{t.rank} e{t.epoch} b{t.batch}" for t in tasks) or "no batch"
-        how = _describe_exit(w.process.exitcode)
-        code = w.process.exitcode
+        code = w.code
+        how = describe_exit(code)
         crashed = code is not None and (code > 0 or -code in _CRASH_SIGNALS)
         sample = int(w.current[0]) if blame and crashed and w.current is not None and tasks else -1
         now = time.monotonic()
@@ -251,7 +340,7 @@ class Pool:
         if blame:
             when = f" in {self._respawn_delay:.1f} s" if self._respawn_delay else ""
             log.error("worker %d (pid %s) %s while making %s%s; replacing it%s and making its batches again",
-                      w.wid, w.process.pid, how, what, f" (at sample {sample})" if sample >= 0 else "", when)
+                      w.wid, w.pid, how, what, f" (at sample {sample})" if sample >= 0 else "", when)
         if sample >= 0:
             self.suspects.append((sample, how))
         self._remove_temp(w)
@@ -259,24 +348,42 @@ class Pool:
             w.conn.close()
         except OSError:
             pass
+        self._forget(w)
         del self.workers[w.wid]
         self.restarts += 1
         return tasks
 
     def _remove_temp(self, w: Worker) -> None:
         """The temp files a dead worker may have left for its tasks: gone at once, not at stop."""
-        if not w.process.pid:
+        if not w.pid:
             return
         for t in w.tasks:
             try:
-                os.unlink(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.process.pid)))
+                os.unlink(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.pid)))
             except OSError:
                 pass
 
-    def _replace(self) -> None:
-        if len(self.workers) < self.count and time.monotonic() >= self._respawn_at:
-            while len(self.workers) < self.count:
+    def _replace(self, force: bool = False) -> None:
+        """Start the missing workers once the back-off allows (``force``: now). A start that
+        fails waits out the back-off, doubled, like a death; ``PoolError`` when none could be
+        started for ``_UNSTARTABLE_S``."""
+        if len(self.workers) >= self.count or not (force or time.monotonic() >= self._respawn_at):
+            return
+        while len(self.workers) < self.count:
+            try:
                 self._spawn()
+            except SpawnError as e:
+                now = time.monotonic()
+                if self._unstartable_since is None:
+                    self._unstartable_since = now
+                elif now - self._unstartable_since >= _UNSTARTABLE_S:
+                    raise PoolError(f"no worker could be started for {_UNSTARTABLE_S:.0f} s; the last try: {e}") from None
+                self._respawn_delay = min(_RESPAWN_MAX_S, max(_RESPAWN_BASE_S, self._respawn_delay * 2))
+                self._respawn_at = now + self._respawn_delay
+                self._last_death = now
+                log.error("cannot start worker %d: %s; trying again in %.1f s", self._next_id, e, self._respawn_delay)
+                return
+            self._unstartable_since = None
 
     def respawn_due(self) -> float | None:
         """When a missing worker will be replaced (for the loop's wait), if one is missing."""
@@ -304,15 +411,20 @@ class Pool:
         terminated after _WORKER_JOIN_TIMEOUT_S and killed _WORKER_TERM_TIMEOUT_S later."""
         keep = []
         for w, since in self._stopping:
-            if not w.process.is_alive():
-                w.process.join(0)
+            if w.exited():
                 w.conn.close()
+                if not self._exit_status(w):  # the forkserver has not said yet: ask again later
+                    w.dead_at = w.dead_at or now
+                    if now - w.dead_at < _EXIT_STATUS_GRACE_S:
+                        keep.append((w, since))
+                        continue
+                self._forget(w)
                 continue
             waited = now - since
             if waited > _WORKER_JOIN_TIMEOUT_S + _WORKER_TERM_TIMEOUT_S:
-                w.process.kill()
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)
             elif waited > _WORKER_JOIN_TIMEOUT_S:
-                w.process.terminate()
+                helpers.send_signal(w.pid, w.pidfd, signal.SIGTERM)
             keep.append((w, since))
         self._stopping = keep
 
@@ -322,16 +434,16 @@ class Pool:
         for w in self.workers.values():
             for t in w.tasks:
                 try:
-                    n += os.stat(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.process.pid))).st_size
+                    n += os.stat(os.path.join(self.setup.buffer_dir, tmp_name(t, w.wid, w.pid))).st_size
                 except OSError:
                     pass
         return n
 
     def pids(self) -> list[int]:
-        return [w.process.pid for w in self.workers.values() if w.process.pid]
+        return [w.pid for w in self.workers.values() if w.pid]
 
     def busy_s(self) -> float:
         return sum(w.busy_s for w in self.workers.values())
 
     def alive(self) -> int:
-        return sum(1 for w in self.workers.values() if w.process.is_alive())
+        return sum(1 for w in self.workers.values() if not w.exited())

@@ -129,7 +129,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)}, "
         f"timeouts {s.get('worker_timeouts', 0)})"
         + (f"; the next worker starts in {s['worker_respawn_in_s']:.1f} s (back-off)"
-           if s.get("worker_respawn_in_s") is not None else ""),
+           if s.get("worker_respawn_in_s") is not None else "")
+        + f"; forkserver restarts {s.get('forkserver_restarts', 0)}, resource tracker restarts "
+          f"{s.get('resource_tracker_restarts', 0)}",
         f"  bytes {s.get('bytes_used', 0) / 2**20:,.1f} MiB of {s.get('max_bytes', 0) / 2**20:,.0f} MiB, "
         f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
         f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
