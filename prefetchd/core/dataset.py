@@ -7,6 +7,8 @@ Two sources:
   extensions are matched case-insensitively; directory symlinks are followed, loops are not.
 * a file list: one ``path label`` per line (``#`` comments and blank lines allowed); relative
   paths are relative to the list's directory.
+* tar archives read in place (ImageNet's train tar of class tars, a folder of class tars, the
+  flat validation tar or folder with the devkit): ``prefetchd.core.tarindex``.
 
 The index is three numpy arrays: a byte blob of the paths relative to the root, an int64 offset
 array and an int32 label array (about 40 bytes per sample for ImageNet, instead of ~150 for a
@@ -237,8 +239,18 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
 
 
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
-               cache_dir: str | None, use_cache: bool = True) -> tuple[Index, bool]:
-    """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale."""
+               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None) -> tuple[Index, bool]:
+    """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
+    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``)."""
+    if root is not None and file_list is None:
+        from prefetchd.core import tarindex
+
+        if tarindex.layout(root, devkit):
+            return tarindex.load(root, devkit, extensions, cache_dir, use_cache)
+    if devkit:
+        raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
+                           f"flat folder); {root or file_list} is not one (its labels are its own): remove "
+                           "validation.devkit")
     kind, source = ("list", file_list) if file_list else ("folder", root)
     assert source is not None
     cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, kind, extensions))
@@ -280,7 +292,9 @@ def val_labels(val, train):
 
 def open_index_files(files_dir: str) -> Index:
     """Open a cached index read-only by memory map (what workers do)."""
-    index = _load_cache(files_dir)
+    from prefetchd.core import tarindex
+
+    index = tarindex.open_files(files_dir) or _load_cache(files_dir)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or stale")
     return index
