@@ -29,6 +29,7 @@ import numpy as np
 from prefetchd.core import augment, hybrid
 from prefetchd.core.config import Config
 from prefetchd.core.dataset import Index, open_index_files
+from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
 from prefetchd.format import batchfile
 from prefetchd.format.progress import VAL_LANE
@@ -142,11 +143,14 @@ class BatchMaker:
         if _HANG_ON:
             _hang_once(path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                data = _read_all(fd)
-            finally:
-                os.close(fd)
+            if isinstance(self.index, TarIndex):  # a member of an archive: one positioned read
+                data = self.index.read(i)
+            else:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    data = _read_all(fd)
+                finally:
+                    os.close(fd)
         except OSError as e:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
