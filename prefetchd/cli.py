@@ -123,7 +123,8 @@ def cmd_check(args) -> int:
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
-    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)")
+    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
+          + (f"; {index.describe()}" if hasattr(index, "describe") else ""))
     print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
           f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
           f"augment {cfg.augment.mode} -> {s}x{s}")
@@ -132,12 +133,12 @@ def cmd_check(args) -> int:
         from prefetchd.core.sampler import ValSampler
 
         try:
-            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit)
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
         vs = ValSampler(len(val), V.batch_size, L.world_size)
-        print(f"validation: {len(val)} samples; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
+        print(f"validation: {len(val)} samples{f' ({val.describe()})' if hasattr(val, 'describe') else ''}; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
               f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:

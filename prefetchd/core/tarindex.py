@@ -140,7 +140,7 @@ def _show(name: bytes) -> str:
     return os.fsdecode(name)
 
 
-def _header(hdr: bytes, where: str, off: int, last: bytes | None) -> tuple[bytes, bytes, int]:
+def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = False) -> tuple[bytes, bytes, int]:
     """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one."""
     try:
         stored = int(hdr[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
@@ -151,6 +151,9 @@ def _header(hdr: bytes, where: str, off: int, last: bytes | None) -> tuple[bytes
         after = f"after member {_show(last)}" if last is not None else "the first header"
         hint = "it is gzip-compressed: decompress it first" if hdr[:2] == b"\x1f\x8b" and last is None else (
             "the archive is corrupt, compressed or not a tar")
+        if top and last is None:  # the root itself: say what it could have been
+            raise DatasetError(f"dataset.root {where} is not a directory (an ImageFolder) nor an uncompressed tar "
+                               f"archive: no valid tar header at offset 0; {hint}")
         raise DatasetError(f"{where}: no valid tar header at offset {off} ({after}); {hint}")
     name = hdr[:100].split(b"\0", 1)[0]
     field = hdr[124:136]
@@ -168,7 +171,7 @@ def _header(hdr: bytes, where: str, off: int, last: bytes | None) -> tuple[bytes
     return name, hdr[156:157], size
 
 
-def _members(fd: int, start: int, end: int, where: str, skipped: list) -> list[tuple[bytes, int, int]]:
+def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool = False) -> list[tuple[bytes, int, int]]:
     """(normalised name, data offset, size) of every regular member of the tar that occupies
     ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
     out = []
@@ -179,7 +182,7 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list) -> list[t
             break
         if hdr == _ZERO:
             return out
-        name, kind, size = _header(hdr, where, off, last)
+        name, kind, size = _header(hdr, where, off, last, top)
         data = off + _BLOCK
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
@@ -365,7 +368,10 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[Ta
         fd = _open_archive(root, "dataset.root")
         try:
             skipped: list = []
-            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped), root, skipped)
+            if os.fstat(fd).st_size < 2 * _BLOCK:  # not even a header and an end-of-archive block
+                raise DatasetError(f"dataset.root {root} is not a directory (an ImageFolder) nor a tar archive "
+                                   f"({os.fstat(fd).st_size} bytes)")
+            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=True), root, skipped)
             _warn_skipped(root, skipped)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
