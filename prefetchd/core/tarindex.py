@@ -182,7 +182,7 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool
             break
         if hdr == _ZERO:
             return out
-        name, kind, size = _header(hdr, where, off, last, top)
+        name, kind, size = _header(hdr, where, off - start, last, top)  # offsets in messages: within `where`
         data = off + _BLOCK
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
@@ -191,7 +191,7 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool
                 if len(ext) < _BLOCK or data > end or not ext[504]:
                     break
         if size > end - data:
-            raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data} but its archive "
+            raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data - start} but its archive "
                                f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
         off, last = data + -(-size // _BLOCK) * _BLOCK, name
         if pending is not None:
@@ -243,8 +243,9 @@ def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[by
 
 def _warn_skipped(where: str, skipped: list) -> None:
     if skipped:
-        shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:8])
-        log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown, " ..." if len(skipped) > 8 else "")
+        shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:20])
+        log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown,
+                    f"; and {len(skipped) - 20} more" if len(skipped) > 20 else "")
 
 
 # --- scanning ------------------------------------------------------------------------------------------
