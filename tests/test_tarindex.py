@@ -292,3 +292,22 @@ def test_daemon_serves_the_tars_as_the_folder_would(imagenet, tmp_path, daemon_f
                 seen.append(i)
     assert sorted(seen) == list(range(13))
 
+
+
+def test_a_train_subset_gets_validation_labels_for_the_classes_it_has(tmp_path):
+    net = make_imagenet(str(tmp_path / "net"), classes=5, per_class=2, val=3, seed=4)
+    used = set(net.val_wnid.values())
+    unused = [w for w in net.wnids if w not in used]
+    assert unused  # 3 val images, 5 classes
+    subset = str(tmp_path / "subset")
+    os.makedirs(subset)
+    for w in net.wnids:
+        if w != unused[0]:
+            shutil.copy(os.path.join(net.train_tars, w + ".tar"), subset)
+    train, _ = load_index(subset, None, EXTS, None, use_cache=False)
+    val = val_labels(load_index(net.val_tar, None, EXTS, None, use_cache=False, devkit=net.devkit_tgz)[0], train)
+    assert [train.classes[k] for k in val.labels.tolist()] == [net.val_wnid[val.relpath(i)] for i in range(3)]
+    os.unlink(os.path.join(subset, sorted(used)[0] + ".tar"))  # a class that val images have: a clear error
+    train, _ = load_index(subset, None, EXTS, None, use_cache=False)
+    with pytest.raises(DatasetError, match=sorted(used)[0]):
+        val_labels(load_index(net.val_tar, None, EXTS, None, use_cache=False, devkit=net.devkit_tgz)[0], train)

@@ -355,6 +355,11 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
     _warn_skipped(root, unlabelled)
     if not len(out.labels):
         raise DatasetError(f"{root} holds no validation images that the devkit {devkit} labels")
+    used = sorted(set(out.labels))  # only the classes present: a train subset may lack the others
+    if len(used) < len(wnids):
+        table = {old: new for new, old in enumerate(used)}
+        out.labels = array("i", (table[k] for k in out.labels))
+        wnids = [wnids[k] for k in used]
     index = out.index(root, wnids, layout_, (archive,))
     return replace(index, pos=None, size=None) if layout_ == "flat-folder" else index
 
