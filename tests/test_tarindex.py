@@ -223,8 +223,8 @@ def test_an_archive_cut_after_indexing_quarantines_the_sample_not_the_worker(ima
     root = str(tmp_path / "train.tar")
     shutil.copy(imagenet.train_tar, root)
     index, _ = load_index(root, None, EXTS, None, use_cache=False)
-    last = int(np.argmax(index.pos))
-    os.truncate(root, int(index.pos[last]) + 5)
+    last = int(np.argmax(index.block))
+    os.truncate(root, int(index.block[last]) * 512 + 5)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
     _, used, _, replaced, quarantined = maker.fill(0, np.array([last]))
     assert [q.index for q in quarantined] == [last] and replaced.tolist() == [last] and used[0] != last
@@ -244,7 +244,7 @@ def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
     shutil.copy(imagenet.train_tar, root)
     i1, c1 = load_index(root, None, EXTS, cache)
     i2, c2 = load_index(root, None, EXTS, cache)
-    assert (c1, c2) == (False, True) and isinstance(i2.pos, np.memmap) and i2.scan_s == i1.scan_s
+    assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
     st = os.stat(root)
     os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime

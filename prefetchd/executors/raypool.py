@@ -283,7 +283,7 @@ class RayPool:
                                      blob=index.blob.copy(), offsets=index.offsets.copy(), labels=index.labels.copy())
         if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
             mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
-                                                    for k in ("archive_ids", "pos", "size")})
+                                                    for k in ("archive_ids", "block", "size")})
         val = self._remote_setup(setup.val) if setup.val is not None else None
         return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 
