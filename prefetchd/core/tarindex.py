@@ -271,6 +271,7 @@ class _Arrays:
     def __init__(self):
         self.blob, self.ends, self.labels = bytearray(), array("q", [0]), array("i")
         self.block, self.size, self.arch = array("I"), array("I"), array("H")
+        self.multi = False
 
     def add(self, rel: bytes, label: int, pos: int, size: int, arch: int = 0) -> None:
         if size >= 1 << 32 or pos >= _BLOCK << 32:
@@ -281,7 +282,8 @@ class _Arrays:
         self.labels.append(label)
         self.block.append(pos // _BLOCK)
         self.size.append(size)
-        self.arch.append(arch)
+        if self.multi:  # one archive (the train tar): no per-sample archive number
+            self.arch.append(arch)
 
     def index(self, root: str, classes: list[str], layout: str, archives: tuple[str, ...]) -> TarIndex:
         blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
@@ -330,6 +332,7 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
                      archives: tuple[str, ...]) -> TarIndex:
     """``tars``: (class, archive number, start, end) in class order."""
     out = _Arrays()
+    out.multi = len(archives) > 1
     empty = []
     classes = [t[0] for t in tars]
     tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
