@@ -130,7 +130,8 @@ def cmd_check(args) -> int:
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
-    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)")
+    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
+          + (f"; {index.describe()}" if hasattr(index, "describe") else ""))
     if index.skipped:  # the rule: prefetchd/dataset.py's docstring
         print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
               "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
@@ -146,12 +147,12 @@ def cmd_check(args) -> int:
         from prefetchd.core.sampler import ValSampler
 
         try:
-            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit)
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
         vs = ValSampler(len(val), V.batch_size, L.world_size)
-        print(f"validation: {len(val)} samples; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
+        print(f"validation: {len(val)} samples{f' ({val.describe()})' if hasattr(val, 'describe') else ''}; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
               f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
@@ -326,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_preview)
     b = sub.add_parser("bench", help="measure the pipeline against the decode-only limit")
     b.add_argument("--config", "-c", help="a config to measure (default: a generated sample corpus)")
-    b.add_argument("--root", help="an existing ImageFolder to measure on")
+    b.add_argument("--root", action="append", help="an existing dataset root (an ImageFolder, a train tar, a folder of "
+                   "class tars) to measure on; repeated: each root's throughput side by side, alternated --repeats times")
     b.add_argument("--images", type=int, default=2000, help="sample images to generate when no --config or --root")
     b.add_argument("--epochs", type=int, default=2, help="epochs the daemon makes and the client reads per run")
     b.add_argument("--executor", choices=("local", "ray"), default="local",

@@ -155,7 +155,7 @@ def test_reload_takes_validation_capacity_but_refuses_other_validation_changes()
     assert reload_blockers(old, C.from_dict({**base, "buffer": {"capacity": 5}})) is None  # a defaulted capacity
     for change in ({"root": "/w"}, {"batch_size": 7}, {"resize": 300}, {"enabled": False}):
         new = C.from_dict({**base, "validation": {**base["validation"], **change}})
-        assert reload_blockers(old, new) == "validation.enabled/root/file_list/batch_size/resize", change
+        assert reload_blockers(old, new) == "validation.enabled/root/file_list/devkit/batch_size/resize", change
 
 
 def test_validation_is_decoded_on_the_cpu_under_hybrid_decode():

@@ -424,7 +424,7 @@ def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
 def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
     import tracemalloc
 
-    from prefetchd.executors.worker import _read_all
+    from prefetchd.core.dataset import read_all as _read_all
 
     path = tmp_path / "img"
     data = os.urandom(100_000)

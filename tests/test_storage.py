@@ -164,23 +164,27 @@ def test_a_transient_errno_is_tried_again_and_only_a_lasting_one_blames_the_samp
     calls = []
     real_read = os.read
 
-    def flaky(fails):
-        def read_all(fd):
-            calls.append(fd)
+    def flaky(path, fails):
+        def read():
+            calls.append(path)
             if len(calls) <= fails:
                 raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real_read(fd, 100)
-        return read_all
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                return real_read(fd, 100)
+            finally:
+                os.close(fd)
+        return read
 
-    assert storage.read_sample(str(tmp_path / "a.jpg"), str(tmp_path), flaky(2), sleep=lambda s: None) == b"data"
+    assert storage.read_sample(flaky(str(tmp_path / "a.jpg"), 2), str(tmp_path), sleep=lambda s: None) == b"data"
     calls.clear()
     with pytest.raises(storage.SampleUnreadable, match="Input/output error .also when tried again"):
-        storage.read_sample(str(tmp_path / "a.jpg"), str(tmp_path), flaky(99), sleep=lambda s: None)
+        storage.read_sample(flaky(str(tmp_path / "a.jpg"), 99), str(tmp_path), sleep=lambda s: None)
     assert len(calls) == 1 + len(storage.TRANSIENT_PAUSES_S)
     with pytest.raises(storage.SampleUnreadable, match="No such file"):  # missing while the root is there
-        storage.read_sample(str(tmp_path / "gone.jpg"), str(tmp_path), flaky(0))
+        storage.read_sample(flaky(str(tmp_path / "gone.jpg"), 0), str(tmp_path))
     with pytest.raises(storage.StorageUnavailable, match="the dataset root .* is unreadable"):
-        storage.read_sample(str(tmp_path / "x" / "a.jpg"), str(tmp_path / "x"), flaky(0))
+        storage.read_sample(flaky(str(tmp_path / "x" / "a.jpg"), 0), str(tmp_path / "x"))
 
 
 # --- 3. a full RAM disk: the trainer reads on from the ring ----------------------------------------
@@ -286,3 +290,22 @@ def test_a_symlink_to_an_ancestor_serves_every_image_once_with_its_own_label(tmp
         _read(c, (0, 1), got)
     assert d.stop() == 0
     assert digest(got) == _expected(ref)  # same images, same labels: each image once, under its own class
+
+
+def test_a_tar_root_is_storage_that_can_vanish_and_return(tmp_path):
+    """``dataset.root`` naming an archive: readable while the file is there, an outage (no sample
+    blamed) while it is renamed away, and a member's read error the sample's fault once it is back."""
+    root = tmp_path / "train.tar"
+    root.write_bytes(b"\0" * 1024)
+    assert storage.root_unreadable(str(root)) is None
+
+    def read():
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    with pytest.raises(storage.SampleUnreadable):
+        storage.read_sample(read, str(root), sleep=lambda s: None)
+    root.rename(tmp_path / "away.tar")
+    with pytest.raises(storage.StorageUnavailable, match="is unreadable"):
+        storage.read_sample(read, str(root), sleep=lambda s: None)
+    (tmp_path / "folder").mkdir()
+    assert storage.root_unreadable(str(tmp_path / "folder")) is None

@@ -140,7 +140,7 @@ class DatasetConfig:
 
     def __post_init__(self) -> None:
         if self.root is None and self.file_list is None:
-            raise ConfigError("dataset.root", "is required (an ImageFolder root/<class>/<image>), or set dataset.file_list")
+            raise ConfigError("dataset.root", "is required (an ImageFolder, ImageNet's train tar or a folder of class tars), or set dataset.file_list")
         if self.root is not None and self.file_list is not None:
             raise ConfigError("dataset.file_list", "and dataset.root are exclusive: set one")
         for k in ("root", "file_list", "cache_dir"):
@@ -409,25 +409,25 @@ class LogConfig:
 @dataclass(frozen=True)
 class ValidationConfig:
     """The validation stream: the same daemon, eval augmentation, no shuffle, every sample once per
-    pass. ``batch_size``, ``resize`` and ``capacity`` default from the other sections (resolved by
-    ``Config``)."""
+    pass. ``batch_size``, ``resize``, ``capacity`` default from the other sections (by ``Config``)."""
 
     enabled: bool = False
     root: str | None = None
     file_list: str | None = None
+    devkit: str | None = None  # ImageNet's devkit: labels a flat validation tar or folder
     batch_size: int | None = None
     resize: int | None = None
     capacity: int | None = None
 
     def __post_init__(self) -> None:
         _bool(self.enabled, "validation.enabled")
-        for k in ("root", "file_list"):
+        for k in ("root", "file_list", "devkit"):
             v = getattr(self, k)
             if v is not None:
                 object.__setattr__(self, k, _path(v, f"validation.{k}"))
         if self.enabled and self.root is None and self.file_list is None:
-            raise ConfigError("validation.root", "is required with validation.enabled (an ImageFolder of the val "
-                              "images with the train set's class folders), or set validation.file_list")
+            raise ConfigError("validation.root", "is required with validation.enabled (an ImageFolder with the train set's "
+                              "class folders, or the flat validation tar with validation.devkit), or set validation.file_list")
         if self.root is not None and self.file_list is not None:
             raise ConfigError("validation.file_list", "and validation.root are exclusive: set one")
         if self.batch_size is not None:
@@ -569,7 +569,7 @@ def _resolve_relative(data: dict, base: str) -> dict:
     """Relative paths in the file are relative to the file, not to the daemon's cwd."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
     for sec, key in (("dataset", "root"), ("dataset", "file_list"), ("dataset", "cache_dir"),
-                     ("validation", "root"), ("validation", "file_list"),
+                     ("validation", "root"), ("validation", "file_list"), ("validation", "devkit"),
                      ("buffer", "dir"), ("progress", "dir")):
         body = out.get(sec)
         if isinstance(body, dict) and isinstance(body.get(key), str):
@@ -592,7 +592,7 @@ def reload_blockers(old: Config, new: Config) -> str | None:
     if new.loader != old.loader:
         return "loader.ranks/epochs"
     if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
-        return "validation.enabled/root/file_list/batch_size/resize"
+        return "validation.enabled/root/file_list/devkit/batch_size/resize"
     if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
         return "buffer.dir/group"
     if new.progress.dir != old.progress.dir:

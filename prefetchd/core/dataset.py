@@ -12,6 +12,8 @@ Two sources:
   ``prefetchd check``).
 * a file list: one ``path label`` per line (``#`` comments and blank lines allowed); relative
   paths are relative to the list's directory.
+* tar archives read in place (ImageNet's train tar of class tars, a folder of class tars, the
+  flat validation tar or folder with the devkit): ``prefetchd.core.tarindex``.
 
 The index is three numpy arrays: a byte blob of the paths relative to the root, an int64 offset
 array and an int32 label array (about 40 bytes per sample for ImageNet, instead of ~150 for a
@@ -64,6 +66,14 @@ class Index:
 
     def path(self, i: int) -> str:
         return os.path.join(self.root, self.relpath(i))
+
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s bytes (OSError when it cannot be read; ``executors.storage`` judges it)."""
+        fd = os.open(self.path(i), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return read_all(fd)
+        finally:
+            os.close(fd)
 
     @property
     def nbytes(self) -> int:
@@ -273,8 +283,18 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
 
 
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
-               cache_dir: str | None, use_cache: bool = True) -> tuple[Index, bool]:
-    """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale."""
+               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None) -> tuple[Index, bool]:
+    """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
+    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``)."""
+    if root is not None and file_list is None:
+        from prefetchd.core import tarindex
+
+        if tarindex.layout(root, devkit):
+            return tarindex.load(root, devkit, extensions, cache_dir, use_cache)
+    if devkit:
+        raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
+                           f"flat folder); {root or file_list} is not one (its labels are its own): remove "
+                           "validation.devkit")
     kind, source = ("list", file_list) if file_list else ("folder", root)
     assert source is not None
     cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, kind, extensions))
@@ -321,7 +341,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    index = _load_cache(files_dir, validate=False)
+    from prefetchd.core import tarindex
+
+    index = tarindex.open_files(files_dir) or _load_cache(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -332,10 +354,24 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 def index_files_hold(files_dir: str, fingerprint: str) -> bool:
     """Do the cache files in ``files_dir`` still hold the index ``fingerprint`` (cheap: meta.json
     and the files' presence; the arrays are not read)?"""
+    from prefetchd.core import tarindex
+
     try:
-        with open(os.path.join(files_dir, "meta.json"), encoding="utf-8") as f:
+        name = tarindex.META if os.path.exists(os.path.join(files_dir, tarindex.META)) else "meta.json"
+        with open(os.path.join(files_dir, name), encoding="utf-8") as f:
             meta = json.load(f)
         return (meta.get("fingerprint") == fingerprint
-                and all(os.path.isfile(os.path.join(files_dir, meta["files"][k])) for k in ("blob", "offsets", "labels")))
+                and all(os.path.isfile(os.path.join(files_dir, f)) for f in meta["files"].values()))
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def read_all(fd: int) -> bytes:
+    """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
+    size = os.fstat(fd).st_size
+    chunks = [os.read(fd, size + 1)] if size else []
+    while True:  # a file that grew since fstat, or one with no size (a pipe, /proc)
+        more = os.read(fd, max(size, 1 << 16))
+        if not more:
+            return b"".join(chunks)
+        chunks.append(more)

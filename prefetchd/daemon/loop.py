@@ -188,7 +188,7 @@ class Daemon:
             try:
                 box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir)
                 if V.enabled:
-                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir)
+                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             self._wake()

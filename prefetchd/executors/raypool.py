@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefetchd.core.config import RayConfig
+from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
 from prefetchd.format.batchfile import BatchMeta
@@ -56,7 +57,7 @@ def _actor_class(ray):
             from prefetchd.executors.worker import BatchMaker
 
             root = setup.index.root
-            probe = setup.index.path(0)
+            probe = setup.index.archive(0) if isinstance(setup.index, TarIndex) else setup.index.path(0)
             if not os.access(probe, os.R_OK):
                 raise RuntimeError(f"this node ({os.uname().nodename}) cannot read the dataset: {probe} "
                                    f"(root {root}); mount it there or set workers.ray.path_map")
@@ -280,6 +281,9 @@ class RayPool:
         index = setup.index
         mapped = dataclasses.replace(index, root=self.cfg.map_path(index.root), files_dir=None,
                                      blob=index.blob.copy(), offsets=index.offsets.copy(), labels=index.labels.copy())
+        if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
+            mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
+                                                    for k in ("archive_ids", "block", "size")})
         val = self._remote_setup(setup.val) if setup.val is not None else None
         return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 

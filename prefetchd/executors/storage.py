@@ -42,31 +42,30 @@ class SampleUnreadable(OSError):
 
 
 def root_unreadable(root: str) -> str | None:
-    """Why the dataset root cannot be read now, or None if it can."""
+    """Why the dataset root (a folder, or an archive: ``dataset.root`` naming a tar) cannot be
+    read now, or None if it can."""
     try:
         st = os.stat(root)
     except OSError as e:
         return e.strerror or str(e)
+    if stat.S_ISREG(st.st_mode):
+        return None if os.access(root, os.R_OK) else "permission denied"
     if not stat.S_ISDIR(st.st_mode):
-        return "not a directory"
+        return "neither a directory nor an archive"
     if not os.access(root, os.R_OK | os.X_OK):
         return "permission denied"
     return None
 
 
-def read_sample(path: str, root: str, read_all: Callable[[int], bytes],
-                sleep: Callable[[float], None] = time.sleep) -> bytes:
-    """The bytes of the sample at ``path`` (under ``root``), by the rule of the module's docstring.
-    Raises ``StorageUnavailable`` or ``SampleUnreadable``."""
+def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], None] = time.sleep) -> bytes:
+    """A sample's bytes, ``read()`` (``Index.read``: a file, or a member of an archive, under
+    ``root``), by the rule of the module's docstring. Raises ``StorageUnavailable`` or
+    ``SampleUnreadable``."""
     pauses = iter(TRANSIENT_PAUSES_S)
     missing_retried = False
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                return read_all(fd)
-            finally:
-                os.close(fd)
+            return read()
         except OSError as e:
             err = e
         why = root_unreadable(root)

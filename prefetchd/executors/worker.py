@@ -146,7 +146,7 @@ class BatchMaker:
         if _HANG_ON:
             _hang_once(path)
         try:  # a storage hiccup raises StorageUnavailable: no sample is blamed (storage.py)
-            data = read_sample(path, self.index.root, _read_all)
+            data = read_sample(lambda: self.index.read(i), self.index.root)
         except SampleUnreadable as e:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
@@ -258,17 +258,6 @@ def _hang_once(path: str) -> None:
         except FileExistsError:
             return
         os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def _read_all(fd: int) -> bytes:
-    """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
-    size = os.fstat(fd).st_size
-    chunks = [os.read(fd, size + 1)] if size else []
-    while True:  # a file that grew since fstat, or one with no size (a pipe, /proc)
-        more = os.read(fd, max(size, 1 << 16))
-        if not more:
-            return b"".join(chunks)
-        chunks.append(more)
 
 
 def _unlink(path: str) -> None:

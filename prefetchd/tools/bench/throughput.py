@@ -55,7 +55,9 @@ def _cores() -> int:
 
 
 def list_images(root: str) -> list[str]:
-    out = []
+    out: list[str] = []
+    if not os.path.isdir(root):  # an archive: its images are not files
+        return out
     for cls in sorted(os.listdir(root)):
         d = os.path.join(root, cls)
         if os.path.isdir(d):
@@ -449,7 +451,7 @@ def run_bench(args) -> int:
             batch = args.batch_size or cfg.loader.batch_size
             workers = args.workers or cfg.workers.resolved_count()
         elif args.root:
-            root = args.root
+            root = args.root[0]
             batch = args.batch_size or 64
             workers = args.workers or _cores()
         else:
@@ -488,6 +490,11 @@ def run_bench(args) -> int:
                       f"{r['main_cpu_pct']:.1f}% of a core, {r['main_cpu_ms_per_batch']:.3f} ms CPU per published "
                       f"batch ({r['published']} published)", flush=True)
             results["ranks"] = rows
+        elif len(args.root or []) > 1:
+            from prefetchd.tools.bench.roots import compare_roots
+
+            results["roots"] = compare_roots(args.root, workers, batch, args.epochs, aug, work, _buffer_parent(args),
+                                             args.repeats)
         elif args.executor == "ray":
             results["ray"] = ray_vs_local(root, workers, batch, args, aug, work)
         elif args.sweep_workers:

@@ -228,7 +228,7 @@ def run_train_bench(args) -> int:
     work = tempfile.mkdtemp(prefix="prefetchd-bench-train-", dir=_buffer_parent(args))
     proc = log = None
     try:
-        root = args.root
+        root = args.root[0] if args.root else None
         if root is None:
             from prefetchd.tools.samples import make_image_folder
 

@@ -1,0 +1,529 @@
+"""Datasets read in place from tar archives: ImageNet as downloaded, never extracted.
+
+Layouts (``layout(root, devkit)`` tells them from an ImageFolder, which ``dataset`` scans):
+
+* ``tar``: ``root`` is a tar of per-class tars (``ILSVRC2012_img_train.tar``: ``n01440764.tar``,
+  ... each holding that class's JPEGs). A class is a top-level ``<name>.tar`` member.
+* ``tars``: ``root`` is a folder of per-class tars (the train tar extracted one level).
+* ``flat-tar``: ``root`` is a tar of images with no class tars (``ILSVRC2012_img_val.tar``), and
+  ``flat-folder``: a folder of them, both labelled through the devkit (``prefetchd.core.devkit``).
+
+**Order.** Classes are sorted by name; a class's images are ordered as ``scan_image_folder``
+walks the extracted folder (a folder's files sorted, then its sub-folders in sorted order, hidden
+folders skipped, extensions matched case-insensitively). The relative paths are those of the
+extracted ImageFolder (``<class>/<member>``), so the index's paths, labels and fingerprint, and
+hence every batch, are byte for byte those of the extracted folder. A flat set is in name order.
+
+**Reading.** The scan reads the tar headers only: one 512-byte ``pread`` per member, the data is
+skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
+``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever.
+
+**Unusual and hostile members** each have one outcome:
+
+* skipped, with one warning per archive naming them: a path that is absolute or has a ``..``
+  component; hard and symbolic links, devices, FIFOs, GNU sparse files and other non-regular
+  types; a GNU long-name (``L``/``K``) or PAX (``x``) extension header together with the member
+  it describes (its real name or size may be in the extension); a PAX global header (ignored);
+* a duplicate name: the last copy is used, as extraction would, with a warning;
+* a one-line error naming the archive and the member: a header that is not a tar header (bad
+  checksum: corrupt, compressed or not a tar), an archive that ends inside a header, a member
+  whose data runs past the end of its archive (a truncated download) or of its inner tar;
+* directories and non-image members are ignored, as the folder scan ignores them.
+
+**Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
+``tarmeta.json``, valid while every archive's (size, mtime, inode) (and the root folder's and the
+devkit's) are unchanged; the scan time is kept for ``prefetchd check``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import tempfile
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from prefetchd.core import devkit as dk
+from prefetchd.core.bars import bar
+from prefetchd.core.dataset import DatasetError, Index, _cache_key, _fingerprint, default_cache_dir
+
+log = logging.getLogger("prefetchd.dataset")
+
+META = "tarmeta.json"
+_VERSION = 2
+_BLOCK = 512
+_ZERO = bytes(_BLOCK)
+_REGULAR = (b"0", b"\0", b"7")
+_DESCRIBES_NEXT = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x": "PAX extended header"}
+_OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
+          b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
+_MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
+_LAYOUT_WORDS = {"tar": "a tar of per-class tars", "tars": "a folder of per-class tars",
+                 "flat-tar": "a flat tar labelled by the devkit", "flat-folder": "a flat folder labelled by the devkit"}
+
+
+@dataclass(frozen=True)
+class TarIndex(Index):
+    """An ``Index`` whose samples are members of archives (or, ``flat-folder``, plain files)."""
+
+    layout: str = "tar"
+    archives: tuple[str, ...] = ()  # relative to root; "" is root itself
+    archive_ids: np.ndarray | None = None  # uint16 [n]: which archive; None: archives[0]
+    # uint32 [n]: where the sample's data starts in its archive, in 512-byte blocks (tar data is
+    # block-aligned; archives up to 2 TiB), and its size: 8 bytes a sample instead of 16
+    block: np.ndarray | None = None
+    size: np.ndarray | None = None
+    scan_s: float = 0.0  # how long the scan that built it took
+
+    def archive(self, i: int) -> str:
+        a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
+        return os.path.join(self.root, a) if a else self.root
+
+    def path(self, i: int) -> str:
+        """Where sample ``i`` is, for messages: ``<archive>/<class>.tar/<member>`` or ``<archive>/<member>``."""
+        if self.block is None:
+            return super().path(i)
+        rel = self.relpath(i)
+        if self.layout == "tar":
+            cls, _, member = rel.partition("/")
+            return os.path.join(self.root, cls + ".tar", member)
+        return os.path.join(self.archive(i), rel.partition("/")[2] if self.layout == "tars" else rel)
+
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s bytes: one positioned read at its offset (OSError when it cannot be read)."""
+        if self.block is None:
+            return super().read(i)
+        n = int(self.size[i])
+        data = os.pread(_open(self.archive(i)), n, int(self.block[i]) * _BLOCK)
+        if len(data) != n:
+            raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
+                                     "(it changed since it was indexed)")
+        return data
+
+    def describe(self) -> str:
+        where = os.path.basename(self.root.rstrip("/"))
+        return f"{where}, {_LAYOUT_WORDS.get(self.layout, self.layout)} (indexed in {self.scan_s:.1f} s)"
+
+    @property
+    def nbytes(self) -> int:
+        extra = [a for a in (self.archive_ids, self.block, self.size) if a is not None]
+        return super().nbytes + sum(a.nbytes for a in extra)
+
+
+_fds: dict[str, int] = {}
+_fds_pid = 0
+
+
+def _open(path: str) -> int:
+    """A read-only descriptor of ``path``, kept open for the next read (up to ``_MAX_OPEN``)."""
+    global _fds_pid
+    if _fds_pid != os.getpid():  # a forked child: the parent's descriptors are its own business
+        _fds.clear()
+        _fds_pid = os.getpid()
+    fd = _fds.get(path)
+    if fd is None:
+        if len(_fds) >= _MAX_OPEN:
+            os.close(_fds.pop(next(iter(_fds))))
+        fd = _fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    return fd
+
+
+# --- reading tar headers -------------------------------------------------------------------------
+
+
+def _show(name: bytes) -> str:
+    return os.fsdecode(name)
+
+
+def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = False) -> tuple[bytes, bytes, int]:
+    """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one."""
+    try:
+        stored = int(hdr[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
+    except ValueError:
+        stored = -1
+    # The checksum is the header's byte sum with its own field read as spaces. Adler-32's low half
+    # is 1 + that byte sum mod 65521, at C speed (a Python sum of 512 bytes was a third of the
+    # scan); only a header that fails it is summed exactly (some tars sum signed bytes).
+    if stored < 0 or stored % 65521 != ((zlib.adler32(hdr) & 0xFFFF) - 1 - sum(hdr[148:156]) + 256) % 65521:
+        unsigned = sum(hdr) - sum(hdr[148:156]) + 256
+        ok = stored in (unsigned, unsigned - 256 * sum(b > 127 for b in hdr[:148] + hdr[156:]))
+    else:
+        ok = True
+    if not ok:
+        after = f"after member {_show(last)}" if last is not None else "the first header"
+        hint = "it is gzip-compressed: decompress it first" if hdr[:2] == b"\x1f\x8b" and last is None else (
+            "the archive is corrupt, compressed or not a tar")
+        if top and last is None:  # the root itself: say what it could have been
+            raise DatasetError(f"dataset.root {where} is not a directory (an ImageFolder) nor an uncompressed tar "
+                               f"archive: no valid tar header at offset 0; {hint}")
+        raise DatasetError(f"{where}: no valid tar header at offset {off} ({after}); {hint}")
+    name = hdr[:100].split(b"\0", 1)[0]
+    field = hdr[124:136]
+    if field[0] & 0x80:  # GNU base-256, for members of 8 GiB and more
+        if field[0] == 0xFF:
+            raise DatasetError(f"{where}: member {_show(name)} has a negative size")
+        size = int.from_bytes(field[1:], "big")
+    else:
+        try:
+            size = int(field.replace(b"\0", b" ").strip() or b"0", 8)
+        except ValueError:
+            raise DatasetError(f"{where}: the header at offset {off} has an unreadable size {field!r}") from None
+    if hdr[257:263] == b"ustar\0" and hdr[345] != 0:  # POSIX ustar: a path prefix (GNU tars keep times there)
+        name = hdr[345:500].split(b"\0", 1)[0] + b"/" + name
+    return name, hdr[156:157], size
+
+
+def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool = False) -> list[tuple[bytes, int, int]]:
+    """(normalised name, data offset, size) of every regular member of the tar that occupies
+    ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
+    out = []
+    off, last, pending = start, None, None
+    while end - off >= _BLOCK:
+        hdr = os.pread(fd, _BLOCK, off)
+        if len(hdr) < _BLOCK:
+            break
+        if hdr == _ZERO:
+            return out
+        name, kind, size = _header(hdr, where, off - start, last, top)  # offsets in messages: within `where`
+        data = off + _BLOCK
+        if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
+            while True:
+                ext = os.pread(fd, _BLOCK, data)
+                data += _BLOCK
+                if len(ext) < _BLOCK or data > end or not ext[504]:
+                    break
+        if size > end - data:
+            raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data - start} but its archive "
+                               f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
+        off, last = data + -(-size // _BLOCK) * _BLOCK, name
+        if pending is not None:
+            skipped.append((name, f"described by a {pending}"))
+            pending = None
+        elif kind in _DESCRIBES_NEXT:
+            pending = _DESCRIBES_NEXT[kind]
+        elif kind == b"5":
+            pass
+        elif kind not in _REGULAR:
+            skipped.append((name, _OTHER.get(kind, f"of unsupported type {kind.decode('latin-1')!r}")))
+        elif name.startswith(b"/"):
+            skipped.append((name, "an absolute path"))
+        else:
+            parts = [p for p in name.split(b"/") if p and p != b"."]
+            if b".." in parts:
+                skipped.append((name, "a '..' component"))
+            elif parts:
+                out.append((b"/".join(parts), data, size))
+    if off < end:
+        raise DatasetError(f"{where} is truncated: it ends inside the header after member "
+                           f"{_show(last) if last is not None else '(none)'} (download it again)")
+    return out
+
+
+def _unique(members: list, where: str, skipped: list) -> dict[bytes, tuple[int, int]]:
+    found: dict[bytes, tuple[int, int]] = {}
+    for name, pos, size in members:
+        if name in found:
+            skipped.append((name, "a duplicate name: the last copy is used, as extraction would"))
+        found[name] = (pos, size)
+    return found
+
+
+def _walk_key(name: bytes) -> tuple[tuple[bytes, ...], bytes]:
+    if b"/" not in name:
+        return (), name
+    *dirs, base = name.split(b"/")
+    return tuple(dirs), base  # a folder's files before its sub-folders, as os.walk yields them
+
+
+def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[bytes, int, int]]:
+    keep = []
+    for name, (pos, size) in members.items():
+        if not name.lower().endswith(exts):
+            continue
+        if b"/" in name and (flat or any(d.startswith(b".") for d in name.split(b"/")[:-1])):
+            continue
+        keep.append((name, pos, size))
+    keep.sort(key=lambda m: _walk_key(m[0]))
+    return keep
+
+
+def _warn_skipped(where: str, skipped: list) -> None:
+    if skipped:
+        shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:20])
+        log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown,
+                    f"; and {len(skipped) - 20} more" if len(skipped) > 20 else "")
+
+
+# --- scanning ------------------------------------------------------------------------------------------
+
+
+class _Arrays:
+    """The index under construction, in compact buffers (a 1.28 M sample index stays far under 100 MB)."""
+
+    def __init__(self):
+        self.blob, self.ends, self.labels = bytearray(), array("q", [0]), array("i")
+        self.block, self.size, self.arch = array("I"), array("I"), array("H")
+        self.multi = False
+
+    def add(self, rel: bytes, label: int, pos: int, size: int, arch: int = 0) -> None:
+        if size >= 1 << 32 or pos >= _BLOCK << 32:
+            raise DatasetError(f"member {_show(rel)} is {size} bytes at offset {pos}: samples of 4 GiB or more, "
+                               "or in archives over 2 TiB, are not supported")
+        self.blob += rel
+        self.ends.append(len(self.blob))
+        self.labels.append(label)
+        self.block.append(pos // _BLOCK)
+        self.size.append(size)
+        if self.multi:  # one archive (the train tar): no per-sample archive number
+            self.arch.append(arch)
+
+    def index(self, root: str, classes: list[str], layout: str, archives: tuple[str, ...]) -> TarIndex:
+        blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
+        offsets, labels = np.frombuffer(self.ends, dtype=np.int64), np.frombuffer(self.labels, dtype=np.int32)
+        return TarIndex(root, tuple(classes), blob, offsets, labels, _fingerprint(blob, offsets, labels),
+                        layout=layout, archives=archives,
+                        archive_ids=np.frombuffer(self.arch, dtype=np.uint16) if len(archives) > 1 else None,
+                        block=np.frombuffer(self.block, dtype=np.uint32), size=np.frombuffer(self.size, dtype=np.uint32))
+
+
+def layout(root: str, devkit: str | None) -> str | None:
+    """``tar`` (a tar file: of class tars, or flat), ``tars`` or ``flat-folder``; None for an
+    ImageFolder (or a root that is not there: the folder scan says why)."""
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return "tar"
+    if not stat.S_ISDIR(st.st_mode):
+        return None
+    try:
+        entries = [e for e in os.scandir(root) if not e.name.startswith(".")]
+    except OSError:
+        return None
+    if any(e.is_dir() for e in entries):
+        return None
+    if any(e.name.lower().endswith(".tar") and e.is_file() for e in entries):
+        return "tars"
+    return "flat-folder" if devkit else None
+
+
+def _identity(path: str) -> list:
+    st = os.stat(path)
+    return [path, st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def _open_archive(path: str, what: str) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise DatasetError(f"{what} {path} cannot be opened: {e.strerror}") from None
+
+
+def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], exts, layout_: str,
+                     archives: tuple[str, ...]) -> TarIndex:
+    """``tars``: (class, archive number, start, end) in class order."""
+    out = _Arrays()
+    out.multi = len(archives) > 1
+    empty = []
+    classes = [t[0] for t in tars]
+    tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
+    for label, (cls, arch, start, end) in enumerate(tbar):
+        where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
+        skipped: list = []
+        images = _images(_unique(_members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
+        _warn_skipped(where, skipped)
+        prefix = os.fsencode(cls) + b"/"
+        for name, pos, size in images:
+            out.add(prefix + name, label, pos, size, arch)
+        if not images:
+            empty.append(cls)
+        tbar.set_postfix_str(f"{len(out.labels):,} images", refresh=False)
+    tbar.close()
+    if empty:
+        log.warning("%d class tar(s) hold no images (their labels stay reserved): %s",
+                    len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if not len(out.labels):
+        raise DatasetError(f"{root} holds no images with extensions {', '.join(e.decode() for e in exts)}")
+    return out.index(root, classes, layout_, archives)
+
+
+def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str) -> TarIndex:
+    if not devkit:
+        raise DatasetError(f"{root} is a flat set of {len(names)} images with no class tars or folders: set "
+                           "validation.devkit to label it (ImageNet's validation set), or give per-class tars")
+    try:
+        wnids, labels = dk.read_devkit(devkit)
+    except dk.DevkitError as e:
+        raise DatasetError(str(e)) from None
+    out = _Arrays()
+    unlabelled = []
+    for name, pos, size in names:
+        k = dk.val_number(name)
+        if k is None or not 1 <= k <= len(labels):
+            unlabelled.append((name, "no ILSVRC2012_val_NNNNNNNN number in the devkit's ground truth"))
+            continue
+        out.add(name, labels[k - 1], pos, size)
+    _warn_skipped(root, unlabelled)
+    if not len(out.labels):
+        raise DatasetError(f"{root} holds no validation images that the devkit {devkit} labels")
+    used = sorted(set(out.labels))  # only the classes present: a train subset may lack the others
+    if len(used) < len(wnids):
+        table = {old: new for new, old in enumerate(used)}
+        out.labels = array("i", (table[k] for k in out.labels))
+        wnids = [wnids[k] for k in used]
+    index = out.index(root, wnids, layout_, (archive,))
+    return replace(index, block=None, size=None) if layout_ == "flat-folder" else index
+
+
+def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[TarIndex, list]:
+    """Index ``root`` (see the module docstring). Returns the index and the identities (path,
+    size, mtime, inode) that validate a cache of it."""
+    exts = tuple(e.lower().encode() for e in extensions)
+    kind = layout(root, devkit)
+    stamps = [_identity(root)]
+    if kind == "tar":
+        fd = _open_archive(root, "dataset.root")
+        try:
+            skipped: list = []
+            if os.fstat(fd).st_size < 2 * _BLOCK:  # not even a header and an end-of-archive block
+                raise DatasetError(f"dataset.root {root} is not a directory (an ImageFolder) nor a tar archive "
+                                   f"({os.fstat(fd).st_size} bytes)")
+            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=True), root, skipped)
+            _warn_skipped(root, skipped)
+            tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
+                          if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
+            if tars:
+                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",))
+            else:
+                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "")
+        finally:
+            os.close(fd)
+    elif kind == "tars":
+        names = sorted(e.name for e in os.scandir(root)
+                       if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
+        if len(names) > 65535:
+            raise DatasetError(f"dataset.root {root} holds {len(names)} tar files; at most 65535 are supported")
+        fds: list[int] = []
+        try:
+            tars = []
+            for a, name in enumerate(names):
+                fds.append(_open_archive(os.path.join(root, name), "class tar"))
+                tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
+                stamps.append(_identity(os.path.join(root, name)))
+            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names))
+        finally:
+            for fd in fds:
+                os.close(fd)
+    elif kind == "flat-folder":
+        names = sorted(os.fsencode(e.name) for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
+        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "")
+    else:
+        raise DatasetError(f"{root} is not an archive layout")  # pragma: no cover - dispatch checks first
+    if devkit:
+        stamps += [_identity(p) for p in _devkit_files(devkit)]
+    return index, stamps
+
+
+def _devkit_files(devkit: str) -> list[str]:
+    if not os.path.isdir(devkit):
+        return [devkit]
+    return [os.path.join(d, f) for d, _, files in os.walk(devkit) for f in sorted(files)
+            if os.path.join(d, f).endswith((dk.META, dk.GROUND_TRUTH))]
+
+
+# --- the cache -------------------------------------------------------------------------------------
+
+
+_ARRAYS = ("blob", "offsets", "labels", "archive_ids", "block", "size")
+
+
+def _valid(stamps: list) -> bool:
+    try:
+        return all(_identity(s[0]) == s for s in stamps)
+    except OSError:
+        return False
+
+
+def _load(cdir: str, validate: bool = True) -> TarIndex | None:
+    """The cached index in ``cdir``; with ``validate``, only while the archives are unchanged (a
+    worker opens its daemon's index without looking at the dataset: ``dataset.open_index_files``)."""
+    try:
+        with open(os.path.join(cdir, META), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != _VERSION or (validate and not _valid(meta["stamps"])):
+            return None
+        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
+                  for k, name in meta["files"].items()}
+        return TarIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                        meta["fingerprint"], files_dir=cdir, layout=meta["layout"], archives=tuple(meta["archives"]),
+                        archive_ids=arrays.get("archive_ids"), block=arrays.get("block"), size=arrays.get("size"),
+                        scan_s=meta["scan_s"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    files = {}
+    for k in _ARRAYS:
+        a = getattr(index, k)
+        if a is None:
+            continue
+        name = f"{k}-{index.fingerprint}.npy"
+        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, a, allow_pickle=False)
+        os.replace(tmp, os.path.join(cdir, name))
+        files[k] = name
+    meta = {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
+            "archives": list(index.archives), "fingerprint": index.fingerprint, "files": files, "stamps": stamps,
+            "count": len(index), "scan_s": index.scan_s}
+    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(meta, f)
+    os.replace(tmp, os.path.join(cdir, META))
+    for name in os.listdir(cdir):
+        if name not in files.values() and name.endswith(".npy"):
+            try:
+                os.unlink(os.path.join(cdir, name))
+            except OSError:
+                pass
+    return _load(cdir) or index
+
+
+def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: str | None,
+         use_cache: bool = True) -> tuple[TarIndex, bool]:
+    """As ``dataset.load_index`` for the archive layouts: (index, from_cache)."""
+    source = f"{root}|devkit={devkit or ''}"
+    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, "archive", extensions))
+    if use_cache:
+        cached = _load(cdir)
+        if cached is not None:
+            return cached, True
+    t0 = time.monotonic()
+    index, stamps = scan(root, devkit, extensions)
+    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
+    if use_cache:
+        try:
+            index = _save(cdir, index, stamps)
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start scans again", cdir, e.strerror)
+    return index, False
+
+
+def open_files(files_dir: str) -> TarIndex | None:
+    """The cached archive index in ``files_dir`` (what workers open), or None if it is not one."""
+    if not os.path.exists(os.path.join(files_dir, META)):
+        return None
+    index = _load(files_dir, validate=False)
+    if index is None:
+        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
+    return index

@@ -1,0 +1,125 @@
+"""The index of a tar of class tars at ImageNet's scale: time and memory of the scan.
+
+``python -m prefetchd.tools.bench.tarscale --dir D [--members 1281167 --classes 1000]`` writes a
+synthetic train tar of that many members in ``D`` (tiny members, a few bytes each, so the archive
+is ~1.3 GB instead of 138 GB: the scan reads headers only, and the header count is what it costs),
+then indexes it in a fresh process, twice: with the archive in the page cache, and after
+``posix_fadvise(DONTNEED)`` dropped its pages (read from the disk). It prints wall time and the
+process's peak RSS (and its RSS before the scan: Python, numpy and prefetchd imported), and
+deletes the archive.
+
+``--pack FOLDER --out TAR`` instead packs an ImageFolder as ImageNet's train tar (a tar of
+``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+_CHILD = r"""
+import json, os, resource, sys, time
+from prefetchd.core import tarindex
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.monotonic()
+index, _ = tarindex.load(sys.argv[1], None, (".jpeg", ".jpg", ".png"), sys.argv[2], use_cache=True)
+dt = time.monotonic() - t
+print(json.dumps({"samples": len(index), "classes": len(index.classes), "scan_s": dt,
+                  "rss_before_mib": before / 1024,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "index_mib": index.nbytes / 2**20}))
+"""
+
+
+def write_archive(path: str, members: int, classes: int) -> None:
+    per, extra = divmod(members, classes)
+    with open(path, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as outer:
+        for c in range(classes):
+            wnid = f"n{c:08d}"
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as inner:
+                for j in range(per + (c < extra)):
+                    info = tarfile.TarInfo(f"{wnid}_{j}.JPEG")
+                    info.size = 3
+                    inner.addfile(info, io.BytesIO(b"jpg"))
+            info = tarfile.TarInfo(wnid + ".tar")
+            info.size = buf.tell()
+            buf.seek(0)
+            outer.addfile(info, buf)
+
+
+def pack_train_tar(folder: str, out: str) -> int:
+    """Write ``out``, a tar of per-class tars of the ImageFolder ``folder``; returns the image count."""
+    n = 0
+    with open(out, "wb") as f, tarfile.open(fileobj=f, mode="w", format=tarfile.GNU_FORMAT) as outer:
+        for cls in sorted(os.listdir(folder)):
+            if not os.path.isdir(os.path.join(folder, cls)):
+                continue
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as inner:
+                for name in sorted(os.listdir(os.path.join(folder, cls))):
+                    inner.add(os.path.join(folder, cls, name), arcname=name)
+                    n += 1
+            info = tarfile.TarInfo(cls + ".tar")
+            info.size = buf.tell()
+            buf.seek(0)
+            outer.addfile(info, buf)
+    return n
+
+
+def _drop_cached_pages(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", help="where to write the archive (local disk; deleted afterwards)")
+    ap.add_argument("--pack", metavar="FOLDER", help="pack this ImageFolder as a tar of class tars (--out)")
+    ap.add_argument("--out", help="the tar --pack writes")
+    ap.add_argument("--members", type=int, default=1_281_167)
+    ap.add_argument("--classes", type=int, default=1000)
+    args = ap.parse_args(argv)
+    if args.pack:
+        if not args.out:
+            ap.error("--pack needs --out")
+        print(f"packed {pack_train_tar(args.pack, args.out)} images into {args.out}")
+        return 0
+    if not args.dir:
+        ap.error("--dir is required")
+    work = tempfile.mkdtemp(prefix="tarscale-", dir=args.dir)
+    path = os.path.join(work, "train.tar")
+    try:
+        t = time.monotonic()
+        write_archive(path, args.members, args.classes)
+        print(f"wrote {args.members:,} members in {args.classes} class tars: {os.path.getsize(path) / 2**30:.2f} GiB "
+              f"in {time.monotonic() - t:.0f} s", flush=True)
+        for cold in (False, True):
+            if cold:
+                _drop_cached_pages(path)
+            cache = tempfile.mkdtemp(prefix="cache-", dir=work)
+            r = json.loads(subprocess.run([sys.executable, "-c", _CHILD, path, cache], check=True,
+                                          capture_output=True, text=True).stdout)
+            print(f"{'cold (pages dropped)' if cold else 'warm page cache'}: {r['samples']:,} samples, {r['classes']} "
+                  f"classes indexed in {r['scan_s']:.1f} s; peak RSS {r['peak_rss_mib']:.0f} MiB (before the scan "
+                  f"{r['rss_before_mib']:.0f} MiB); index arrays {r['index_mib']:.0f} MiB", flush=True)
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

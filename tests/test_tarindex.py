@@ -1,0 +1,313 @@
+"""ImageNet as downloaded, read in place: the train tar of class tars, a folder of class tars, the
+flat validation tar (or folder) with the devkit; hostile members; the cache; the real daemon."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from conftest import small_config
+from imagenet_archives import make_imagenet, tar_bytes
+
+from prefetchd.core import config as C
+from prefetchd.core.dataset import DatasetError, load_index, val_labels
+from prefetchd.core.devkit import loadmat, read_devkit
+from prefetchd.core.sampler import Sampler
+from prefetchd.core.tarindex import TarIndex
+from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.tools.samples import jpeg_bytes, photo_like
+
+EXTS = (".jpeg", ".jpg", ".png")
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory):
+    return make_imagenet(str(tmp_path_factory.mktemp("imagenet")), classes=5, per_class=7, val=13)
+
+
+def _cfg(root: str, cache: str) -> C.Config:
+    return C.from_dict({"dataset": {"root": root, "cache_dir": cache}, "loader": {"batch_size": 8, "seed": 5},
+                        "augment": {"output_size": 32, "scale_min": 36, "scale_max": 60}})
+
+
+def _epochs(index, cfg, buffer_dir: str) -> list[tuple[bytes, bytes]]:
+    """Two epochs made in-process, as a worker makes them from the index's cache files."""
+    maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None, 0, buffer_dir))
+    assert type(maker.index) is type(index)  # the worker opened the same kind of index from the cache
+    s = Sampler(len(index), 8, 5, True, False, 1)
+    out = []
+    for e in (0, 1):
+        for b in range(s.batches_per_epoch):
+            images, used, labels, _, quarantined = maker.fill(e, s.batch_indices(e, 0, b))
+            assert not quarantined
+            out.append((images.tobytes(), labels.tobytes() + used.tobytes()))
+    return out
+
+
+def test_train_tar_epochs_equal_the_extracted_folder_byte_for_byte(imagenet, tmp_path):
+    cache = str(tmp_path / "cache")
+    folder, _ = load_index(imagenet.train_folder, None, EXTS, cache)
+    reference = _epochs(folder, _cfg(imagenet.train_folder, cache), str(tmp_path))
+    for root, layout in ((imagenet.train_tar, "tar"), (imagenet.train_tars, "tars")):
+        index, cached = load_index(root, None, EXTS, cache)
+        assert isinstance(index, TarIndex) and index.layout == layout and not cached
+        assert index.classes == folder.classes == tuple(imagenet.wnids)
+        assert [index.relpath(i) for i in range(len(index))] == [folder.relpath(i) for i in range(len(folder))]
+        assert index.fingerprint == folder.fingerprint and index.labels.tolist() == folder.labels.tolist()
+        for i in range(len(index)):  # one positioned read gives the file's bytes
+            with open(folder.path(i), "rb") as f:
+                assert index.read(i) == f.read()
+        assert index.path(0).endswith(f"{index.classes[0]}.tar/{os.path.basename(folder.path(0))}")
+        assert _epochs(index, _cfg(root, cache), str(tmp_path)) == reference
+
+
+@pytest.mark.parametrize("val_root", ["val_tar", "val_folder"])
+@pytest.mark.parametrize("devkit", ["devkit_tgz", "devkit_folder"])
+def test_every_validation_image_gets_its_class_label(imagenet, tmp_path, val_root, devkit):
+    train, _ = load_index(imagenet.train_tar, None, EXTS, str(tmp_path / "c"))
+    val, _ = load_index(getattr(imagenet, val_root), None, EXTS, str(tmp_path / "c"), devkit=getattr(imagenet, devkit))
+    val = val_labels(val, train)
+    names = [os.path.basename(val.relpath(i)) for i in range(len(val))]
+    assert names == sorted(imagenet.val_wnid)  # every image, in name order
+    assert [train.classes[k] for k in val.labels.tolist()] == [imagenet.val_wnid[n] for n in names]
+    for i, n in enumerate(names):
+        with open(os.path.join(imagenet.val_folder, n), "rb") as f:
+            assert val.read(i) == f.read()
+
+
+def test_the_devkit_fixture_is_as_hard_as_the_real_one(imagenet):
+    """IDs out of WNID order and inner synsets: a label of ID - 1 or of all synsets would be wrong."""
+    with tarfile.open(imagenet.devkit_tgz) as tf:
+        meta = loadmat(tf.extractfile("ILSVRC2012_devkit_t12/data/meta.mat").read())["synsets"]
+    leaves = [(int(s["ILSVRC2012_ID"][0]), s["WNID"]) for s in meta if int(s["num_children"][0]) == 0]
+    assert len(meta) > len(leaves) == 5
+    assert [w for _, w in sorted(leaves)] != sorted(w for _, w in leaves)
+    wnids, labels = read_devkit(imagenet.devkit_tgz)
+    assert wnids == imagenet.wnids and len(labels) == 13
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_mat_reader_reads_what_scipy_writes(tmp_path, compress):
+    from scipy.io import savemat
+
+    s = np.zeros((3, 1), dtype=[("id", "O"), ("name", "O"), ("kids", "O")])
+    for k in range(3):
+        s[k, 0] = (np.array([[k + 7]], np.uint16), f"n{k:08d}", np.array([[1.0, 2.0]]) if k else np.zeros((1, 0)))
+    path = str(tmp_path / "m.mat")
+    savemat(path, {"synsets": s, "grid": np.arange(6.0).reshape(2, 3), "cells": np.array(["ab", "cde"], dtype=object),
+                   "txt": np.array(["abc", "xyz"])}, do_compression=compress)
+    with open(path, "rb") as f:
+        got = loadmat(f.read())
+    assert [(int(x["id"][0]), x["name"], x["kids"].tolist()) for x in got["synsets"]] == [
+        (7, "n00000000", []), (8, "n00000001", [1.0, 2.0]), (9, "n00000002", [1.0, 2.0])]
+    assert got["grid"].tolist() == [0.0, 3.0, 1.0, 4.0, 2.0, 5.0]  # column-major, as MATLAB stores it
+    assert got["cells"] == ["ab", "cde"] and got["txt"] == "abc\nxyz"
+
+
+# --- hostile and unusual members -----------------------------------------------------------------------
+
+
+def _block(info: tarfile.TarInfo, data: bytes = b"", fmt: int = tarfile.GNU_FORMAT) -> bytes:
+    info.size = len(data)
+    return info.tobuf(fmt, "utf-8", "surrogateescape") + data + bytes(-len(data) % 512)
+
+
+def _member(name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, fmt: int = tarfile.GNU_FORMAT, **kw) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    for k, v in kw.items():
+        setattr(info, k, v)
+    return _block(info, data, fmt)
+
+
+def _hostile_class_tar(jpeg: bytes, other: bytes) -> bytes:
+    parts = [
+        _member("a.JPEG", jpeg),
+        _member("/abs.JPEG", jpeg),
+        _member("../up.JPEG", jpeg),
+        _member("x/../../up2.JPEG", jpeg),
+        _member("link.JPEG", kind=tarfile.SYMTYPE, linkname="/etc/passwd"),
+        _member("hard.JPEG", kind=tarfile.LNKTYPE, linkname="a.JPEG"),
+        _member("dev.JPEG", kind=tarfile.CHRTYPE, devmajor=1, devminor=3),
+        _member("fifo.JPEG", kind=tarfile.FIFOTYPE),
+        _member("sparse.JPEG", jpeg, kind=tarfile.GNUTYPE_SPARSE),
+        _member("dup.JPEG", other),
+        _member("L" * 120 + ".JPEG", jpeg),  # a GNU long-name header, then the member
+        _member("pax.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"comment": "x"}),  # a PAX header, then it
+        tarfile.TarInfo._create_pax_generic_header({"comment": "global"}, tarfile.XGLTYPE, "utf-8"),
+        _member("dup.JPEG", jpeg),
+        _member("z.JPEG", other),
+    ]
+    return b"".join(parts) + bytes(1024)
+
+
+@pytest.mark.parametrize("packed", ["tar", "tars"])
+def test_hostile_members_are_skipped_with_a_warning_and_never_read(tmp_path, caplog, packed):
+    rng = np.random.default_rng(1)
+    jpeg, other = (jpeg_bytes(photo_like(rng, 40, 30), rng) for _ in range(2))
+    inner = _hostile_class_tar(jpeg, other)
+    if packed == "tar":
+        root = str(tmp_path / "train.tar")
+        with open(root, "wb") as f:
+            f.write(tar_bytes([("n1.tar", inner), ("/n0.tar", inner), ("../n2.tar", inner)]))
+    else:
+        root = str(tmp_path / "tars")
+        os.makedirs(root)
+        with open(os.path.join(root, "n1.tar"), "wb") as f:
+            f.write(inner)
+    with caplog.at_level(logging.WARNING, "prefetchd.dataset"):
+        index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    assert index.classes == ("n1",)
+    assert [index.relpath(i) for i in range(len(index))] == ["n1/a.JPEG", "n1/dup.JPEG", "n1/z.JPEG"]
+    assert [index.read(i) for i in range(3)] == [jpeg, jpeg, other]  # a duplicate: the last copy, as tar x would
+    text = caplog.text
+    for name, why in [("/abs.JPEG", "an absolute path"), ("../up.JPEG", "'..'"), ("x/../../up2.JPEG", "'..'"),
+                      ("link.JPEG", "a symbolic link"), ("hard.JPEG", "a hard link"), ("dev.JPEG", "a character device"),
+                      ("fifo.JPEG", "a FIFO"), ("sparse.JPEG", "a GNU sparse file"), ("dup.JPEG", "a duplicate name"),
+                      ("pax.JPEG", "described by a PAX extended header"), ("L" * 100, "described by a GNU long-name"),
+                      ("PaxHeader", "a PAX global header")]:
+        assert f"{name}" in text and why in text, (name, why, text)
+    if packed == "tar":
+        assert "/n0.tar (an absolute path)" in text and "../n2.tar (a '..' component)" in text
+
+
+def _train_tar(tmp_path, inner: bytes, name="n1.tar") -> str:
+    path = str(tmp_path / "t.tar")
+    with open(path, "wb") as f:
+        f.write(tar_bytes([(name, inner)]))
+    return path
+
+
+def test_a_truncated_archive_is_an_error_naming_the_member(imagenet, tmp_path):
+    data = open(imagenet.train_tar, "rb").read()
+    for cut, words in ((len(data) // 2, r"member n\d+\.tar needs \d+ bytes .* truncated"),
+                       (512 * ((len(data) // 2) // 512) + 100, "truncated|needs")):
+        p = tmp_path / "cut.tar"
+        p.write_bytes(data[:cut])
+        with pytest.raises(DatasetError, match=words):
+            load_index(str(p), None, EXTS, None, use_cache=False)
+
+
+def test_a_member_larger_than_its_inner_tar_is_an_error_naming_it(tmp_path):
+    good = _member("a.JPEG", b"x" * 600)
+    liar = bytearray(_member("big.JPEG", b"y" * 10))
+    liar[124:136] = b"%011o\0" % 10**6  # claims a megabyte inside a 2 KB class tar
+    liar[148:156] = b"        "
+    liar[148:156] = b"%06o\0 " % sum(liar[:512])
+    with pytest.raises(DatasetError, match=r"t\.tar/n1\.tar: member big\.JPEG needs 1000000 bytes"):
+        load_index(_train_tar(tmp_path, good + bytes(liar) + bytes(1024)), None, EXTS, None, use_cache=False)
+
+
+def test_a_corrupt_header_or_compressed_archive_is_a_clear_error(tmp_path):
+    inner = bytearray(_member("a.JPEG", b"x" * 600) + _member("b.JPEG", b"y") + bytes(1024))
+    inner[1536 + 10] ^= 0xFF  # b.JPEG's header no longer checks out
+    with pytest.raises(DatasetError, match=r"n1\.tar: no valid tar header at offset 1536 \(after member a\.JPEG\)"):
+        load_index(_train_tar(tmp_path, bytes(inner)), None, EXTS, None, use_cache=False)
+    gz = tmp_path / "train.tar.gz"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        tf.addfile(tarfile.TarInfo("n1.tar"), io.BytesIO())
+    gz.write_bytes(buf.getvalue() + bytes(2048))
+    with pytest.raises(DatasetError, match="not a directory .* nor an uncompressed tar archive.*gzip-compressed"):
+        load_index(str(gz), None, EXTS, None, use_cache=False)
+
+
+def test_an_archive_cut_after_indexing_quarantines_the_sample_not_the_worker(imagenet, tmp_path):
+    root = str(tmp_path / "train.tar")
+    shutil.copy(imagenet.train_tar, root)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    last = int(np.argmax(index.block))
+    os.truncate(root, int(index.block[last]) * 512 + 5)
+    maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
+    _, used, _, replaced, quarantined = maker.fill(0, np.array([last]))
+    assert [q.index for q in quarantined] == [last] and replaced.tolist() == [last] and used[0] != last
+    assert "cannot read: the archive ends" in quarantined[0].reason
+
+
+def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
+    with pytest.raises(DatasetError, match="set validation.devkit"):
+        load_index(imagenet.val_tar, None, EXTS, None, use_cache=False)
+
+
+# --- the cache, check and the daemon ---------------------------------------------------------------------
+
+
+def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
+    root, cache = str(tmp_path / "train.tar"), str(tmp_path / "cache")
+    shutil.copy(imagenet.train_tar, root)
+    i1, c1 = load_index(root, None, EXTS, cache)
+    i2, c2 = load_index(root, None, EXTS, cache)
+    assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
+    st = os.stat(root)
+    os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime
+    st = os.stat(root)
+    shutil.copy(root, root + ".new")
+    os.utime(root + ".new", ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.replace(root + ".new", root)  # same size and mtime, another inode
+    assert load_index(root, None, EXTS, cache)[1] is False
+    assert load_index(root, None, EXTS, cache)[1] is True
+
+
+def test_check_reports_the_archive_classes_samples_and_scan_time(imagenet, tmp_path):
+    cfg = small_config(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": imagenet.val_tar, "devkit": imagenet.devkit_tgz, "batch_size": 4})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "dataset: 35 samples, 5 classes (scanned in" in r.stdout
+    assert "ILSVRC2012_img_train.tar, a tar of per-class tars (indexed in " in r.stdout
+    assert "validation: 13 samples (ILSVRC2012_img_val.tar, a flat tar labelled by the devkit" in r.stdout
+
+
+def test_daemon_serves_the_tars_as_the_folder_would(imagenet, tmp_path, daemon_factory):
+    from prefetchd_client import PrefetchClient
+
+    cfg = small_config(tmp_path, imagenet.train_tar, loader={"epochs": 1}, validation={
+        "enabled": True, "root": imagenet.val_tar, "devkit": imagenet.devkit_tgz, "batch_size": 4})
+    daemon_factory(cfg)
+    c_cfg = C.load(cfg)
+    folder, _ = load_index(imagenet.train_folder, None, EXTS, str(tmp_path / "c2"))
+    maker = BatchMaker(WorkerSetup(c_cfg, None, folder, 0, str(tmp_path)))
+    s = Sampler(len(folder), 6, 7, True, True, 1)
+    with PrefetchClient(cfg, as_numpy=True, timeout=90) as c:
+        got = [(np.ascontiguousarray(x.transpose(0, 2, 3, 1)).copy(), y.copy()) for x, y in c.iter_epoch(0)]
+    assert len(got) == s.batches_per_epoch
+    for b, (x, y) in enumerate(got):  # the extracted folder's batches, made in-process
+        images, _, labels, _, _ = maker.fill(0, s.batch_indices(0, 0, b))
+        assert np.array_equal(x, images) and np.array_equal(y, labels)
+    val, _ = load_index(imagenet.val_tar, None, EXTS, str(tmp_path / "cache"), devkit=imagenet.devkit_tgz)
+    seen = []
+    with PrefetchClient(cfg, split="val", as_numpy=True, timeout=90) as c:
+        for _, y in c:
+            for label, i in zip(y.tolist(), c.last_batch.indices.tolist(), strict=True):
+                assert folder.classes[label] == imagenet.val_wnid[val.relpath(i)]
+                seen.append(i)
+    assert sorted(seen) == list(range(13))
+
+
+
+def test_a_train_subset_gets_validation_labels_for_the_classes_it_has(tmp_path):
+    net = make_imagenet(str(tmp_path / "net"), classes=5, per_class=2, val=3, seed=4)
+    used = set(net.val_wnid.values())
+    unused = [w for w in net.wnids if w not in used]
+    assert unused  # 3 val images, 5 classes
+    subset = str(tmp_path / "subset")
+    os.makedirs(subset)
+    for w in net.wnids:
+        if w != unused[0]:
+            shutil.copy(os.path.join(net.train_tars, w + ".tar"), subset)
+    train, _ = load_index(subset, None, EXTS, None, use_cache=False)
+    val = val_labels(load_index(net.val_tar, None, EXTS, None, use_cache=False, devkit=net.devkit_tgz)[0], train)
+    assert [train.classes[k] for k in val.labels.tolist()] == [net.val_wnid[val.relpath(i)] for i in range(3)]
+    os.unlink(os.path.join(subset, sorted(used)[0] + ".tar"))  # a class that val images have: a clear error
+    train, _ = load_index(subset, None, EXTS, None, use_cache=False)
+    with pytest.raises(DatasetError, match=sorted(used)[0]):
+        val_labels(load_index(net.val_tar, None, EXTS, None, use_cache=False, devkit=net.devkit_tgz)[0], train)
