@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, normalize
-from prefetchd_client.client import CudaTransfer
+from prefetchd_client.memory import CudaTransfer
 from test_daemon import published
 from test_hybrid_daemon import mixed_root  # noqa: F401 - a fixture
 
