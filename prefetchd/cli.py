@@ -132,7 +132,7 @@ def cmd_check(args) -> int:
     print(f"config {cfg.source}: ok")
     print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
           + (f"; {index.describe()}" if hasattr(index, "describe") else ""))
-    if index.skipped:  # the rule: prefetchd/dataset.py's docstring
+    if index.skipped:  # the rule: prefetchd/core/dataset.py's docstring
         print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
               "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
         for what in index.skipped[:20]:

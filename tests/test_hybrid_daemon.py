@@ -340,7 +340,7 @@ def test_a_sample_neither_the_gpu_nor_the_cpu_can_decode_is_replaced_and_trainin
     st = wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and
                     s["ranks"]["0"].get("gpu_fallbacks", 0) >= len(seen) - 1 and s, 30, "the fallbacks in status.json")
     assert "samples its GPU could not decode" in status.format_status(st, True)
-    from prefetchd.metrics import families
+    from prefetchd.daemon.metrics import families
     fam = {f.name: f for f in families(st)}["prefetchd_trainer_gpu_decode_fallbacks"]
     assert [(s.labels, s.value) for s in fam.samples if s.name.endswith("_total")] == \
         [({"rank": "0"}, st["ranks"]["0"]["gpu_fallbacks"])]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -95,3 +96,41 @@ def test_the_checker_catches_a_lower_layer_importing_a_higher_one(tmp_path):
     assert "prefetchd.daemon.ring" in imports and "prefetchd.tools.demo" in imports
     assert not _allowed("core", "prefetchd.daemon.ring") and not _allowed("format", "prefetchd.core.config")
     assert not _allowed("client", "prefetchd.executors.worker") and _allowed("client", "prefetchd.format.batchfile")
+
+
+_PATH = re.compile(r"(?<![\w/.])((?:prefetchd|client|tests|examples|systemd)/[\w/]+\.(?:py|service|mount))")
+_DOTTED = re.compile(r"(?<![\w.])(prefetchd(?:_client)?)\.([a-z_]\w*)")
+_NOT_MODULES = {"yaml", "service", "mount", "conf", "log", "lock", "json", "sock"}  # file names, not modules
+
+
+def _texts():
+    for rel in ("README.md", "BENCHMARKS.md", "config.example.yaml"):
+        yield rel, (ROOT / rel).read_text()
+    for top in ("prefetchd", "client", "tests", "examples"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            yield str(path.relative_to(ROOT)), path.read_text()
+
+
+def test_every_path_and_module_the_docs_and_code_name_exists():
+    """A move leaves no stale name behind: each ``prefetchd/...py`` path and each dotted
+    ``prefetchd.<x>`` / ``prefetchd_client.<x>`` in the docs, docstrings and tests names a
+    sub-package or module that exists (logger names are the exception: ``getLogger("...")``)."""
+    client_modules = {p.stem for p in (ROOT / "client").glob("*.py")}
+    client_names = set(__import__("prefetchd_client").__all__)
+    bad = []
+    for rel, text in _texts():
+        for m in _PATH.finditer(text):
+            if not (ROOT / m.group(1)).exists() and not m.group(1).startswith("tests/test_layout"):
+                bad.append(f"{rel}: {m.group(1)}")
+        for line in text.splitlines():
+            if "getLogger(" in line or "logger=" in line or "at_level(" in line:
+                continue
+            for m in _DOTTED.finditer(line):
+                pkg, name = m.groups()
+                if name in _NOT_MODULES:
+                    continue
+                ok = (name in LAYERS or name in ("cli", "__version__", "__main__", "__init__") if pkg == "prefetchd"
+                      else name in client_modules or name in client_names)
+                if not ok:
+                    bad.append(f"{rel}: {pkg}.{name}")
+    assert not bad, "stale names:\n" + "\n".join(sorted(set(bad)))

@@ -23,7 +23,7 @@ For a batch that ``on_gpu`` assigns to the GPU, each sample is read as now and t
   ``augment.roi_box`` in the reduced image, where the client takes it), and so do the flip, the jitter order and factors (``augment.jitter_ops``) and the lighting
   (``augment.lighting_offset``): crops, flips and labels are those of the CPU path.
 
-The result is written as a compact batch (``prefetchd.jpegbatch``). Which batches go to the GPU is
+The result is written as a compact batch (``prefetchd.format.jpegbatch``). Which batches go to the GPU is
 a pure function of the config and the batch number (``on_gpu``), never of timing.
 
 The worker's side (``prefetchd.executors.builders.CompactBuilder``) collects a batch's samples

@@ -1,7 +1,7 @@
 """The compact batch: JPEG bytes and per-sample parameters, decoded by the trainer's GPU.
 
 With ``augment.decode: hybrid | gpu`` the daemon writes some batches in this format instead of
-``batchfile``'s pixels (which ones: ``prefetchd.hybrid.on_gpu``). It lives in the same ring under
+``batchfile``'s pixels (which ones: ``prefetchd.core.hybrid.on_gpu``). It lives in the same ring under
 the same name (``r{rank:04d}-e{epoch:06d}-b{batch:08d}.batch``), is written under a ``.tmp-`` name
 and published by ``rename(2)`` like any batch, and the reader tells the two apart by the magic
 (``parse_any``). Both headers are 128 bytes and keep ``file_size`` at offset 112, so a reader
@@ -66,7 +66,7 @@ PARAM, one per sample (96 bytes, packed)::
 
 The client decodes each JPEG payload to RGB in its stored orientation, reduces it by ``reduce``,
 applies ``orientation`` as ``PIL.ImageOps.exif_transpose`` does, takes ``roi``, resamples it to ``height`` x ``width`` with
-``interpolation`` (as ``prefetchd.augment`` does: 2x area halving while the region is at least twice
+``interpolation`` (as ``prefetchd.core.augment`` does: 2x area halving while the region is at least twice
 the output, then the filter), applies the jitter ops in order (brightness: ``lut = clip(rint(v * f))``;
 contrast: ``lut = clip(rint(v * f + m * (1 - f)))`` with ``m`` the mean of the BT.601 grey image;
 saturation: ``clip(round(x * f + grey * (1 - f)))``), the lighting (``clip(rint(v + offset_c))``
