@@ -23,6 +23,7 @@ block only once it is freed and its copies are done); CUDA batches come through 
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -35,6 +36,7 @@ import numpy as np
 
 from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
+from prefetchd.core.sampler import Sampler
 from prefetchd.format import progress, status
 
 from .common import _POLL_MIN_S, _STATE_FORMAT, BatchInfo, PrefetchError, PrefetchTimeout, _Stopped
@@ -45,6 +47,8 @@ try:
     import torch
 except ImportError:  # numpy arrays only
     torch = None
+
+log = logging.getLogger("prefetchd_client")
 
 
 class PrefetchClient(BatchFiles):
@@ -152,6 +156,9 @@ class PrefetchClient(BatchFiles):
             self._stage = self._make_stage(self.device)
         self.epoch = 0
         self.batch = 0
+        # (epoch, offset): a resumed epoch read as a segment, from sample ``offset`` of its
+        # permutation (load_state_dict of a state saved at another world or batch size); else None
+        self._segment: tuple[int, int] | None = None
         self.wait_s = 0.0
         self.echo_factor = self.cfg.client.echo_factor
         self.echoed = 0
@@ -198,11 +205,20 @@ class PrefetchClient(BatchFiles):
     def seek(self, epoch: int, batch: int = 0) -> None:
         """Continue at (epoch, batch); the daemon is told at once and refills from there. Waits
         (up to the timeout) for the daemon to create its directories when it is starting too."""
+        self._seek(epoch, batch)
+
+    def _seek(self, epoch: int, batch: int, offset: int = 0) -> None:
+        """``seek``, into the segment of ``epoch`` from sample ``offset`` (0: the whole epoch)."""
         if epoch < 0 or batch < 0:
             raise ValueError("epoch and batch must be >= 0")
         self._stop_reader()
         self.epoch, self.batch = int(epoch), int(batch)
+        self._segment = (self.epoch, int(offset)) if offset else None
         self._write_progress(self.epoch, self.batch)
+
+    def _offset_of(self, epoch: int) -> int:
+        """Where this client's segment of ``epoch`` starts: 0 but in a resumed epoch."""
+        return self._segment[1] if self._segment is not None and self._segment[0] == epoch else 0
 
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler.set_epoch``: the next ``for`` runs ``epoch``. The current epoch
@@ -212,24 +228,37 @@ class PrefetchClient(BatchFiles):
 
     def state_dict(self) -> dict:
         """The trainer's position (not the reader's read-ahead), shaped like torchdata's
-        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done."""
+        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done. In a
+        resumed epoch, ``offset`` is where its segment starts (0 otherwise); ``world_size``,
+        ``batch_size`` and ``sample_fingerprint`` let it resume at another world or batch size."""
         fp = self._fingerprint() if self._meta else None
         return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
                 "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
                 "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
-                "world_size": self.world_size, "fingerprint": fp}
+                "world_size": self.world_size, "fingerprint": fp, **self._resume_fields()}
+
+    def _resume_fields(self) -> dict:
+        """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
+        return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size,
+                "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
-        fingerprint}``) was. Refuses another rank's state, another world size, or another stream's."""
+        fingerprint}``) was. Refuses another rank's state at the same world size, or another stream's.
+        A state saved at another world size or batch size (any rank's: all save the same step)
+        resumes the rest of its epoch shared out among this job's ranks (``_reshard``)."""
         if not isinstance(state, Mapping):
             raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
         pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
         try:
             epoch, batch = _state_int(pos, "epoch"), _state_int(pos, "batch")
             rank, world = _state_int(state, "rank", None), _state_int(state, "world_size", None)
+            offset, saved_batch_size = _state_int(state, "offset", 0), _state_int(state, "batch_size", None)
         except ValueError as e:
             raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
+        if self._resharded(world, saved_batch_size):
+            epoch, offset = self._reshard(state, epoch, batch, offset, world, saved_batch_size)
+            return self._seek(epoch, 0, offset)
         if rank is not None and rank != self.rank:
             raise PrefetchError(f"this loader state is rank {state['rank']}'s, not rank {self.rank}'s; "
                                 "load each rank's own state")
@@ -243,7 +272,48 @@ class PrefetchClient(BatchFiles):
                 raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
                                     f"{have} (dataset, loader or augment settings changed); resuming would not "
                                     "continue the same stream: start the loader afresh or use the old config")
-        self.seek(epoch, batch)
+        self._check_offset(epoch, offset)
+        self._seek(epoch, batch, offset)
+
+    # --- resuming at another world size or batch size -----------------------------------------------
+
+    def _resharded(self, world: int | None, batch_size: int | None) -> bool:
+        """Was the state saved by a job that cut the train stream otherwise (world or batch size)?"""
+        return self.split == "train" and world is not None and (
+            world != self.world_size or (batch_size is not None and batch_size != self.batch_size))
+
+    def _reshard(self, state: Mapping, epoch: int, batch: int, offset: int, world: int,
+                 batch_size: int | None) -> tuple[int, int]:
+        """Where a state saved at ``world`` x ``batch_size`` goes on here, as ``(epoch, offset)``:
+        the samples of its epoch not consumed globally (its ``batch`` steps of ``world x
+        batch_size`` samples each, from its own ``offset``) are shared out among this config's
+        ranks as a whole epoch is (``core.sampler``); the epochs after it are whole."""
+        saved, have = state.get("sample_fingerprint"), self.meta().get("sample_fingerprint")
+        was = f"world_size {world}" + (f", batch_size {batch_size}" if batch_size is not None else "")
+        if not saved or batch_size is None:
+            raise PrefetchError(f"this loader state is from a job of {was} and does not say what its samples were "
+                                "(saved by an older prefetchd): it resumes only at that world and batch size")
+        if saved != have:
+            raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
+                                f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
+                                "same epoch: start the loader afresh or use the old config")
+        sampler = self._sampler()
+        self._check_offset(epoch, offset)
+        new = sampler.resume(epoch, offset, batch, world, batch_size)
+        log.info("resuming epoch %d at sample %d of %d with world size %d (saved at %d)%s", new[0], new[1],
+                 sampler.num_samples, self.world_size, world,
+                 "" if batch_size == self.batch_size else f", batch size {self.batch_size} (saved at {batch_size})")
+        return new
+
+    def _check_offset(self, epoch: int, offset: int) -> None:
+        if offset and offset >= self._sampler().num_samples:
+            raise PrefetchError(f"this loader state resumes epoch {epoch} at sample {offset}, past its "
+                                f"{self._sampler().num_samples} samples; it is not a state of this dataset")
+
+    def _sampler(self) -> Sampler:
+        """The daemon's sampler (its counts, for resumed epochs' lengths and offsets)."""
+        L = self.cfg.loader
+        return Sampler(int(self.meta()["num_samples"]), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
 
     # --- daemon metadata ---------------------------------------------------------------------------
 
@@ -292,8 +362,13 @@ class PrefetchClient(BatchFiles):
         return int(self.meta()["batches_per_epoch"])
 
     def __len__(self) -> int:
-        """This rank's batches per epoch (waits, up to the timeout, only until the daemon has said)."""
-        return self.batches_per_epoch
+        """This rank's batches per epoch (waits, up to the timeout, only until the daemon has said);
+        in a resumed epoch (``load_state_dict`` at another world size), that epoch's."""
+        return self._epoch_len(self.epoch)
+
+    def _epoch_len(self, epoch: int) -> int:
+        offset = self._offset_of(epoch)
+        return self._sampler().batches_in(offset) if offset else self.batches_per_epoch
 
     # --- iteration ---------------------------------------------------------------------------------
 
@@ -318,11 +393,13 @@ class PrefetchClient(BatchFiles):
         self._stop_reader()
         self._resolve_device()
         start = self.batch if epoch == self.epoch else 0
+        if epoch != self.epoch:
+            self._segment = None  # another epoch, from its start: a whole one
         self.epoch, self.batch = epoch, start
         val = self.split == "val"
         self._reading = True
         self._write_progress(epoch, start)
-        n = self.batches_per_epoch
+        n = self._epoch_len(epoch)
         if start >= n:
             self.epoch, self.batch = epoch + 1, 0
             if val:
@@ -433,7 +510,7 @@ class PrefetchClient(BatchFiles):
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
-                                  reading=self._reading)
+                                  reading=self._reading, offset=self._offset_of(epoch))
             deadline = None
             while True:
                 try:

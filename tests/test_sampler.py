@@ -83,7 +83,7 @@ def test_val_uneven_ranks_and_partial_last_batch():
 def _global_order(s: Sampler, epoch: int, offset: int) -> list[list[int]]:
     """Per global step, the samples the ranks read, in the order of their positions in the
     epoch's permutation (sample k of rank r's batch is at ``r + world * k`` of the step's)."""
-    return [[i for row in zip(*(s.batch_indices(epoch, r, b, offset).tolist() for r in range(s.world_size)))
+    return [[i for row in zip(*(s.batch_indices(epoch, r, b, offset).tolist() for r in range(s.world_size)), strict=True)
              for i in row] for b in range(s.batches_in(offset))]
 
 
