@@ -85,6 +85,7 @@ class Segments:
         self.latest: dict[int, Progress] = {}
         self.held: set[int] = set()
         self.conflict: str | None = None
+        self._resuming = 0  # latest records with an offset: without one no two can disagree
 
     # --- keys ---------------------------------------------------------------------------------------
 
@@ -135,8 +136,11 @@ class Segments:
             return 0
         for r, p in changed.items():
             if r in self.ranks and self._valid(r, p):
+                old = self.latest.get(r)
+                self._resuming += (p.offset > 0) - (old is not None and old.offset > 0)
                 self.latest[r] = p
-        held = self._agreement()
+        # O(ranks) only while some rank reads a resumed epoch (or they disagree): O(changed) otherwise
+        held = self._agreement() if self._resuming or self.conflict else set()
         todo = [r for r in changed if r in self.latest and (initial or r not in held)]
         todo += sorted(self.held - held - set(todo))  # released: their latest records count now
         for r in self.held ^ held:
