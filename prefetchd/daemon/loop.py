@@ -50,7 +50,7 @@ from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
 from prefetchd.daemon.quarantine import QuarantineLog
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
-from prefetchd.daemon.segments import Segments, sample_fingerprint
+from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
 from prefetchd.daemon.sessions import Sessions
 from prefetchd.daemon.validation import ValStream
 from prefetchd.daemon.watcher import ProgressWatcher
@@ -68,6 +68,8 @@ _CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a
 
 
 class Daemon:
+    segments = WholeEpochs()  # resumed epochs' keys (segments.py); set up with the sampler in _setup
+
     def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None):
         self.cfg = cfg
         self._early_signals = early_signals if early_signals is not None else []
@@ -207,8 +209,8 @@ class Daemon:
             "num_classes": len(self.index.classes), "batch_size": c.loader.batch_size,
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
-            "progress_dir": c.progress_dir, "started": self.t_start, "sample_fingerprint": sample_fingerprint(
-                c, self.index.fingerprint),  # a state saved at another world or batch size resumes where it matches
+            "progress_dir": c.progress_dir, "started": self.t_start,  # and what a resume at another world size checks:
+            "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint),
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
             "validation": self.val.meta() if self.val else None,
@@ -327,7 +329,6 @@ class Daemon:
             if r >= VAL_LANE and self.val:
                 for key in self.val.apply(r, p, now, initial):
                     self.ring.evict(key)
-        # train ranks: their segmentations (resumed epochs), agreement and moves (segments.py)
         if consumed := self.segments.apply({r: p for r, p in changed.items() if r < VAL_LANE}, now, initial,
                                            lambda key: self.ring.evict(key)):
             self._consumed.append((now, consumed * self.cfg.loader.batch_size))
@@ -397,8 +398,7 @@ class Daemon:
             else:
                 self.quarantine.add(q, res.epoch)
         if not current:  # made for a segmentation no longer read (the trainers resumed elsewhere)
-            planner.stale(key)
-            return Ring._unlink(res.tmp_path) if res.tmp_path else None
+            return self.segments.discard(planner, key, res.tmp_path)
         if res.error:
             if planner.finished(key):
                 delay = planner.failed(key, time.monotonic())

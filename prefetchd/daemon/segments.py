@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import replace
 
 from prefetchd.core.config import Config
@@ -71,7 +72,29 @@ def disagreements(records: dict[int, Progress], fingerprint: str) -> dict[int, l
     return {e: rs for e, rs in by_epoch.items() if len({o for _, o in rs}) > 1}
 
 
-class Segments:
+class WholeEpochs:
+    """Keys as they are: no rank reads a resumed epoch (a daemon before ``Segments`` is set up,
+    as tests that drive parts of one find it)."""
+
+    conflict = None
+
+    def real(self, key: Key) -> tuple[int, int, int, int]:
+        return (*key, 0)
+
+    def planner_key(self, r: int, e: int, b: int, offset: int) -> tuple[Key, bool]:
+        return (r, e, b), offset == 0
+
+    def discard(self, planner: Planner, key: Key, tmp_path: str | None) -> None:
+        """A result of a segmentation no longer read: its file goes, the planner is told (``stale``)."""
+        planner.stale(key)
+        if tmp_path:
+            try:
+                os.unlink(tmp_path)
+            except FileNotFoundError:
+                pass
+
+
+class Segments(WholeEpochs):
     """The train ranks' segmentations: progress records in, planner moves and evictions out."""
 
     def __init__(self, sampler: Sampler, ranks, fingerprint: str, sessions: Sessions, planner: Planner):
