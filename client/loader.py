@@ -28,7 +28,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -41,7 +41,6 @@ from prefetchd.format import progress, status
 from .common import (
     _PASSING_ERRNOS,
     _POLL_MIN_S,
-    _STATE_FORMAT,
     BatchInfo,
     PrefetchError,
     PrefetchTimeout,
@@ -49,6 +48,7 @@ from .common import (
 )
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
+from .state import LoaderState
 
 try:
     import torch
@@ -58,7 +58,7 @@ except ImportError:  # numpy arrays only
 _log = logging.getLogger("prefetchd_client")
 
 
-class PrefetchClient(BatchFiles):
+class PrefetchClient(LoaderState, BatchFiles):
     """Iterate the batches prefetchd prepared for one rank.
 
     DataLoader habits::
@@ -163,6 +163,9 @@ class PrefetchClient(BatchFiles):
             self._stage = self._make_stage(self.device)
         self.epoch = 0
         self.batch = 0
+        # (epoch, offset): a resumed epoch read as a segment, from sample ``offset`` of its
+        # permutation (load_state_dict of a state saved at another world or batch size); else None
+        self._segment: tuple[int, int] | None = None
         self.wait_s = 0.0
         self.echo_factor = self.cfg.client.echo_factor
         self.echoed = 0
@@ -211,90 +214,27 @@ class PrefetchClient(BatchFiles):
     def seek(self, epoch: int, batch: int = 0) -> None:
         """Continue at (epoch, batch); the daemon is told at once and refills from there. Waits
         (up to the timeout) for the daemon to create its directories when it is starting too."""
+        self._seek(epoch, batch)
+
+    def _seek(self, epoch: int, batch: int, offset: int = 0) -> None:
+        """``seek``, into the segment of ``epoch`` from sample ``offset`` (0: the whole epoch)."""
         if epoch < 0 or batch < 0:
             raise ValueError("epoch and batch must be >= 0")
         self._stop_reader()
         self._held = None  # an iteration this ends leaves the position to this seek
         self.epoch, self.batch = int(epoch), int(batch)
+        self._segment = (self.epoch, int(offset)) if offset else None
         self._write_progress(self.epoch, self.batch)
+
+    def _offset_of(self, epoch: int) -> int:
+        """Where this client's segment of ``epoch`` starts: 0 but in a resumed epoch."""
+        return self._segment[1] if self._segment is not None and self._segment[0] == epoch else 0
 
     def set_epoch(self, epoch: int) -> None:
         """As ``DistributedSampler.set_epoch``: the next ``for`` runs ``epoch``. The current epoch
         keeps its position (a resumed epoch goes on where it was); another epoch starts at batch 0."""
         if int(epoch) != self.epoch:
             self.seek(int(epoch), 0)
-
-    def state_dict(self) -> dict:
-        """The trainer's position (not the reader's read-ahead), shaped like torchdata's
-        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done. Names its
-        stream (``fingerprint``, from the daemon's meta.json: waits for it up to the timeout,
-        also before the first batch) and its ``split``."""
-        fp = self._fingerprint()
-        return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
-                "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
-                "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
-                "world_size": self.world_size, "fingerprint": fp, "split": self.split}
-
-    def load_state_dict(self, state: Mapping, allow_unverified: bool = False) -> None:
-        """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
-        fingerprint}``) was. Refuses another rank's state, another world size, another stream's,
-        the other split's, a position past the end of its epoch, and a state that names no stream
-        (no ``fingerprint``) unless ``allow_unverified=True``."""
-        if not isinstance(state, Mapping):
-            raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
-        pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
-        try:
-            epoch, batch = _state_int(pos, "epoch"), _state_int(pos, "batch")
-            rank, world = _state_int(state, "rank", None), _state_int(state, "world_size", None)
-        except ValueError as e:
-            raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
-        if rank is not None and rank != self.rank:
-            raise PrefetchError(f"this loader state is rank {state['rank']}'s, not rank {self.rank}'s; "
-                                "load each rank's own state")
-        if world is not None and world != self.world_size:
-            raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
-                                f"has loader.world_size {self.world_size}; positions do not carry over")
-        self._check_state_split(state)
-        self._check_state_stream(state, allow_unverified)
-        self._check_state_position(epoch, batch)
-        self.seek(epoch, batch)
-
-    def _check_state_split(self, state: Mapping) -> None:
-        """A train state into a ``split="val"`` client, or the reverse: said as such (by the
-        state's ``split``, or, in a state without one, by the other stream's fingerprint)."""
-        split = state.get("split")
-        if split is None and state.get("fingerprint"):
-            m = self.meta()
-            theirs = {"train": m.get("fingerprint"), "val": (m.get("validation") or {}).get("fingerprint")}
-            split = next((k for k, v in theirs.items() if k != self.split and v == state["fingerprint"]), None)
-        if split is not None and split != self.split:
-            raise PrefetchError(f"this loader state is a split={split!r} loader's, this client reads "
-                                f"split={self.split!r}; load each loader's own state (the train loader's into the "
-                                "train loader, the val loader's into the val loader)")
-
-    def _check_state_stream(self, state: Mapping, allow_unverified: bool) -> None:
-        """The state's stream is the daemon's; a state naming none is refused unless the caller says so."""
-        fp = state.get("fingerprint")
-        if not fp:
-            if allow_unverified:
-                return
-            raise PrefetchError("this loader state names no stream (its fingerprint is missing), so it cannot be "
-                                "checked against the stream the daemon makes; save it again with state_dict(), or "
-                                "pass allow_unverified=True to load_state_dict() to use its position anyway")
-        have = self._fingerprint()
-        if fp != have:
-            raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
-                                f"{have} (dataset, loader or augment settings changed); resuming would not "
-                                "continue the same stream: start the loader afresh or use the old config")
-
-    def _check_state_position(self, epoch: int, batch: int) -> None:
-        """A position past the end of its epoch (or pass) is no position of this stream."""
-        n = self.batches_per_epoch
-        if batch > n:
-            what = "pass" if self.split == "val" else "epoch"
-            raise PrefetchError(f"this loader state is at batch {batch} of {what} {epoch}, which has {n} batches: "
-                                "past its end, so it is no position of this stream (another batch size, dataset "
-                                "or world size?)")
 
     # --- daemon metadata ---------------------------------------------------------------------------
 
@@ -343,8 +283,13 @@ class PrefetchClient(BatchFiles):
         return int(self.meta()["batches_per_epoch"])
 
     def __len__(self) -> int:
-        """This rank's batches per epoch (waits, up to the timeout, only until the daemon has said)."""
-        return self.batches_per_epoch
+        """This rank's batches per epoch (waits, up to the timeout, only until the daemon has said);
+        in a resumed epoch (``load_state_dict`` at another world size), that epoch's."""
+        return self._epoch_len(self.epoch)
+
+    def _epoch_len(self, epoch: int) -> int:
+        offset = self._offset_of(epoch)
+        return self._sampler().batches_in(offset) if offset else self.batches_per_epoch
 
     # --- iteration ---------------------------------------------------------------------------------
 
@@ -374,11 +319,13 @@ class PrefetchClient(BatchFiles):
         self._stop_reader()
         self._resolve_device()
         start = self.batch if epoch == self.epoch else 0
+        if epoch != self.epoch:
+            self._segment = None  # another epoch, from its start: a whole one
         self.epoch, self.batch = epoch, start
         val = self.split == "val"
         self._reading = True
         self._write_progress(epoch, start)
-        n = self.batches_per_epoch
+        n = self._epoch_len(epoch)
         if start >= n:
             self.epoch, self.batch = epoch + 1, 0
             if val:
@@ -490,7 +437,7 @@ class PrefetchClient(BatchFiles):
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
                                   gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,
-                                  reading=self._reading)
+                                  reading=self._reading, offset=self._offset_of(epoch))
             deadline = None
             while True:
                 try:
@@ -570,18 +517,6 @@ class _Sized:
     def __len__(self) -> int:
         return self._n
 
-
-
-def _state_int(state: Mapping, key: str, *default):
-    """``state[key]`` as a non-negative int (or ``default`` when absent or None)."""
-    if key not in state and not default:
-        raise ValueError(f"no {key!r}")
-    v = state.get(key)
-    if v is None and default:
-        return default[0]
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-        raise ValueError(f"{key} must be a non-negative integer, got {v!r}")
-    return int(v)
 
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:

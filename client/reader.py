@@ -131,7 +131,7 @@ class BatchFiles:
         return _NoContext()
 
     def _path(self, epoch: int, batch: int) -> str:
-        return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch))
+        return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch, self._offset_of(epoch)))
 
     def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event) -> int:
         path = self._path(epoch, batch)
@@ -243,7 +243,9 @@ class BatchFiles:
             if isinstance(b, jpegbatch.JpegBatch) and self._stage is None:
                 raise PrefetchError(f"{path} is a compact batch (hybrid decode) but this client's config has "
                                     "augment.decode: cpu; use the daemon's config")
-            fp = batchfile.fingerprint_u64(self._fingerprint())
+            # a resumed epoch's segment has a fingerprint of its own: no batch of another segmentation passes
+            fp = batchfile.segment_fingerprint(batchfile.fingerprint_u64(self._fingerprint()), epoch,
+                                               self._offset_of(epoch))
             if (b.rank, b.epoch, b.batch, b.fingerprint) != (self._lane, epoch, batch, fp):
                 raise PrefetchError(f"{path} holds lane {b.rank} epoch {b.epoch} batch {b.batch} of "
                                     f"stream {b.fingerprint:016x}, not the expected one of {fp:016x} (stale batch)")

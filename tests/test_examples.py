@@ -186,3 +186,39 @@ def test_lightning_ddp_resume_sees_the_straight_runs_batches(tmp_path, image_roo
     b = torch.load(next((tmp_path / "l-resumed" / "checkpoints").glob("*.ckpt")), weights_only=False)["state_dict"]
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), rtol=1e-4, atol=1e-5), k
+
+
+def test_imagenet_example_resumes_a_two_rank_checkpoint_on_three_ranks(tmp_path, image_root, daemon_factory):
+    # 48 images. Two ranks, batches of 6, stopped after 2 steps: 24 samples of epoch 0 read. The
+    # job goes on with three ranks and batches of 4 (the config says so): the other 24 samples of
+    # epoch 0 (2 steps of 3 x 4), then epoch 1 whole at world size 3 (4 steps).
+    buffer = {"dir": str(tmp_path / "buffer")}
+    two = _stream(tmp_path, "two", image_root, loader={"epochs": 2, "world_size": 2, "ranks": [0, 1]}, buffer=buffer)
+    three = _stream(tmp_path, "three", image_root, loader={"epochs": 2, "world_size": 3, "ranks": [0, 1, 2],
+                                                           "batch_size": 4}, buffer=buffer)
+    common = ["--arch", "tiny", "--epochs", "2", "--print-freq", "1"]
+    ckpt, log = tmp_path / "ckpt.pt", tmp_path / "batches.jsonl"
+
+    d1 = daemon_factory(two)
+    _run(_torchrun(2) + [IMAGENET, two, *common, "--checkpoint", str(ckpt), "--max-steps", "2",
+                         "--log-batches", str(log)], cwd=str(tmp_path))
+    assert d1.stop() == 0
+    assert all((s["epoch"], s["batch"], s["world_size"]) == (0, 2, 2) for s in torch.load(ckpt, weights_only=True)["loader"])
+
+    d2 = daemon_factory(three)
+    r = _run(_torchrun(3) + [IMAGENET, three, *common, "--checkpoint", str(ckpt), "--resume", str(ckpt),
+                             "--log-batches", str(log)], cwd=str(tmp_path))
+    assert "resumed from" in r.stdout and "(saved by 2 ranks, continued on 3)" in r.stdout, r.stdout
+    assert r.stderr.count("resuming epoch 0 at sample 24 of 48 with world size 3 (saved at 2)") == 3, r.stderr
+    assert d2.stop() == 0
+
+    recs = [json.loads(line) for line in open(log)]
+    first, rest = recs[:4], recs[4:]
+    assert sorted((x["rank"], len(x["indices"])) for x in first) == [(0, 6), (0, 6), (1, 6), (1, 6)]
+    assert sorted(x["rank"] for x in rest if x["epoch"] == 0) == [0, 0, 1, 1, 2, 2]
+    assert sorted(x["rank"] for x in rest if x["epoch"] == 1) == [r for r in (0, 1, 2) for _ in range(4)]
+    epoch0 = [i for x in first + rest if x["epoch"] == 0 for i in x["indices"]]
+    assert sorted(epoch0) == list(range(48))  # every sample of epoch 0 once, none twice, across both jobs
+    epoch1 = [i for x in rest if x["epoch"] == 1 for i in x["indices"]]
+    assert sorted(epoch1) == list(range(48))  # then a whole epoch at the new world size
+    assert torch.load(ckpt, weights_only=True)["steps"] == 2 + 2 + 4

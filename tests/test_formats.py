@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -101,3 +102,27 @@ def test_metrics_show_val_lanes_apart():
     assert got["prefetchd_val_rank_pass"] == [({"rank": "0"}, 3)]
     assert got["prefetchd_val_rank_reading"] == [({"rank": "0"}, 1)]
     assert got["prefetchd_rank_epoch"] == [({"rank": "0"}, 1)]
+
+
+def test_a_resumed_segments_batches_have_names_and_fingerprints_of_their_own():
+    name = bf.batch_name(3, 2, 5, offset=1234)
+    assert name == "r0003-e000002-o0000001234-b00000005.batch"
+    assert bf.parse_name(name) == (3, 2, 5, 1234) and bf.batch_name(*bf.parse_name(name)) == name
+    assert bf.batch_name(3, 2, 5, 0) == "r0003-e000002-b00000005.batch"  # a whole epoch's name is unchanged
+    assert bf.parse_name("r0003-e000002-o0000000000-b00000005.batch") is None  # offset 0 is never written out
+    fp = bf.fingerprint_u64("9f2c0011aabbccdd")
+    assert bf.segment_fingerprint(fp, 2, 0) == fp
+    seg = {bf.segment_fingerprint(fp, e, o) for e in (2, 3) for o in (1, 1234)}
+    assert len(seg) == 4 and fp not in seg  # each segmentation is a stream of its own
+
+
+def test_progress_offset_is_optional_and_checked(tmp_path):
+    p = pf.Progress(rank=0, epoch=1, batch=2, offset=36)
+    path = pf.write(str(tmp_path), p)
+    assert pf.read(path).offset == 36
+    d = json.loads(pf.encode(p))
+    d.pop("offset")
+    assert pf.decode(json.dumps(d).encode()).offset == 0  # written by an older client: a whole epoch
+    for bad in (-1, "36", 1.5, True):
+        with pytest.raises(pf.ProgressError, match="'offset'"):
+            pf.decode(json.dumps({**d, "offset": bad}).encode())

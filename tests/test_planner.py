@@ -376,3 +376,40 @@ def test_val_blocked_messages_say_what_each_stream_holds_and_the_setting():
     plan = tiny.plan(4, 0.0, FREE)
     assert plan.cause == "too_small"
     assert plan.blocked == "one validation batch needs 1000 B but buffer.max_bytes is 500 B; raise buffer.max_bytes"
+
+
+def test_forget_empties_the_window_and_a_stale_result_never_counts_as_the_new_one():
+    p = make(capacity=4)
+    first = p.plan(2, 0.0, FREE).submit  # (0,0,0) and (0,0,1) in flight
+    run(p, first[:1])  # (0,0,0) published
+    assert p.forget(0) == [(0, 0, 0)]  # published: deleted; (0,0,1) in flight: an orphan
+    assert p.bytes_ready == 0 and p.bytes_inflight == MB
+    again = p.plan(10, 0.0, FREE).submit
+    assert again == [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 0, 3)]  # made again for the new segmentation
+    p.stale((0, 0, 1))  # the old (0,0,1) comes back: its bytes are released, the new one stays in flight
+    assert p.is_inflight((0, 0, 1)) and p.bytes_inflight == 4 * MB
+    run(p, again)
+    assert p.bytes_inflight == 0 and p.rank_status(0)["ahead"] == 4
+
+
+def test_a_stale_result_whose_key_came_back_into_the_window_is_made_again():
+    p = make(capacity=4)
+    p.plan(1, 0.0, FREE)  # (0,0,0) in flight
+    p.forget(0)
+    assert p.set_position(0, 0, 1) == [] and p.set_position(0, 0, 0) == []  # a jump back takes the orphan again
+    assert p.is_inflight((0, 0, 0))
+    p.stale((0, 0, 0))  # it was made for the old segmentation: a hole, due now
+    assert not p.is_inflight((0, 0, 0)) and p.plan(1, 0.0, FREE).submit == [(0, 0, 0)]
+
+
+def test_a_held_rank_keeps_its_batches_and_gets_no_new_ones():
+    p = make(ranks=(0, 1), capacity=4)
+    run(p, p.plan(3, 0.0, FREE).submit)
+    p.hold(0, True)
+    p.hold(1, True)
+    assert p.plan(10, 0.0, FREE).submit == []
+    assert p.bytes_ready == 3 * MB and p.rank_status(0)["held"]
+    p.hold(1, False)
+    assert {k[0] for k in p.plan(10, 0.0, FREE).submit} == {1}
+    p.hold(0, False)
+    assert p.plan(10, 0.0, FREE).submit  # rank 0 fills again

@@ -78,3 +78,74 @@ def test_val_uneven_ranks_and_partial_last_batch():
     assert s.batch_indices(0, 2).tolist() == [8]
     with pytest.raises(ValueError):
         s.batches(2)
+
+
+def _global_order(s: Sampler, epoch: int, offset: int) -> list[list[int]]:
+    """Per global step, the samples the ranks read, in the order of their positions in the
+    epoch's permutation (sample k of rank r's batch is at ``r + world * k`` of the step's)."""
+    return [[i for row in zip(*(s.batch_indices(epoch, r, b, offset).tolist() for r in range(s.world_size)), strict=True)
+             for i in row] for b in range(s.batches_in(offset))]
+
+
+@pytest.mark.parametrize("n, world, batch, drop_last", [(103, 4, 8, False), (103, 4, 8, True), (7, 3, 2, False),
+                                                         (48, 3, 4, True), (1000, 8, 32, True)])
+@pytest.mark.parametrize("offset", [0, 1, 5, 20])
+def test_a_resumed_segment_shares_the_remainder_as_a_whole_epoch_is_shared(n, world, batch, drop_last, offset):
+    offset = min(offset, n - 1)
+    s = Sampler(n, batch, seed=5, world_size=world, drop_last=drop_last)
+    rest = s.permutation(3)[offset:].tolist()
+    shares = [s.rank_indices(3, r, offset) for r in range(world)]
+    assert all(len(x) == s.share(offset) == -(-len(rest) // world) for x in shares)
+    allidx = np.concatenate(shares).tolist()
+    assert set(allidx) == set(rest)  # covers what was not consumed, and nothing that was
+    padding = s.share(offset) * world - len(rest)
+    assert len(allidx) - len(set(allidx)) == padding  # disjoint up to the padding
+    padded = np.resize(np.array(rest), s.share(offset) * world).tolist()  # the remainder wrapped round
+    assert sorted(allidx) == sorted(padded)
+    for r in range(world):
+        got = np.concatenate([s.batch_indices(3, r, b, offset) for b in range(s.batches_in(offset))] or [[]])
+        expect = shares[r][: s.batches_in(offset) * batch] if drop_last else shares[r]
+        assert np.array_equal(got, expect)
+        assert [s.batch_len(b, offset) for b in range(s.batches_in(offset))] == [
+            len(s.batch_indices(3, r, b, offset)) for b in range(s.batches_in(offset))]
+    with pytest.raises(IndexError, match="resumed from sample" if offset else "epoch's"):
+        s.batch_indices(3, 0, s.batches_in(offset), offset)
+
+
+def test_offset_zero_is_the_ordinary_epoch():
+    s = Sampler(103, 8, seed=5, world_size=4, drop_last=False)
+    assert s.batches_in(0) == s.batches_per_epoch and s.share(0) == s.samples_per_rank
+    for r in range(4):
+        for b in range(s.batches_per_epoch):
+            assert np.array_equal(s.batch_indices(3, r, b, 0), s.batch_indices(3, r, b))
+    with pytest.raises(ValueError, match="offset 103 is outside"):
+        s.batches_in(103)
+
+
+def test_resume_at_2_then_3_then_1_reads_every_sample_once_but_the_drop_last_tail():
+    # 1000 samples; world 2 x batch 10 for 7 steps, then world 3 x batch 8 for 9 steps, then one
+    # rank x batch 16 to the end of the epoch (the batch size changes too: samples are the unit)
+    n, epoch = 1000, 4
+    a = Sampler(n, 10, seed=9, world_size=2)
+    b = Sampler(n, 8, seed=9, world_size=3)
+    c = Sampler(n, 16, seed=9, world_size=1)
+    seen = [i for step in _global_order(a, epoch, 0)[:7] for i in step]
+    e, off = b.resume(epoch, 0, 7, a.world_size, a.batch_size)
+    assert (e, off) == (epoch, 140)
+    seen += [i for step in _global_order(b, epoch, off)[:9] for i in step]
+    e, off2 = c.resume(epoch, off, 9, b.world_size, b.batch_size)
+    assert (e, off2) == (epoch, 140 + 9 * 24)
+    seen += [i for step in _global_order(c, epoch, off2) for i in step]
+    assert len(seen) == len(set(seen))  # no sample twice in the epoch
+    missing = set(range(n)) - set(seen)
+    assert len(missing) < c.world_size * c.batch_size  # only the drop_last tail of the last segment
+    assert missing == set(a.permutation(epoch)[n - len(missing):].tolist())
+    # the order is the epoch's permutation: a resumed job reads on where the first one stopped
+    assert seen == a.permutation(epoch)[: len(seen)].tolist()
+
+
+def test_resume_past_the_last_sample_is_the_next_epoch():
+    s = Sampler(48, 6, world_size=2)
+    assert s.resume(3, 0, 4, 2, 6) == (4, 0)  # 48 consumed
+    assert s.resume(3, 40, 1, 4, 2) == (4, 0)
+    assert s.resume(3, 40, 1, 3, 2) == (3, 46)

@@ -15,11 +15,16 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
   the DataLoader loop (``for images, target in train_loader``, one epoch per pass).
 * Checkpoints (``--checkpoint``, written atomically by rank 0 after every epoch, and when
   ``--max-steps`` stops a run early) hold the model, optimizer, scheduler, scaler and every rank's
-  loader ``state_dict()``: ``--resume`` continues from the very next batch, mid-epoch too.
+  loader ``state_dict()``: ``--resume`` continues from the very next batch, mid-epoch too. On
+  another number of ranks (a config whose ``loader.world_size`` is the new job's), it continues
+  the epoch with the samples the old job had not reached, shared out among the new ranks, and
+  the epochs after it are whole: ``torchrun --nproc-per-node 3 train.py train3.yaml --resume
+  checkpoint.pt`` goes on from a checkpoint of 2 ranks.
 * ``--arch``: any torchvision model when torchvision imports, and ``tiny`` (a small CNN defined
   here) always; ``tiny`` is the default without torchvision.
 * ``--log-batches FILE`` appends one JSON line per step and rank (epoch, step, digest of the
-  batch): how the tests check that a resumed run sees the straight run's batches.
+  batch, its dataset indices): how the tests check that a resumed run sees the straight run's
+  batches, and that a run resumed on another number of ranks reads no sample of the epoch twice.
 
 Validation: ``--val`` validates after every epoch on prefetchd's validation stream
 (``PrefetchClient(config, split="val")``, with ``validation.enabled`` and ``validation.root`` in the
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import time
 
@@ -182,7 +188,8 @@ def train_one_epoch(loader, model, criterion, optimizer, scaler, epoch: int, sta
         if args.log_batches:
             with open(args.log_batches, "a") as f:
                 f.write(json.dumps({"rank": rank, "epoch": epoch, "step": state["steps"],
-                                    "digest": batch_digest(images, target)}) + "\n")
+                                    "digest": batch_digest(images, target),
+                                    "indices": loader.last_batch.indices.tolist()}) + "\n")
         with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
             output = model(images)
             loss = criterion(output, target)
@@ -259,6 +266,7 @@ def save_checkpoint(path: str, epoch: int, model, optimizer, scheduler, scaler, 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the loader says how it resumed
     device, rank, world = setup_distributed(args)
     amp = amp_settings(device, args.amp)
     train_loader = make_train_loader(args, device)
@@ -282,17 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     start_epoch, best_acc1 = 0, 0.0
     if args.resume:
         ckpt = torch.load(args.resume, map_location=device, weights_only=True)
-        if ckpt["world_size"] != world:
-            raise SystemExit(f"{args.resume} was saved with world size {ckpt['world_size']}, this run has {world}")
         (model.module if world > 1 else model).load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         if scaler is not None and ckpt["scaler"] is not None:
             scaler.load_state_dict(ckpt["scaler"])
-        train_loader.load_state_dict(ckpt["loader"][rank])  # continues at the very next batch
+        # continues at the very next batch; saved by another number of ranks (all saved the same
+        # step), the rest of that epoch is shared out among this job's ranks
+        train_loader.load_state_dict(ckpt["loader"][rank] if ckpt["world_size"] == world else ckpt["loader"][0])
         start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
         if rank == 0:
-            print(f"=> resumed from {args.resume} at epoch {start_epoch}", flush=True)
+            print(f"=> resumed from {args.resume} at epoch {start_epoch}"
+                  + (f" (saved by {ckpt['world_size']} ranks, continued on {world})" if ckpt["world_size"] != world
+                     else ""), flush=True)
 
     state = {"steps": ckpt["steps"] if args.resume else 0, "run_steps": 0}
     try:

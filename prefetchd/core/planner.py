@@ -85,6 +85,7 @@ class _Rank:
     ready_front: int = 0  # every batch in [pos, ready_front) is ready
     filling: bool = True
     active: bool = True  # False: no window at all (a pass-bounded lane no trainer reads)
+    held: bool = False  # True: keeps its window, but nothing new is made for it (see ``hold``)
 
 
 def retry_delay_s(failures: int) -> float:
@@ -212,6 +213,38 @@ class Planner:
             if (s.holes.pop(g, None) is not None or est is not None) and self.failures:
                 self.failures.pop(self.key(r, g), None)  # left the window: its count of failures too
         return evicted
+
+    def forget(self, r: int) -> list[Key]:
+        """Empty rank ``r``'s window where it stands: what it holds was made for another
+        segmentation of its epoch (a resume at another world size). Returns the published batches
+        to delete; those in flight become orphans (see ``stale``)."""
+        s = self.ranks[r]
+        evicted = self._drop(r, s, range(s.pos, self.window_end(r)))
+        s.cursor = s.ready_front = s.pos
+        s.filling = True
+        self._check.add(r)
+        return evicted
+
+    def hold(self, r: int, held: bool) -> None:
+        """A held rank keeps what it has (nothing is evicted) but nothing new is made for it, until
+        released: the daemon does not know which segmentation it will read (its trainers disagree)."""
+        s = self.ranks[r]
+        if s.held != held:
+            s.held = held
+            s.filling = True
+            self._check.add(r)
+
+    def stale(self, key: Key) -> None:
+        """A result made for a segmentation no longer read came back (its file is thrown away).
+        Its orphan's bytes are released; if a move took its key back into the window meanwhile
+        (in flight again, now for the new segmentation), that batch is made again."""
+        ests = self._orphans.get(key)
+        if ests:
+            self.bytes_inflight -= ests.pop()
+            if not ests:
+                del self._orphans[key]
+        elif self.is_inflight(key):
+            self._unmade(key, 0.0)
 
     def set_limits(self, limits: Limits) -> list[Key]:
         """New capacity or byte limits (a reload). Returns published batches now outside a window."""
@@ -351,7 +384,7 @@ class Planner:
                 self._holed.discard(r)
             if not s.filling and self.ahead(r) < lim.refill_at:
                 s.filling = True
-            if s.filling:
+            if s.filling and not s.held:
                 self._push(r)
         self._check.clear()
         out: list[Key] = []
@@ -362,8 +395,8 @@ class Planner:
         while len(out) < slots and heap:
             have, r, ver = heapq.heappop(heap)
             s = self.ranks[r]
-            if ver != self._ver[r] or not s.filling:
-                continue  # stale: the rank's count changed, or it stopped filling
+            if ver != self._ver[r] or not s.filling or s.held:
+                continue  # stale: the rank's count changed, or it stopped filling (or is held)
             g = self._candidate(r, s, now)
             if g is None or have >= lim.capacity:
                 s.filling = False
@@ -464,7 +497,7 @@ class Planner:
         fronts = []
         for r in self._holed:
             s = self.ranks[r]
-            if s.holes:
+            if s.holes and not s.held:
                 g = min(s.holes)
                 if s.holes[g] <= now and g - s.pos < max(1, lim.refill_at):
                     fronts.append((g - s.pos, r, g))
@@ -511,7 +544,7 @@ class Planner:
         s = self.ranks[r]
         return {"position": list(self.position(r)), "ready": len(s.ready), "ahead": self.ready_ahead(r),
                 "in_flight": len(s.inflight), "retrying": len(s.holes), "filling": s.filling,
-                "done": self.end is not None and s.pos >= self.end, "active": s.active}
+                "done": self.end is not None and s.pos >= self.end, "active": s.active, "held": s.held}
 
     def busy(self) -> bool:
         """Anything being made (orphans included)? O(1)."""

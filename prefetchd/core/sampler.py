@@ -9,6 +9,17 @@ padding) and together cover the dataset. Each rank's share is then cut into batc
 
 Nothing here depends on the worker count, timing or restarts, so the bytes of every batch are
 reproducible from ``(seed, epoch, rank, batch)`` alone.
+
+Resumed epochs (another world size or batch size). The permutation does not depend on the world
+size, and global step ``s`` of an epoch at ``world_size`` W and ``batch_size`` B consumes its
+positions ``[s*W*B, (s+1)*W*B)``. A job resumed after ``s`` steps at another W' or B' shares out
+the rest, positions ``[offset, n)`` with ``offset = s*W*B`` (``resume``), exactly as a whole epoch
+is shared: the remainder is padded by wrapping to a multiple of W' (repeating its own first
+samples), rank ``r`` takes every W'-th position from ``r``, and the share is cut into batches of
+B' (``drop_last`` drops the short tail). Every method takes that ``offset`` (0: the whole epoch);
+a segment is named by ``(epoch, offset)``, and ``(seed, epoch, offset, rank, batch)`` determines
+its batches. A state saved inside a resumed segment resumes in turn: the segment's step ``s``
+consumed positions ``offset + [s*W*B, (s+1)*W*B)``.
 """
 
 from __future__ import annotations
@@ -39,45 +50,69 @@ class Sampler:
 
     @property
     def samples_per_rank(self) -> int:
-        return -(-self.num_samples // self.world_size)
+        return self.share(0)
 
     @property
     def batches_per_epoch(self) -> int:
-        n = self.samples_per_rank
+        return self.batches_in(0)
+
+    def share(self, offset: int = 0) -> int:
+        """Samples per rank (padding included) of the segment starting at ``offset``."""
+        return -(-(self.num_samples - self._offset(offset)) // self.world_size)
+
+    def batches_in(self, offset: int = 0) -> int:
+        """Batches per rank of the segment starting at ``offset`` (0: the whole epoch's)."""
+        n = self.share(offset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
-    def batch_len(self, batch: int) -> int:
-        self._check(batch)
-        return min(self.batch_size, self.samples_per_rank - batch * self.batch_size)
+    def batch_len(self, batch: int, offset: int = 0) -> int:
+        self._check(batch, offset)
+        return min(self.batch_size, self.share(offset) - batch * self.batch_size)
+
+    def resume(self, epoch: int, offset: int, batch: int, world_size: int, batch_size: int) -> tuple[int, int]:
+        """Where a job that read ``batch`` batches per rank of segment ``(epoch, offset)`` at
+        ``world_size`` x ``batch_size`` goes on, as a segment ``(epoch, offset)`` of this sampler:
+        the first position not consumed globally, or ``(epoch + 1, 0)`` when none is left."""
+        done = self._offset(offset) + batch * world_size * batch_size
+        return (epoch, done) if done < self.num_samples else (epoch + 1, 0)
 
     def permutation(self, epoch: int) -> np.ndarray:
         return _permutation(self.num_samples, self.seed, epoch, self.shuffle)
 
-    def rank_indices(self, epoch: int, rank: int) -> np.ndarray:
-        """This rank's share of the epoch, in order (a view for rank 0 of world size 1)."""
+    def rank_indices(self, epoch: int, rank: int, offset: int = 0) -> np.ndarray:
+        """This rank's share of the epoch (of its segment from ``offset``), in order (a view for
+        rank 0 of world size 1)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
-        perm = self.permutation(epoch)
-        total = self.samples_per_rank * self.world_size
-        if total > self.num_samples:
-            perm = np.concatenate([perm, perm[: total - self.num_samples]])
+        perm = self.permutation(epoch)[self._offset(offset):]
+        total = self.share(offset) * self.world_size
+        if total > len(perm):  # wrapped round as often as needed, as batch_indices reads it
+            perm = np.resize(perm, total)
         return perm[rank::self.world_size]
 
-    def batch_indices(self, epoch: int, rank: int, batch: int) -> np.ndarray:
-        """Dataset indices of batch ``batch`` of ``epoch`` for ``rank`` (int64, a fresh array)."""
-        self._check(batch)
+    def batch_indices(self, epoch: int, rank: int, batch: int, offset: int = 0) -> np.ndarray:
+        """Dataset indices of batch ``batch`` of ``epoch`` (of its segment from ``offset``) for
+        ``rank`` (int64, a fresh array)."""
+        self._check(batch, offset)
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world_size {self.world_size}")
         perm = self.permutation(epoch)
         lo = batch * self.batch_size
-        # positions in the padded permutation, read in place: the padding wraps to its start, so
+        # positions in the padded remainder, read in place: the padding wraps to its start, so
         # no copy of the whole permutation is made per batch
-        where = rank + self.world_size * np.arange(lo, lo + self.batch_len(batch), dtype=np.int64)
-        return perm[where % self.num_samples]
+        where = rank + self.world_size * np.arange(lo, lo + self.batch_len(batch, offset), dtype=np.int64)
+        return perm[offset + where % (self.num_samples - offset)]
 
-    def _check(self, batch: int) -> None:
-        if not 0 <= batch < self.batches_per_epoch:
-            raise IndexError(f"batch {batch} is outside the epoch's {self.batches_per_epoch} batches")
+    def _offset(self, offset: int) -> int:
+        if not 0 <= offset < self.num_samples:
+            raise ValueError(f"offset {offset} is outside the epoch's {self.num_samples} samples")
+        return offset
+
+    def _check(self, batch: int, offset: int = 0) -> None:
+        n = self.batches_in(offset)
+        if not 0 <= batch < n:
+            where = f" (resumed from sample {offset})" if offset else ""
+            raise IndexError(f"batch {batch} is outside the epoch's {n} batches{where}")
 
 
 _PERM_CACHE_BYTES = 64 << 20  # recent epochs' permutations: many when epochs are short (windows span them)

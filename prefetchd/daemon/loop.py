@@ -53,6 +53,7 @@ from prefetchd.daemon.quarantine import QuarantineLog
 from prefetchd.daemon.report import status_record
 from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
+from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
 from prefetchd.daemon.sessions import Sessions
 from prefetchd.daemon.teardown import close_early, teardown
 from prefetchd.daemon.validation import ValStream
@@ -61,7 +62,7 @@ from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
 from prefetchd.executors.pool import Pool, PoolError
 from prefetchd.executors.storage import STORAGE_RETRY_S
-from prefetchd.executors.worker import Result, Task, WorkerSetup
+from prefetchd.executors.worker import Result, WorkerSetup
 from prefetchd.format import batchfile, status
 from prefetchd.format.progress import VAL_LANE
 
@@ -75,6 +76,8 @@ _STUCK_ON = os.environ.get("PREFETCHD_FAULT_STUCK_LOOP")
 
 
 class Daemon:
+    segments = WholeEpochs()  # resumed epochs' keys (segments.py); set up with the sampler in _setup
+
     def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None, stop_guard=None):
         self.cfg = cfg
         self.stop_guard = stop_guard  # stopguard.StopGuard, armed by a stop signal
@@ -132,12 +135,13 @@ class Daemon:
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
                                self._estimate)
+        self.segments = Segments(self.sampler, self.ranks, self.fingerprint_hex, self.sessions, self.planner)
         if cfg.validation.enabled:
             self.val = ValStream(cfg, self.val_index, self.ranks, self.fingerprint_hex)
         lanes = tuple(self.ranks) + (self.val.lanes if self.val else ())
         self.watcher = ProgressWatcher(cfg.progress_dir, lanes, self._wake, cfg.progress.inotify)
         self._apply_progress(self.watcher.poll(), initial=True)
-        self.ring = Ring(cfg.buffer.dir)
+        self.ring = Ring(cfg.buffer.dir, self.segments)
         counts = self.ring.recover(self.fingerprint, self.val.fingerprint if self.val else None)
         for key, nbytes in list(self.ring.ready.items()):
             if not self._planner(key[0]).adopt(key, nbytes):
@@ -217,7 +221,8 @@ class Daemon:
             "num_classes": len(self.index.classes), "batch_size": c.loader.batch_size,
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
-            "progress_dir": c.progress_dir, "started": self.t_start,
+            "progress_dir": c.progress_dir, "started": self.t_start,  # and what a resume at another world size checks:
+            "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint),
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
             "validation": self.val.meta() if self.val else None,
@@ -308,7 +313,7 @@ class Daemon:
                 for res in results:
                     self._handle(res)
                 for t in lost:
-                    self._planner(t.rank).lost((t.rank, t.epoch, t.batch))
+                    self.segments.lost(self._planner(t.rank), t)
             for index, how in self.pool.suspects:
                 self.quarantine.worker_died(index, how)
             self.pool.suspects.clear()
@@ -343,18 +348,12 @@ class Daemon:
     def _apply_progress(self, changed: dict, initial: bool = False) -> None:
         now = time.time()
         for r, p in changed.items():
-            if r >= VAL_LANE:
-                if self.val:
-                    for key in self.val.apply(r, p, now, initial):
-                        self.ring.evict(key)
-                continue
-            move = self.sessions.apply(r, p, now, initial)
-            if move is None:
-                continue
-            for key in self.planner.set_position(r, move.epoch, move.batch):
-                self.ring.evict(key)
-            if move.consumed:
-                self._consumed.append((now, move.consumed * self.cfg.loader.batch_size))
+            if r >= VAL_LANE and self.val:
+                for key in self.val.apply(r, p, now, initial):
+                    self.ring.evict(key)
+        if consumed := self.segments.apply({r: p for r, p in changed.items() if r < VAL_LANE}, now, initial,
+                                           lambda key: self.ring.evict(key)):
+            self._consumed.append((now, consumed * self.cfg.loader.batch_size))
 
     # --- making batches ---------------------------------------------------------------------------
 
@@ -374,8 +373,8 @@ class Daemon:
             if r >= VAL_LANE:
                 task = self.val.task(r, e, b)
             else:
-                task = Task(r, e, b, self.sampler.batches_per_epoch, self.sampler.batch_indices(e, r, b),
-                            self.quarantine.crashers, self._bounds.pop((r, e, b), 0))
+                task = self.segments.task((r, e, b), self.quarantine.crashers,
+                                          self._bounds.pop(self.segments.real((r, e, b)), 0))
             if not any(ex.submit(task) for ex in self._executors()):
                 self._planner(r).lost((r, e, b))
         if was_idle and submit:
@@ -396,20 +395,20 @@ class Daemon:
         header and tables plus, per sample, the larger of the file's size and a pixel sample
         (one stat per sample). The worker is given the bound and turns JPEGs into pixels if a
         replaced sample would overrun it, so it holds. Once published, the real size counts."""
-        r, e, b = key
+        key = r, e, b, o = self.segments.real(key)  # o: the segment of a resumed epoch, else 0
         size = self.cfg.augment.output_size
         if not hybrid.on_gpu(self.cfg.augment, e, b):
-            return batchfile.max_file_size(self.sampler.batch_len(b), size, size)
+            return batchfile.max_file_size(self.sampler.batch_len(b, o), size, size)
         bound = self._bounds.get(key)
         if bound is None:
-            bound = builders.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
+            bound = builders.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b, o), size)
             if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
                 self._bounds.clear()
             self._bounds[key] = bound
         return bound
 
     def _handle(self, res: Result) -> None:
-        key = (res.rank, res.epoch, res.batch)
+        key, current = self.segments.planner_key(res.rank, res.epoch, res.batch, res.offset)
         planner = self._planner(res.rank)
         for q in res.quarantined:
             if res.rank >= VAL_LANE:  # val indices are not train indices: said, not in the train quarantine
@@ -417,6 +416,8 @@ class Daemon:
                             q.reason)
             else:
                 self.quarantine.add(q, res.epoch)
+        if not current:  # made for a segmentation no longer read (the trainers resumed elsewhere)
+            return self.segments.discard(planner, key, res.tmp_path)
         if res.error:
             if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
                 if planner.finished(key):

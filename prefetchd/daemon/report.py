@@ -51,11 +51,12 @@ def status_record(d) -> dict:
         "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
         "bytes_used": d.ring.bytes_used, "max_bytes": d.cfg.buffer.max_bytes,
         "fs_free": d.ring.free_bytes(), "quarantined": len(d.quarantine),
-        "blocked": d.waiting.blocked.get("train"), "val_blocked": d.waiting.blocked.get("validation"),
+        "blocked": d.segments.conflict or d.waiting.blocked.get("train"), "val_blocked": d.waiting.blocked.get("validation"),
         "train_bytes": d.planner.held, "val_bytes": d.val.planner.held if d.val else None,
         "progress_watch": d.watcher.mode, "rss_bytes": rss, "ranks": ranks,
         "executor": d.cfg.workers.executor, "ray": d.remote.status() if d.remote is not None else None,
         "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
+        "resume": d.segments.status(),
         "dataset_unreadable": d.dataset_unreadable,
     }
 

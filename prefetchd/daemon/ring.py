@@ -250,13 +250,16 @@ def _holder(directory: str) -> str:
 
 
 class Ring:
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, keys=None):
         self.dir = directory
         self.ready: dict[Key, int] = {}  # published batches and their sizes
         self.bytes_used = 0
+        # the planner's keys to file keys and back (``segments.Segments``: resumed epochs'
+        # batches are named for their segment); None: they are the same
+        self.keys = keys
 
     def path(self, key: Key) -> str:
-        return os.path.join(self.dir, batchfile.batch_name(*key))
+        return os.path.join(self.dir, batchfile.batch_name(*(self.keys.file_key(key) if self.keys else key)))
 
     def recover(self, fingerprint: int, val_fingerprint: int | None = None) -> dict[str, int]:
         """Adopt the valid batches a previous run left; delete everything else of ours. Batches
@@ -284,7 +287,14 @@ class Ring:
                 counts["bad"] += 1
                 continue
             want = val_fingerprint if key[0] >= VAL_LANE else fingerprint
-            if b.fingerprint != want or (b.rank, b.epoch, b.batch) != key:
+            if len(key) > 3 and want is not None:  # a resumed epoch's segment (see batchfile)
+                want = batchfile.segment_fingerprint(want, key[1], key[3])
+            if b.fingerprint == want and (b.rank, b.epoch, b.batch) == key[:3]:
+                # the planner's key, if its rank reads that segment now
+                key = self.keys.from_file(key) if self.keys else key if len(key) == 3 else None
+            else:
+                key = None
+            if key is None:
                 self._unlink(e.path)
                 counts["foreign"] += 1
                 continue

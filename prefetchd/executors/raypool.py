@@ -30,7 +30,7 @@ from prefetchd.core.config import RayConfig
 from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
-from prefetchd.format.batchfile import BatchMeta
+from prefetchd.format.batchfile import BatchMeta, segment_fingerprint
 from prefetchd.format.progress import VAL_LANE
 
 log = logging.getLogger("prefetchd.ray")
@@ -68,16 +68,18 @@ def _actor_class(ray):
             return ray.get_runtime_context().get_node_id()[:12] + ":" + str(os.getpid())
 
         def fill(self, epoch, indices, crashers, where, val=False):
-            """The whole batch file as bytes (``where``: its rank, batch number and batches in the
-            epoch). ``val``: a validation lane's batch, made by the actor's second maker."""
+            """The whole batch file as bytes (``where``: its rank, batch number, batches in the
+            epoch and, for a resumed epoch's segment, its offset). ``val``: a validation lane's
+            batch, made by the actor's second maker."""
             maker = self.val_maker if val else self.maker
             for i, reason in crashers:
                 maker.bad.setdefault(i, reason)
             t0 = time.perf_counter()
-            rank, batch, batches = where
+            rank, batch, batches, *offset = where
+            fingerprint = segment_fingerprint(maker.fingerprint, epoch, offset[0] if offset else 0)
             builder = maker.builder_for(epoch, batch)
             _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
-            data = builder.pack(BatchMeta(rank, epoch, batch, batches, maker.fingerprint), used, labels, replaced)
+            data = builder.pack(BatchMeta(rank, epoch, batch, batches, fingerprint), used, labels, replaced)
             return data, used, labels, replaced, quarantined, time.perf_counter() - t0
 
     return BatchActor
@@ -214,7 +216,7 @@ class RayPool:
             if not ws:
                 return False
             w = min(ws, key=lambda w: len(w.tasks))
-            where = (task.rank, task.batch, task.batches_in_epoch)
+            where = (task.rank, task.batch, task.batches_in_epoch, task.offset)
             ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, where, task.rank >= VAL_LANE)
             w.tasks.append((task, time.monotonic(), ref))
         return True

@@ -57,6 +57,9 @@ class Task:
     # a compact batch's file must not exceed this (the daemon's estimate; 0: no limit): JPEGs
     # that would overrun it (a replacement larger than the sample it stands in for) become pixels
     budget: int = 0
+    # the first sample of the epoch's segment (a resumed epoch, see core.sampler); 0: the whole
+    # epoch. The file's name and header fingerprint say it, so no reader takes it for another
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Result:
     quarantined: tuple[Quarantined, ...] = ()
     error: str | None = None  # the whole batch failed (e.g. the buffer filesystem is full)
     unavailable: bool = False  # ...because the dataset root could not be read (storage.StorageUnavailable)
+    offset: int = 0  # the task's segment (``Task.offset``)
 
 
 @dataclass(frozen=True)
@@ -228,13 +232,14 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, bu
                seconds: float) -> Result:
     """Write a made batch as an unpublished temp file (the daemon renames it into the ring):
     ``builder`` is what collected it (or ``Packed``, the file a Ray actor made)."""
+    fingerprint = batchfile.segment_fingerprint(fingerprint, task.epoch, task.offset)
     meta = batchfile.BatchMeta(task.rank, task.epoch, task.batch, task.batches_in_epoch, fingerprint)
     path = os.path.join(buffer_dir, tmp_name(task, worker_id))
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     except OSError as e:
         return Result(task.rank, task.epoch, task.batch, None, error=f"cannot create {path}: {e.strerror}",
-                      quarantined=tuple(quarantined))
+                      quarantined=tuple(quarantined), offset=task.offset)
     try:
         os.fchmod(fd, FILE_MODE)  # whatever the worker's umask
         size = builder.write(fd, meta, used, labels, replaced)
@@ -245,9 +250,10 @@ def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, bu
             raise
         why = e.strerror if isinstance(e, OSError) else f"{type(e).__name__}: {e}"
         return Result(task.rank, task.epoch, task.batch, None, error=f"cannot write a batch: {why}",
-                      quarantined=tuple(quarantined))
+                      quarantined=tuple(quarantined), offset=task.offset)
     os.close(fd)
-    return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined))
+    return Result(task.rank, task.epoch, task.batch, path, size, seconds, len(task.indices), tuple(quarantined),
+                  offset=task.offset)
 
 
 def _hang_once(path: str) -> None:
@@ -283,9 +289,11 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
         try:
             result = maker.make_any(task)
         except StorageUnavailable as e:  # said once by the daemon, which tries the batch again soon
-            result = Result(task.rank, task.epoch, task.batch, None, error=str(e), unavailable=True)
+            result = Result(task.rank, task.epoch, task.batch, None, error=str(e), unavailable=True,
+                            offset=task.offset)
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
-            result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}")
+            result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}",
+                            offset=task.offset)
         try:
             conn.send(result)
         except (EOFError, OSError, BrokenPipeError):

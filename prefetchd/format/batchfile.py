@@ -6,7 +6,10 @@ xxhash, so a reader in another language needs nothing but this docstring.
 File name: ``r{rank:04d}-e{epoch:06d}-b{batch:08d}.batch`` in the buffer directory; a batch of the
 validation stream is ``v{rank:04d}-e{pass:06d}-b{batch:08d}.batch``, its header's ``rank`` is the
 lane ``progress.VAL_LANE + rank``, ``epoch`` the pass and ``fingerprint`` the validation stream's
-(so neither stream's reader takes the other's file). Writers create
+(so neither stream's reader takes the other's file). A batch of a resumed epoch's segment (the
+epoch's samples from ``offset`` on, see ``progress``) is ``r{rank:04d}-e{epoch:06d}-o{offset:010d}-b{batch:08d}.batch``
+and its header's ``fingerprint`` is ``segment_fingerprint(stream fingerprint, epoch, offset)``,
+so a batch made for another segmentation is never taken for it. Writers create
 ``.tmp-...`` names with ``O_CREAT|O_EXCL|O_NOFOLLOW`` and publish by ``rename(2)``, so a reader
 sees either nothing or the whole file.
 
@@ -70,24 +73,38 @@ _ZERO8 = bytes(8)
 
 SUFFIX = ".batch"
 TMP_PREFIX = ".tmp-"
-_NAME_RE = re.compile(r"^([rv])(\d{4,})-e(\d{6,})-b(\d{8,})\.batch$")
+_NAME_RE = re.compile(r"^([rv])(\d{4,})-e(\d{6,})(?:-o(\d{10,}))?-b(\d{8,})\.batch$")
 
 
 class BatchFileError(ValueError):
     """A batch file is torn, foreign or corrupt."""
 
 
-def batch_name(rank: int, epoch: int, batch: int) -> str:
-    """``rank`` is a lane: a train rank, or ``progress.VAL_LANE + rank`` for validation."""
+def batch_name(rank: int, epoch: int, batch: int, offset: int = 0) -> str:
+    """``rank`` is a lane: a train rank, or ``progress.VAL_LANE + rank`` for validation;
+    ``offset``: the first sample of a resumed epoch's segment (0: the whole epoch)."""
     stream, r = split_lane(rank)
-    return f"{'v' if stream == 'val' else 'r'}{r:04d}-e{epoch:06d}-b{batch:08d}{SUFFIX}"
+    seg = f"-o{offset:010d}" if offset else ""
+    return f"{'v' if stream == 'val' else 'r'}{r:04d}-e{epoch:06d}{seg}-b{batch:08d}{SUFFIX}"
 
 
-def parse_name(name: str) -> tuple[int, int, int] | None:
+def parse_name(name: str) -> tuple[int, int, int] | tuple[int, int, int, int] | None:
+    """The key a batch file name is for: ``(lane, epoch, batch)``, or ``(lane, epoch, batch,
+    offset)`` for a resumed epoch's segment; ``batch_name(*key)`` gives the name back."""
     m = _NAME_RE.match(name)
-    if not m or not m.group(2).isascii():
-        return None
-    return (lane("val" if m.group(1) == "v" else "train", int(m.group(2))), int(m.group(3)), int(m.group(4)))
+    if not m or not m.group(2).isascii() or not (m.group(4) or "1").isascii() or m.group(4) and not int(m.group(4)):
+        return None  # (an offset of 0 is never written out: that batch has the whole epoch's name)
+    key = (lane("val" if m.group(1) == "v" else "train", int(m.group(2))), int(m.group(3)), int(m.group(5)))
+    return key + (int(m.group(4)),) if m.group(4) else key
+
+
+def segment_fingerprint(fingerprint: int, epoch: int, offset: int) -> int:
+    """The header fingerprint of the batches of ``epoch``'s segment from sample ``offset``: the
+    stream's own for a whole epoch (``offset`` 0), else the xxh3-64 (an unsigned 64-bit integer)
+    of ``struct.pack("<QQQ", fingerprint, epoch, offset)``."""
+    if not offset:
+        return fingerprint
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQQ", fingerprint, epoch, offset))
 
 
 def fingerprint_u64(hex_fingerprint: str) -> int:

@@ -15,7 +15,19 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "echoed": 0,                             # batches served again (data echoing, opt-in)
      "gpu_fallbacks": 0,                      # hybrid decode: samples the client's GPU decoder
                                               # failed on, decoded on its CPU instead (or replaced)
-     "reading": true}                         # false: the trainer reads nothing of this stream now
+     "reading": true,                         # false: the trainer reads nothing of this stream now
+     "offset": 0}                             # where the segment of `epoch` starts (resumed epochs)
+
+Resumed epochs (``offset``, optional, 0 when left out). A job resumed at another world size or
+batch size than the one that saved its position reads the rest of that epoch as a *segment*: the
+epoch's permutation from sample ``offset`` on, shared out among the daemon's ``loader.world_size``
+ranks in batches of its ``loader.batch_size`` (``prefetchd.core.sampler``). Then ``batch`` counts
+batches of that segment, and its files are named and fingerprinted for it
+(``batchfile.batch_name``, ``batchfile.segment_fingerprint``). ``offset`` describes ``epoch``
+only: the epochs after it are whole. Every rank of a job must report the same ``offset`` for the
+same ``epoch``; the daemon makes nothing for ranks that disagree (among records with its own
+``fingerprint``, or none) and says so in ``status.json`` (``resume``). Readers that do not know
+the field ignore it (version 1 is kept); they serve whole epochs only.
 
 The validation stream (``validation:`` in the config) has its own files per rank,
 ``progress-v{rank:04d}.json``, whose ``rank`` field holds the rank's *lane*, ``VAL_LANE + rank``
@@ -27,7 +39,7 @@ Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the 
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
 whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
-``pid``, ``batches``, ``echoed``, ``gpu_fallbacks`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
+``pid``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
 non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
 not named here are ignored; the optional ones may be left out. Only a regular file is read: a
 FIFO, a symlink, a directory or a socket at a progress file's name is refused the same way,
@@ -95,6 +107,7 @@ class Progress:
     echoed: int = 0
     reading: bool = True
     gpu_fallbacks: int = 0
+    offset: int = 0  # the first sample of the segment of ``epoch`` this rank reads (0: the whole epoch)
 
     @property
     def position(self) -> tuple[int, int]:
@@ -149,7 +162,7 @@ def decode(data: bytes) -> Progress:
         if k not in d:
             raise ProgressError(f"missing field {k!r}")
         vals[k] = _int(d, k, _U32)
-    for k in ("pid", "batches", "echoed", "gpu_fallbacks"):
+    for k in ("pid", "batches", "echoed", "gpu_fallbacks", "offset"):
         if k in d:
             vals[k] = _int(d, k, _I64)
     for k in ("time", "wait_s"):

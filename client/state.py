@@ -1,0 +1,168 @@
+"""Loader states: what ``state_dict()`` saves and how ``load_state_dict()`` checks and resumes it
+(a mixin of ``PrefetchClient``).
+
+A state names its position (``epoch``, ``batch``; in a resumed epoch the ``offset`` of its segment),
+its stream (``fingerprint``) and ``split``, and what a job at another world or batch size needs to
+go on from it (``world_size``, ``batch_size``, ``sample_fingerprint``). Refused with a message
+saying why: another rank's state at the same world size, another stream's, the other split's, a
+position past the end of its epoch, a state naming no stream (unless ``allow_unverified=True``).
+A state saved at another world size or batch size resumes the rest of its epoch shared out among
+this job's ranks as the sampler shares a whole epoch (``prefetchd.core.sampler``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+
+from prefetchd.core.sampler import Sampler
+
+from .common import _STATE_FORMAT, PrefetchError
+
+_log = logging.getLogger("prefetchd_client")
+
+
+class LoaderState:
+    """``state_dict`` and ``load_state_dict`` (see the module docstring)."""
+
+    def state_dict(self) -> dict:
+        """The trainer's position (not the reader's read-ahead), shaped like torchdata's
+        StatefulDataLoader state: ``_num_yielded`` batches of epoch ``epoch`` are done. Names its
+        stream (``fingerprint``, from the daemon's meta.json: waits for it up to the timeout,
+        also before the first batch) and its ``split``. In a resumed epoch, ``offset`` is where its
+        segment starts (0 otherwise); ``world_size``, ``batch_size`` and ``sample_fingerprint`` let
+        it resume at another world or batch size."""
+        fp = self._fingerprint()
+        return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
+                "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
+                "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
+                "world_size": self.world_size, "fingerprint": fp, "split": self.split, **self._resume_fields()}
+
+    def _resume_fields(self) -> dict:
+        """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
+        return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size,
+                "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None}
+
+    def load_state_dict(self, state: Mapping, allow_unverified: bool = False) -> None:
+        """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
+        fingerprint}``) was. Refuses another rank's state at the same world size, another stream's,
+        the other split's, a position past the end of its epoch, and a state that names no stream
+        (no ``fingerprint``) unless ``allow_unverified=True``. A state saved at another world size or
+        batch size (any rank's: all save the same step) resumes the rest of its epoch shared out
+        among this job's ranks (``_reshard``)."""
+        if not isinstance(state, Mapping):
+            raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
+        pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
+        try:
+            epoch, batch = _state_int(pos, "epoch"), _state_int(pos, "batch")
+            rank, world = _state_int(state, "rank", None), _state_int(state, "world_size", None)
+            offset, saved_batch_size = _state_int(state, "offset", 0), _state_int(state, "batch_size", None)
+        except ValueError as e:
+            raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
+        if self._resharded(world, saved_batch_size):
+            self._check_state_split(state)
+            epoch, offset = self._reshard(state, epoch, batch, offset, world, saved_batch_size)
+            return self._seek(epoch, 0, offset)
+        if rank is not None and rank != self.rank:
+            raise PrefetchError(f"this loader state is rank {state['rank']}'s, not rank {self.rank}'s; "
+                                "load each rank's own state")
+        if world is not None and world != self.world_size:
+            raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
+                                f"has loader.world_size {self.world_size}; positions do not carry over")
+        self._check_state_split(state)
+        self._check_state_stream(state, allow_unverified)
+        self._check_offset(epoch, offset)
+        self._check_state_position(epoch, batch, offset)
+        self._seek(epoch, batch, offset)
+
+    # --- resuming at another world size or batch size -----------------------------------------------
+
+    def _resharded(self, world: int | None, batch_size: int | None) -> bool:
+        """Was the state saved by a job that cut the train stream otherwise (world or batch size)?"""
+        return self.split == "train" and world is not None and (
+            world != self.world_size or (batch_size is not None and batch_size != self.batch_size))
+
+    def _reshard(self, state: Mapping, epoch: int, batch: int, offset: int, world: int,
+                 batch_size: int | None) -> tuple[int, int]:
+        """Where a state saved at ``world`` x ``batch_size`` goes on here, as ``(epoch, offset)``:
+        the samples of its epoch not consumed globally (its ``batch`` steps of ``world x
+        batch_size`` samples each, from its own ``offset``) are shared out among this config's
+        ranks as a whole epoch is (``core.sampler``); the epochs after it are whole."""
+        saved, have = state.get("sample_fingerprint"), self.meta().get("sample_fingerprint")
+        was = f"world_size {world}" + (f", batch_size {batch_size}" if batch_size is not None else "")
+        if not saved or batch_size is None:
+            raise PrefetchError(f"this loader state is from a job of {was} and does not say what its samples were "
+                                "(saved by an older prefetchd): it resumes only at that world and batch size")
+        if saved != have:
+            raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
+                                f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
+                                "same epoch: start the loader afresh or use the old config")
+        sampler = self._sampler()
+        self._check_offset(epoch, offset)
+        new = sampler.resume(epoch, offset, batch, world, batch_size)
+        _log.info("resuming epoch %d at sample %d of %d with world size %d (saved at %d)%s", new[0], new[1],
+                 sampler.num_samples, self.world_size, world,
+                 "" if batch_size == self.batch_size else f", batch size {self.batch_size} (saved at {batch_size})")
+        return new
+
+    def _check_offset(self, epoch: int, offset: int) -> None:
+        if offset and offset >= self._sampler().num_samples:
+            raise PrefetchError(f"this loader state resumes epoch {epoch} at sample {offset}, past its "
+                                f"{self._sampler().num_samples} samples; it is not a state of this dataset")
+
+    def _sampler(self) -> Sampler:
+        """The daemon's sampler (its counts, for resumed epochs' lengths and offsets)."""
+        L = self.cfg.loader
+        return Sampler(int(self.meta()["num_samples"]), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+
+    def _check_state_split(self, state: Mapping) -> None:
+        """A train state into a ``split="val"`` client, or the reverse: said as such (by the
+        state's ``split``, or, in a state without one, by the other stream's fingerprint)."""
+        split = state.get("split")
+        if split is None and state.get("fingerprint"):
+            m = self.meta()
+            theirs = {"train": m.get("fingerprint"), "val": (m.get("validation") or {}).get("fingerprint")}
+            split = next((k for k, v in theirs.items() if k != self.split and v == state["fingerprint"]), None)
+        if split is not None and split != self.split:
+            raise PrefetchError(f"this loader state is a split={split!r} loader's, this client reads "
+                                f"split={self.split!r}; load each loader's own state (the train loader's into the "
+                                "train loader, the val loader's into the val loader)")
+
+    def _check_state_stream(self, state: Mapping, allow_unverified: bool) -> None:
+        """The state's stream is the daemon's; a state naming none is refused unless the caller says so."""
+        fp = state.get("fingerprint")
+        if not fp:
+            if allow_unverified:
+                return
+            raise PrefetchError("this loader state names no stream (its fingerprint is missing), so it cannot be "
+                                "checked against the stream the daemon makes; save it again with state_dict(), or "
+                                "pass allow_unverified=True to load_state_dict() to use its position anyway")
+        have = self._fingerprint()
+        if fp != have:
+            raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
+                                f"{have} (dataset, loader or augment settings changed); resuming would not "
+                                "continue the same stream: start the loader afresh or use the old config")
+
+    def _check_state_position(self, epoch: int, batch: int, offset: int = 0) -> None:
+        """A position past the end of its epoch (or pass, or resumed epoch's segment) is no
+        position of this stream."""
+        n = self._sampler().batches_in(offset) if offset else self.batches_per_epoch
+        if batch > n:
+            what = "pass" if self.split == "val" else "epoch"
+            raise PrefetchError(f"this loader state is at batch {batch} of {what} {epoch}, which has {n} batches: "
+                                "past its end, so it is no position of this stream (another batch size, dataset "
+                                "or world size?)")
+
+
+def _state_int(state: Mapping, key: str, *default):
+    """``state[key]`` as a non-negative int (or ``default`` when absent or None)."""
+    if key not in state and not default:
+        raise ValueError(f"no {key!r}")
+    v = state.get(key)
+    if v is None and default:
+        return default[0]
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{key} must be a non-negative integer, got {v!r}")
+    return int(v)
