@@ -120,6 +120,7 @@ def test_loader_backlog_counts_a_dataloaders_finished_batches():
                                      prefetch_factor=3, persistent_workers=True)
     it = iter(dl)
     try:
+        assert loader_backlog(dl) is None  # an epoch not begun: every worker is filling its queue
         next(it)
         deadline = time.monotonic() + 120
         seen = []

@@ -11,7 +11,8 @@ feed. The steady rows of ``bench --train`` warm up at least ``--warmup`` steps a
 * ``held``: over the last ``window`` steps the backlog shrank by at most ``tol`` batches, so the
   feed keeps pace (a full ring that stays full: the trainer never waits, which is the truth).
 
-A run that settles neither way within ``--warmup-max-s`` is measured anyway and says so; each
+A reading of None (the backlog cannot be seen at this step, e.g. at a DataLoader's epoch edges)
+gives no verdict. A run that settles neither way within ``--warmup-max-s`` is measured anyway and says so; each
 steady row also gives the backlog at the start and end of its measured window, so what the
 window took from the backlog (start - end, when positive) is in plain sight.
 """
@@ -50,7 +51,9 @@ def ring_backlog(buffer_dir: str, client) -> int:
 
 def loader_backlog(dl) -> int | None:
     """A torch DataLoader's finished batches not yet taken: those in its result queue and those
-    that arrived out of order and wait in ``_task_info``. This reads the iterator's private
+    that arrived out of order and wait in ``_task_info``. None at an epoch's edges, where the
+    count says nothing about the pace: before its first batch is taken (every worker is refilling
+    at once) and in its tail (no batches left to hand out). This reads the iterator's private
     fields (torch 2.x); None where they are not there, and the caller warms up blind."""
     it = getattr(dl, "_iterator", None)
     if it is None:
@@ -58,6 +61,8 @@ def loader_backlog(dl) -> int | None:
     if getattr(dl, "num_workers", 0) == 0:
         return 0  # made in next() itself: no backlog
     try:
+        if it._rcvd_idx == 0 or it._tasks_outstanding < it._prefetch_factor * it._num_workers:
+            return None
         return int(it._data_queue.qsize()) + sum(len(v) == 2 for v in it._task_info.values())
     except (AttributeError, NotImplementedError, TypeError):
         return None

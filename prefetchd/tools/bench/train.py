@@ -185,8 +185,8 @@ def _train(torch, args, device, batches, label: str, timed_next: list | None = N
             if backlog is None:
                 break
             b = backlog()
-            if b is None:
-                if warm >= args.warmup + depth:
+            if b is None:  # not to be seen now (or ever: then warm up past the feed's read-ahead)
+                if not readings and warm >= args.warmup + depth:
                     how = "blind"
                     break
             else:
@@ -253,12 +253,13 @@ def _ring_bytes(paths: list[str], batch: int, size: int, capacity: int, decode: 
 
 def _start_daemon(args, root: str, work: str, batch: int, capacity: int, workers: int, decode: str, state: str,
                   max_bytes: int):
+    cache = os.path.join(work, "cache")  # one index for every daemon of the run
     work = os.path.join(work, f"{decode}-{state}")
     os.makedirs(work, exist_ok=True)
     buf = os.path.join(work, "buffer")
     # refill_at = capacity: the daemon tops the ring up as soon as a batch is taken (no hysteresis,
     # so a feed that keeps pace shows a backlog that holds)
-    cfg = {"dataset": {"root": root, "cache_dir": os.path.join(work, "cache")},
+    cfg = {"dataset": {"root": root, "cache_dir": cache},
            "loader": {"batch_size": batch, "seed": 0, "epochs": None},
            "workers": {"count": workers},
            "buffer": {"dir": buf, "capacity": capacity, "refill_at": capacity, "max_bytes": max_bytes},
@@ -319,9 +320,8 @@ def _note(r: dict, workers: int, device) -> str:
     if "settled" in r:
         end = {"drained": f"drained to <= {r['floor']} ready", "held": f"backlog held (within {r['tol']})",
                "blind": "backlog unseen: past its read-ahead", "not settled": "NOT settled: --warmup-max-s"}
-        b0, b1 = r["backlog"]
-        note.append(f"warm-up {r['warmup_steps']} steps, {end[r['settled']]}; backlog {b0} -> {b1}"
-                    if b0 is not None else f"warm-up {r['warmup_steps']} steps, {end[r['settled']]}")
+        b0, b1 = ("?" if b is None else b for b in r["backlog"])
+        note.append(f"warm-up {r['warmup_steps']} steps, {end[r['settled']]}; backlog {b0} -> {b1}")
     if "next_ms_median" in r:
         note.append(f"next() median {r['next_ms_median']:.3f} ms, p90 {r['next_ms_p90']:.3f} ms")
         if r["decoder"] != "-":
@@ -332,7 +332,8 @@ def _note(r: dict, workers: int, device) -> str:
         if "decode_host_ms" in r:
             note.append(f"decode stage {r['decode_host_ms']:.1f} ms host/batch, {r['gpu_fallbacks']} CPU fallbacks")
     elif r["feed"] == "dataloader":
-        note.append(f"{workers} workers, {r['how']}, pin_memory={device.type == 'cuda'}")
+        note.append(f"{workers} workers, {r['how']}, pin_memory={device.type == 'cuda'}, {r['batches_per_epoch']} "
+                    f"batches an epoch (each starts with its workers' queues empty)")
     return ", ".join(note)
 
 
@@ -436,7 +437,7 @@ def run_train_bench(args) -> int:
         feed, how, dl = _dataloader(torch, root, args.size, batch, workers, pin=device.type == "cuda")
         r = _train(torch, args, device, feed, "dataloader", backlog=lambda: steady.loader_backlog(dl), floor=1,
                    depth=workers * 4)
-        r.update(how=how, state="steady")
+        r.update(how=how, state="steady", batches_per_epoch=len(dl))
         rows.append(r)
         base = rows[0]["img_s"]
         print(f"{'feed':11} {'state':9} {'img/s':>9} {'x on-device':>11} {'waited':>7}  notes")
