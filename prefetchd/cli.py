@@ -343,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--sweep-workers", action="store_true", help="throughput against worker count")
     b.add_argument("--ranks", help="N consumer processes (world size N) against one daemon; a list runs each in turn")
-    b.add_argument("--capacity", type=int, default=1000, help="buffer.capacity for --ranks")
+    b.add_argument("--capacity", type=int, default=None, help="buffer.capacity for --ranks (default 1000) and for "
+                   "--train's steady rows (default the config's, 64)")
     b.add_argument("--batches", type=int, default=None,
                    help="--ranks: batches each rank reads (default 200); --client: batch files in the ring (default 24)")
     b.add_argument("--output-size", type=int, default=None, help="augment.output_size (and a scale to match)")
@@ -361,7 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--step-ms", type=float, default=60.0, help="--client: the training step between batches")
     k.add_argument("--prefetch", type=int, default=2, help="the client's read-ahead")
     k.add_argument("--steps", type=int, default=40, help="--train: measured steps per feed")
-    k.add_argument("--warmup", type=int, default=8, help="--train: steps before the clock starts")
+    k.add_argument("--warmup", type=int, default=8, help="--train: steps before the clock starts (steady rows: at "
+                   "least these, then until the feed's backlog is drained or holds)")
+    k.add_argument("--warmup-max-s", type=float, default=30.0, help="--train: the longest a steady row warms up "
+                   "after its first batch before it is measured anyway (and says so)")
     k.add_argument("--decodes", default="cpu,hybrid,gpu", help="--train: the augment.decode of each prefetchd "
                    "row (default cpu,hybrid,gpu; without a GPU, hybrid and gpu decode with a CPU stand-in)")
     k.add_argument("--gpu-share", type=float, default=0.5, help="--train: augment.gpu_share of the hybrid row")

@@ -1,10 +1,18 @@
-"""The client benchmarks run end to end (their figures go to BENCHMARKS.md, not into assertions)."""
+"""The client benchmarks run end to end (their figures go to BENCHMARKS.md, not into assertions), and the
+pure parts of ``bench --train``'s steady state and ring sizing."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
 
 
 def _bench(*args: str) -> str:
@@ -22,9 +30,107 @@ def test_client_cost_bench_reports_sync_and_thread_for_each_feed(tmp_path):
     assert list(tmp_path.iterdir()) == []  # its ring is gone
 
 
+def _rows(path) -> list[dict]:
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
 def test_train_bench_runs_the_tiny_model_on_the_cpu_fed_three_ways(tmp_path):
     out = _bench("--train", "tiny", "--device", "cpu", "--size", "32", "--batch-size", "8", "--steps", "4", "--warmup",
-                 "2", "--images", "40", "--workers", "1", "--buffer-parent", str(tmp_path))
-    feeds = [line.split()[0] for line in out.splitlines() if line.split()[:1] in (["on-device"], ["prefetchd"], ["dataloader"])]
-    assert feeds == ["on-device", "prefetchd", "dataloader"], out
-    assert "ring full" in out
+                 "2", "--images", "40", "--workers", "1", "--capacity", "8", "--warmup-max-s", "120",
+                 "--buffer-parent", str(tmp_path), "--json", str(tmp_path / "train.json"))
+    rows = _rows(tmp_path / "train.json")
+    assert [(r["feed"], r["state"]) for r in rows] == [
+        ("on-device", "-"), ("prefetchd", "ring full"), ("prefetchd", "steady"), ("hybrid", "ring full"),
+        ("hybrid", "steady"), ("gpu", "ring full"), ("gpu", "steady"), ("dataloader", "steady")], out
+    for r in rows:
+        assert r["img_s"] > 0 and re.search(rf"^{r['feed']} +{r['state']} ", out, re.M), out
+        if r["state"] == "steady":
+            # warmed up at least --warmup steps, then until the backlog stopped flattering the trainer
+            assert r["warmup_steps"] >= 2, r
+            allowed = ("drained", "held", "blind") if r["feed"] == "dataloader" else ("drained", "held")
+            assert r["settled"] in allowed, r
+            if r["feed"] != "dataloader":
+                assert all(isinstance(b, int) for b in r["backlog"]), r
+        else:
+            assert r["warmup_steps"] == 2 and "settled" not in r, r
+    assert "ring full (8 batches)" in out
+    assert "steady: the feed produces while the model trains" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.json"]  # its rings are gone
+
+
+def _noise_folder(root, classes: int, per_class: int) -> None:
+    """JPEGs of noise: large files (about 0.8 MB) for their pixels, cheap to decode."""
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"n{c:08d}").mkdir(parents=True)
+        for j in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (750, 1000, 3), dtype=np.uint8)).save(
+                root / f"n{c:08d}" / f"{j}.JPEG", quality=95)
+
+
+def test_train_bench_small_size_hybrid_never_stalls_on_max_bytes(tmp_path):
+    # 16 JPEGs of about 0.8 MB make a compact batch of about 13 MB, six times a pixel batch at
+    # --size 16: sized as twice a pixel batch, the ring-full row's ring (14 batches, every other
+    # one compact) stopped at max_bytes and the bench waited 900 s
+    data = tmp_path / "data"
+    _noise_folder(data, 2, 16)
+    (tmp_path / "ring").mkdir()
+    out = _bench("--train", "tiny", "--device", "cpu", "--root", str(data), "--size", "16", "--batch-size", "16",
+                 "--steps", "10", "--warmup", "2", "--workers", "1", "--decodes", "hybrid", "--capacity", "4",
+                 "--warmup-max-s", "120", "--buffer-parent", str(tmp_path / "ring"), "--json", str(tmp_path / "t.json"))
+    assert "hybrid: ring full (14 batches)" in out, out
+    rows = _rows(tmp_path / "t.json")
+    assert [(r["feed"], r["state"]) for r in rows] == [
+        ("on-device", "-"), ("hybrid", "ring full"), ("hybrid", "steady"), ("dataloader", "steady")], out
+    assert rows[2]["settled"] in ("drained", "held"), rows[2]
+    assert list((tmp_path / "ring").iterdir()) == []
+
+
+def test_ring_bytes_hold_capacity_batches_of_the_largest_files(tmp_path):
+    from prefetchd.format import jpegbatch
+    from prefetchd.tools.bench.train import _ring_bytes
+
+    _noise_folder(tmp_path, 1, 3)
+    paths = sorted(str(p) for p in tmp_path.rglob("*.JPEG"))
+    largest = max(os.path.getsize(p) for p in paths)
+    # a batch of 8 from 3 files repeats them: at worst 8 copies of the largest one
+    worst = jpegbatch.HEADER_SIZE + 8 * (24 + jpegbatch.PARAM.itemsize + largest)
+    assert _ring_bytes(paths, 8, 16, 40, "hybrid") >= 40 * worst
+    assert _ring_bytes(paths, 8, 16, 40, "cpu") < 40 * worst  # pixel batches at --size 16 are small
+
+
+def test_settled_drained_held_or_not_yet():
+    from prefetchd.tools.bench.steady import settled
+
+    assert settled([], 2, 4, 2) is None
+    assert settled([30, 20, 10, 2], 2, 4, 2) == "drained"  # caught up with the feed
+    assert settled([40, 30, 20, 10], 2, 4, 2) is None  # still eating the backlog
+    assert settled([64, 63, 64, 62, 63], 2, 4, 2) == "held"  # a feed that keeps pace: the ring stays full
+    assert settled([20, 25, 30, 35, 40], 2, 4, 2) == "held"  # growing: the feed is faster
+    assert settled([64, 60, 56, 52, 48], 2, 4, 2) is None  # shrinking by 4 a step: not steady
+    assert settled([64, 64, 64, 64], 2, 4, 2) is None  # not yet a whole window to judge by
+
+
+def test_loader_backlog_counts_a_dataloaders_finished_batches():
+    torch = pytest.importorskip("torch")
+    from prefetchd.tools.bench.steady import loader_backlog
+
+    dl = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(400)), batch_size=4, num_workers=1,
+                                     prefetch_factor=3, persistent_workers=True)
+    it = iter(dl)
+    try:
+        assert loader_backlog(dl) is None  # an epoch not begun: every worker is filling its queue
+        next(it)
+        deadline = time.monotonic() + 120
+        seen = []
+        while time.monotonic() < deadline:  # one worker finishes the three batches it was given
+            seen.append(loader_backlog(dl))
+            if seen[-1] == 3:
+                break
+            time.sleep(0.05)
+        assert seen[-1] == 3, seen
+        next(it)
+        assert loader_backlog(dl) in (2, 3)
+    finally:
+        dl._iterator._shutdown_workers()

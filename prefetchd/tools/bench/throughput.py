@@ -481,7 +481,7 @@ def run_bench(args) -> int:
         elif args.ranks:
             rows = []
             for n in [int(x) for x in str(args.ranks).split(",")]:
-                r = ranks_run(root, n, workers, batch, args.capacity, args.batches or 200, aug, work, _buffer_parent(args),
+                r = ranks_run(root, n, workers, batch, args.capacity or 1000, args.batches or 200, aug, work, _buffer_parent(args),
                               args.daemon_src)
                 rows.append(r)
                 print(f"ranks {n:3d} (capacity {r['capacity']}): {r['img_s']:8,.0f} img/s all ranks; per rank "
