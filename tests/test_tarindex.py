@@ -3,6 +3,7 @@ flat validation tar (or folder) with the devkit; hostile members; the cache; the
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,10 +19,12 @@ from conftest import small_config
 from imagenet_archives import make_imagenet, tar_bytes
 
 from prefetchd.core import config as C
+from prefetchd.core import tarindex
 from prefetchd.core.dataset import DatasetError, load_index, val_labels
 from prefetchd.core.devkit import loadmat, read_devkit
 from prefetchd.core.sampler import Sampler
 from prefetchd.core.tarindex import TarIndex
+from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.tools.samples import jpeg_bytes, photo_like
 
@@ -219,16 +223,75 @@ def test_a_corrupt_header_or_compressed_archive_is_a_clear_error(tmp_path):
         load_index(str(gz), None, EXTS, None, use_cache=False)
 
 
-def test_an_archive_cut_after_indexing_quarantines_the_sample_not_the_worker(imagenet, tmp_path):
+def test_an_archive_cut_or_replaced_after_indexing_makes_the_batch_wait_blaming_no_sample(imagenet, tmp_path):
+    """Offsets hold for the file that was indexed only: another file (or a cut one) at the path is
+    the storage's state, so the batch waits for it (StorageUnavailable) and no sample is quarantined."""
     root = str(tmp_path / "train.tar")
     shutil.copy(imagenet.train_tar, root)
     index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    original = open(root, "rb").read()
     last = int(np.argmax(index.block))
-    os.truncate(root, int(index.block[last]) * 512 + 5)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
-    _, used, _, replaced, quarantined = maker.fill(0, np.array([last]))
-    assert [q.index for q in quarantined] == [last] and replaced.tolist() == [last] and used[0] != last
-    assert "cannot read: the archive ends" in quarantined[0].reason
+    maker.fill(0, np.array([0]))  # the archive is open in the worker from here on
+    os.truncate(root, int(index.block[last]) * 512 + 5)
+    with pytest.raises(StorageUnavailable, match="train.tar is not the one indexed .size"):
+        maker.fill(0, np.array([last]))
+    with open(root + ".new", "wb") as f:  # another file of the same size put in its place (as rsync does)
+        f.write(original[::-1])
+    os.replace(root + ".new", root)
+    with pytest.raises(StorageUnavailable, match="not the one indexed"):
+        maker.fill(0, np.array([1]))
+    assert not maker.bad
+    with open(root, "wb") as f:  # as it was: the batch is made, nothing was quarantined
+        f.write(original)
+    index = replace(index, identity=((len(original), os.stat(root).st_ino),))  # (the test cannot restore the inode)
+    maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
+    _, used, _, _, quarantined = maker.fill(0, np.array([last, 1]))
+    assert not quarantined and used.tolist() == [last, 1]
+
+
+def test_a_stale_archive_descriptor_is_dropped_and_the_read_tried_again(imagenet, tmp_path, monkeypatch):
+    """A kept descriptor that went stale (an NFS remount) fails every read: the retry of a transient
+    errno must open the archive again, not quarantine sample after sample through the dead one."""
+    root = str(tmp_path / "train.tar")
+    shutil.copy(imagenet.train_tar, root)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
+    maker.fill(0, np.array([0]))
+    dead = set(tarindex._fds.values())
+    assert dead
+    real_pread, real_close = os.pread, os.close
+
+    def pread(fd, n, off):
+        if fd in dead:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real_pread(fd, n, off)
+
+    def close(fd):  # closing the dead descriptor frees it; a new one under the same number is alive
+        dead.discard(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "close", close)
+    n = min(len(index), 8)
+    _, used, _, replaced, quarantined = maker.fill(0, np.arange(n))
+    assert not quarantined and used.tolist() == list(range(n)) and (replaced == -1).all()
+
+
+def test_kept_archive_descriptors_are_evicted_least_recently_used_first(tmp_path, monkeypatch):
+    paths = []
+    for k in range(3):
+        paths.append(str(tmp_path / f"{k}.tar"))
+        open(paths[-1], "wb").close()
+    monkeypatch.setattr(tarindex, "_MAX_OPEN", 2)
+    monkeypatch.setattr(tarindex, "_fds", {})
+    fd0 = tarindex._open(paths[0])
+    tarindex._open(paths[1])
+    assert tarindex._open(paths[0]) == fd0  # used again: now the most recent
+    tarindex._open(paths[2])  # evicts paths[1], the least recently used
+    assert list(tarindex._fds) == [paths[0], paths[2]]
+    for p in list(tarindex._fds):
+        tarindex._forget(p)
 
 
 def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
@@ -245,6 +308,7 @@ def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
     i1, c1 = load_index(root, None, EXTS, cache)
     i2, c2 = load_index(root, None, EXTS, cache)
     assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
+    assert i2.identity == i1.identity == ((os.stat(root).st_size, os.stat(root).st_ino),)
     st = os.stat(root)
     os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime

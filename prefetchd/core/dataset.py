@@ -47,6 +47,11 @@ class DatasetError(ValueError):
     """The dataset cannot be used: the message says why and what to do."""
 
 
+class StorageChanged(OSError):
+    """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
+    the storage's state, not the sample's fault (``executors.storage`` waits for it)."""
+
+
 @dataclass(frozen=True)
 class Index:
     root: str

@@ -16,7 +16,12 @@ hence every batch, are byte for byte those of the extracted folder. A flat set i
 
 **Reading.** The scan reads the tar headers only: one 512-byte ``pread`` per member, the data is
 skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
-``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever.
+``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever. A worker
+keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fails closes the
+archive so the next try opens it again (a stale NFS handle after a remount), and an archive is
+opened only if its (size, inode) are those it was indexed with: another file at its path (a copy
+put in its place, a cut download) raises ``dataset.StorageChanged``, which the worker treats as
+storage to wait for (``executors.storage``), never as bad samples read at the wrong offsets.
 
 **Unusual and hostile members** each have one outcome:
 
@@ -52,7 +57,14 @@ import numpy as np
 
 from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
-from prefetchd.core.dataset import DatasetError, Index, _cache_key, _fingerprint, default_cache_dir
+from prefetchd.core.dataset import (
+    DatasetError,
+    Index,
+    StorageChanged,
+    _cache_key,
+    _fingerprint,
+    default_cache_dir,
+)
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -81,6 +93,9 @@ class TarIndex(Index):
     block: np.ndarray | None = None
     size: np.ndarray | None = None
     scan_s: float = 0.0  # how long the scan that built it took
+    # each archive's (size, inode) when it was indexed, checked whenever it is opened to read (its
+    # offsets hold for that file only); inode 0: not checked (another node's copy); (): no check
+    identity: tuple[tuple[int, int], ...] = ()
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
@@ -97,14 +112,22 @@ class TarIndex(Index):
         return os.path.join(self.archive(i), rel.partition("/")[2] if self.layout == "tars" else rel)
 
     def read(self, i: int) -> bytes:
-        """Sample ``i``'s bytes: one positioned read at its offset (OSError when it cannot be read)."""
+        """Sample ``i``'s bytes: one positioned read at its offset (OSError when it cannot be read;
+        ``StorageChanged`` when its archive is not the one indexed)."""
         if self.block is None:
             return super().read(i)
         n = int(self.size[i])
-        data = os.pread(_open(self.archive(i)), n, int(self.block[i]) * _BLOCK)
-        if len(data) != n:
-            raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
-                                     "(it changed since it was indexed)")
+        a = 0 if self.archive_ids is None else int(self.archive_ids[i])
+        path = self.archive(i)
+        fd = _open(path, self.identity[a] if self.identity else None)
+        try:
+            data = os.pread(fd, n, int(self.block[i]) * _BLOCK)
+            if len(data) != n:
+                raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
+                                         "(it changed since it was indexed)")
+        except OSError:
+            _forget(path)  # a dead descriptor (a stale NFS handle, a remount): the next try opens the file again
+            raise
         return data
 
     def describe(self) -> str:
@@ -117,22 +140,43 @@ class TarIndex(Index):
         return super().nbytes + sum(a.nbytes for a in extra)
 
 
-_fds: dict[str, int] = {}
+_fds: dict[str, int] = {}  # in least recently used order
 _fds_pid = 0
 
 
-def _open(path: str) -> int:
-    """A read-only descriptor of ``path``, kept open for the next read (up to ``_MAX_OPEN``)."""
+def _open(path: str, identity: tuple[int, int] | None = None) -> int:
+    """A read-only descriptor of ``path``, kept open for the next read (the ``_MAX_OPEN`` most
+    recently used). ``identity``: the (size, inode) it was indexed with; a file that is not that
+    one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
     global _fds_pid
     if _fds_pid != os.getpid():  # a forked child: the parent's descriptors are its own business
         _fds.clear()
         _fds_pid = os.getpid()
-    fd = _fds.get(path)
+    fd = _fds.pop(path, None)
     if fd is None:
         if len(_fds) >= _MAX_OPEN:
             os.close(_fds.pop(next(iter(_fds))))
-        fd = _fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if identity is not None:
+            st = os.fstat(fd)
+            size, ino = identity
+            if st.st_size != size or (ino and st.st_ino != ino):
+                os.close(fd)
+                raise StorageChanged(errno.ESTALE, f"the archive {path} is not the one indexed (size {size}, inode "
+                                     f"{ino}; now size {st.st_size}, inode {st.st_ino}): batches wait until it is "
+                                     "back as it was; restart the daemon to index it again")
+    _fds[path] = fd
     return fd
+
+
+def _forget(path: str) -> None:
+    """Close the kept descriptor of ``path``, if any."""
+    fd = _fds.pop(path, None) if _fds_pid == os.getpid() else None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 # --- reading tar headers -------------------------------------------------------------------------
@@ -320,6 +364,11 @@ def _identity(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+def _size_inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_ino
+
+
 def _open_archive(path: str, what: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -404,6 +453,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[Ta
                 index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",))
             else:
                 index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "")
+            index = replace(index, identity=(_size_inode(fd),))
         finally:
             os.close(fd)
     elif kind == "tars":
@@ -419,6 +469,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[Ta
                 tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
                 stamps.append(_identity(os.path.join(root, name)))
             index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names))
+            index = replace(index, identity=tuple(_size_inode(fd) for fd in fds))
         finally:
             for fd in fds:
                 os.close(fd)
@@ -465,7 +516,7 @@ def _load(cdir: str, validate: bool = True) -> TarIndex | None:
         return TarIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
                         meta["fingerprint"], files_dir=cdir, layout=meta["layout"], archives=tuple(meta["archives"]),
                         archive_ids=arrays.get("archive_ids"), block=arrays.get("block"), size=arrays.get("size"),
-                        scan_s=meta["scan_s"])
+                        scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -485,7 +536,7 @@ def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
         files[k] = name
     meta = {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
             "archives": list(index.archives), "fingerprint": index.fingerprint, "files": files, "stamps": stamps,
-            "count": len(index), "scan_s": index.scan_s}
+            "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity]}
     fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f)

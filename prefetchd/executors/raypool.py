@@ -284,6 +284,8 @@ class RayPool:
         if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
             mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
                                                     for k in ("archive_ids", "block", "size")})
+            # another node's copy has its own inodes: only the sizes are checked there
+            mapped = dataclasses.replace(mapped, identity=tuple((size, 0) for size, _ in mapped.identity))
         val = self._remote_setup(setup.val) if setup.val is not None else None
         return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 
