@@ -8,7 +8,9 @@ store; this daemon alone writes the temp file and publishes it, so publishing st
 local.
 
 Actors restart when their process or node dies (``max_restarts=-1``); the batches they held
-come back to the daemon as lost and are made again, like a dead local worker's. Connecting runs
+come back to the daemon as lost and are made again, like a dead local worker's. A batch that
+met unreadable storage is not lost: the actor answers "unavailable" and the daemon waits for
+the storage as it does for a local worker (``executors.storage``). Connecting runs
 on a thread: the daemon starts at once and keeps making batches locally while the cluster is
 being reached, or when it cannot be, and says so in its status (``ray``).
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from prefetchd.core.config import RayConfig
 from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
+from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
 from prefetchd.format.batchfile import BatchMeta
 from prefetchd.format.progress import VAL_LANE
@@ -37,6 +40,7 @@ log = logging.getLogger("prefetchd.ray")
 
 _WAIT_S = 0.1
 _MAX_FAILURES = 3
+_UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
 
 
 @dataclass
@@ -76,7 +80,10 @@ def _actor_class(ray):
             t0 = time.perf_counter()
             rank, batch, batches = where
             builder = maker.builder_for(epoch, batch)
-            _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
+            try:
+                _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
+            except StorageUnavailable as e:  # the storage's, not the actor's: the daemon waits, as for a local worker
+                return _UNAVAILABLE, str(e)
             data = builder.pack(BatchMeta(rank, epoch, batch, batches, maker.fingerprint), used, labels, replaced)
             return data, used, labels, replaced, quarantined, time.perf_counter() - t0
 
@@ -269,6 +276,9 @@ class RayPool:
                 log.error("ray: batch r%d e%d b%d was lost (%s: %s); making it again", task.rank, task.epoch,
                           task.batch, type(value).__name__, _first_line(value))
                 lost.append(task)
+                continue
+            if value[0] == _UNAVAILABLE:  # what worker_main answers for a StorageUnavailable
+                results.append(Result(task.rank, task.epoch, task.batch, None, error=value[1], unavailable=True))
                 continue
             data, used, labels, replaced, quarantined, seconds = value
             setup = self.setup.val if task.rank >= VAL_LANE else self.setup
