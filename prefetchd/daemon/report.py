@@ -56,7 +56,7 @@ def status_record(d) -> dict:
         "progress_watch": d.watcher.mode, "rss_bytes": rss, "ranks": ranks,
         "executor": d.cfg.workers.executor, "ray": d.remote.status() if d.remote is not None else None,
         "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
-        "dataset_unreadable": d.dataset_unreadable,
+        "dataset_unreadable": d.outages.describe(),
     }
 
 
