@@ -80,6 +80,13 @@ class Index:
         finally:
             os.close(fd)
 
+    def sample_size(self, i: int) -> int:
+        """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
+        try:
+            return os.stat(self.path(i)).st_size
+        except OSError:
+            return 0
+
     @property
     def nbytes(self) -> int:
         return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes

@@ -130,6 +130,10 @@ class TarIndex(Index):
             raise
         return data
 
+    def sample_size(self, i: int) -> int:
+        """Sample ``i``'s size in bytes, from the index (no stat: the member is not a file)."""
+        return super().sample_size(i) if self.size is None else int(self.size[i])
+
     def describe(self) -> str:
         where = os.path.basename(self.root.rstrip("/"))
         return f"{where}, {_LAYOUT_WORDS.get(self.layout, self.layout)} (indexed in {self.scan_s:.1f} s)"

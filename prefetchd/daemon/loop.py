@@ -402,7 +402,7 @@ class Daemon:
             return batchfile.max_file_size(self.sampler.batch_len(b), size, size)
         bound = self._bounds.get(key)
         if bound is None:
-            bound = builders.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b), size)
+            bound = builders.compact_bound(self.index.sample_size, self.sampler.batch_indices(e, r, b), size)
             if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
                 self._bounds.clear()
             self._bounds[key] = bound
