@@ -147,7 +147,8 @@ def cmd_check(args) -> int:
         from prefetchd.core.sampler import ValSampler
 
         try:
-            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit)
+            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit,
+                                section="validation")
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)

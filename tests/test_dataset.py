@@ -84,3 +84,24 @@ def test_a_directory_symlink_to_an_ancestor_indexes_every_image_once_with_its_ow
     assert got == [("a/1.jpg", "a"), ("a/sub/2.jpg", "a"), ("b/1.jpg", "b"), ("b/ext2/3.jpg", "b"),
                    ("c/1.jpg", "c")]
     assert sorted(s.split()[0] for s in index.skipped) == ["a/up", "c/b-again", "c/ext"]
+
+
+@pytest.mark.parametrize("devkit", [False, True])
+def test_a_mistyped_validation_root_is_named_by_its_own_key(tmp_path, image_root, devkit):
+    """``prefetchd check`` names the key the user got wrong (validation.root), not dataset.root, and
+    with validation.devkit set does not blame the devkit for a root that is not there."""
+    import subprocess
+    import sys
+
+    from conftest import small_config
+
+    val = {"enabled": True, "root": str(tmp_path / "vall"), "batch_size": 4}
+    if devkit:
+        val["devkit"] = str(tmp_path / "devkit")
+        os.makedirs(val["devkit"])
+    cfg = small_config(tmp_path, image_root, validation=val)
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 78, (r.stdout, r.stderr)
+    assert f"validation.root {tmp_path / 'vall'} does not exist" in r.stderr, r.stderr
+    assert "dataset.root" not in r.stderr and "remove validation.devkit" not in r.stderr, r.stderr

@@ -108,28 +108,30 @@ def _build(root: str, classes: list[str], rel: list[bytes], labels: list[int]) -
     return Index(root, tuple(classes), blob, offsets, lab, _fingerprint(blob, offsets, lab))
 
 
-def _check_root(root: str) -> None:
+def _check_root(root: str, key: str = "dataset.root") -> None:
+    """``root`` (the config key ``key`` names it) is a readable directory, or a DatasetError says why."""
     try:
         st = os.stat(root)
     except FileNotFoundError:
-        raise DatasetError(f"dataset.root {root} does not exist") from None
+        raise DatasetError(f"{key} {root} does not exist") from None
     except PermissionError:
-        raise DatasetError(f"dataset.root {root} is not readable (permission denied)") from None
+        raise DatasetError(f"{key} {root} is not readable (permission denied)") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise DatasetError(f"dataset.root {root} is not a directory")
+        raise DatasetError(f"{key} {root} is not a directory")
     if not os.access(root, os.R_OK | os.X_OK):
-        raise DatasetError(f"dataset.root {root} is not readable (permission denied)")
+        raise DatasetError(f"{key} {root} is not readable (permission denied)")
 
 
-def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str, int]]]:
-    """Scan ``root/<class>/...``. Returns the index and the (dir, mtime_ns) list that validates
-    a cache of it."""
-    _check_root(root)
+def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[
+        Index, list[tuple[str, int]]]:
+    """Scan ``root/<class>/...`` (``key``: the config key naming it, for messages). Returns the
+    index and the (dir, mtime_ns) list that validates a cache of it."""
+    _check_root(root, key)
     exts = tuple(e.lower() for e in extensions)
     stamps: list[tuple[str, int]] = [(root, os.stat(root).st_mtime_ns)]
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
     if not classes:
-        raise DatasetError(f"dataset.root {root} has no class folders (expected root/<class>/<image>)")
+        raise DatasetError(f"{key} {root} has no class folders (expected root/<class>/<image>)")
     rel: list[bytes] = []
     labels: list[int] = []
     empty: list[str] = []
@@ -179,7 +181,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
                     "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
                     "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if not rel:
-        raise DatasetError(f"dataset.root {root} holds no images with extensions {', '.join(exts)}")
+        raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")
     return replace(_build(root, classes, rel, labels), skipped=tuple(skipped)), stamps
 
 
@@ -198,13 +200,13 @@ def _walk_error(err: OSError) -> None:
     log.warning("cannot read %s: %s", err.filename, err.strerror)
 
 
-def scan_file_list(list_path: str) -> tuple[Index, list[tuple[str, int]]]:
+def scan_file_list(list_path: str, key: str = "dataset.file_list") -> tuple[Index, list[tuple[str, int]]]:
     try:
         st = os.stat(list_path)
         with open(list_path, "rb") as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise DatasetError(f"dataset.file_list {list_path}: {e.strerror}") from None
+        raise DatasetError(f"{key} {list_path}: {e.strerror}") from None
     root = os.path.dirname(list_path)
     rel: list[bytes] = []
     labels: list[int] = []
@@ -214,13 +216,13 @@ def scan_file_list(list_path: str) -> tuple[Index, list[tuple[str, int]]]:
             continue
         parts = line.rsplit(None, 1)
         if len(parts) != 2 or not parts[1].lstrip(b"-").isdigit() or int(parts[1]) < 0:
-            raise DatasetError(f"dataset.file_list {list_path}:{lineno}: expected 'path label' with a non-negative integer label, got {raw[:80]!r}")
+            raise DatasetError(f"{key} {list_path}:{lineno}: expected 'path label' with a non-negative integer label, got {raw[:80]!r}")
         rel.append(parts[0])
         labels.append(int(parts[1]))
     if not rel:
-        raise DatasetError(f"dataset.file_list {list_path} lists no images")
+        raise DatasetError(f"{key} {list_path} lists no images")
     if max(labels) >= 2**31:
-        raise DatasetError(f"dataset.file_list {list_path}: labels must be below 2**31")
+        raise DatasetError(f"{key} {list_path}: labels must be below 2**31")
     classes = [str(i) for i in range(max(labels) + 1)]
     return _build(root, classes, rel, labels), [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
 
@@ -295,15 +297,20 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
 
 
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
-               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None) -> tuple[Index, bool]:
+               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
+               section: str = "dataset") -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
-    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``)."""
+    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
+    ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
+    validation set), so a message names the key the user wrote."""
     if root is not None and file_list is None:
         from prefetchd.core import tarindex
 
         if tarindex.layout(root, devkit):
-            return tarindex.load(root, devkit, extensions, cache_dir, use_cache)
+            return tarindex.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root")
     if devkit:
+        if root is not None and file_list is None:
+            _check_root(root, f"{section}.root")  # missing or unreadable: that, not the devkit, is the mistake
         raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
                            f"flat folder); {root or file_list} is not one (its labels are its own): remove "
                            "validation.devkit")
@@ -315,9 +322,9 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
         if cached is not None:
             return cached, True
     if kind == "list":
-        index, stamps = scan_file_list(source)
+        index, stamps = scan_file_list(source, f"{section}.file_list")
     else:
-        index, stamps = scan_image_folder(source, extensions)
+        index, stamps = scan_image_folder(source, extensions, f"{section}.root")
     if use_cache:
         try:
             index = _save_cache(cdir, index, stamps)

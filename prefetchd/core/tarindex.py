@@ -190,8 +190,9 @@ def _show(name: bytes) -> str:
     return os.fsdecode(name)
 
 
-def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = False) -> tuple[bytes, bytes, int]:
-    """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one."""
+def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: str = "") -> tuple[bytes, bytes, int]:
+    """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one
+    (``top``: the config key naming the archive, when it is the root itself)."""
     try:
         stored = int(hdr[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
     except ValueError:
@@ -209,7 +210,7 @@ def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = Fa
         hint = "it is gzip-compressed: decompress it first" if hdr[:2] == b"\x1f\x8b" and last is None else (
             "the archive is corrupt, compressed or not a tar")
         if top and last is None:  # the root itself: say what it could have been
-            raise DatasetError(f"dataset.root {where} is not a directory (an ImageFolder) nor an uncompressed tar "
+            raise DatasetError(f"{top} {where} is not a directory (an ImageFolder) nor an uncompressed tar "
                                f"archive: no valid tar header at offset 0; {hint}")
         raise DatasetError(f"{where}: no valid tar header at offset {off} ({after}); {hint}")
     name = hdr[:100].split(b"\0", 1)[0]
@@ -228,7 +229,7 @@ def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = Fa
     return name, hdr[156:157], size
 
 
-def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool = False) -> list[tuple[bytes, int, int]]:
+def _members(fd: int, start: int, end: int, where: str, skipped: list, top: str = "") -> list[tuple[bytes, int, int]]:
     """(normalised name, data offset, size) of every regular member of the tar that occupies
     ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
     out = []
@@ -436,20 +437,20 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
     return replace(index, block=None, size=None) if layout_ == "flat-folder" else index
 
 
-def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[TarIndex, list]:
-    """Index ``root`` (see the module docstring). Returns the index and the identities (path,
+def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[TarIndex, list]:
+    """Index ``root`` (see the module docstring; ``key``: the config key naming it). Returns the index and the identities (path,
     size, mtime, inode) that validate a cache of it."""
     exts = tuple(e.lower().encode() for e in extensions)
     kind = layout(root, devkit)
     stamps = [_identity(root)]
     if kind == "tar":
-        fd = _open_archive(root, "dataset.root")
+        fd = _open_archive(root, key)
         try:
             skipped: list = []
             if os.fstat(fd).st_size < 2 * _BLOCK:  # not even a header and an end-of-archive block
-                raise DatasetError(f"dataset.root {root} is not a directory (an ImageFolder) nor a tar archive "
+                raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
-            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=True), root, skipped)
+            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
             _warn_skipped(root, skipped)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
@@ -464,7 +465,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[Ta
         names = sorted(e.name for e in os.scandir(root)
                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
         if len(names) > 65535:
-            raise DatasetError(f"dataset.root {root} holds {len(names)} tar files; at most 65535 are supported")
+            raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
         fds: list[int] = []
         try:
             tars = []
@@ -555,7 +556,7 @@ def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
 
 
 def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: str | None,
-         use_cache: bool = True) -> tuple[TarIndex, bool]:
+         use_cache: bool = True, key: str = "dataset.root") -> tuple[TarIndex, bool]:
     """As ``dataset.load_index`` for the archive layouts: (index, from_cache)."""
     source = f"{root}|devkit={devkit or ''}"
     cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, "archive", extensions))
@@ -564,7 +565,7 @@ def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: 
         if cached is not None:
             return cached, True
     t0 = time.monotonic()
-    index, stamps = scan(root, devkit, extensions)
+    index, stamps = scan(root, devkit, extensions, key)
     index = replace(index, scan_s=round(time.monotonic() - t0, 3))
     if use_cache:
         try:

@@ -188,7 +188,8 @@ class Daemon:
             try:
                 box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir)
                 if V.enabled:
-                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit)
+                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
+                                            section="validation")
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             self._wake()
