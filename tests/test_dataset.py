@@ -105,3 +105,14 @@ def test_a_mistyped_validation_root_is_named_by_its_own_key(tmp_path, image_root
     assert r.returncode == 78, (r.stdout, r.stderr)
     assert f"validation.root {tmp_path / 'vall'} does not exist" in r.stderr, r.stderr
     assert "dataset.root" not in r.stderr and "remove validation.devkit" not in r.stderr, r.stderr
+
+
+def test_every_index_describes_itself_and_the_cache_keeps_what_it_is(tmp_path):
+    touch(str(tmp_path / "root/a/1.jpg"))
+    (tmp_path / "list.txt").write_text("root/a/1.jpg 0\n")
+    cache = str(tmp_path / "cache")
+    for _ in range(2):  # scanned, then from the cache
+        folder, _ = load_index(str(tmp_path / "root"), None, (".jpg",), cache)
+        listed, _ = load_index(None, str(tmp_path / "list.txt"), (".jpg",), cache)
+        assert folder.describe() == "root, an ImageFolder"
+        assert listed.describe() == f"a file list in {tmp_path}"

@@ -62,6 +62,7 @@ class Index:
     fingerprint: str  # hex: content hash of paths and labels
     files_dir: str | None = None  # where the .npy files live (for workers to mmap)
     skipped: tuple[str, ...] = ()  # directories the scan did not index, each with why
+    kind: str = "folder"  # what the root is: "folder" (an ImageFolder) or "list" (dataset.file_list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -79,6 +80,12 @@ class Index:
             return read_all(fd)
         finally:
             os.close(fd)
+
+    def describe(self) -> str:
+        """What the dataset is, in a few words (``prefetchd check``)."""
+        if self.kind == "list":
+            return f"a file list in {self.root}"
+        return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
@@ -224,7 +231,8 @@ def scan_file_list(list_path: str, key: str = "dataset.file_list") -> tuple[Inde
     if max(labels) >= 2**31:
         raise DatasetError(f"{key} {list_path}: labels must be below 2**31")
     classes = [str(i) for i in range(max(labels) + 1)]
-    return _build(root, classes, rel, labels), [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
+    index = replace(_build(root, classes, rel, labels), kind="list")
+    return index, [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
 
 
 def default_cache_dir() -> str:
@@ -263,7 +271,8 @@ def _load_cache(cdir: str, validate: bool = True) -> Index | None:
         arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
                   for k in ("blob", "offsets", "labels")}
         return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
-                     arrays["labels"], meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())))
+                     arrays["labels"], meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())),
+                     kind=meta.get("kind", "folder"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -280,7 +289,7 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
         files[k] = name
     meta = {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
             "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index),
-            "skipped": list(index.skipped)}
+            "skipped": list(index.skipped), "kind": index.kind}
     fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f)
