@@ -132,9 +132,9 @@ def cmd_check(args) -> int:
     print(f"config {cfg.source}: ok")
     print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
           + f"; {index.describe()}")
-    if index.skipped:  # the rule: prefetchd/dataset.py's docstring
-        print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
-              "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
+    if index.skipped:  # the rules: prefetchd/core/dataset.py's and tarindex.py's docstrings
+        print(f"dataset: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
+              f"({index.skipped_rule}):")
         for what in index.skipped[:20]:
             print(f"  skipped {what}")
         if len(index.skipped) > 20:

@@ -182,6 +182,22 @@ def test_hostile_members_are_skipped_with_a_warning_and_never_read(tmp_path, cap
         assert "/n0.tar (an absolute path)" in text and "../n2.tar (a '..' component)" in text
 
 
+def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
+    rng = np.random.default_rng(1)
+    jpeg, other = (jpeg_bytes(photo_like(rng, 40, 30), rng) for _ in range(2))
+    root = tmp_path / "tars"
+    root.mkdir()
+    (root / "n1.tar").write_bytes(_hostile_class_tar(jpeg, other))
+    cfg = small_config(tmp_path, str(root), loader={"batch_size": 2})
+    for how in ("scanned", "cached index"):  # the second check reads the cache the first one wrote
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and f"dataset: 3 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
+        assert "archive members not indexed (only regular members" in r.stdout, r.stdout
+        assert f"  skipped {root / 'n1.tar'}: link.JPEG (a symbolic link)" in r.stdout, r.stdout
+        assert "/abs.JPEG (an absolute path)" in r.stdout, r.stdout
+
+
 def _train_tar(tmp_path, inner: bytes, name="n1.tar") -> str:
     path = str(tmp_path / "t.tar")
     with open(path, "wb") as f:

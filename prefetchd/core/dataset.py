@@ -81,6 +81,10 @@ class Index:
         finally:
             os.close(fd)
 
+    # what ``skipped`` holds (one, many) and by which rule, for ``prefetchd check``
+    skipped_what = ("directory", "directories")
+    skipped_rule = "directory symlinks into the root are not followed; a directory is indexed once"
+
     def describe(self) -> str:
         """What the dataset is, in a few words (``prefetchd check``)."""
         if self.kind == "list":

@@ -96,6 +96,9 @@ class TarIndex(Index):
     # each archive's (size, inode) when it was indexed, checked whenever it is opened to read (its
     # offsets hold for that file only); inode 0: not checked (another node's copy); (): no check
     identity: tuple[tuple[int, int], ...] = ()
+    skipped_what = ("archive member", "archive members")
+    skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
+                    "a flat set's images without a devkit label")
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
@@ -303,11 +306,23 @@ def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[by
     return keep
 
 
-def _warn_skipped(where: str, skipped: list) -> None:
+_MAX_NOTES = 1000  # skipped members kept with the index (for check); more are counted
+
+
+def _warn_skipped(where: str, skipped: list, notes: list) -> None:
+    """Warn once for ``where`` and keep what was skipped in ``notes`` (``Index.skipped``)."""
     if skipped:
         shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:20])
         log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown,
                     f"; and {len(skipped) - 20} more" if len(skipped) > 20 else "")
+        for n, why in skipped:
+            notes.append(f"{where}: {_show(n)} ({why})")
+
+
+def _kept(notes: list) -> tuple[str, ...]:
+    if len(notes) <= _MAX_NOTES:
+        return tuple(notes)
+    return (*notes[:_MAX_NOTES], f"... and {len(notes) - _MAX_NOTES} more (see the warnings of the scan)")
 
 
 # --- scanning ------------------------------------------------------------------------------------------
@@ -382,7 +397,7 @@ def _open_archive(path: str, what: str) -> int:
 
 
 def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], exts, layout_: str,
-                     archives: tuple[str, ...]) -> TarIndex:
+                     archives: tuple[str, ...], notes: list) -> TarIndex:
     """``tars``: (class, archive number, start, end) in class order."""
     out = _Arrays()
     out.multi = len(archives) > 1
@@ -393,7 +408,7 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
         images = _images(_unique(_members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
-        _warn_skipped(where, skipped)
+        _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
             out.add(prefix + name, label, pos, size, arch)
@@ -409,7 +424,8 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
     return out.index(root, classes, layout_, archives)
 
 
-def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str) -> TarIndex:
+def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str,
+          notes: list) -> TarIndex:
     if not devkit:
         raise DatasetError(f"{root} is a flat set of {len(names)} images with no class tars or folders: set "
                            "validation.devkit to label it (ImageNet's validation set), or give per-class tars")
@@ -425,7 +441,7 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
             unlabelled.append((name, "no ILSVRC2012_val_NNNNNNNN number in the devkit's ground truth"))
             continue
         out.add(name, labels[k - 1], pos, size)
-    _warn_skipped(root, unlabelled)
+    _warn_skipped(root, unlabelled, notes)
     if not len(out.labels):
         raise DatasetError(f"{root} holds no validation images that the devkit {devkit} labels")
     used = sorted(set(out.labels))  # only the classes present: a train subset may lack the others
@@ -443,6 +459,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
     exts = tuple(e.lower().encode() for e in extensions)
     kind = layout(root, devkit)
     stamps = [_identity(root)]
+    notes: list = []  # what was skipped, kept with the index
     if kind == "tar":
         fd = _open_archive(root, key)
         try:
@@ -451,13 +468,13 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
             top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
-            _warn_skipped(root, skipped)
+            _warn_skipped(root, skipped, notes)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
             if tars:
-                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",))
+                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",), notes)
             else:
-                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "")
+                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "", notes)
             index = replace(index, identity=(_size_inode(fd),))
         finally:
             os.close(fd)
@@ -473,19 +490,19 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 fds.append(_open_archive(os.path.join(root, name), "class tar"))
                 tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
                 stamps.append(_identity(os.path.join(root, name)))
-            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names))
+            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names), notes)
             index = replace(index, identity=tuple(_size_inode(fd) for fd in fds))
         finally:
             for fd in fds:
                 os.close(fd)
     elif kind == "flat-folder":
         names = sorted(os.fsencode(e.name) for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
-        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "")
+        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "", notes)
     else:
         raise DatasetError(f"{root} is not an archive layout")  # pragma: no cover - dispatch checks first
     if devkit:
         stamps += [_identity(p) for p in _devkit_files(devkit)]
-    return index, stamps
+    return replace(index, skipped=_kept(notes)), stamps
 
 
 def _devkit_files(devkit: str) -> list[str]:
@@ -521,7 +538,8 @@ def _load(cdir: str, validate: bool = True) -> TarIndex | None:
         return TarIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
                         meta["fingerprint"], files_dir=cdir, layout=meta["layout"], archives=tuple(meta["archives"]),
                         archive_ids=arrays.get("archive_ids"), block=arrays.get("block"), size=arrays.get("size"),
-                        scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())))
+                        scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())),
+                        skipped=tuple(meta.get("skipped", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -541,7 +559,8 @@ def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
         files[k] = name
     meta = {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
             "archives": list(index.archives), "fingerprint": index.fingerprint, "files": files, "stamps": stamps,
-            "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity]}
+            "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity],
+            "skipped": list(index.skipped)}
     fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(meta, f)
