@@ -143,10 +143,20 @@ def _hostile_class_tar(jpeg: bytes, other: bytes) -> bytes:
         _member("fifo.JPEG", kind=tarfile.FIFOTYPE),
         _member("sparse.JPEG", jpeg, kind=tarfile.GNUTYPE_SPARSE),
         _member("dup.JPEG", other),
-        _member("L" * 120 + ".JPEG", jpeg),  # a GNU long-name header, then the member
+        _member("L" * 120 + ".JPEG", jpeg),  # a GNU long-name header, then the member: read by its long name
         _member("pax.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"comment": "x"}),  # a PAX header, then it
         tarfile.TarInfo._create_pax_generic_header({"comment": "global"}, tarfile.XGLTYPE, "utf-8"),
         _member("dup.JPEG", jpeg),
+        # the PAX size record, not the header's 0, says where the data ends (and the next header starts)
+        _member("psize.JPEG", other, fmt=tarfile.PAX_FORMAT, pax_headers={"size": str(len(other))}),
+        # extension headers do not make a hostile member safe: it is judged by its full name and kind
+        _member("ok1.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"path": "../pax-up.JPEG"}),
+        _member("ok2.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"path": "/pax-abs.JPEG"}),
+        _member("psparse.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={
+            "GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "psparse.JPEG",
+            "GNU.sparse.realsize": str(len(jpeg))}),
+        _member("x/" + "y" * 110 + "/../../../evil.JPEG", jpeg),  # a GNU long name with '..'
+        _member("l" * 120 + ".JPEG", kind=tarfile.SYMTYPE, linkname="/etc/" + "p" * 120),  # long name and link
         _member("z.JPEG", other),
     ]
     return b"".join(parts) + bytes(1024)
@@ -169,17 +179,72 @@ def test_hostile_members_are_skipped_with_a_warning_and_never_read(tmp_path, cap
     with caplog.at_level(logging.WARNING, "prefetchd.dataset"):
         index, _ = load_index(root, None, EXTS, None, use_cache=False)
     assert index.classes == ("n1",)
-    assert [index.relpath(i) for i in range(len(index))] == ["n1/a.JPEG", "n1/dup.JPEG", "n1/z.JPEG"]
-    assert [index.read(i) for i in range(3)] == [jpeg, jpeg, other]  # a duplicate: the last copy, as tar x would
+    assert [index.relpath(i) for i in range(len(index))] == [
+        "n1/" + "L" * 120 + ".JPEG", "n1/a.JPEG", "n1/dup.JPEG", "n1/pax.JPEG", "n1/psize.JPEG", "n1/z.JPEG"]
+    # a duplicate: the last copy, as tar x would; offsets exact after every extension header
+    assert [index.read(i) for i in range(len(index))] == [jpeg, jpeg, jpeg, jpeg, other, other]
     text = caplog.text
-    for name, why in [("/abs.JPEG", "an absolute path"), ("../up.JPEG", "'..'"), ("x/../../up2.JPEG", "'..'"),
+    for name, why in [("/abs.JPEG", "an absolute path"), ("../up.JPEG", "a '..' component"), ("x/../../up2.JPEG", "a '..' component"),
                       ("link.JPEG", "a symbolic link"), ("hard.JPEG", "a hard link"), ("dev.JPEG", "a character device"),
                       ("fifo.JPEG", "a FIFO"), ("sparse.JPEG", "a GNU sparse file"), ("dup.JPEG", "a duplicate name"),
-                      ("pax.JPEG", "described by a PAX extended header"), ("L" * 100, "described by a GNU long-name"),
-                      ("PaxHeader", "a PAX global header")]:
-        assert f"{name}" in text and why in text, (name, why, text)
+                      ("PaxHeader", "a PAX global header"), ("../pax-up.JPEG", "a '..' component"),
+                      ("/pax-abs.JPEG", "an absolute path"), ("psparse.JPEG", "a PAX sparse file"),
+                      ("y" * 110 + "/../../../evil.JPEG", "a '..' component"), ("l" * 120 + ".JPEG", "a symbolic link")]:
+        assert f"{name} ({why}" in text, (name, why, text)
     if packed == "tar":
         assert "/n0.tar (an absolute path)" in text and "../n2.tar (a '..' component)" in text
+
+
+def _tar_of(folder: str, dest: str, fmt: int) -> None:
+    """``folder``'s files in a tar written by Python's ``tarfile`` in ``fmt`` (PAX: its default),
+    with an extended attribute on each file, as bsdtar and ``tar --xattrs`` record them."""
+    with tarfile.open(dest, "w", format=fmt) as tf:
+        for d, dirs, files in sorted(os.walk(folder)):
+            dirs.sort()
+            for f in sorted(files)[::-1]:  # not in name order
+                info = tf.gettarinfo(os.path.join(d, f), os.path.relpath(os.path.join(d, f), folder))
+                if fmt == tarfile.PAX_FORMAT:
+                    info.pax_headers = {"SCHILY.xattr.user.origin": "camera", "mtime": "1700000000.25"}
+                with open(os.path.join(d, f), "rb") as fh:
+                    tf.addfile(info, fh)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+@pytest.mark.parametrize("packed", ["tar", "tars"])
+def test_tars_with_pax_headers_and_gnu_long_names_index_as_their_extracted_folder(tmp_path, fmt, packed):
+    """What users' tars hold: PAX headers (Python's default, tar --format=posix, bsdtar's xattrs)
+    and GNU long names. Each is the next member's metadata: the tar indexes and reads every image
+    exactly as the extracted folder does."""
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "folder"
+    names = ["plain.JPEG", "caf\u00e9-\u5199\u771f.JPEG", "a" * 150 + ".JPEG", "sub/" + "b" * 120 + "/deep.JPEG"]
+    for cls in ("n01", "n02"):
+        for k, name in enumerate(names):
+            path = folder / cls / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(jpeg_bytes(photo_like(rng, 40 + k, 30), rng))
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    for cls in ("n01", "n02"):
+        _tar_of(str(folder / cls), str(tars / f"{cls}.tar"), fmt)
+    root = str(tars)
+    if packed == "tar":
+        root = str(tmp_path / "train.tar")
+        _tar_of(str(tars), root, fmt)
+    ref, _ = load_index(str(folder), None, EXTS, None, use_cache=False)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    assert isinstance(index, TarIndex) and index.layout == packed and not index.skipped, index.skipped
+    assert [index.relpath(i) for i in range(len(index))] == [ref.relpath(i) for i in range(len(ref))]
+    assert len(index) == 8 and index.labels.tolist() == ref.labels.tolist() and index.fingerprint == ref.fingerprint
+    assert [index.read(i) for i in range(len(index))] == [ref.read(i) for i in range(len(ref))]
+
+
+def test_a_pax_global_header_that_sets_every_path_is_a_clear_error(tmp_path):
+    rng = np.random.default_rng(3)
+    inner = (tarfile.TarInfo._create_pax_generic_header({"path": "same.JPEG"}, tarfile.XGLTYPE, "utf-8")
+             + _member("a.JPEG", jpeg_bytes(photo_like(rng, 40, 30), rng)) + bytes(1024))
+    with pytest.raises(DatasetError, match=r"n1\.tar: the PAX global header at offset 0 sets path for every member"):
+        load_index(_train_tar(tmp_path, inner), None, EXTS, None, use_cache=False)
 
 
 def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
@@ -192,7 +257,7 @@ def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
     for how in ("scanned", "cached index"):  # the second check reads the cache the first one wrote
         r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
                            text=True, timeout=120)
-        assert r.returncode == 0 and f"dataset: 3 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
+        assert r.returncode == 0 and f"dataset: 6 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
         assert "archive members not indexed (only regular members" in r.stdout, r.stdout
         assert f"  skipped {root / 'n1.tar'}: link.JPEG (a symbolic link)" in r.stdout, r.stdout
         assert "/abs.JPEG (an absolute path)" in r.stdout, r.stdout

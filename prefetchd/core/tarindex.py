@@ -25,14 +25,19 @@ storage to wait for (``executors.storage``), never as bad samples read at the wr
 
 **Unusual and hostile members** each have one outcome:
 
+* read as the next member's metadata: a PAX extended header's (``x``, what Python's ``tarfile``,
+  ``tar --format=posix`` and bsdtar write) ``path`` and ``size`` records, and a GNU long name
+  (``L``); other PAX records (times, owners, xattrs) and GNU long link names (``K``) are ignored.
+  The member is then judged by its full name like any other, and its data offset stays exact;
 * skipped, with one warning per archive naming them: a path that is absolute or has a ``..``
-  component; hard and symbolic links, devices, FIFOs, GNU sparse files and other non-regular
-  types; a GNU long-name (``L``/``K``) or PAX (``x``) extension header together with the member
-  it describes (its real name or size may be in the extension); a PAX global header (ignored);
+  component; hard and symbolic links, devices, FIFOs, GNU sparse files (``S``, or PAX
+  ``GNU.sparse.*`` records) and other non-regular types; a member whose extension header is
+  malformed or over 1 MiB; a PAX global header (``g``) that sets no path or size (ignored);
 * a duplicate name: the last copy is used, as extraction would, with a warning;
 * a one-line error naming the archive and the member: a header that is not a tar header (bad
   checksum: corrupt, compressed or not a tar), an archive that ends inside a header, a member
-  whose data runs past the end of its archive (a truncated download) or of its inner tar;
+  whose data runs past the end of its archive (a truncated download) or of its inner tar, a PAX
+  global header that sets a path or size for every member after it;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -69,11 +74,13 @@ from prefetchd.core.dataset import (
 log = logging.getLogger("prefetchd.dataset")
 
 META = "tarmeta.json"
-_VERSION = 2
+_VERSION = 3  # 3: PAX and GNU long-name members indexed; archive identities and skipped members kept
 _BLOCK = 512
 _ZERO = bytes(_BLOCK)
 _REGULAR = (b"0", b"\0", b"7")
-_DESCRIBES_NEXT = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x": "PAX extended header"}
+_EXTENSIONS = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x": "PAX extended header",
+               b"g": "PAX global header"}  # headers whose data describes the next member(s), not a file
+_MAX_EXTENSION = 1 << 20  # an extension header's data beyond this is not metadata
 _OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
           b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
 _MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
@@ -236,7 +243,8 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list, top: str 
     """(normalised name, data offset, size) of every regular member of the tar that occupies
     ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
     out = []
-    off, last, pending = start, None, None
+    off, last = start, None
+    ext: dict = {}  # what extension headers said of the next member: "name", "size", "why" (skip it)
     while end - off >= _BLOCK:
         hdr = os.pread(fd, _BLOCK, off)
         if len(hdr) < _BLOCK:
@@ -247,19 +255,24 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list, top: str 
         data = off + _BLOCK
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
-                ext = os.pread(fd, _BLOCK, data)
+                ext_block = os.pread(fd, _BLOCK, data)
                 data += _BLOCK
-                if len(ext) < _BLOCK or data > end or not ext[504]:
+                if len(ext_block) < _BLOCK or data > end or not ext_block[504]:
                     break
+        if kind not in _EXTENSIONS:  # the member the extension headers before it describe
+            name, size = ext.get("name", name), ext.get("size", size)
         if size > end - data:
             raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data - start} but its archive "
                                f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
-        off, last = data + -(-size // _BLOCK) * _BLOCK, name
-        if pending is not None:
-            skipped.append((name, f"described by a {pending}"))
-            pending = None
-        elif kind in _DESCRIBES_NEXT:
-            pending = _DESCRIBES_NEXT[kind]
+        header_at, off, last = off, data + -(-size // _BLOCK) * _BLOCK, name
+        if kind in _EXTENSIONS:
+            _extension(fd, kind, name, data, size, ext, skipped, f"{where}: the {_EXTENSIONS[kind]} at offset "
+                       f"{header_at - start}")
+            continue
+        why = ext.get("why")
+        ext.clear()
+        if why is not None:
+            skipped.append((name, why))
         elif kind == b"5":
             pass
         elif kind not in _REGULAR:
@@ -276,6 +289,62 @@ def _members(fd: int, start: int, end: int, where: str, skipped: list, top: str 
         raise DatasetError(f"{where} is truncated: it ends inside the header after member "
                            f"{_show(last) if last is not None else '(none)'} (download it again)")
     return out
+
+
+def _extension(fd: int, kind: bytes, name: bytes, data: int, size: int, ext: dict, skipped: list, what: str) -> None:
+    """Read the extension header of type ``kind`` (its data: ``size`` bytes at ``data``) into
+    ``ext``, what it says of the next member; a PAX global header goes to ``skipped``, or is an
+    error if it sets a path or size for every member after it (``what`` names it)."""
+    if size > _MAX_EXTENSION:
+        ext["why"] = f"described by a {_EXTENSIONS[kind]} of {size} bytes (too large to be metadata)"
+        return
+    body = os.pread(fd, size, data)
+    if kind == b"L":
+        ext["name"] = body.split(b"\0", 1)[0]
+        return
+    if kind == b"K":  # a link's target: links are skipped anyway
+        return
+    try:
+        records = _pax_records(body)
+        new_size = int(records[b"size"]) if records.get(b"size") else None
+        if new_size is not None and new_size < 0:
+            raise ValueError(new_size)
+    except ValueError:
+        if kind == b"g":
+            raise DatasetError(f"{what} is malformed; the archive is corrupt") from None
+        ext["why"] = f"described by a malformed {_EXTENSIONS[kind]}"
+        return
+    sparse = any(k.startswith(b"GNU.sparse.") for k in records)
+    if kind == b"g":
+        sets = [k.decode("latin-1") for k in records if k in (b"path", b"size") or k.startswith(b"GNU.sparse.")]
+        if sets:
+            raise DatasetError(f"{what} sets {', '.join(sets)} for every member after it: such archives are not "
+                               "supported (create it again without a global header)")
+        skipped.append((name, "a PAX global header (its settings are not applied)"))
+        return
+    if sparse:
+        ext["why"] = "a PAX sparse file"
+    if records.get(b"path"):
+        ext["name"] = records[b"path"]
+    if new_size is not None:
+        ext["size"] = new_size
+
+
+def _pax_records(body: bytes) -> dict[bytes, bytes]:
+    """The records of a PAX header's data, each ``"<length> <key>=<value>\\n"``; ValueError if
+    malformed. An empty value unsets the key (POSIX), which here means: not given."""
+    records: dict[bytes, bytes] = {}
+    pos = 0
+    while pos < len(body) and body[pos] != 0:
+        space = body.index(b" ", pos)
+        length = int(body[pos:space])
+        record = body[space + 1:pos + length]
+        if length <= space - pos or pos + length > len(body) or not record.endswith(b"\n") or b"=" not in record:
+            raise ValueError(f"bad record at {pos}")
+        key, _, value = record[:-1].partition(b"=")
+        records[key] = value
+        pos += length
+    return records
 
 
 def _unique(members: list, where: str, skipped: list) -> dict[bytes, tuple[int, int]]:
