@@ -54,7 +54,6 @@ import os
 import stat
 import tempfile
 import time
-import zlib
 from array import array
 from dataclasses import dataclass, replace
 
@@ -70,19 +69,12 @@ from prefetchd.core.dataset import (
     _fingerprint,
     default_cache_dir,
 )
+from prefetchd.core.tarheaders import BLOCK, members, show, unique
 
 log = logging.getLogger("prefetchd.dataset")
 
 META = "tarmeta.json"
 _VERSION = 3  # 3: PAX and GNU long-name members indexed; archive identities and skipped members kept
-_BLOCK = 512
-_ZERO = bytes(_BLOCK)
-_REGULAR = (b"0", b"\0", b"7")
-_EXTENSIONS = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x": "PAX extended header",
-               b"g": "PAX global header"}  # headers whose data describes the next member(s), not a file
-_MAX_EXTENSION = 1 << 20  # an extension header's data beyond this is not metadata
-_OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
-          b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
 _MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
 _LAYOUT_WORDS = {"tar": "a tar of per-class tars", "tars": "a folder of per-class tars",
                  "flat-tar": "a flat tar labelled by the devkit", "flat-folder": "a flat folder labelled by the devkit"}
@@ -131,7 +123,7 @@ class TarIndex(Index):
         path = self.archive(i)
         fd = _open(path, self.identity[a] if self.identity else None)
         try:
-            data = os.pread(fd, n, int(self.block[i]) * _BLOCK)
+            data = os.pread(fd, n, int(self.block[i]) * BLOCK)
             if len(data) != n:
                 raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
                                          "(it changed since it was indexed)")
@@ -193,169 +185,6 @@ def _forget(path: str) -> None:
             pass
 
 
-# --- reading tar headers -------------------------------------------------------------------------
-
-
-def _show(name: bytes) -> str:
-    return os.fsdecode(name)
-
-
-def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: str = "") -> tuple[bytes, bytes, int]:
-    """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one
-    (``top``: the config key naming the archive, when it is the root itself)."""
-    try:
-        stored = int(hdr[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
-    except ValueError:
-        stored = -1
-    # The checksum is the header's byte sum with its own field read as spaces. Adler-32's low half
-    # is 1 + that byte sum mod 65521, at C speed (a Python sum of 512 bytes was a third of the
-    # scan); only a header that fails it is summed exactly (some tars sum signed bytes).
-    if stored < 0 or stored % 65521 != ((zlib.adler32(hdr) & 0xFFFF) - 1 - sum(hdr[148:156]) + 256) % 65521:
-        unsigned = sum(hdr) - sum(hdr[148:156]) + 256
-        ok = stored in (unsigned, unsigned - 256 * sum(b > 127 for b in hdr[:148] + hdr[156:]))
-    else:
-        ok = True
-    if not ok:
-        after = f"after member {_show(last)}" if last is not None else "the first header"
-        hint = "it is gzip-compressed: decompress it first" if hdr[:2] == b"\x1f\x8b" and last is None else (
-            "the archive is corrupt, compressed or not a tar")
-        if top and last is None:  # the root itself: say what it could have been
-            raise DatasetError(f"{top} {where} is not a directory (an ImageFolder) nor an uncompressed tar "
-                               f"archive: no valid tar header at offset 0; {hint}")
-        raise DatasetError(f"{where}: no valid tar header at offset {off} ({after}); {hint}")
-    name = hdr[:100].split(b"\0", 1)[0]
-    field = hdr[124:136]
-    if field[0] & 0x80:  # GNU base-256, for members of 8 GiB and more
-        if field[0] == 0xFF:
-            raise DatasetError(f"{where}: member {_show(name)} has a negative size")
-        size = int.from_bytes(field[1:], "big")
-    else:
-        try:
-            size = int(field.replace(b"\0", b" ").strip() or b"0", 8)
-        except ValueError:
-            raise DatasetError(f"{where}: the header at offset {off} has an unreadable size {field!r}") from None
-    if hdr[257:263] == b"ustar\0" and hdr[345] != 0:  # POSIX ustar: a path prefix (GNU tars keep times there)
-        name = hdr[345:500].split(b"\0", 1)[0] + b"/" + name
-    return name, hdr[156:157], size
-
-
-def _members(fd: int, start: int, end: int, where: str, skipped: list, top: str = "") -> list[tuple[bytes, int, int]]:
-    """(normalised name, data offset, size) of every regular member of the tar that occupies
-    ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
-    out = []
-    off, last = start, None
-    ext: dict = {}  # what extension headers said of the next member: "name", "size", "why" (skip it)
-    while end - off >= _BLOCK:
-        hdr = os.pread(fd, _BLOCK, off)
-        if len(hdr) < _BLOCK:
-            break
-        if hdr == _ZERO:
-            return out
-        name, kind, size = _header(hdr, where, off - start, last, top)  # offsets in messages: within `where`
-        data = off + _BLOCK
-        if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
-            while True:
-                ext_block = os.pread(fd, _BLOCK, data)
-                data += _BLOCK
-                if len(ext_block) < _BLOCK or data > end or not ext_block[504]:
-                    break
-        if kind not in _EXTENSIONS:  # the member the extension headers before it describe
-            name, size = ext.get("name", name), ext.get("size", size)
-        if size > end - data:
-            raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data - start} but its archive "
-                               f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
-        header_at, off, last = off, data + -(-size // _BLOCK) * _BLOCK, name
-        if kind in _EXTENSIONS:
-            _extension(fd, kind, name, data, size, ext, skipped, f"{where}: the {_EXTENSIONS[kind]} at offset "
-                       f"{header_at - start}")
-            continue
-        why = ext.get("why")
-        ext.clear()
-        if why is not None:
-            skipped.append((name, why))
-        elif kind == b"5":
-            pass
-        elif kind not in _REGULAR:
-            skipped.append((name, _OTHER.get(kind, f"of unsupported type {kind.decode('latin-1')!r}")))
-        elif name.startswith(b"/"):
-            skipped.append((name, "an absolute path"))
-        else:
-            parts = [p for p in name.split(b"/") if p and p != b"."]
-            if b".." in parts:
-                skipped.append((name, "a '..' component"))
-            elif parts:
-                out.append((b"/".join(parts), data, size))
-    if off < end:
-        raise DatasetError(f"{where} is truncated: it ends inside the header after member "
-                           f"{_show(last) if last is not None else '(none)'} (download it again)")
-    return out
-
-
-def _extension(fd: int, kind: bytes, name: bytes, data: int, size: int, ext: dict, skipped: list, what: str) -> None:
-    """Read the extension header of type ``kind`` (its data: ``size`` bytes at ``data``) into
-    ``ext``, what it says of the next member; a PAX global header goes to ``skipped``, or is an
-    error if it sets a path or size for every member after it (``what`` names it)."""
-    if size > _MAX_EXTENSION:
-        ext["why"] = f"described by a {_EXTENSIONS[kind]} of {size} bytes (too large to be metadata)"
-        return
-    body = os.pread(fd, size, data)
-    if kind == b"L":
-        ext["name"] = body.split(b"\0", 1)[0]
-        return
-    if kind == b"K":  # a link's target: links are skipped anyway
-        return
-    try:
-        records = _pax_records(body)
-        new_size = int(records[b"size"]) if records.get(b"size") else None
-        if new_size is not None and new_size < 0:
-            raise ValueError(new_size)
-    except ValueError:
-        if kind == b"g":
-            raise DatasetError(f"{what} is malformed; the archive is corrupt") from None
-        ext["why"] = f"described by a malformed {_EXTENSIONS[kind]}"
-        return
-    sparse = any(k.startswith(b"GNU.sparse.") for k in records)
-    if kind == b"g":
-        sets = [k.decode("latin-1") for k in records if k in (b"path", b"size") or k.startswith(b"GNU.sparse.")]
-        if sets:
-            raise DatasetError(f"{what} sets {', '.join(sets)} for every member after it: such archives are not "
-                               "supported (create it again without a global header)")
-        skipped.append((name, "a PAX global header (its settings are not applied)"))
-        return
-    if sparse:
-        ext["why"] = "a PAX sparse file"
-    if records.get(b"path"):
-        ext["name"] = records[b"path"]
-    if new_size is not None:
-        ext["size"] = new_size
-
-
-def _pax_records(body: bytes) -> dict[bytes, bytes]:
-    """The records of a PAX header's data, each ``"<length> <key>=<value>\\n"``; ValueError if
-    malformed. An empty value unsets the key (POSIX), which here means: not given."""
-    records: dict[bytes, bytes] = {}
-    pos = 0
-    while pos < len(body) and body[pos] != 0:
-        space = body.index(b" ", pos)
-        length = int(body[pos:space])
-        record = body[space + 1:pos + length]
-        if length <= space - pos or pos + length > len(body) or not record.endswith(b"\n") or b"=" not in record:
-            raise ValueError(f"bad record at {pos}")
-        key, _, value = record[:-1].partition(b"=")
-        records[key] = value
-        pos += length
-    return records
-
-
-def _unique(members: list, where: str, skipped: list) -> dict[bytes, tuple[int, int]]:
-    found: dict[bytes, tuple[int, int]] = {}
-    for name, pos, size in members:
-        if name in found:
-            skipped.append((name, "a duplicate name: the last copy is used, as extraction would"))
-        found[name] = (pos, size)
-    return found
-
-
 def _walk_key(name: bytes) -> tuple[tuple[bytes, ...], bytes]:
     if b"/" not in name:
         return (), name
@@ -381,11 +210,11 @@ _MAX_NOTES = 1000  # skipped members kept with the index (for check); more are c
 def _warn_skipped(where: str, skipped: list, notes: list) -> None:
     """Warn once for ``where`` and keep what was skipped in ``notes`` (``Index.skipped``)."""
     if skipped:
-        shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:20])
+        shown = "; ".join(f"{show(n)} ({why})" for n, why in skipped[:20])
         log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown,
                     f"; and {len(skipped) - 20} more" if len(skipped) > 20 else "")
         for n, why in skipped:
-            notes.append(f"{where}: {_show(n)} ({why})")
+            notes.append(f"{where}: {show(n)} ({why})")
 
 
 def _kept(notes: list) -> tuple[str, ...]:
@@ -406,13 +235,13 @@ class _Arrays:
         self.multi = False
 
     def add(self, rel: bytes, label: int, pos: int, size: int, arch: int = 0) -> None:
-        if size >= 1 << 32 or pos >= _BLOCK << 32:
-            raise DatasetError(f"member {_show(rel)} is {size} bytes at offset {pos}: samples of 4 GiB or more, "
+        if size >= 1 << 32 or pos >= BLOCK << 32:
+            raise DatasetError(f"member {show(rel)} is {size} bytes at offset {pos}: samples of 4 GiB or more, "
                                "or in archives over 2 TiB, are not supported")
         self.blob += rel
         self.ends.append(len(self.blob))
         self.labels.append(label)
-        self.block.append(pos // _BLOCK)
+        self.block.append(pos // BLOCK)
         self.size.append(size)
         if self.multi:  # one archive (the train tar): no per-sample archive number
             self.arch.append(arch)
@@ -476,7 +305,7 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
-        images = _images(_unique(_members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
+        images = _images(unique(members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
         _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
@@ -533,10 +362,10 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
         fd = _open_archive(root, key)
         try:
             skipped: list = []
-            if os.fstat(fd).st_size < 2 * _BLOCK:  # not even a header and an end-of-archive block
+            if os.fstat(fd).st_size < 2 * BLOCK:  # not even a header and an end-of-archive block
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
-            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
+            top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
             _warn_skipped(root, skipped, notes)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
