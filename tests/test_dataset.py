@@ -116,3 +116,15 @@ def test_every_index_describes_itself_and_the_cache_keeps_what_it_is(tmp_path):
         listed, _ = load_index(None, str(tmp_path / "list.txt"), (".jpg",), cache)
         assert folder.describe() == "root, an ImageFolder"
         assert listed.describe() == f"a file list in {tmp_path}"
+
+
+def test_a_cache_write_that_fails_leaves_no_temp_file_and_the_old_cache(tmp_path):
+    from prefetchd.core.dataset import read_cache, write_cache
+
+    cdir = str(tmp_path / "c")
+    write_cache(cdir, "meta.json", {"a": np.arange(3)}, {"version": 1, "fingerprint": "f1"})
+    with pytest.raises(ValueError):  # an array np.save refuses (objects need pickle)
+        write_cache(cdir, "meta.json", {"a": np.array([object()])}, {"version": 1, "fingerprint": "f2"})
+    assert sorted(os.listdir(cdir)) == ["a-f1.npy", "meta.json"]
+    assert read_cache(cdir, "meta.json", 1, lambda meta, arrays: arrays["a"].tolist()) == [0, 1, 2]
+    assert read_cache(cdir, "meta.json", 2, lambda meta, arrays: 0) is None  # another version

@@ -103,7 +103,8 @@ class Index:
         return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes
 
 
-def _fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+def index_fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+    """The content hash of an index's paths and labels (``Index.fingerprint``)."""
     h = xxhash.xxh3_128()
     for a in (blob, offsets, labels):
         h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
@@ -116,7 +117,7 @@ def _build(root: str, classes: list[str], rel: list[bytes], labels: list[int]) -
     np.cumsum(lens, out=offsets[1:])
     blob = np.frombuffer(b"".join(rel), dtype=np.uint8) if rel else np.zeros(0, np.uint8)
     lab = np.asarray(labels, dtype=np.int32)
-    return Index(root, tuple(classes), blob, offsets, lab, _fingerprint(blob, offsets, lab))
+    return Index(root, tuple(classes), blob, offsets, lab, index_fingerprint(blob, offsets, lab))
 
 
 def _check_root(root: str, key: str = "dataset.root") -> None:
@@ -246,8 +247,59 @@ def default_cache_dir() -> str:
     return os.path.join(base, "prefetchd")
 
 
-def _cache_key(source: str, kind: str, extensions: tuple[str, ...]) -> str:
-    return hashlib.sha256(f"{_CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+def cache_path(cache_dir: str | None, source: str, kind: str, extensions: tuple[str, ...]) -> str:
+    """The cache directory of the index of ``source`` (a root, a list, an archive layout: ``kind``)."""
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir or default_cache_dir(), "index-" + key)
+
+
+def write_cache(cdir: str, meta_name: str, arrays: dict, meta: dict) -> None:
+    """Write an index's cache in ``cdir``: each array (None: left out) as ``<name>-<fingerprint>.npy``,
+    then ``meta_name`` (``meta`` plus the ``files`` written), each replaced atomically, so a reader
+    sees the old cache or the new one; ``.npy`` files of earlier indexes are removed."""
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    files = {}
+    for k, a in arrays.items():
+        if a is not None:
+            files[k] = f"{k}-{meta['fingerprint']}.npy"
+            _write_atomic(cdir, files[k], lambda f, a=a: np.save(f, a, allow_pickle=False), "wb")
+    _write_atomic(cdir, meta_name, lambda f: json.dump({**meta, "files": files}, f), "w")
+    for name in os.listdir(cdir):
+        if name not in files.values() and name.endswith(".npy"):
+            try:
+                os.unlink(os.path.join(cdir, name))
+            except OSError:
+                pass
+
+
+def _write_atomic(cdir: str, name: str, write, mode: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=cdir)
+    try:
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            write(f)
+        os.replace(tmp, os.path.join(cdir, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None):
+    """``build(meta, arrays)`` from the cache in ``cdir`` (the arrays memory-mapped), or None: none
+    there, another ``version``, unreadable, or ``stamps_valid(meta["stamps"])`` says the dataset
+    changed since."""
+    try:
+        with open(os.path.join(cdir, meta_name), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != version or (stamps_valid is not None and not stamps_valid(meta["stamps"])):
+            return None
+        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
+                  for k, name in meta["files"].items()}
+        return build(meta, arrays)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _stamps_valid(stamps: list) -> bool:
@@ -266,45 +318,19 @@ def _stamps_valid(stamps: list) -> bool:
 def _load_cache(cdir: str, validate: bool = True) -> Index | None:
     """The cached index in ``cdir``; None if there is none or (``validate``) the dataset changed
     since it was scanned."""
-    meta_path = os.path.join(cdir, "meta.json")
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("version") != _CACHE_VERSION or (validate and not _stamps_valid(meta["stamps"])):
-            return None
-        arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
-                  for k in ("blob", "offsets", "labels")}
-        return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
-                     arrays["labels"], meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())),
+    def build(meta: dict, arrays: dict) -> Index:
+        return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                     meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())),
                      kind=meta.get("kind", "folder"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+
+    return read_cache(cdir, "meta.json", _CACHE_VERSION, build, _stamps_valid if validate else None)
 
 
 def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
-    os.makedirs(cdir, mode=0o700, exist_ok=True)
-    files = {}
-    for k in ("blob", "offsets", "labels"):
-        name = f"{k}-{index.fingerprint}.npy"
-        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, getattr(index, k), allow_pickle=False)
-        os.replace(tmp, os.path.join(cdir, name))
-        files[k] = name
-    meta = {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-            "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index),
-            "skipped": list(index.skipped), "kind": index.kind}
-    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-    os.replace(tmp, os.path.join(cdir, "meta.json"))
-    keep = set(files.values()) | {"meta.json"}
-    for name in os.listdir(cdir):
-        if name not in keep and name.endswith(".npy"):
-            try:
-                os.unlink(os.path.join(cdir, name))
-            except OSError:
-                pass
+    write_cache(cdir, "meta.json", {k: getattr(index, k) for k in ("blob", "offsets", "labels")},
+                {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
+                 "fingerprint": index.fingerprint, "stamps": stamps, "count": len(index),
+                 "skipped": list(index.skipped), "kind": index.kind})
     cached = _load_cache(cdir)
     return cached if cached is not None else index
 
@@ -329,7 +355,7 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
                            "validation.devkit")
     kind, source = ("list", file_list) if file_list else ("folder", root)
     assert source is not None
-    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, kind, extensions))
+    cdir = cache_path(cache_dir, source, kind, extensions)
     if use_cache:
         cached = _load_cache(cdir)
         if cached is not None:

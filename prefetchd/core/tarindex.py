@@ -48,11 +48,9 @@ devkit's) are unchanged; the scan time is kept for ``prefetchd check``.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
-import tempfile
 import time
 from array import array
 from dataclasses import dataclass, replace
@@ -65,9 +63,10 @@ from prefetchd.core.dataset import (
     DatasetError,
     Index,
     StorageChanged,
-    _cache_key,
-    _fingerprint,
-    default_cache_dir,
+    cache_path,
+    index_fingerprint,
+    read_cache,
+    write_cache,
 )
 from prefetchd.core.tarheaders import BLOCK, members, show, unique
 
@@ -249,7 +248,7 @@ class _Arrays:
     def index(self, root: str, classes: list[str], layout: str, archives: tuple[str, ...]) -> TarIndex:
         blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
         offsets, labels = np.frombuffer(self.ends, dtype=np.int64), np.frombuffer(self.labels, dtype=np.int32)
-        return TarIndex(root, tuple(classes), blob, offsets, labels, _fingerprint(blob, offsets, labels),
+        return TarIndex(root, tuple(classes), blob, offsets, labels, index_fingerprint(blob, offsets, labels),
                         layout=layout, archives=archives,
                         archive_ids=np.frombuffer(self.arch, dtype=np.uint16) if len(archives) > 1 else None,
                         block=np.frombuffer(self.block, dtype=np.uint32), size=np.frombuffer(self.size, dtype=np.uint32))
@@ -426,49 +425,22 @@ def _valid(stamps: list) -> bool:
 def _load(cdir: str, validate: bool = True) -> TarIndex | None:
     """The cached index in ``cdir``; with ``validate``, only while the archives are unchanged (a
     worker opens its daemon's index without looking at the dataset: ``dataset.open_index_files``)."""
-    try:
-        with open(os.path.join(cdir, META), encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("version") != _VERSION or (validate and not _valid(meta["stamps"])):
-            return None
-        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
-                  for k, name in meta["files"].items()}
+    def build(meta: dict, arrays: dict) -> TarIndex:
         return TarIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
                         meta["fingerprint"], files_dir=cdir, layout=meta["layout"], archives=tuple(meta["archives"]),
                         archive_ids=arrays.get("archive_ids"), block=arrays.get("block"), size=arrays.get("size"),
                         scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())),
                         skipped=tuple(meta.get("skipped", ())))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+
+    return read_cache(cdir, META, _VERSION, build, _valid if validate else None)
 
 
 def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
-    os.makedirs(cdir, mode=0o700, exist_ok=True)
-    files = {}
-    for k in _ARRAYS:
-        a = getattr(index, k)
-        if a is None:
-            continue
-        name = f"{k}-{index.fingerprint}.npy"
-        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, a, allow_pickle=False)
-        os.replace(tmp, os.path.join(cdir, name))
-        files[k] = name
-    meta = {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
-            "archives": list(index.archives), "fingerprint": index.fingerprint, "files": files, "stamps": stamps,
-            "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity],
-            "skipped": list(index.skipped)}
-    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-    os.replace(tmp, os.path.join(cdir, META))
-    for name in os.listdir(cdir):
-        if name not in files.values() and name.endswith(".npy"):
-            try:
-                os.unlink(os.path.join(cdir, name))
-            except OSError:
-                pass
+    write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
+                {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
+                 "archives": list(index.archives), "fingerprint": index.fingerprint, "stamps": stamps,
+                 "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity],
+                 "skipped": list(index.skipped)})
     return _load(cdir) or index
 
 
@@ -476,7 +448,7 @@ def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: 
          use_cache: bool = True, key: str = "dataset.root") -> tuple[TarIndex, bool]:
     """As ``dataset.load_index`` for the archive layouts: (index, from_cache)."""
     source = f"{root}|devkit={devkit or ''}"
-    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, "archive", extensions))
+    cdir = cache_path(cache_dir, source, "archive", extensions)
     if use_cache:
         cached = _load(cdir)
         if cached is not None:
