@@ -131,10 +131,10 @@ def cmd_check(args) -> int:
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
-          + (f"; {index.describe()}" if hasattr(index, "describe") else ""))
-    if index.skipped:  # the rule: prefetchd/core/dataset.py's docstring
-        print(f"dataset: {len(index.skipped)} director{'y' if len(index.skipped) == 1 else 'ies'} not indexed "
-              "(directory symlinks into dataset.root are not followed; a directory is indexed once):")
+          + f"; {index.describe()}")
+    if index.skipped:  # the rules: prefetchd/core/dataset.py's and tarindex.py's docstrings
+        print(f"dataset: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
+              f"({index.skipped_rule}):")
         for what in index.skipped[:20]:
             print(f"  skipped {what}")
         if len(index.skipped) > 20:
@@ -147,12 +147,13 @@ def cmd_check(args) -> int:
         from prefetchd.core.sampler import ValSampler
 
         try:
-            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit)
+            val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit,
+                                section="validation")
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
         vs = ValSampler(len(val), V.batch_size, L.world_size)
-        print(f"validation: {len(val)} samples{f' ({val.describe()})' if hasattr(val, 'describe') else ''}; {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
+        print(f"validation: {len(val)} samples ({val.describe()}); {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
               f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:

@@ -84,3 +84,47 @@ def test_a_directory_symlink_to_an_ancestor_indexes_every_image_once_with_its_ow
     assert got == [("a/1.jpg", "a"), ("a/sub/2.jpg", "a"), ("b/1.jpg", "b"), ("b/ext2/3.jpg", "b"),
                    ("c/1.jpg", "c")]
     assert sorted(s.split()[0] for s in index.skipped) == ["a/up", "c/b-again", "c/ext"]
+
+
+@pytest.mark.parametrize("devkit", [False, True])
+def test_a_mistyped_validation_root_is_named_by_its_own_key(tmp_path, image_root, devkit):
+    """``prefetchd check`` names the key the user got wrong (validation.root), not dataset.root, and
+    with validation.devkit set does not blame the devkit for a root that is not there."""
+    import subprocess
+    import sys
+
+    from conftest import small_config
+
+    val = {"enabled": True, "root": str(tmp_path / "vall"), "batch_size": 4}
+    if devkit:
+        val["devkit"] = str(tmp_path / "devkit")
+        os.makedirs(val["devkit"])
+    cfg = small_config(tmp_path, image_root, validation=val)
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 78, (r.stdout, r.stderr)
+    assert f"validation.root {tmp_path / 'vall'} does not exist" in r.stderr, r.stderr
+    assert "dataset.root" not in r.stderr and "remove validation.devkit" not in r.stderr, r.stderr
+
+
+def test_every_index_describes_itself_and_the_cache_keeps_what_it_is(tmp_path):
+    touch(str(tmp_path / "root/a/1.jpg"))
+    (tmp_path / "list.txt").write_text("root/a/1.jpg 0\n")
+    cache = str(tmp_path / "cache")
+    for _ in range(2):  # scanned, then from the cache
+        folder, _ = load_index(str(tmp_path / "root"), None, (".jpg",), cache)
+        listed, _ = load_index(None, str(tmp_path / "list.txt"), (".jpg",), cache)
+        assert folder.describe() == "root, an ImageFolder"
+        assert listed.describe() == f"a file list in {tmp_path}"
+
+
+def test_a_cache_write_that_fails_leaves_no_temp_file_and_the_old_cache(tmp_path):
+    from prefetchd.core.dataset import read_cache, write_cache
+
+    cdir = str(tmp_path / "c")
+    write_cache(cdir, "meta.json", {"a": np.arange(3)}, {"version": 1, "fingerprint": "f1"})
+    with pytest.raises(ValueError):  # an array np.save refuses (objects need pickle)
+        write_cache(cdir, "meta.json", {"a": np.array([object()])}, {"version": 1, "fingerprint": "f2"})
+    assert sorted(os.listdir(cdir)) == ["a-f1.npy", "meta.json"]
+    assert read_cache(cdir, "meta.json", 1, lambda meta, arrays: arrays["a"].tolist()) == [0, 1, 2]
+    assert read_cache(cdir, "meta.json", 2, lambda meta, arrays: 0) is None  # another version

@@ -97,7 +97,7 @@ def _reference(cfg_path: str, epochs: int = 2) -> dict:
             compact = hybrid.on_gpu(cfg.augment, e, b)
             images, used, labels, replaced, _ = maker.fill(e, sampler.batch_indices(e, 0, b), maker.builder_for(e, b))
             if compact:  # within the daemon's bound, as the worker keeps it
-                maker.compact.fit(builders.compact_bound(index.path, sampler.batch_indices(e, 0, b),
+                maker.compact.fit(builders.compact_bound(index.sample_size, sampler.batch_indices(e, 0, b),
                                                          cfg.augment.output_size))
                 raw = maker.compact.pack(BatchMeta(0, e, b, sampler.batches_per_epoch, 0), used, labels, replaced)
                 images = stage(jpegbatch.parse(raw)).permute(0, 2, 3, 1).numpy()
@@ -263,10 +263,42 @@ def test_the_estimate_bounds_every_compact_batch_before_any_is_published(tmp_pat
     assert est > 5 * (16 * 16 * 3 * 6)  # compact batches, far above a pixel batch
     # a budget below what the JPEGs need: the largest become pixels until the batch fits
     idx = d.sampler.batch_indices(0, 0, 0)
-    tight = builders.compact_bound(lambda i: os.devnull, idx, 16)  # every sample at pixel size
+    tight = builders.compact_bound(lambda i: 0, idx, 16)  # every sample at pixel size
     res = maker.make(Task(0, 0, 0, d.sampler.batches_per_epoch, idx, budget=tight))
     assert res.error is None and res.size <= tight
     assert (jpegbatch.read_file(res.tmp_path).params["kind"] == jpegbatch.KIND_PIXELS).all()
+
+
+@pytest.mark.parametrize("layout", ["train_tar", "train_tars"])
+def test_the_estimate_of_a_tar_dataset_counts_its_members_sizes_as_the_folder_s(tmp_path, layout):
+    """A sample in an archive has no file to stat: the bound takes its size from the index, so a
+    compact batch from the tar keeps as many JPEGs for the GPU as the same batch from the folder."""
+    from imagenet_archives import make_imagenet
+
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.executors.worker import Task
+
+    net = make_imagenet(str(tmp_path / "net"), classes=3, per_class=8, val=2, side=96)
+    made = {}
+    for root in (net.train_folder, getattr(net, layout)):
+        sub = tmp_path / os.path.basename(root)
+        sub.mkdir()
+        cfg = load_config(small_config(sub, root, augment={"decode": "gpu", "output_size": 16}))
+        d = Daemon(cfg)
+        d.index, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+        L = cfg.loader
+        d.sampler = Sampler(len(d.index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+        maker = BatchMaker(WorkerSetup(cfg, d.index.files_dir, None, 0, str(tmp_path)))
+        made[root] = []
+        for b in range(d.sampler.batches_per_epoch):
+            est = d._estimate((0, 0, b))
+            res = maker.make(Task(0, 0, b, d.sampler.batches_per_epoch, d.sampler.batch_indices(0, 0, b), budget=est))
+            kinds = jpegbatch.read_file(res.tmp_path).params["kind"]
+            os.unlink(res.tmp_path)
+            made[root].append((est, int((kinds == jpegbatch.KIND_PIXELS).sum())))
+    folder, tar = made[net.train_folder], made[getattr(net, layout)]
+    assert tar == folder, (tar, folder)
+    assert sum(p for _, p in tar) < len(d.index) // 2  # most JPEGs went to the GPU
 
 
 def test_compact_batches_larger_than_pixel_batches_keep_max_bytes(tmp_path, mixed_root, daemon_factory):

@@ -99,6 +99,51 @@ def test_killed_ray_worker_means_retried_work_not_lost_batches(tmp_path, image_r
     assert d.stop() == 0
 
 
+def test_a_storage_outage_on_the_cluster_waits_for_the_storage_and_keeps_the_actors(tmp_path, daemon_factory,
+                                                                                     cluster):
+    """A batch that meets an unreadable root on an actor is the storage's, not the actor's: no batch
+    lost, no actor dropped; the batches are made once the root is back, byte for byte."""
+    import shutil
+    import time
+
+    import numpy as np
+    from prefetchd_client import PrefetchClient
+
+    from prefetchd.tools.samples import make_image_folder
+
+    c, _ = cluster
+    root = tmp_path / "root"
+    make_image_folder(str(root), classes=4, per_class=12, seed=3, long_side=160)
+    cfg = small_config(tmp_path, str(root), workers={"executor": "ray", "ray": {"address": c.loopback_address,
+                                                                               "workers": 2, **LOOP}},
+                       buffer={"capacity": 2, "refill_at": 2})
+    buf = str(tmp_path / "buffer")
+    ref = _reference_digest(cfg)
+    d = daemon_factory(cfg)
+    wait_until(lambda: "stopping the local stand-ins" in d.log(), 120, "the remote workers taking over")
+    got = {}
+    try:
+        with PrefetchClient(cfg, timeout=120, as_numpy=True) as cl:
+            for e in (0, 1):
+                for b, (x, y) in enumerate(cl.iter_epoch(e)):
+                    got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+                    if (e, b) == (0, 1):  # the storage goes away while the actors make the next batches
+                        os.rename(root, str(root) + ".away")
+                        time.sleep(3)  # the fault itself: the root gone for this long
+                        os.rename(str(root) + ".away", root)
+    finally:
+        if not root.exists():
+            os.rename(str(root) + ".away", root)
+    assert digest(got) == ref
+    st = _ray_status(buf)
+    assert st["workers"] == 2 and st["lost_batches"] == 0, st
+    assert d.stop() == 0
+    log = d.log()
+    assert "was lost" not in log and "dropping it" not in log, log
+    assert f"the dataset root {root} is unreadable" in log and "the dataset root is readable again" in log, log
+    shutil.rmtree(root)
+
+
 def test_mixed_executor_and_node_loss(tmp_path, image_root, daemon_factory, cluster):
     c, worker = cluster
     cfg = small_config(tmp_path, image_root, workers={"executor": "mixed", "count": 1,

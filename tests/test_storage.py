@@ -159,6 +159,48 @@ def test_a_dataset_root_gone_for_2_s_stalls_the_trainer_no_longer_than_the_outag
     assert "the dataset root is readable again" in log
 
 
+def test_a_validation_root_gone_is_one_outage_while_the_train_batches_are_made(tmp_path, daemon_factory):
+    """Outages are per root: train batches made while the validation root stays unreadable do not
+    end its outage, so it is said once (not an ERROR and a 'readable again' every retry)."""
+    root, val_root = tmp_path / "root", tmp_path / "val"
+    make_image_folder(str(root), classes=4, per_class=12, seed=3, long_side=160)
+    shutil.copytree(root, val_root)
+    cfg = small_config(tmp_path, str(root), workers={"count": 1}, buffer={"capacity": 2, "refill_at": 2},
+                       validation={"enabled": True, "root": str(val_root), "batch_size": 5})
+    buf = tmp_path / "buffer"
+    ref, _ = reference_batches(cfg)
+    d = daemon_factory(cfg)
+    wait_until(lambda: _status(buf).get("produced_batches", 0) >= 1, 60, "the first batch")
+    os.rename(val_root, str(val_root) + ".away")
+    val_got: list = []
+
+    def read_val():
+        with PrefetchClient(cfg, split="val", timeout=120, as_numpy=True) as v:
+            val_got.extend(y.copy() for _, y in v)
+
+    t = threading.Thread(target=read_val, daemon=True)
+    try:
+        t.start()
+        said = f"the dataset root {val_root} is unreadable"
+        wait_until(lambda: said in d.log(), 60, "the validation root's outage said")
+        got: dict = {}
+        with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:  # train batches made meanwhile
+            _read(c, (0, 1), got)
+        assert digest(got) == _expected(ref)
+        wait_until(lambda: said in (_status(buf).get("dataset_unreadable") or ""), 30, "the outage in the status")
+        log = d.log()
+        assert log.count(said) == 1 and "readable again" not in log, log
+    finally:
+        if not val_root.exists():
+            os.rename(str(val_root) + ".away", val_root)
+    t.join(120)
+    assert not t.is_alive() and len(val_got) == 10  # 48 samples in batches of 5
+    wait_until(lambda: _status(buf).get("dataset_unreadable") is None, 30, "the outage over in the status")
+    assert d.stop() == 0
+    log = d.log()
+    assert log.count(said) == 1 and log.count(f"the dataset root is readable again: {val_root}") == 1, log
+
+
 def test_a_transient_errno_is_tried_again_and_only_a_lasting_one_blames_the_sample(tmp_path, monkeypatch):
     (tmp_path / "a.jpg").write_bytes(b"data")
     calls = []

@@ -3,6 +3,7 @@ flat validation tar (or folder) with the devkit; hostile members; the cache; the
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -10,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -17,10 +19,12 @@ from conftest import small_config
 from imagenet_archives import make_imagenet, tar_bytes
 
 from prefetchd.core import config as C
+from prefetchd.core import tarindex
 from prefetchd.core.dataset import DatasetError, load_index, val_labels
 from prefetchd.core.devkit import loadmat, read_devkit
 from prefetchd.core.sampler import Sampler
 from prefetchd.core.tarindex import TarIndex
+from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.tools.samples import jpeg_bytes, photo_like
 
@@ -139,10 +143,20 @@ def _hostile_class_tar(jpeg: bytes, other: bytes) -> bytes:
         _member("fifo.JPEG", kind=tarfile.FIFOTYPE),
         _member("sparse.JPEG", jpeg, kind=tarfile.GNUTYPE_SPARSE),
         _member("dup.JPEG", other),
-        _member("L" * 120 + ".JPEG", jpeg),  # a GNU long-name header, then the member
+        _member("L" * 120 + ".JPEG", jpeg),  # a GNU long-name header, then the member: read by its long name
         _member("pax.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"comment": "x"}),  # a PAX header, then it
         tarfile.TarInfo._create_pax_generic_header({"comment": "global"}, tarfile.XGLTYPE, "utf-8"),
         _member("dup.JPEG", jpeg),
+        # the PAX size record, not the header's 0, says where the data ends (and the next header starts)
+        _member("psize.JPEG", other, fmt=tarfile.PAX_FORMAT, pax_headers={"size": str(len(other))}),
+        # extension headers do not make a hostile member safe: it is judged by its full name and kind
+        _member("ok1.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"path": "../pax-up.JPEG"}),
+        _member("ok2.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={"path": "/pax-abs.JPEG"}),
+        _member("psparse.JPEG", jpeg, fmt=tarfile.PAX_FORMAT, pax_headers={
+            "GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "psparse.JPEG",
+            "GNU.sparse.realsize": str(len(jpeg))}),
+        _member("x/" + "y" * 110 + "/../../../evil.JPEG", jpeg),  # a GNU long name with '..'
+        _member("l" * 120 + ".JPEG", kind=tarfile.SYMTYPE, linkname="/etc/" + "p" * 120),  # long name and link
         _member("z.JPEG", other),
     ]
     return b"".join(parts) + bytes(1024)
@@ -165,17 +179,88 @@ def test_hostile_members_are_skipped_with_a_warning_and_never_read(tmp_path, cap
     with caplog.at_level(logging.WARNING, "prefetchd.dataset"):
         index, _ = load_index(root, None, EXTS, None, use_cache=False)
     assert index.classes == ("n1",)
-    assert [index.relpath(i) for i in range(len(index))] == ["n1/a.JPEG", "n1/dup.JPEG", "n1/z.JPEG"]
-    assert [index.read(i) for i in range(3)] == [jpeg, jpeg, other]  # a duplicate: the last copy, as tar x would
+    assert [index.relpath(i) for i in range(len(index))] == [
+        "n1/" + "L" * 120 + ".JPEG", "n1/a.JPEG", "n1/dup.JPEG", "n1/pax.JPEG", "n1/psize.JPEG", "n1/z.JPEG"]
+    # a duplicate: the last copy, as tar x would; offsets exact after every extension header
+    assert [index.read(i) for i in range(len(index))] == [jpeg, jpeg, jpeg, jpeg, other, other]
     text = caplog.text
-    for name, why in [("/abs.JPEG", "an absolute path"), ("../up.JPEG", "'..'"), ("x/../../up2.JPEG", "'..'"),
+    for name, why in [("/abs.JPEG", "an absolute path"), ("../up.JPEG", "a '..' component"), ("x/../../up2.JPEG", "a '..' component"),
                       ("link.JPEG", "a symbolic link"), ("hard.JPEG", "a hard link"), ("dev.JPEG", "a character device"),
                       ("fifo.JPEG", "a FIFO"), ("sparse.JPEG", "a GNU sparse file"), ("dup.JPEG", "a duplicate name"),
-                      ("pax.JPEG", "described by a PAX extended header"), ("L" * 100, "described by a GNU long-name"),
-                      ("PaxHeader", "a PAX global header")]:
-        assert f"{name}" in text and why in text, (name, why, text)
+                      ("PaxHeader", "a PAX global header"), ("../pax-up.JPEG", "a '..' component"),
+                      ("/pax-abs.JPEG", "an absolute path"), ("psparse.JPEG", "a PAX sparse file"),
+                      ("y" * 110 + "/../../../evil.JPEG", "a '..' component"), ("l" * 120 + ".JPEG", "a symbolic link")]:
+        assert f"{name} ({why}" in text, (name, why, text)
     if packed == "tar":
         assert "/n0.tar (an absolute path)" in text and "../n2.tar (a '..' component)" in text
+
+
+def _tar_of(folder: str, dest: str, fmt: int) -> None:
+    """``folder``'s files in a tar written by Python's ``tarfile`` in ``fmt`` (PAX: its default),
+    with an extended attribute on each file, as bsdtar and ``tar --xattrs`` record them."""
+    with tarfile.open(dest, "w", format=fmt) as tf:
+        for d, dirs, files in sorted(os.walk(folder)):
+            dirs.sort()
+            for f in sorted(files)[::-1]:  # not in name order
+                info = tf.gettarinfo(os.path.join(d, f), os.path.relpath(os.path.join(d, f), folder))
+                if fmt == tarfile.PAX_FORMAT:
+                    info.pax_headers = {"SCHILY.xattr.user.origin": "camera", "mtime": "1700000000.25"}
+                with open(os.path.join(d, f), "rb") as fh:
+                    tf.addfile(info, fh)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT], ids=["pax", "gnu"])
+@pytest.mark.parametrize("packed", ["tar", "tars"])
+def test_tars_with_pax_headers_and_gnu_long_names_index_as_their_extracted_folder(tmp_path, fmt, packed):
+    """What users' tars hold: PAX headers (Python's default, tar --format=posix, bsdtar's xattrs)
+    and GNU long names. Each is the next member's metadata: the tar indexes and reads every image
+    exactly as the extracted folder does."""
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "folder"
+    names = ["plain.JPEG", "caf\u00e9-\u5199\u771f.JPEG", "a" * 150 + ".JPEG", "sub/" + "b" * 120 + "/deep.JPEG"]
+    for cls in ("n01", "n02"):
+        for k, name in enumerate(names):
+            path = folder / cls / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(jpeg_bytes(photo_like(rng, 40 + k, 30), rng))
+    tars = tmp_path / "tars"
+    tars.mkdir()
+    for cls in ("n01", "n02"):
+        _tar_of(str(folder / cls), str(tars / f"{cls}.tar"), fmt)
+    root = str(tars)
+    if packed == "tar":
+        root = str(tmp_path / "train.tar")
+        _tar_of(str(tars), root, fmt)
+    ref, _ = load_index(str(folder), None, EXTS, None, use_cache=False)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    assert isinstance(index, TarIndex) and index.layout == packed and not index.skipped, index.skipped
+    assert [index.relpath(i) for i in range(len(index))] == [ref.relpath(i) for i in range(len(ref))]
+    assert len(index) == 8 and index.labels.tolist() == ref.labels.tolist() and index.fingerprint == ref.fingerprint
+    assert [index.read(i) for i in range(len(index))] == [ref.read(i) for i in range(len(ref))]
+
+
+def test_a_pax_global_header_that_sets_every_path_is_a_clear_error(tmp_path):
+    rng = np.random.default_rng(3)
+    inner = (tarfile.TarInfo._create_pax_generic_header({"path": "same.JPEG"}, tarfile.XGLTYPE, "utf-8")
+             + _member("a.JPEG", jpeg_bytes(photo_like(rng, 40, 30), rng)) + bytes(1024))
+    with pytest.raises(DatasetError, match=r"n1\.tar: the PAX global header at offset 0 sets path for every member"):
+        load_index(_train_tar(tmp_path, inner), None, EXTS, None, use_cache=False)
+
+
+def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
+    rng = np.random.default_rng(1)
+    jpeg, other = (jpeg_bytes(photo_like(rng, 40, 30), rng) for _ in range(2))
+    root = tmp_path / "tars"
+    root.mkdir()
+    (root / "n1.tar").write_bytes(_hostile_class_tar(jpeg, other))
+    cfg = small_config(tmp_path, str(root), loader={"batch_size": 2})
+    for how in ("scanned", "cached index"):  # the second check reads the cache the first one wrote
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0 and f"dataset: 6 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
+        assert "archive members not indexed (only regular members" in r.stdout, r.stdout
+        assert f"  skipped {root / 'n1.tar'}: link.JPEG (a symbolic link)" in r.stdout, r.stdout
+        assert "/abs.JPEG (an absolute path)" in r.stdout, r.stdout
 
 
 def _train_tar(tmp_path, inner: bytes, name="n1.tar") -> str:
@@ -219,16 +304,75 @@ def test_a_corrupt_header_or_compressed_archive_is_a_clear_error(tmp_path):
         load_index(str(gz), None, EXTS, None, use_cache=False)
 
 
-def test_an_archive_cut_after_indexing_quarantines_the_sample_not_the_worker(imagenet, tmp_path):
+def test_an_archive_cut_or_replaced_after_indexing_makes_the_batch_wait_blaming_no_sample(imagenet, tmp_path):
+    """Offsets hold for the file that was indexed only: another file (or a cut one) at the path is
+    the storage's state, so the batch waits for it (StorageUnavailable) and no sample is quarantined."""
     root = str(tmp_path / "train.tar")
     shutil.copy(imagenet.train_tar, root)
     index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    original = open(root, "rb").read()
     last = int(np.argmax(index.block))
-    os.truncate(root, int(index.block[last]) * 512 + 5)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
-    _, used, _, replaced, quarantined = maker.fill(0, np.array([last]))
-    assert [q.index for q in quarantined] == [last] and replaced.tolist() == [last] and used[0] != last
-    assert "cannot read: the archive ends" in quarantined[0].reason
+    maker.fill(0, np.array([0]))  # the archive is open in the worker from here on
+    os.truncate(root, int(index.block[last]) * 512 + 5)
+    with pytest.raises(StorageUnavailable, match="train.tar is not the one indexed .size"):
+        maker.fill(0, np.array([last]))
+    with open(root + ".new", "wb") as f:  # another file of the same size put in its place (as rsync does)
+        f.write(original[::-1])
+    os.replace(root + ".new", root)
+    with pytest.raises(StorageUnavailable, match="not the one indexed"):
+        maker.fill(0, np.array([1]))
+    assert not maker.bad
+    with open(root, "wb") as f:  # as it was: the batch is made, nothing was quarantined
+        f.write(original)
+    index = replace(index, identity=((len(original), os.stat(root).st_ino),))  # (the test cannot restore the inode)
+    maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
+    _, used, _, _, quarantined = maker.fill(0, np.array([last, 1]))
+    assert not quarantined and used.tolist() == [last, 1]
+
+
+def test_a_stale_archive_descriptor_is_dropped_and_the_read_tried_again(imagenet, tmp_path, monkeypatch):
+    """A kept descriptor that went stale (an NFS remount) fails every read: the retry of a transient
+    errno must open the archive again, not quarantine sample after sample through the dead one."""
+    root = str(tmp_path / "train.tar")
+    shutil.copy(imagenet.train_tar, root)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
+    maker.fill(0, np.array([0]))
+    dead = set(tarindex._fds.values())
+    assert dead
+    real_pread, real_close = os.pread, os.close
+
+    def pread(fd, n, off):
+        if fd in dead:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        return real_pread(fd, n, off)
+
+    def close(fd):  # closing the dead descriptor frees it; a new one under the same number is alive
+        dead.discard(fd)
+        real_close(fd)
+
+    monkeypatch.setattr(os, "pread", pread)
+    monkeypatch.setattr(os, "close", close)
+    n = min(len(index), 8)
+    _, used, _, replaced, quarantined = maker.fill(0, np.arange(n))
+    assert not quarantined and used.tolist() == list(range(n)) and (replaced == -1).all()
+
+
+def test_kept_archive_descriptors_are_evicted_least_recently_used_first(tmp_path, monkeypatch):
+    paths = []
+    for k in range(3):
+        paths.append(str(tmp_path / f"{k}.tar"))
+        open(paths[-1], "wb").close()
+    monkeypatch.setattr(tarindex, "_MAX_OPEN", 2)
+    monkeypatch.setattr(tarindex, "_fds", {})
+    fd0 = tarindex._open(paths[0])
+    tarindex._open(paths[1])
+    assert tarindex._open(paths[0]) == fd0  # used again: now the most recent
+    tarindex._open(paths[2])  # evicts paths[1], the least recently used
+    assert list(tarindex._fds) == [paths[0], paths[2]]
+    for p in list(tarindex._fds):
+        tarindex._forget(p)
 
 
 def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
@@ -245,6 +389,7 @@ def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
     i1, c1 = load_index(root, None, EXTS, cache)
     i2, c2 = load_index(root, None, EXTS, cache)
     assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
+    assert i2.identity == i1.identity == ((os.stat(root).st_size, os.stat(root).st_ino),)
     st = os.stat(root)
     os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime

@@ -174,7 +174,10 @@ def test_cli_check_summarises_the_validation_stream(tmp_path, image_root, val_ro
     r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "validation: 17 samples; [3, 2] batches of up to 4 per pass for ranks [0, 1]; eval resize 74" in r.stdout
+    val_name = os.path.basename(val_root.rstrip("/"))
+    assert (f"validation: 17 samples ({val_name}, an ImageFolder); [3, 2] batches of up to 4 per pass for ranks "
+            "[0, 1]; eval resize 74") in r.stdout, r.stdout
+    assert f"; {os.path.basename(image_root.rstrip('/'))}, an ImageFolder" in r.stdout, r.stdout
 
 
 _TRAIN_BATCH = batchfile.max_file_size(8, 32, 32)  # 28 KiB: issue 23's repro

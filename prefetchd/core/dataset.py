@@ -47,6 +47,11 @@ class DatasetError(ValueError):
     """The dataset cannot be used: the message says why and what to do."""
 
 
+class StorageChanged(OSError):
+    """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
+    the storage's state, not the sample's fault (``executors.storage`` waits for it)."""
+
+
 @dataclass(frozen=True)
 class Index:
     root: str
@@ -57,6 +62,7 @@ class Index:
     fingerprint: str  # hex: content hash of paths and labels
     files_dir: str | None = None  # where the .npy files live (for workers to mmap)
     skipped: tuple[str, ...] = ()  # directories the scan did not index, each with why
+    kind: str = "folder"  # what the root is: "folder" (an ImageFolder) or "list" (dataset.file_list)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -75,12 +81,30 @@ class Index:
         finally:
             os.close(fd)
 
+    # what ``skipped`` holds (one, many) and by which rule, for ``prefetchd check``
+    skipped_what = ("directory", "directories")
+    skipped_rule = "directory symlinks into the root are not followed; a directory is indexed once"
+
+    def describe(self) -> str:
+        """What the dataset is, in a few words (``prefetchd check``)."""
+        if self.kind == "list":
+            return f"a file list in {self.root}"
+        return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
+
+    def sample_size(self, i: int) -> int:
+        """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
+        try:
+            return os.stat(self.path(i)).st_size
+        except OSError:
+            return 0
+
     @property
     def nbytes(self) -> int:
         return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes
 
 
-def _fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+def index_fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+    """The content hash of an index's paths and labels (``Index.fingerprint``)."""
     h = xxhash.xxh3_128()
     for a in (blob, offsets, labels):
         h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
@@ -93,31 +117,33 @@ def _build(root: str, classes: list[str], rel: list[bytes], labels: list[int]) -
     np.cumsum(lens, out=offsets[1:])
     blob = np.frombuffer(b"".join(rel), dtype=np.uint8) if rel else np.zeros(0, np.uint8)
     lab = np.asarray(labels, dtype=np.int32)
-    return Index(root, tuple(classes), blob, offsets, lab, _fingerprint(blob, offsets, lab))
+    return Index(root, tuple(classes), blob, offsets, lab, index_fingerprint(blob, offsets, lab))
 
 
-def _check_root(root: str) -> None:
+def _check_root(root: str, key: str = "dataset.root") -> None:
+    """``root`` (the config key ``key`` names it) is a readable directory, or a DatasetError says why."""
     try:
         st = os.stat(root)
     except FileNotFoundError:
-        raise DatasetError(f"dataset.root {root} does not exist") from None
+        raise DatasetError(f"{key} {root} does not exist") from None
     except PermissionError:
-        raise DatasetError(f"dataset.root {root} is not readable (permission denied)") from None
+        raise DatasetError(f"{key} {root} is not readable (permission denied)") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise DatasetError(f"dataset.root {root} is not a directory")
+        raise DatasetError(f"{key} {root} is not a directory")
     if not os.access(root, os.R_OK | os.X_OK):
-        raise DatasetError(f"dataset.root {root} is not readable (permission denied)")
+        raise DatasetError(f"{key} {root} is not readable (permission denied)")
 
 
-def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, list[tuple[str, int]]]:
-    """Scan ``root/<class>/...``. Returns the index and the (dir, mtime_ns) list that validates
-    a cache of it."""
-    _check_root(root)
+def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[
+        Index, list[tuple[str, int]]]:
+    """Scan ``root/<class>/...`` (``key``: the config key naming it, for messages). Returns the
+    index and the (dir, mtime_ns) list that validates a cache of it."""
+    _check_root(root, key)
     exts = tuple(e.lower() for e in extensions)
     stamps: list[tuple[str, int]] = [(root, os.stat(root).st_mtime_ns)]
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
     if not classes:
-        raise DatasetError(f"dataset.root {root} has no class folders (expected root/<class>/<image>)")
+        raise DatasetError(f"{key} {root} has no class folders (expected root/<class>/<image>)")
     rel: list[bytes] = []
     labels: list[int] = []
     empty: list[str] = []
@@ -167,7 +193,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...]) -> tuple[Index, li
                     "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
                     "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if not rel:
-        raise DatasetError(f"dataset.root {root} holds no images with extensions {', '.join(exts)}")
+        raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")
     return replace(_build(root, classes, rel, labels), skipped=tuple(skipped)), stamps
 
 
@@ -186,13 +212,13 @@ def _walk_error(err: OSError) -> None:
     log.warning("cannot read %s: %s", err.filename, err.strerror)
 
 
-def scan_file_list(list_path: str) -> tuple[Index, list[tuple[str, int]]]:
+def scan_file_list(list_path: str, key: str = "dataset.file_list") -> tuple[Index, list[tuple[str, int]]]:
     try:
         st = os.stat(list_path)
         with open(list_path, "rb") as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise DatasetError(f"dataset.file_list {list_path}: {e.strerror}") from None
+        raise DatasetError(f"{key} {list_path}: {e.strerror}") from None
     root = os.path.dirname(list_path)
     rel: list[bytes] = []
     labels: list[int] = []
@@ -202,15 +228,16 @@ def scan_file_list(list_path: str) -> tuple[Index, list[tuple[str, int]]]:
             continue
         parts = line.rsplit(None, 1)
         if len(parts) != 2 or not parts[1].lstrip(b"-").isdigit() or int(parts[1]) < 0:
-            raise DatasetError(f"dataset.file_list {list_path}:{lineno}: expected 'path label' with a non-negative integer label, got {raw[:80]!r}")
+            raise DatasetError(f"{key} {list_path}:{lineno}: expected 'path label' with a non-negative integer label, got {raw[:80]!r}")
         rel.append(parts[0])
         labels.append(int(parts[1]))
     if not rel:
-        raise DatasetError(f"dataset.file_list {list_path} lists no images")
+        raise DatasetError(f"{key} {list_path} lists no images")
     if max(labels) >= 2**31:
-        raise DatasetError(f"dataset.file_list {list_path}: labels must be below 2**31")
+        raise DatasetError(f"{key} {list_path}: labels must be below 2**31")
     classes = [str(i) for i in range(max(labels) + 1)]
-    return _build(root, classes, rel, labels), [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
+    index = replace(_build(root, classes, rel, labels), kind="list")
+    return index, [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
 
 
 def default_cache_dir() -> str:
@@ -220,8 +247,59 @@ def default_cache_dir() -> str:
     return os.path.join(base, "prefetchd")
 
 
-def _cache_key(source: str, kind: str, extensions: tuple[str, ...]) -> str:
-    return hashlib.sha256(f"{_CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+def cache_path(cache_dir: str | None, source: str, kind: str, extensions: tuple[str, ...]) -> str:
+    """The cache directory of the index of ``source`` (a root, a list, an archive layout: ``kind``)."""
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir or default_cache_dir(), "index-" + key)
+
+
+def write_cache(cdir: str, meta_name: str, arrays: dict, meta: dict) -> None:
+    """Write an index's cache in ``cdir``: each array (None: left out) as ``<name>-<fingerprint>.npy``,
+    then ``meta_name`` (``meta`` plus the ``files`` written), each replaced atomically, so a reader
+    sees the old cache or the new one; ``.npy`` files of earlier indexes are removed."""
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    files = {}
+    for k, a in arrays.items():
+        if a is not None:
+            files[k] = f"{k}-{meta['fingerprint']}.npy"
+            _write_atomic(cdir, files[k], lambda f, a=a: np.save(f, a, allow_pickle=False), "wb")
+    _write_atomic(cdir, meta_name, lambda f: json.dump({**meta, "files": files}, f), "w")
+    for name in os.listdir(cdir):
+        if name not in files.values() and name.endswith(".npy"):
+            try:
+                os.unlink(os.path.join(cdir, name))
+            except OSError:
+                pass
+
+
+def _write_atomic(cdir: str, name: str, write, mode: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=cdir)
+    try:
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+            write(f)
+        os.replace(tmp, os.path.join(cdir, name))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None):
+    """``build(meta, arrays)`` from the cache in ``cdir`` (the arrays memory-mapped), or None: none
+    there, another ``version``, unreadable, or ``stamps_valid(meta["stamps"])`` says the dataset
+    changed since."""
+    try:
+        with open(os.path.join(cdir, meta_name), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != version or (stamps_valid is not None and not stamps_valid(meta["stamps"])):
+            return None
+        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
+                  for k, name in meta["files"].items()}
+        return build(meta, arrays)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _stamps_valid(stamps: list) -> bool:
@@ -240,72 +318,52 @@ def _stamps_valid(stamps: list) -> bool:
 def _load_cache(cdir: str, validate: bool = True) -> Index | None:
     """The cached index in ``cdir``; None if there is none or (``validate``) the dataset changed
     since it was scanned."""
-    meta_path = os.path.join(cdir, "meta.json")
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("version") != _CACHE_VERSION or (validate and not _stamps_valid(meta["stamps"])):
-            return None
-        arrays = {k: np.load(os.path.join(cdir, meta["files"][k]), mmap_mode="r", allow_pickle=False)
-                  for k in ("blob", "offsets", "labels")}
-        return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
-                     arrays["labels"], meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    def build(meta: dict, arrays: dict) -> Index:
+        return Index(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                     meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())),
+                     kind=meta.get("kind", "folder"))
+
+    return read_cache(cdir, "meta.json", _CACHE_VERSION, build, _stamps_valid if validate else None)
 
 
 def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
-    os.makedirs(cdir, mode=0o700, exist_ok=True)
-    files = {}
-    for k in ("blob", "offsets", "labels"):
-        name = f"{k}-{index.fingerprint}.npy"
-        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, getattr(index, k), allow_pickle=False)
-        os.replace(tmp, os.path.join(cdir, name))
-        files[k] = name
-    meta = {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-            "fingerprint": index.fingerprint, "files": files, "stamps": stamps, "count": len(index),
-            "skipped": list(index.skipped)}
-    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-    os.replace(tmp, os.path.join(cdir, "meta.json"))
-    keep = set(files.values()) | {"meta.json"}
-    for name in os.listdir(cdir):
-        if name not in keep and name.endswith(".npy"):
-            try:
-                os.unlink(os.path.join(cdir, name))
-            except OSError:
-                pass
+    write_cache(cdir, "meta.json", {k: getattr(index, k) for k in ("blob", "offsets", "labels")},
+                {"version": _CACHE_VERSION, "root": index.root, "classes": list(index.classes),
+                 "fingerprint": index.fingerprint, "stamps": stamps, "count": len(index),
+                 "skipped": list(index.skipped), "kind": index.kind})
     cached = _load_cache(cdir)
     return cached if cached is not None else index
 
 
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
-               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None) -> tuple[Index, bool]:
+               cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
+               section: str = "dataset") -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
-    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``)."""
+    ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
+    ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
+    validation set), so a message names the key the user wrote."""
     if root is not None and file_list is None:
         from prefetchd.core import tarindex
 
         if tarindex.layout(root, devkit):
-            return tarindex.load(root, devkit, extensions, cache_dir, use_cache)
+            return tarindex.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root")
     if devkit:
+        if root is not None and file_list is None:
+            _check_root(root, f"{section}.root")  # missing or unreadable: that, not the devkit, is the mistake
         raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
                            f"flat folder); {root or file_list} is not one (its labels are its own): remove "
                            "validation.devkit")
     kind, source = ("list", file_list) if file_list else ("folder", root)
     assert source is not None
-    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, kind, extensions))
+    cdir = cache_path(cache_dir, source, kind, extensions)
     if use_cache:
         cached = _load_cache(cdir)
         if cached is not None:
             return cached, True
     if kind == "list":
-        index, stamps = scan_file_list(source)
+        index, stamps = scan_file_list(source, f"{section}.file_list")
     else:
-        index, stamps = scan_image_folder(source, extensions)
+        index, stamps = scan_image_folder(source, extensions, f"{section}.root")
     if use_cache:
         try:
             index = _save_cache(cdir, index, stamps)

@@ -16,18 +16,28 @@ hence every batch, are byte for byte those of the extracted folder. A flat set i
 
 **Reading.** The scan reads the tar headers only: one 512-byte ``pread`` per member, the data is
 skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
-``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever.
+``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever. A worker
+keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fails closes the
+archive so the next try opens it again (a stale NFS handle after a remount), and an archive is
+opened only if its (size, inode) are those it was indexed with: another file at its path (a copy
+put in its place, a cut download) raises ``dataset.StorageChanged``, which the worker treats as
+storage to wait for (``executors.storage``), never as bad samples read at the wrong offsets.
 
 **Unusual and hostile members** each have one outcome:
 
+* read as the next member's metadata: a PAX extended header's (``x``, what Python's ``tarfile``,
+  ``tar --format=posix`` and bsdtar write) ``path`` and ``size`` records, and a GNU long name
+  (``L``); other PAX records (times, owners, xattrs) and GNU long link names (``K``) are ignored.
+  The member is then judged by its full name like any other, and its data offset stays exact;
 * skipped, with one warning per archive naming them: a path that is absolute or has a ``..``
-  component; hard and symbolic links, devices, FIFOs, GNU sparse files and other non-regular
-  types; a GNU long-name (``L``/``K``) or PAX (``x``) extension header together with the member
-  it describes (its real name or size may be in the extension); a PAX global header (ignored);
+  component; hard and symbolic links, devices, FIFOs, GNU sparse files (``S``, or PAX
+  ``GNU.sparse.*`` records) and other non-regular types; a member whose extension header is
+  malformed or over 1 MiB; a PAX global header (``g``) that sets no path or size (ignored);
 * a duplicate name: the last copy is used, as extraction would, with a warning;
 * a one-line error naming the archive and the member: a header that is not a tar header (bad
   checksum: corrupt, compressed or not a tar), an archive that ends inside a header, a member
-  whose data runs past the end of its archive (a truncated download) or of its inner tar;
+  whose data runs past the end of its archive (a truncated download) or of its inner tar, a PAX
+  global header that sets a path or size for every member after it;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -38,13 +48,10 @@ devkit's) are unchanged; the scan time is kept for ``prefetchd check``.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import stat
-import tempfile
 import time
-import zlib
 from array import array
 from dataclasses import dataclass, replace
 
@@ -52,18 +59,21 @@ import numpy as np
 
 from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
-from prefetchd.core.dataset import DatasetError, Index, _cache_key, _fingerprint, default_cache_dir
+from prefetchd.core.dataset import (
+    DatasetError,
+    Index,
+    StorageChanged,
+    cache_path,
+    index_fingerprint,
+    read_cache,
+    write_cache,
+)
+from prefetchd.core.tarheaders import BLOCK, members, show, unique
 
 log = logging.getLogger("prefetchd.dataset")
 
 META = "tarmeta.json"
-_VERSION = 2
-_BLOCK = 512
-_ZERO = bytes(_BLOCK)
-_REGULAR = (b"0", b"\0", b"7")
-_DESCRIBES_NEXT = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x": "PAX extended header"}
-_OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
-          b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
+_VERSION = 3  # 3: PAX and GNU long-name members indexed; archive identities and skipped members kept
 _MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
 _LAYOUT_WORDS = {"tar": "a tar of per-class tars", "tars": "a folder of per-class tars",
                  "flat-tar": "a flat tar labelled by the devkit", "flat-folder": "a flat folder labelled by the devkit"}
@@ -81,6 +91,12 @@ class TarIndex(Index):
     block: np.ndarray | None = None
     size: np.ndarray | None = None
     scan_s: float = 0.0  # how long the scan that built it took
+    # each archive's (size, inode) when it was indexed, checked whenever it is opened to read (its
+    # offsets hold for that file only); inode 0: not checked (another node's copy); (): no check
+    identity: tuple[tuple[int, int], ...] = ()
+    skipped_what = ("archive member", "archive members")
+    skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
+                    "a flat set's images without a devkit label")
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
@@ -97,15 +113,27 @@ class TarIndex(Index):
         return os.path.join(self.archive(i), rel.partition("/")[2] if self.layout == "tars" else rel)
 
     def read(self, i: int) -> bytes:
-        """Sample ``i``'s bytes: one positioned read at its offset (OSError when it cannot be read)."""
+        """Sample ``i``'s bytes: one positioned read at its offset (OSError when it cannot be read;
+        ``StorageChanged`` when its archive is not the one indexed)."""
         if self.block is None:
             return super().read(i)
         n = int(self.size[i])
-        data = os.pread(_open(self.archive(i)), n, int(self.block[i]) * _BLOCK)
-        if len(data) != n:
-            raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
-                                     "(it changed since it was indexed)")
+        a = 0 if self.archive_ids is None else int(self.archive_ids[i])
+        path = self.archive(i)
+        fd = _open(path, self.identity[a] if self.identity else None)
+        try:
+            data = os.pread(fd, n, int(self.block[i]) * BLOCK)
+            if len(data) != n:
+                raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
+                                         "(it changed since it was indexed)")
+        except OSError:
+            _forget(path)  # a dead descriptor (a stale NFS handle, a remount): the next try opens the file again
+            raise
         return data
+
+    def sample_size(self, i: int) -> int:
+        """Sample ``i``'s size in bytes, from the index (no stat: the member is not a file)."""
+        return super().sample_size(i) if self.size is None else int(self.size[i])
 
     def describe(self) -> str:
         where = os.path.basename(self.root.rstrip("/"))
@@ -117,122 +145,43 @@ class TarIndex(Index):
         return super().nbytes + sum(a.nbytes for a in extra)
 
 
-_fds: dict[str, int] = {}
+_fds: dict[str, int] = {}  # in least recently used order
 _fds_pid = 0
 
 
-def _open(path: str) -> int:
-    """A read-only descriptor of ``path``, kept open for the next read (up to ``_MAX_OPEN``)."""
+def _open(path: str, identity: tuple[int, int] | None = None) -> int:
+    """A read-only descriptor of ``path``, kept open for the next read (the ``_MAX_OPEN`` most
+    recently used). ``identity``: the (size, inode) it was indexed with; a file that is not that
+    one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
     global _fds_pid
     if _fds_pid != os.getpid():  # a forked child: the parent's descriptors are its own business
         _fds.clear()
         _fds_pid = os.getpid()
-    fd = _fds.get(path)
+    fd = _fds.pop(path, None)
     if fd is None:
         if len(_fds) >= _MAX_OPEN:
             os.close(_fds.pop(next(iter(_fds))))
-        fd = _fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if identity is not None:
+            st = os.fstat(fd)
+            size, ino = identity
+            if st.st_size != size or (ino and st.st_ino != ino):
+                os.close(fd)
+                raise StorageChanged(errno.ESTALE, f"the archive {path} is not the one indexed (size {size}, inode "
+                                     f"{ino}; now size {st.st_size}, inode {st.st_ino}): batches wait until it is "
+                                     "back as it was; restart the daemon to index it again")
+    _fds[path] = fd
     return fd
 
 
-# --- reading tar headers -------------------------------------------------------------------------
-
-
-def _show(name: bytes) -> str:
-    return os.fsdecode(name)
-
-
-def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: bool = False) -> tuple[bytes, bytes, int]:
-    """(name, type, size) of the header block ``hdr`` at ``off``; DatasetError if it is not one."""
-    try:
-        stored = int(hdr[148:156].replace(b"\0", b" ").strip() or b"-1", 8)
-    except ValueError:
-        stored = -1
-    # The checksum is the header's byte sum with its own field read as spaces. Adler-32's low half
-    # is 1 + that byte sum mod 65521, at C speed (a Python sum of 512 bytes was a third of the
-    # scan); only a header that fails it is summed exactly (some tars sum signed bytes).
-    if stored < 0 or stored % 65521 != ((zlib.adler32(hdr) & 0xFFFF) - 1 - sum(hdr[148:156]) + 256) % 65521:
-        unsigned = sum(hdr) - sum(hdr[148:156]) + 256
-        ok = stored in (unsigned, unsigned - 256 * sum(b > 127 for b in hdr[:148] + hdr[156:]))
-    else:
-        ok = True
-    if not ok:
-        after = f"after member {_show(last)}" if last is not None else "the first header"
-        hint = "it is gzip-compressed: decompress it first" if hdr[:2] == b"\x1f\x8b" and last is None else (
-            "the archive is corrupt, compressed or not a tar")
-        if top and last is None:  # the root itself: say what it could have been
-            raise DatasetError(f"dataset.root {where} is not a directory (an ImageFolder) nor an uncompressed tar "
-                               f"archive: no valid tar header at offset 0; {hint}")
-        raise DatasetError(f"{where}: no valid tar header at offset {off} ({after}); {hint}")
-    name = hdr[:100].split(b"\0", 1)[0]
-    field = hdr[124:136]
-    if field[0] & 0x80:  # GNU base-256, for members of 8 GiB and more
-        if field[0] == 0xFF:
-            raise DatasetError(f"{where}: member {_show(name)} has a negative size")
-        size = int.from_bytes(field[1:], "big")
-    else:
+def _forget(path: str) -> None:
+    """Close the kept descriptor of ``path``, if any."""
+    fd = _fds.pop(path, None) if _fds_pid == os.getpid() else None
+    if fd is not None:
         try:
-            size = int(field.replace(b"\0", b" ").strip() or b"0", 8)
-        except ValueError:
-            raise DatasetError(f"{where}: the header at offset {off} has an unreadable size {field!r}") from None
-    if hdr[257:263] == b"ustar\0" and hdr[345] != 0:  # POSIX ustar: a path prefix (GNU tars keep times there)
-        name = hdr[345:500].split(b"\0", 1)[0] + b"/" + name
-    return name, hdr[156:157], size
-
-
-def _members(fd: int, start: int, end: int, where: str, skipped: list, top: bool = False) -> list[tuple[bytes, int, int]]:
-    """(normalised name, data offset, size) of every regular member of the tar that occupies
-    ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
-    out = []
-    off, last, pending = start, None, None
-    while end - off >= _BLOCK:
-        hdr = os.pread(fd, _BLOCK, off)
-        if len(hdr) < _BLOCK:
-            break
-        if hdr == _ZERO:
-            return out
-        name, kind, size = _header(hdr, where, off - start, last, top)  # offsets in messages: within `where`
-        data = off + _BLOCK
-        if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
-            while True:
-                ext = os.pread(fd, _BLOCK, data)
-                data += _BLOCK
-                if len(ext) < _BLOCK or data > end or not ext[504]:
-                    break
-        if size > end - data:
-            raise DatasetError(f"{where}: member {_show(name)} needs {size} bytes at offset {data - start} but its archive "
-                               f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
-        off, last = data + -(-size // _BLOCK) * _BLOCK, name
-        if pending is not None:
-            skipped.append((name, f"described by a {pending}"))
-            pending = None
-        elif kind in _DESCRIBES_NEXT:
-            pending = _DESCRIBES_NEXT[kind]
-        elif kind == b"5":
+            os.close(fd)
+        except OSError:
             pass
-        elif kind not in _REGULAR:
-            skipped.append((name, _OTHER.get(kind, f"of unsupported type {kind.decode('latin-1')!r}")))
-        elif name.startswith(b"/"):
-            skipped.append((name, "an absolute path"))
-        else:
-            parts = [p for p in name.split(b"/") if p and p != b"."]
-            if b".." in parts:
-                skipped.append((name, "a '..' component"))
-            elif parts:
-                out.append((b"/".join(parts), data, size))
-    if off < end:
-        raise DatasetError(f"{where} is truncated: it ends inside the header after member "
-                           f"{_show(last) if last is not None else '(none)'} (download it again)")
-    return out
-
-
-def _unique(members: list, where: str, skipped: list) -> dict[bytes, tuple[int, int]]:
-    found: dict[bytes, tuple[int, int]] = {}
-    for name, pos, size in members:
-        if name in found:
-            skipped.append((name, "a duplicate name: the last copy is used, as extraction would"))
-        found[name] = (pos, size)
-    return found
 
 
 def _walk_key(name: bytes) -> tuple[tuple[bytes, ...], bytes]:
@@ -254,11 +203,23 @@ def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[by
     return keep
 
 
-def _warn_skipped(where: str, skipped: list) -> None:
+_MAX_NOTES = 1000  # skipped members kept with the index (for check); more are counted
+
+
+def _warn_skipped(where: str, skipped: list, notes: list) -> None:
+    """Warn once for ``where`` and keep what was skipped in ``notes`` (``Index.skipped``)."""
     if skipped:
-        shown = "; ".join(f"{_show(n)} ({why})" for n, why in skipped[:20])
+        shown = "; ".join(f"{show(n)} ({why})" for n, why in skipped[:20])
         log.warning("%s: skipped %d member(s): %s%s", where, len(skipped), shown,
                     f"; and {len(skipped) - 20} more" if len(skipped) > 20 else "")
+        for n, why in skipped:
+            notes.append(f"{where}: {show(n)} ({why})")
+
+
+def _kept(notes: list) -> tuple[str, ...]:
+    if len(notes) <= _MAX_NOTES:
+        return tuple(notes)
+    return (*notes[:_MAX_NOTES], f"... and {len(notes) - _MAX_NOTES} more (see the warnings of the scan)")
 
 
 # --- scanning ------------------------------------------------------------------------------------------
@@ -273,13 +234,13 @@ class _Arrays:
         self.multi = False
 
     def add(self, rel: bytes, label: int, pos: int, size: int, arch: int = 0) -> None:
-        if size >= 1 << 32 or pos >= _BLOCK << 32:
-            raise DatasetError(f"member {_show(rel)} is {size} bytes at offset {pos}: samples of 4 GiB or more, "
+        if size >= 1 << 32 or pos >= BLOCK << 32:
+            raise DatasetError(f"member {show(rel)} is {size} bytes at offset {pos}: samples of 4 GiB or more, "
                                "or in archives over 2 TiB, are not supported")
         self.blob += rel
         self.ends.append(len(self.blob))
         self.labels.append(label)
-        self.block.append(pos // _BLOCK)
+        self.block.append(pos // BLOCK)
         self.size.append(size)
         if self.multi:  # one archive (the train tar): no per-sample archive number
             self.arch.append(arch)
@@ -287,7 +248,7 @@ class _Arrays:
     def index(self, root: str, classes: list[str], layout: str, archives: tuple[str, ...]) -> TarIndex:
         blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
         offsets, labels = np.frombuffer(self.ends, dtype=np.int64), np.frombuffer(self.labels, dtype=np.int32)
-        return TarIndex(root, tuple(classes), blob, offsets, labels, _fingerprint(blob, offsets, labels),
+        return TarIndex(root, tuple(classes), blob, offsets, labels, index_fingerprint(blob, offsets, labels),
                         layout=layout, archives=archives,
                         archive_ids=np.frombuffer(self.arch, dtype=np.uint16) if len(archives) > 1 else None,
                         block=np.frombuffer(self.block, dtype=np.uint32), size=np.frombuffer(self.size, dtype=np.uint32))
@@ -320,6 +281,11 @@ def _identity(path: str) -> list:
     return [path, st.st_size, st.st_mtime_ns, st.st_ino]
 
 
+def _size_inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_size, st.st_ino
+
+
 def _open_archive(path: str, what: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -328,7 +294,7 @@ def _open_archive(path: str, what: str) -> int:
 
 
 def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], exts, layout_: str,
-                     archives: tuple[str, ...]) -> TarIndex:
+                     archives: tuple[str, ...], notes: list) -> TarIndex:
     """``tars``: (class, archive number, start, end) in class order."""
     out = _Arrays()
     out.multi = len(archives) > 1
@@ -338,8 +304,8 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
-        images = _images(_unique(_members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
-        _warn_skipped(where, skipped)
+        images = _images(unique(members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
+        _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
             out.add(prefix + name, label, pos, size, arch)
@@ -355,7 +321,8 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
     return out.index(root, classes, layout_, archives)
 
 
-def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str) -> TarIndex:
+def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str,
+          notes: list) -> TarIndex:
     if not devkit:
         raise DatasetError(f"{root} is a flat set of {len(names)} images with no class tars or folders: set "
                            "validation.devkit to label it (ImageNet's validation set), or give per-class tars")
@@ -371,7 +338,7 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
             unlabelled.append((name, "no ILSVRC2012_val_NNNNNNNN number in the devkit's ground truth"))
             continue
         out.add(name, labels[k - 1], pos, size)
-    _warn_skipped(root, unlabelled)
+    _warn_skipped(root, unlabelled, notes)
     if not len(out.labels):
         raise DatasetError(f"{root} holds no validation images that the devkit {devkit} labels")
     used = sorted(set(out.labels))  # only the classes present: a train subset may lack the others
@@ -383,34 +350,36 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
     return replace(index, block=None, size=None) if layout_ == "flat-folder" else index
 
 
-def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[TarIndex, list]:
-    """Index ``root`` (see the module docstring). Returns the index and the identities (path,
+def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[TarIndex, list]:
+    """Index ``root`` (see the module docstring; ``key``: the config key naming it). Returns the index and the identities (path,
     size, mtime, inode) that validate a cache of it."""
     exts = tuple(e.lower().encode() for e in extensions)
     kind = layout(root, devkit)
     stamps = [_identity(root)]
+    notes: list = []  # what was skipped, kept with the index
     if kind == "tar":
-        fd = _open_archive(root, "dataset.root")
+        fd = _open_archive(root, key)
         try:
             skipped: list = []
-            if os.fstat(fd).st_size < 2 * _BLOCK:  # not even a header and an end-of-archive block
-                raise DatasetError(f"dataset.root {root} is not a directory (an ImageFolder) nor a tar archive "
+            if os.fstat(fd).st_size < 2 * BLOCK:  # not even a header and an end-of-archive block
+                raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
-            top = _unique(_members(fd, 0, os.fstat(fd).st_size, root, skipped, top=True), root, skipped)
-            _warn_skipped(root, skipped)
+            top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
+            _warn_skipped(root, skipped, notes)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
             if tars:
-                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",))
+                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",), notes)
             else:
-                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "")
+                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "", notes)
+            index = replace(index, identity=(_size_inode(fd),))
         finally:
             os.close(fd)
     elif kind == "tars":
         names = sorted(e.name for e in os.scandir(root)
                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
         if len(names) > 65535:
-            raise DatasetError(f"dataset.root {root} holds {len(names)} tar files; at most 65535 are supported")
+            raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
         fds: list[int] = []
         try:
             tars = []
@@ -418,18 +387,19 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...]) -> tuple[Ta
                 fds.append(_open_archive(os.path.join(root, name), "class tar"))
                 tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
                 stamps.append(_identity(os.path.join(root, name)))
-            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names))
+            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names), notes)
+            index = replace(index, identity=tuple(_size_inode(fd) for fd in fds))
         finally:
             for fd in fds:
                 os.close(fd)
     elif kind == "flat-folder":
         names = sorted(os.fsencode(e.name) for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
-        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "")
+        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "", notes)
     else:
         raise DatasetError(f"{root} is not an archive layout")  # pragma: no cover - dispatch checks first
     if devkit:
         stamps += [_identity(p) for p in _devkit_files(devkit)]
-    return index, stamps
+    return replace(index, skipped=_kept(notes)), stamps
 
 
 def _devkit_files(devkit: str) -> list[str]:
@@ -455,61 +425,36 @@ def _valid(stamps: list) -> bool:
 def _load(cdir: str, validate: bool = True) -> TarIndex | None:
     """The cached index in ``cdir``; with ``validate``, only while the archives are unchanged (a
     worker opens its daemon's index without looking at the dataset: ``dataset.open_index_files``)."""
-    try:
-        with open(os.path.join(cdir, META), encoding="utf-8") as f:
-            meta = json.load(f)
-        if meta.get("version") != _VERSION or (validate and not _valid(meta["stamps"])):
-            return None
-        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
-                  for k, name in meta["files"].items()}
+    def build(meta: dict, arrays: dict) -> TarIndex:
         return TarIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
                         meta["fingerprint"], files_dir=cdir, layout=meta["layout"], archives=tuple(meta["archives"]),
                         archive_ids=arrays.get("archive_ids"), block=arrays.get("block"), size=arrays.get("size"),
-                        scan_s=meta["scan_s"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+                        scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())),
+                        skipped=tuple(meta.get("skipped", ())))
+
+    return read_cache(cdir, META, _VERSION, build, _valid if validate else None)
 
 
 def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
-    os.makedirs(cdir, mode=0o700, exist_ok=True)
-    files = {}
-    for k in _ARRAYS:
-        a = getattr(index, k)
-        if a is None:
-            continue
-        name = f"{k}-{index.fingerprint}.npy"
-        fd, tmp = tempfile.mkstemp(prefix=f".{k}-", suffix=".tmp", dir=cdir)
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, a, allow_pickle=False)
-        os.replace(tmp, os.path.join(cdir, name))
-        files[k] = name
-    meta = {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
-            "archives": list(index.archives), "fingerprint": index.fingerprint, "files": files, "stamps": stamps,
-            "count": len(index), "scan_s": index.scan_s}
-    fd, tmp = tempfile.mkstemp(prefix=".meta-", suffix=".tmp", dir=cdir)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(meta, f)
-    os.replace(tmp, os.path.join(cdir, META))
-    for name in os.listdir(cdir):
-        if name not in files.values() and name.endswith(".npy"):
-            try:
-                os.unlink(os.path.join(cdir, name))
-            except OSError:
-                pass
+    write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
+                {"version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
+                 "archives": list(index.archives), "fingerprint": index.fingerprint, "stamps": stamps,
+                 "count": len(index), "scan_s": index.scan_s, "identity": [list(x) for x in index.identity],
+                 "skipped": list(index.skipped)})
     return _load(cdir) or index
 
 
 def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: str | None,
-         use_cache: bool = True) -> tuple[TarIndex, bool]:
+         use_cache: bool = True, key: str = "dataset.root") -> tuple[TarIndex, bool]:
     """As ``dataset.load_index`` for the archive layouts: (index, from_cache)."""
     source = f"{root}|devkit={devkit or ''}"
-    cdir = os.path.join(cache_dir or default_cache_dir(), "index-" + _cache_key(source, "archive", extensions))
+    cdir = cache_path(cache_dir, source, "archive", extensions)
     if use_cache:
         cached = _load(cdir)
         if cached is not None:
             return cached, True
     t0 = time.monotonic()
-    index, stamps = scan(root, devkit, extensions)
+    index, stamps = scan(root, devkit, extensions, key)
     index = replace(index, scan_s=round(time.monotonic() - t0, 3))
     if use_cache:
         try:

@@ -49,6 +49,7 @@ from prefetchd.core.dataset import load_index, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
 from prefetchd.daemon.metrics import reload_metrics
+from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
 from prefetchd.daemon.report import status_record
 from prefetchd.daemon.rescan import Rescan
@@ -101,8 +102,7 @@ class Daemon:
         self.remote = None
         self.metrics = None
         self.val = None  # the validation stream's state, when validation.enabled
-        self.dataset_unreadable: str | None = None  # why, while batches meet an unreadable dataset root
-        self._unreadable_since = 0.0
+        self.outages = Outages()  # dataset roots that batches find unreadable now
         self._rescan: Rescan | None = None  # a SIGHUP's dataset rescan, while it runs
 
     # --- set-up -----------------------------------------------------------------------------------
@@ -192,7 +192,8 @@ class Daemon:
             try:
                 box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir)
                 if V.enabled:
-                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit)
+                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
+                                            section="validation")
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             self._wake()
@@ -401,11 +402,14 @@ class Daemon:
             return batchfile.max_file_size(self.sampler.batch_len(b, o), size, size)
         bound = self._bounds.get(key)
         if bound is None:
-            bound = builders.compact_bound(self.index.path, self.sampler.batch_indices(e, r, b, o), size)
+            bound = builders.compact_bound(self.index.sample_size, self.sampler.batch_indices(e, r, b, o), size)
             if len(self._bounds) > 4096:  # bounds of batches not handed out (the trainer moved on)
                 self._bounds.clear()
             self._bounds[key] = bound
         return bound
+
+    def _root_of(self, lane: int) -> str:
+        return self.val_index.root if lane >= VAL_LANE else self.index.root
 
     def _handle(self, res: Result) -> None:
         key, current = self.segments.planner_key(res.rank, res.epoch, res.batch, res.offset)
@@ -422,19 +426,13 @@ class Daemon:
             if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
                 if planner.finished(key):
                     planner.deferred(key, time.monotonic() + STORAGE_RETRY_S)
-                if self.dataset_unreadable is None:
-                    log.error("%s: batches are tried again every %.1f s until it is back; no sample is "
-                              "quarantined meanwhile", res.error, STORAGE_RETRY_S)
-                    self.dataset_unreadable, self._unreadable_since = res.error, time.monotonic()
+                self.outages.failed(self._root_of(res.rank), res.error, time.monotonic())
             elif planner.finished(key):
                 delay = planner.failed(key, time.monotonic())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
-        if self.dataset_unreadable is not None:
-            log.info("the dataset root is readable again (unreadable for %.1f s)",
-                     time.monotonic() - self._unreadable_since)
-            self.dataset_unreadable = None
+        self.outages.succeeded(self._root_of(res.rank), time.monotonic())
         if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return

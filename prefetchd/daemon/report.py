@@ -57,7 +57,7 @@ def status_record(d) -> dict:
         "executor": d.cfg.workers.executor, "ray": d.remote.status() if d.remote is not None else None,
         "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
         "resume": d.segments.status(),
-        "dataset_unreadable": d.dataset_unreadable,
+        "dataset_unreadable": d.outages.describe(),
     }
 
 

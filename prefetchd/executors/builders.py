@@ -19,8 +19,6 @@ parameters, anything else as finished pixels, in a compact batch (``prefetchd.fo
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from prefetchd.core import augment, hybrid
@@ -85,18 +83,16 @@ class Packed(Builder):
         return [self.data]
 
 
-def compact_bound(path, indices, output_size: int) -> int:
-    """An upper bound on the compact batch of the samples ``indices`` (``path(i)``: a sample's
-    file): header and tables plus, per sample, the larger of its file and a pixel sample. A
-    quarantined sample's stand-in may be larger: ``CompactBuilder.fit`` keeps the batch within
-    this bound by making its largest JPEGs pixels. One stat per sample."""
+def compact_bound(sample_size, indices, output_size: int) -> int:
+    """An upper bound on the compact batch of the samples ``indices`` (``sample_size(i)``: a
+    sample's size in bytes, 0 if unreadable: ``Index.sample_size``): header and tables plus, per
+    sample, the larger of its bytes and a pixel sample. A quarantined sample's stand-in may be
+    larger: ``CompactBuilder.fit`` keeps the batch within this bound by making its largest JPEGs
+    pixels. One stat per sample of a folder, none for an archive's members."""
     pixel = output_size * output_size * 3
     bound = jpegbatch.HEADER_SIZE + (24 + jpegbatch.PARAM.itemsize) * len(indices)
     for i in indices:
-        try:
-            bound += max(pixel, os.stat(path(int(i))).st_size)
-        except OSError:
-            bound += pixel  # unreadable: it will be replaced, and fit() keeps the bound
+        bound += max(pixel, sample_size(int(i)))  # unreadable (0): it will be replaced, and fit() keeps the bound
     return bound
 
 

@@ -8,7 +8,9 @@ store; this daemon alone writes the temp file and publishes it, so publishing st
 local.
 
 Actors restart when their process or node dies (``max_restarts=-1``); the batches they held
-come back to the daemon as lost and are made again, like a dead local worker's. Connecting runs
+come back to the daemon as lost and are made again, like a dead local worker's. A batch that
+met unreadable storage is not lost: the actor answers "unavailable" and the daemon waits for
+the storage as it does for a local worker (``executors.storage``). Connecting runs
 on a thread: the daemon starts at once and keeps making batches locally while the cluster is
 being reached, or when it cannot be, and says so in its status (``ray``).
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from prefetchd.core.config import RayConfig
 from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
+from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
 from prefetchd.format.batchfile import BatchMeta, segment_fingerprint
 from prefetchd.format.progress import VAL_LANE
@@ -37,6 +40,7 @@ log = logging.getLogger("prefetchd.ray")
 
 _WAIT_S = 0.1
 _MAX_FAILURES = 3
+_UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
 
 
 @dataclass
@@ -78,7 +82,10 @@ def _actor_class(ray):
             rank, batch, batches, *offset = where
             fingerprint = segment_fingerprint(maker.fingerprint, epoch, offset[0] if offset else 0)
             builder = maker.builder_for(epoch, batch)
-            _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
+            try:
+                _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
+            except StorageUnavailable as e:  # the storage's, not the actor's: the daemon waits, as for a local worker
+                return _UNAVAILABLE, str(e)
             data = builder.pack(BatchMeta(rank, epoch, batch, batches, fingerprint), used, labels, replaced)
             return data, used, labels, replaced, quarantined, time.perf_counter() - t0
 
@@ -272,6 +279,9 @@ class RayPool:
                           task.batch, type(value).__name__, _first_line(value))
                 lost.append(task)
                 continue
+            if value[0] == _UNAVAILABLE:  # what worker_main answers for a StorageUnavailable
+                results.append(Result(task.rank, task.epoch, task.batch, None, error=value[1], unavailable=True))
+                continue
             data, used, labels, replaced, quarantined, seconds = value
             setup = self.setup.val if task.rank >= VAL_LANE else self.setup
             results.append(write_temp(buffer_dir, task, setup.fingerprint, worker_id, Packed(data), used, labels,
@@ -286,6 +296,8 @@ class RayPool:
         if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
             mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
                                                     for k in ("archive_ids", "block", "size")})
+            # another node's copy has its own inodes: only the sizes are checked there
+            mapped = dataclasses.replace(mapped, identity=tuple((size, 0) for size, _ in mapped.identity))
         val = self._remote_setup(setup.val) if setup.val is not None else None
         return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 

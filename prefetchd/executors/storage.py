@@ -4,8 +4,9 @@ A sample is quarantined (replaced for good, ``quarantine.jsonl``) only for what 
 fault. The rule, applied to every failed read:
 
 * the dataset root cannot be read (gone: unmounted or renamed away; not a directory; no
-  permission) -> ``StorageUnavailable``: no sample is blamed, the batch is made again once
-  the root is back (the daemon retries it every ``STORAGE_RETRY_S`` and says so once);
+  permission), or an archive the sample is in is not the one indexed (``StorageChanged``:
+  replaced or cut since) -> ``StorageUnavailable``: no sample is blamed, the batch is made
+  again once the storage is back (the daemon retries it every ``STORAGE_RETRY_S`` and says so once);
 * the read failed with an errno a network filesystem or a flaky disk gives for a moment
   (EIO, ESTALE, a timeout, ...) -> tried again after each pause of ``TRANSIENT_PAUSES_S``;
   only a sample that still fails while the root is readable is the sample's fault;
@@ -24,6 +25,8 @@ import os
 import stat
 import time
 from collections.abc import Callable
+
+from prefetchd.core.dataset import StorageChanged
 
 # errnos a storage hiccup gives for a moment (NFS, Lustre, a flaky disk or network)
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,
@@ -71,6 +74,8 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
         why = root_unreadable(root)
         if why is not None:
             raise StorageUnavailable(f"the dataset root {root} is unreadable ({why})") from None
+        if isinstance(err, StorageChanged):
+            raise StorageUnavailable(err.strerror) from None
         if err.errno in TRANSIENT_ERRNOS:
             pause = next(pauses, None)
             if pause is not None:

@@ -1,0 +1,37 @@
+"""Storage outages, one per dataset root: each said once when it starts and once when it ends.
+
+A batch that meets unreadable storage (``Result.unavailable``: the root gone, an archive not the
+one indexed) starts an outage of its stream's root (the train set's, or the validation set's);
+a batch made from that root ends it. The roots are tracked apart: a validation root that stays
+unreadable while the train batches are made is one outage, said once, not one per retry.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prefetchd.executors.storage import STORAGE_RETRY_S
+
+log = logging.getLogger("prefetchd")
+
+
+class Outages:
+    def __init__(self) -> None:
+        self._out: dict[str, tuple[float, str]] = {}  # root -> (since, why)
+
+    def failed(self, root: str, why: str, now: float) -> None:
+        """A batch from ``root`` met unreadable storage (``why``: the worker's one line)."""
+        if root not in self._out:
+            log.error("%s: batches are tried again every %.1f s until it is back; no sample is quarantined "
+                      "meanwhile", why, STORAGE_RETRY_S)
+            self._out[root] = (now, why)
+
+    def succeeded(self, root: str, now: float) -> None:
+        """A batch from ``root`` was made: its outage, if any, is over."""
+        out = self._out.pop(root, None)
+        if out is not None:
+            log.info("the dataset root is readable again: %s (unreadable for %.1f s)", root, now - out[0])
+
+    def describe(self) -> str | None:
+        """What is unreadable now (each names its root or archive), for the status; None if nothing."""
+        return "; ".join(why for _, why in self._out.values()) or None
