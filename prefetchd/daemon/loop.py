@@ -370,6 +370,8 @@ class Daemon:
         if self.val and len(submit) < slots:  # validation gets the slots train leaves
             self.val.take_rest(self.planner)
             submit += self._plan(self.val.planner, slots - len(submit))
+        elif self.val:  # train took every slot: validation waits on workers, not on bytes
+            self.waiting.note(self.val.planner.name, None, None, time.monotonic(), all_slots=True)
         for r, e, b in submit:
             if r >= VAL_LANE:
                 task = self.val.task(r, e, b)
@@ -386,8 +388,7 @@ class Daemon:
         plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
         for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
             self.ring.evict(key)
-        if plan.cause is not None or len(plan.submit) < slots:  # else it ran out of slots, not of room
-            self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic())
+        self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic(), len(plan.submit) >= slots)
         return plan.submit
 
     def _estimate(self, key: tuple[int, int, int]) -> int:
