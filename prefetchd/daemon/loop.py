@@ -68,7 +68,7 @@ from prefetchd.format.progress import VAL_LANE
 log = logging.getLogger("prefetchd")
 
 _STATUS_INTERVAL_S = 1.0
-_CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a broken setup
+_CRASH_LOOP_DEATHS = 8  # this many worker crashes before the first batch mean a broken setup (kills do not count)
 # Fault injection for the test suite: once this file exists the loop blocks (as a call stuck in
 # the kernel would), so that only the stop guard can end the process. Unset in normal use.
 _STUCK_ON = os.environ.get("PREFETCHD_FAULT_STUCK_LOOP")
@@ -312,9 +312,9 @@ class Daemon:
             for index, how in self.pool.suspects:
                 self.quarantine.worker_died(index, how)
             self.pool.suspects.clear()
-            if self.first_batch_at is None and self.pool.restarts >= _CRASH_LOOP_DEATHS:
-                log.error("workers died %d times before the first batch was made; stopping (see the errors above)",
-                          self.pool.restarts)
+            if self.first_batch_at is None and self.pool.crashes_before_a_batch >= _CRASH_LOOP_DEATHS:
+                log.error("workers died %d times before the first batch was made (crashed, not killed); stopping "
+                          "(see the errors above)", self.pool.crashes_before_a_batch)
                 return 1
         log.info("stopping: %d batches published this run", self.produced_batches)
         return 0
