@@ -615,6 +615,23 @@ def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_ro
         d._teardown()
 
 
+def test_a_replaced_lock_file_does_not_make_a_running_daemon_look_stopped(tmp_path, image_root, daemon_factory):
+    """`rm daemon.lock; touch daemon.lock`: a new, unlocked file; the directory's lock is the truth."""
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    os.kill(d.pid, signal.SIGSTOP)  # it would make the file again within a second
+    try:
+        os.unlink(os.path.join(buf, status.LOCK_NAME))
+        open(os.path.join(buf, status.LOCK_NAME), "w").close()
+        assert status.daemon_alive(buf) is True
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    assert d.stop() == 0
+    assert status.daemon_alive(buf) is False  # stopped: neither lock is held
+
+
 def test_a_deleted_lock_file_does_not_let_a_second_daemon_take_the_buffer(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     buf = str(tmp_path / "buffer")
