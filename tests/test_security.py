@@ -506,7 +506,7 @@ def test_a_stop_signal_ends_a_daemon_whose_loop_is_stuck_within_10_s(tmp_path, i
     d.proc.send_signal(sig)
     assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
     log = d.log()
-    assert "after the stop signal (the main thread is at " in log and "daemon.py" in log, log[-2000:]
+    assert "after the stop signal (the main thread is at loop.py:" in log and " _loop < loop.py:" in log, log[-2000:]
     for pid in workers:  # killed, not left to run on without their daemon
         wait_until(lambda: not _alive(pid), 10, f"worker {pid} to be gone")  # noqa: B023
     # the next start cleans up after it (temp files of the killed workers) and serves
