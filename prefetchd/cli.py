@@ -207,9 +207,10 @@ def _check_deployment(cfg: Config, args) -> int:
     for line in findings:
         print(line)
     problems = sum(line.startswith("problem:") for line in findings)
+    warnings = sum(line.startswith("warning:") for line in findings)  # notes are neither
     who = f"daemon user {daemon.name}" + (f", trainer(s) {', '.join(t.name for t in trainers)}" if trainers else "")
     print(f"deployment ({who}): " + (f"{problems} problem(s)" if problems else "no problems")
-          + (f", {len(findings) - problems} warning(s)" if len(findings) > problems else ""))
+          + (f", {warnings} warning(s)" if warnings else ""))
     return 1 if problems else 0
 
 

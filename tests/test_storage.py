@@ -253,7 +253,8 @@ def test_a_full_ram_disk_does_not_stop_the_trainer_and_status_says_its_figures_a
     assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
 
 
-def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+def test_check_notes_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+    """The default layout: a note with its consequence, not a warning on every default install."""
     def check(cfg):
         r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
                            text=True, timeout=120)
@@ -261,7 +262,10 @@ def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_pa
         return r.stdout
 
     out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")}))
-    assert "warning: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    assert "note: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    assert "progress reports are delayed (the client retries" in out, out
+    assert "warning: progress.dir" not in out, out
+    assert f"no problems, {out.count(chr(10) + 'warning: ')} warning(s)" in out, out  # the note is not counted
     out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")},
                              progress={"dir": str(tmp_path / "progress")}))
     assert "shares a filesystem" not in out, out
