@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
     notifier = Notifier()
     daemon = None
     # a stop signal ends this process within the guard's deadline even if the loop never gets it
-    guard = StopGuard(lambda: daemon.pool.pids() if getattr(daemon, "pool", None) else []).start()
+    guard = StopGuard(lambda: daemon.pool.child_pids() if getattr(daemon, "pool", None) else []).start()
     try:
         daemon = Daemon(cfg, notify=notifier, early_signals=early, stop_guard=guard)
         return daemon.run()

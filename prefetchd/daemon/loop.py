@@ -26,7 +26,8 @@ stop it cleanly (also during the dataset scan; workers stopped, temp files remov
 batches kept for the next start, the lock released whatever fails), SIGHUP reloads the tunables.
 A stop signal also arms the ``stopguard.StopGuard`` the CLI hands in: should the main thread
 not get back to the loop (a call stuck in the kernel), the process still ends, with status 0,
-``stopguard.STOP_DEADLINE_S`` after the signal.
+``stopguard.STOP_DEADLINE_S`` after the signal; once the loop has returned, the teardown has
+until ``stopguard.STOP_TOTAL_S``.
 """
 
 from __future__ import annotations
@@ -556,9 +557,13 @@ class Daemon:
     # --- teardown ---------------------------------------------------------------------------------
 
     def _close_early(self) -> None:
+        if self.stop_guard is not None:  # what follows is bounded step by step: the guard gives it longer
+            self.stop_guard.tearing_down()
         close_early(self)
 
     def _teardown(self) -> None:
+        if self.stop_guard is not None:
+            self.stop_guard.tearing_down()
         teardown(self)
 
 

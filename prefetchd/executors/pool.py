@@ -451,6 +451,12 @@ class Pool:
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers.values() if w.pid]
 
+    def child_pids(self) -> list[int]:
+        """Every process the pool's work runs in: the workers (surplus ones being stopped too),
+        then the forkserver and the resource tracker (what a last-resort kill must take)."""
+        ws = [*self.workers.values(), *(w for w, _ in self._stopping)]
+        return [w.pid for w in ws if w.pid] + [p for p in self.helpers.pids().values() if p]
+
     def busy_s(self) -> float:
         return sum(w.busy_s for w in self.workers.values())
 
