@@ -38,6 +38,9 @@ def test_sighup_applies_tunables_keeps_batches_and_refuses_stream_changes(tmp_pa
     _edit(cfg, "workers", count=1)
     d.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: len(published(buf)) == 7, 30, "a buffer of 7 after the reload")
+    # the dataset did not change: its cache's stamps say so, nothing is scanned again
+    wait_until(lambda: "dataset rescan (SIGHUP): unchanged, 48 samples (the index cache's stamps hold: not "
+               "scanned again)" in d.log(), 30, "the rescan's verdict")
     assert before <= set(published(buf))  # nothing buffered was lost
     wait_until(lambda: _status(buf).get("capacity") == 7 and _status(buf).get("workers") == 1, 10, "new tunables")
     _edit(cfg, "loader", seed=8)

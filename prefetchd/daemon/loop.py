@@ -46,7 +46,7 @@ from multiprocessing.connection import wait as mp_wait
 from prefetchd.core import hybrid
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index, val_labels
+from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
 from prefetchd.daemon.metrics import reload_metrics
@@ -545,14 +545,15 @@ class Daemon:
 
     def _start_rescan(self) -> None:
         if self._rescan is None:  # one at a time
-            D = self.cfg.dataset
-            self._rescan = Rescan(lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
+            D, index = self.cfg.dataset, self.index
+            self._rescan = Rescan(index, lambda: unchanged_since_scan(index.files_dir, index.fingerprint),
+                                  lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
                                                      use_cache=False)[0], self._wake)
 
     def _finish_rescan(self) -> None:
         if self._rescan is not None and self._rescan.done():
             self._rescan, rescan = None, self._rescan
-            rescan.report(self.index)
+            rescan.report()
 
     # --- teardown ---------------------------------------------------------------------------------
 
