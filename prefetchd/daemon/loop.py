@@ -361,7 +361,8 @@ class Daemon:
 
     def _schedule(self) -> None:
         if self.val:  # a pass being read keeps room for its next batches (validation.py: make_room)
-            for key in self.val.make_room(self.planner):
+            workers = self.pool.count + (len(self.remote.workers) if self.remote is not None else 0)
+            for key in self.val.make_room(self.planner, workers):
                 self.ring.evict(key)
         slots = sum(ex.idle() for ex in self._executors())
         if not slots:
