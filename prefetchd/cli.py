@@ -77,7 +77,7 @@ def cmd_run(args) -> int:
     notifier = Notifier()
     daemon = None
     # a stop signal ends this process within the guard's deadline even if the loop never gets it
-    guard = StopGuard(lambda: daemon.pool.pids() if getattr(daemon, "pool", None) else []).start()
+    guard = StopGuard(lambda: daemon.pool.child_pids() if getattr(daemon, "pool", None) else []).start()
     try:
         daemon = Daemon(cfg, notify=notifier, early_signals=early, stop_guard=guard)
         return daemon.run()
@@ -172,24 +172,36 @@ def cmd_check(args) -> int:
 
 
 def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
-    """Warn when max_bytes cannot hold train's windows plus one validation batch per rank: while a
-    pass is read, train's windows shrink to make room (and if train's front batches alone fill
-    max_bytes, validation goes over it by up to one batch per rank)."""
+    """While a validation pass is read, its lanes keep ``depth`` batches each (enough to keep the
+    workers busy: ``ceil(workers / ranks) + 1``, within ``validation.capacity``), room that train's
+    windows give up from their far end (train is not read meanwhile) and take back when the pass
+    ends: said in a note. Warned of, with the numbers: max_bytes cannot hold that beside train's
+    front batches (validation then has fewer batches in flight, and is slower), or not even one
+    validation batch per rank beside them (validation goes over max_bytes by that much)."""
     from prefetchd.format import batchfile
 
-    B, ranks, s = cfg.buffer, len(cfg.loader.ranks), cfg.augment.output_size
-    val = batchfile.max_file_size(cfg.validation.batch_size, s, s) * ranks
-    if need + val <= B.max_bytes:
+    B, V, ranks, s = cfg.buffer, cfg.validation, len(cfg.loader.ranks), cfg.augment.output_size
+    workers = cfg.workers.resolved_count()
+    depth = max(1, min(V.capacity, -(-workers // ranks) + 1))
+    one = batchfile.max_file_size(V.batch_size, s, s)
+    room, fronts = one * ranks * depth, per_batch * ranks
+    if need + room <= B.max_bytes:
         return
-    give = min(need, B.max_bytes) + val - B.max_bytes
-    print(f"warning: buffer.max_bytes ({format_size(B.max_bytes)}) cannot hold train's windows "
-          f"({format_size(need)}) plus one validation batch per rank ({ranks} x "
-          f"{format_size(val // ranks)} = {format_size(val)}): while a validation pass is read, train's "
-          f"windows give up {format_size(give)} to make room; raise buffer.max_bytes to "
-          f"{format_size(need + val)} to avoid it")
-    if per_batch * ranks + val > B.max_bytes:
+    kept = (f"{ranks} rank(s) x {depth} validation batch(es) of {format_size(one)} = {format_size(room)}, "
+            f"enough to keep {workers} workers busy")
+    if fronts + room <= B.max_bytes:
+        print(f"note: while a validation pass is read, train's windows give up to "
+              f"{format_size(min(need, B.max_bytes) + room - B.max_bytes)} from their far end for validation "
+              f"({kept}); they are made again once the pass ends")
+        return
+    fit = max(1, (B.max_bytes - fronts) // (one * ranks)) if B.max_bytes > fronts else 1
+    print(f"warning: buffer.max_bytes ({format_size(B.max_bytes)}) cannot hold train's front batches "
+          f"({ranks} x {format_size(per_batch)} = {format_size(fronts)}) plus what a validation pass keeps in "
+          f"flight ({kept}): validation gets {fit} batch(es) per rank at a time and is slower; raise "
+          f"buffer.max_bytes to {format_size(fronts + room)} to keep the workers busy")
+    if fronts + one * ranks > B.max_bytes:
         print(f"warning: buffer.max_bytes ({format_size(B.max_bytes)}) cannot even hold one train batch and one "
-              f"validation batch per rank ({format_size(per_batch * ranks + val)}): validation will go over it")
+              f"validation batch per rank ({format_size(fronts + one * ranks)}): validation will go over it")
 
 
 def _check_deployment(cfg: Config, args) -> int:
@@ -208,9 +220,10 @@ def _check_deployment(cfg: Config, args) -> int:
     for line in findings:
         print(line)
     problems = sum(line.startswith("problem:") for line in findings)
+    warnings = sum(line.startswith("warning:") for line in findings)  # notes are neither
     who = f"daemon user {daemon.name}" + (f", trainer(s) {', '.join(t.name for t in trainers)}" if trainers else "")
     print(f"deployment ({who}): " + (f"{problems} problem(s)" if problems else "no problems")
-          + (f", {len(findings) - problems} warning(s)" if len(findings) > problems else ""))
+          + (f", {warnings} warning(s)" if warnings else ""))
     return 1 if problems else 0
 
 

@@ -487,6 +487,75 @@ def test_workers_that_keep_dying_are_replaced_with_a_growing_delay(tmp_path, ima
     assert elapsed > 6.3 and "workers died 8 times before the first batch" in log
 
 
+def test_workers_killed_from_outside_before_the_first_batch_do_not_stop_the_daemon(tmp_path, image_root,
+                                                                                   daemon_factory):
+    """The OOM killer (or an operator) SIGKILLs every worker before it makes a batch, more times
+    than the crash-loop guard allows crashes: kills are no sign of a broken set-up, so the daemon
+    replaces them and serves once they are left alone."""
+    import psutil
+
+    cfg = small_config(tmp_path, image_root, workers={"count": 1}, loader={"epochs": 1})
+    marker = tmp_path / "hung"  # each worker stops (SIGSTOP) at its first sample while this is absent
+    d = daemon_factory(cfg, env={"PREFETCHD_FAULT_HANG_ONCE": f"img_:{marker}"})
+    kills = 0
+    deadline = time.monotonic() + 120
+    while kills < 9:  # one more than the crash-loop guard's 8
+        assert time.monotonic() < deadline, f"only {kills} workers were killed in 120 s"
+        assert d.proc.poll() is None, d.log()[-2000:]
+        try:
+            stopped = [p for p in psutil.Process(d.pid).children(recursive=True)
+                       if p.status() == psutil.STATUS_STOPPED]
+        except psutil.Error:
+            stopped = []
+        for p in stopped:
+            p.kill()
+            kills += 1
+        if stopped and kills < 9:
+            gone = stopped
+            wait_until(lambda: all(_gone(p) for p in gone), 10, "the killed worker gone")  # noqa: B023
+            marker.unlink()  # the next worker stops too
+        time.sleep(0.01)
+    got = collect(cfg, epochs=(0,), timeout=60)  # the marker stays: the next worker serves
+    assert len(got) == 8 and d.proc.poll() is None
+    log = d.log()
+    assert log.count("killed by SIGKILL") >= 9 and "before the first batch" not in log, log[-3000:]
+    assert d.stop() == 0
+
+
+def _gone(p) -> bool:
+    import psutil
+
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_only_crashes_of_workers_that_never_made_a_batch_count_towards_the_crash_loop(tmp_path):
+    """The crash-loop guard's count: an exit status > 0 or a crash signal of a worker that made
+    no batch; not SIGKILL (the OOM killer, task_timeout_s), not an unknown status, not a worker
+    that had made batches."""
+    from collections import deque
+    from multiprocessing import Pipe
+    from types import SimpleNamespace
+
+    from prefetchd.executors.pool import Pool, Worker
+
+    pool = Pool(SimpleNamespace(buffer_dir=str(tmp_path)), 0)
+    cases = [(-signal.SIGKILL, False, 0), (None, False, 0), (-signal.SIGTERM, False, 0), (-signal.SIGSEGV, True, 0),
+             (1, True, 0), (-signal.SIGSEGV, False, 1), (-signal.SIGBUS, False, 1), (-signal.SIGABRT, False, 1),
+             (1, False, 1), (255, False, 1)]
+    for wid, (code, made, counted) in enumerate(cases):
+        before = pool.crashes_before_a_batch
+        a, b = Pipe()
+        b.close()
+        w = Worker(wid, SimpleNamespace(), a, tasks=deque(), code=code, made=made)
+        pool.workers[wid] = w
+        pool._bury(w)
+        assert pool.crashes_before_a_batch - before == counted, (code, made)
+    assert pool.restarts == len(cases)  # every death is still counted as a restart
+
+
 def test_lowering_the_worker_count_does_not_stall_the_loop_and_leaves_shared_helpers_alone(tmp_path, image_root):
     """A surplus worker that does not exit at once (here: stopped) is reaped later, escalating
     to a kill, while ``results()`` returns at once; ``Pool.stop`` leaves the process-wide
@@ -553,6 +622,23 @@ def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_ro
         for w in pool.workers.values():
             os.kill(w.process.pid, signal.SIGCONT)
         d._teardown()
+
+
+def test_a_replaced_lock_file_does_not_make_a_running_daemon_look_stopped(tmp_path, image_root, daemon_factory):
+    """`rm daemon.lock; touch daemon.lock`: a new, unlocked file; the directory's lock is the truth."""
+    cfg = small_config(tmp_path, image_root)
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(buf)) == 4, 30, "a full buffer")
+    os.kill(d.pid, signal.SIGSTOP)  # it would make the file again within a second
+    try:
+        os.unlink(os.path.join(buf, status.LOCK_NAME))
+        open(os.path.join(buf, status.LOCK_NAME), "w").close()
+        assert status.daemon_alive(buf) is True
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    assert d.stop() == 0
+    assert status.daemon_alive(buf) is False  # stopped: neither lock is held
 
 
 def test_a_deleted_lock_file_does_not_let_a_second_daemon_take_the_buffer(tmp_path, image_root, daemon_factory):

@@ -92,6 +92,22 @@ def test_progress_reading_flag():
         pf.decode(b'{"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 0, "batch": 0, "reading": 1}')
 
 
+def test_metrics_carry_what_the_status_says_of_bytes_waiting_and_the_dataset():
+    pytest.importorskip("prometheus_client")
+    from prefetchd.daemon.metrics import families
+
+    rec = {"blocked": None, "val_blocked": "buffer.max_bytes (8.0 GiB) reached: ...", "train_bytes": 7 << 30,
+           "val_bytes": 1 << 30, "dataset_unreadable": "the dataset root /data is unreadable", "ranks": {}}
+    got = {f.name: [s.value for s in f.samples] for f in families(rec)}
+    assert got["prefetchd_blocked"] == [0] and got["prefetchd_val_blocked"] == [1]
+    assert got["prefetchd_train_bytes"] == [7 << 30] and got["prefetchd_val_bytes"] == [1 << 30]
+    assert got["prefetchd_dataset_unreadable"] == [1]
+    rec.update(val_blocked=None, val_bytes=None, dataset_unreadable=None, blocked="the buffer filesystem has ...")
+    got = {f.name: [s.value for s in f.samples] for f in families(rec)}
+    assert got["prefetchd_blocked"] == [1] and got["prefetchd_dataset_unreadable"] == [0]
+    assert "prefetchd_val_blocked" not in got and "prefetchd_val_bytes" not in got  # no validation stream
+
+
 def test_metrics_show_val_lanes_apart():
     pytest.importorskip("prometheus_client")
     from prefetchd.daemon.metrics import families

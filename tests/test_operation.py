@@ -38,6 +38,9 @@ def test_sighup_applies_tunables_keeps_batches_and_refuses_stream_changes(tmp_pa
     _edit(cfg, "workers", count=1)
     d.proc.send_signal(signal.SIGHUP)
     wait_until(lambda: len(published(buf)) == 7, 30, "a buffer of 7 after the reload")
+    # the dataset did not change: its cache's stamps say so, nothing is scanned again
+    wait_until(lambda: "dataset rescan (SIGHUP): unchanged, 48 samples (the index cache's stamps hold: not "
+               "scanned again)" in d.log(), 30, "the rescan's verdict")
     assert before <= set(published(buf))  # nothing buffered was lost
     wait_until(lambda: _status(buf).get("capacity") == 7 and _status(buf).get("workers") == 1, 10, "new tunables")
     _edit(cfg, "loader", seed=8)
@@ -175,4 +178,40 @@ def test_status_watch_redraws_until_interrupted(tmp_path, image_root, daemon_fac
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=10)
     assert p.returncode == 0 and "\x1b[2J" in first and "prefetchd pid" in first + out
+    assert d.stop() == 0
+
+
+def test_status_stops_saying_blocked_once_a_worker_bound_daemon_has_room_again(tmp_path, image_root,
+                                                                                daemon_factory):
+    """After a spell on max_bytes, a daemon whose every plan uses every worker slot (one worker,
+    a long window to fill) must not go on reporting the spell: the status follows every plan."""
+    from prefetchd.format import batchfile
+
+    per_batch = batchfile.max_file_size(6, 32, 32)
+    port = _free_port()
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None},
+                       augment={"output_size": 32, "scale_min": 36, "scale_max": 60},
+                       workers={"count": 1, "max_tasks_in_flight": 1},
+                       buffer={"capacity": 2000, "refill_at": 2000, "max_bytes": 3 * per_batch},
+                       metrics={"enabled": True, "port": port})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: "buffer.max_bytes" in (_status(buf).get("blocked") or ""), 60, "the max_bytes spell")
+
+    def scrape():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        except OSError:
+            return ""
+
+    wait_until(lambda: re.search(r"^prefetchd_blocked 1\.0$", scrape(), re.M), 15, "prefetchd_blocked 1")
+    _edit(cfg, "buffer", max_bytes="1GiB")
+    d.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: "reloaded:" in d.log(), 30, "the reload")
+    made = _status(buf)["produced_batches"]
+    wait_until(lambda: _status(buf).get("produced_batches", 0) >= made + 3, 30, "batches made after the reload")
+    # one worker, 2000 batches to make: every plan from now on uses the one slot
+    rec = wait_until(lambda: (s := _status(buf)) and s["blocked"] is None and s, 10, "the status to say it no longer waits")
+    assert rec["ranks"]["0"]["ready"] < 2000 and rec["train_bytes"] < (1 << 30)  # still filling, not full
+    wait_until(lambda: re.search(r"^prefetchd_blocked 0\.0$", scrape(), re.M), 10, "prefetchd_blocked 0")
     assert d.stop() == 0

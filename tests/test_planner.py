@@ -346,6 +346,28 @@ def test_an_active_val_pass_gets_room_from_the_far_end_of_the_fullest_train_wind
     assert sorted(train.plan(10, 0.0, FREE).submit) == [(0, 0, 4), (1, 0, 4)]
 
 
+def test_val_room_keeps_the_workers_busy_within_capacity_and_the_pass():
+    """room_wanted(workers): what each lane being read misses of its next ceil(workers / lanes)
+    + 1 batches, within the val capacity and what is left of its pass; one each without workers."""
+    val = Planner((9, 10), 5, None, Limits(4, 4, 1 << 40, 0), lambda k: 1000, pass_len=lambda r: 5)
+    assert val.room_wanted(32) == 0  # no lane is read
+    val.set_active(9, True)
+    val.set_active(10, True)
+    assert val.room_wanted() == 2000  # one each: progress
+    assert val.room_wanted(2) == 4000  # ceil(2 / 2) + 1 = 2 each
+    assert val.room_wanted(4) == 6000  # 3 each
+    assert val.room_wanted(32) == 8000  # 17 each, but capacity 4
+    sub = val.plan(3, 0.0, FREE).submit  # what it holds counts once, as held
+    assert len(sub) == 3 and val.room_wanted(4) == 6000
+    run(val, sub, size=1000)
+    assert val.room_wanted(4) == 6000
+    val.set_position(9, 0, 4)  # lane 9 is at its pass's last batch: nothing beyond it is wanted
+    assert val.room_wanted(32) == val.held + 1000 * (1 + 4 - len(val.ranks[10].ready))
+    val.set_active(9, False)
+    val.set_active(10, False)
+    assert val.room_wanted(32) == 0
+
+
 def test_shrink_never_takes_a_ranks_front_batch_and_evens_the_windows():
     p = Planner((0, 1, 2), 100, None, Limits(8, 8, 1 << 40, 0), lambda k: 1000)
     p.set_position(1, 0, 10)

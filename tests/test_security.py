@@ -410,6 +410,29 @@ def test_stop_guard_ends_a_stuck_process_after_its_deadline_and_not_a_clean_one(
     assert exits == [0] and not g.fired
 
 
+def test_stop_guard_gives_a_running_teardown_until_the_total_deadline():
+    """The loop returned in time: a clean but slow teardown is not cut short at the loop's
+    deadline, and a teardown that hangs still ends at the total one."""
+    from prefetchd.daemon.stopguard import STOP_DEADLINE_S, STOP_TOTAL_S, StopGuard
+
+    assert STOP_DEADLINE_S < STOP_TOTAL_S < 10  # the stop's promise: within 10 s (the unit allows 20)
+    exits = []
+    g = StopGuard(lambda: [], deadline_s=0.3, total_s=1.5, exit=exits.append).start()
+    g.arm()
+    time.sleep(0.1)
+    g.tearing_down()  # the loop is back; stopping the workers and the helpers takes a while
+    time.sleep(0.8)
+    g.done()
+    assert exits == [] and not g.fired
+    g = StopGuard(lambda: [], deadline_s=0.3, total_s=1.5, exit=exits.append).start()
+    g.tearing_down()  # the loop ended by itself; a signal comes while the teardown runs
+    t0 = time.monotonic()
+    g.arm()
+    wait_until(lambda: exits, 10, "the guard's exit")
+    assert 1.3 < time.monotonic() - t0 < 5 and exits == [0] and g.fired
+    g.done()
+
+
 def _status_age(buf) -> float:
     from prefetchd.format import status
 
@@ -499,16 +522,24 @@ def test_a_stop_signal_ends_a_daemon_whose_loop_is_stuck_within_10_s(tmp_path, i
     marker = tmp_path / "stuck"
     d = daemon_factory(cfg, env={"PREFETCHD_FAULT_STUCK_LOOP": str(marker)})
     wait_until(lambda: len(published(str(buf))) == 4 and (buf / "status.json").exists(), 30, "a full buffer")
-    workers = json.loads((buf / "status.json").read_text())["worker_pids"]
+    st = json.loads((buf / "status.json").read_text())
+    workers, helpers = st["worker_pids"], [p for p in st["helper_pids"].values() if p]
+    assert len(helpers) == 2  # the forkserver and the resource tracker
     marker.touch()
     wait_until(lambda: _status_age(buf) > 2, 20, "the loop to be stuck (status.json no longer rewritten)")
-    t = time.monotonic()
-    d.proc.send_signal(sig)
-    assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
-    log = d.log()
-    assert "after the stop signal (the main thread is at " in log and "daemon.py" in log, log[-2000:]
-    for pid in workers:  # killed, not left to run on without their daemon
-        wait_until(lambda: not _alive(pid), 10, f"worker {pid} to be gone")  # noqa: B023
+    forkserver = st["helper_pids"]["forkserver"]
+    os.kill(forkserver, signal.SIGSTOP)  # stopped, it would never go by itself once its daemon is gone
+    try:
+        t = time.monotonic()
+        d.proc.send_signal(sig)
+        assert d.proc.wait(10) == 0 and time.monotonic() - t < 10
+        log = d.log()
+        assert "after the stop signal (the main thread is at loop.py:" in log and " _loop < loop.py:" in log, log[-2000:]
+        for pid in workers + helpers:  # killed, not left to run on (or stopped) without their daemon
+            wait_until(lambda: not _alive(pid), 10, f"child {pid} to be gone")  # noqa: B023
+    finally:
+        if _alive(forkserver):
+            os.kill(forkserver, signal.SIGKILL)
     # the next start cleans up after it (temp files of the killed workers) and serves
     d2 = daemon_factory(cfg)
     wait_until(lambda: json.loads((buf / "status.json").read_text()).get("pid") == d2.pid, 30, "the next daemon's status")

@@ -114,6 +114,64 @@ def test_workers_start_when_the_index_cache_was_replaced_by_another_process(tmp_
     assert "no longer holds this daemon's index" in d.log()
 
 
+def test_a_sighup_rescan_scans_only_a_dataset_whose_cache_stamps_changed_and_compares_off_the_loop(
+        tmp_path, caplog):
+    """A SIGHUP for a tunable must not rescan 1.28 M samples: the cache's stamps vouch for an
+    unchanged dataset (folders: their mtimes; tar files: one stat each). A changed one is scanned
+    and compared on the rescan's thread; the loop only logs the verdict."""
+    import logging
+
+    from imagenet_archives import make_imagenet
+
+    from prefetchd.core.dataset import load_index, unchanged_since_scan
+    from prefetchd.daemon import rescan
+
+    root = tmp_path / "root"
+    make_image_folder(str(root), classes=3, per_class=4, seed=5, long_side=64)
+    exts, cache = (".jpeg", ".jpg"), str(tmp_path / "cache")
+    index, _ = load_index(str(root), None, exts, cache)
+    assert unchanged_since_scan(index.files_dir, index.fingerprint)
+    assert not unchanged_since_scan(index.files_dir, "0" * 16)  # the cache holds another index: cannot tell
+    assert not unchanged_since_scan(None, index.fingerprint)  # no cache: cannot tell
+    scans, diffs = [], []
+
+    def scan():
+        scans.append(1)
+        return load_index(str(root), None, exts, cache, use_cache=False)[0]
+
+    real_diff = rescan.dataset_diff
+
+    def diff(a, b):
+        diffs.append(threading.current_thread().name)
+        return real_diff(a, b)
+
+    def run() -> str:
+        woken = threading.Event()
+        r = rescan.Rescan(index, lambda: unchanged_since_scan(index.files_dir, index.fingerprint), scan, woken.set)
+        assert woken.wait(30)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="prefetchd"):
+            r.report()
+        return caplog.text
+
+    rescan.dataset_diff = diff
+    try:
+        assert "unchanged, 12 samples (the index cache's stamps hold: not scanned again)" in run()
+        assert scans == []
+        cls = root / sorted(os.listdir(root))[1]
+        shutil.copy(cls / sorted(os.listdir(cls))[0], cls / "added.JPEG")
+        assert not unchanged_since_scan(index.files_dir, index.fingerprint)
+        assert "the dataset changed since this daemon read it (1 samples added, 0 gone" in run()
+        assert scans == [1] and diffs == ["prefetchd-rescan"]  # scanned and compared on the rescan's thread
+    finally:
+        rescan.dataset_diff = real_diff
+    net = make_imagenet(str(tmp_path / "net"), classes=3, per_class=2, val=3, seed=4)
+    tars, _ = load_index(net.train_tar, None, exts, cache)
+    assert unchanged_since_scan(tars.files_dir, tars.fingerprint)
+    os.utime(net.train_tar, ns=(1, 1))  # the archive rewritten: its stat no longer matches
+    assert not unchanged_since_scan(tars.files_dir, tars.fingerprint)
+
+
 # --- 2. a storage hiccup: nothing is quarantined, the batches are made once it is back -------------
 
 def test_a_dataset_root_gone_for_2_s_stalls_the_trainer_no_longer_than_the_outage_and_quarantines_nothing(
@@ -295,7 +353,8 @@ def test_a_full_ram_disk_does_not_stop_the_trainer_and_status_says_its_figures_a
     assert not [n for n in os.listdir(buf) if n.startswith(".tmp-")]
 
 
-def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+def test_check_notes_when_the_progress_files_share_the_batches_filesystem(tmp_path, image_root, small_tmpfs):
+    """The default layout: a note with its consequence, not a warning on every default install."""
     def check(cfg):
         r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
                            text=True, timeout=120)
@@ -303,7 +362,10 @@ def test_check_warns_when_the_progress_files_share_the_batches_filesystem(tmp_pa
         return r.stdout
 
     out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")}))
-    assert "warning: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    assert "note: progress.dir" in out and "shares a filesystem with buffer.dir" in out, out
+    assert "progress reports are delayed (the client retries" in out, out
+    assert "warning: progress.dir" not in out, out
+    assert f"no problems, {out.count(chr(10) + 'warning: ')} warning(s)" in out, out  # the note is not counted
     out = check(small_config(tmp_path, image_root, buffer={"dir": str(small_tmpfs / "buffer")},
                              progress={"dir": str(tmp_path / "progress")}))
     assert "shares a filesystem" not in out, out

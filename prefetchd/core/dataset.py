@@ -424,6 +424,27 @@ def index_files_hold(files_dir: str, fingerprint: str) -> bool:
         return False
 
 
+def unchanged_since_scan(files_dir: str | None, fingerprint: str) -> bool:
+    """Is the dataset as it was when the index ``fingerprint``, cached in ``files_dir``, was
+    scanned? Cheap: the cache's own stamps, as a start-up with the cache checks them (one stat
+    per archive for tar files; every scanned folder's mtime for a folder, so a file added, gone
+    or renamed shows; the list file's for a file list). False when it cannot tell (no cache, or
+    the cache holds another index now): scan to know."""
+    if files_dir is None:
+        return False
+    from prefetchd.core import tarindex
+
+    try:
+        tar = os.path.exists(os.path.join(files_dir, tarindex.META))
+        with open(os.path.join(files_dir, tarindex.META if tar else "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("fingerprint") != fingerprint:
+            return False
+        return tarindex._valid(meta["stamps"]) if tar else _stamps_valid(meta["stamps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def read_all(fd: int) -> bytes:
     """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
     size = os.fstat(fd).st_size

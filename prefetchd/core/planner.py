@@ -35,11 +35,13 @@ in-flight bytes + its estimate stay within the planner's *budget*, ``max_bytes -
 bytes not yet on disk is written (temp files already written are in ``free_bytes``: counted once).
 
 Sharing ``max_bytes`` between the train stream and the validation lanes (the loop's part, with
-two planners): the val planner's ``room_wanted`` is what it holds plus one batch for each active
-lane that holds none of its next batches; the train planner's ``others`` is that, so a pass
-being read always has room for its next batches, and ``shrink`` takes train's excess back from
-the far end of its fullest windows (never a rank's front batch: the one its trainer reads next).
-When the pass ends its lanes hold nothing and want nothing: train's budget is ``max_bytes`` again.
+two planners): the val planner's ``room_wanted`` is what it holds plus what each active lane
+misses of its next batches, as many as keep the workers busy (``ceil(workers / lanes) + 1``,
+within the val capacity; train is not read while its trainers validate); the train planner's
+``others`` is that, so a pass being read always has room for its next batches, and ``shrink``
+takes train's excess back from the far end of its fullest windows (never a rank's front batch:
+the one its trainer reads next). When the pass ends its lanes hold nothing and want nothing:
+train's budget is ``max_bytes`` again.
 Filling ranks wait in a heap keyed by what they hold, and a plan looks again only at ranks whose
 state changed since the last one: O(log ranks) per batch handed out; a position move costs
 O(batches that left the window) (a jump back also walks the new window once). Nothing walks
@@ -446,15 +448,22 @@ class Planner:
         return (f"the buffer filesystem has {_size(free_bytes)} free; a batch needs {_size(est)} "
                 f"and buffer.min_free_bytes keeps {_size(self.limits.min_free_bytes)}")
 
-    def room_wanted(self) -> int:
-        """For a pass-bounded planner: the bytes it must be able to hold, what it holds plus one
-        batch for each active lane that holds none of its next batches (its front is missing)
-        and has batches left in its pass. O(active lanes)."""
+    def room_wanted(self, workers: int = 0) -> int:
+        """For a pass-bounded planner: the bytes it must be able to hold, what it holds plus the
+        batches its active lanes (those with batches left in their pass) miss of their next
+        ``depth``: one each (the batch the trainer waits for), or with ``workers`` enough to keep
+        that many workers busy, ``ceil(workers / lanes) + 1`` each, within ``capacity`` and the
+        pass. O(active lanes x depth)."""
         room = self.held
-        for r in self._active:
+        lanes = [r for r in self._active if self.ranks[r].pos < self.window_end(r)]
+        if not lanes:
+            return room
+        depth = max(1, min(self.limits.capacity, -(-workers // len(lanes)) + 1)) if workers else 1
+        for r in lanes:
             s = self.ranks[r]
-            if s.pos < self.window_end(r) and self.ahead(r) == 0:
-                room += self._estimate(self.key(r, s.pos))
+            for g in range(s.pos, min(s.pos + depth, self.window_end(r))):
+                if g not in s.ready and g not in s.inflight:
+                    room += self._estimate(self.key(r, g))
         return room
 
     def shrink(self, budget: int) -> list[Key]:

@@ -26,7 +26,8 @@ stop it cleanly (also during the dataset scan; workers stopped, temp files remov
 batches kept for the next start, the lock released whatever fails), SIGHUP reloads the tunables.
 A stop signal also arms the ``stopguard.StopGuard`` the CLI hands in: should the main thread
 not get back to the loop (a call stuck in the kernel), the process still ends, with status 0,
-``stopguard.STOP_DEADLINE_S`` after the signal.
+``stopguard.STOP_DEADLINE_S`` after the signal; once the loop has returned, the teardown has
+until ``stopguard.STOP_TOTAL_S``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from multiprocessing.connection import wait as mp_wait
 from prefetchd.core import hybrid
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index, val_labels
+from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
 from prefetchd.daemon.metrics import reload_metrics
@@ -70,7 +71,7 @@ from prefetchd.format.progress import VAL_LANE
 log = logging.getLogger("prefetchd")
 
 _STATUS_INTERVAL_S = 1.0
-_CRASH_LOOP_DEATHS = 8  # this many worker deaths before the first batch means a broken setup
+_CRASH_LOOP_DEATHS = 8  # this many worker crashes before the first batch mean a broken setup (kills do not count)
 # Fault injection for the test suite: once this file exists the loop blocks (as a call stuck in
 # the kernel would), so that only the stop guard can end the process. Unset in normal use.
 _STUCK_ON = os.environ.get("PREFETCHD_FAULT_STUCK_LOOP")
@@ -318,9 +319,9 @@ class Daemon:
             for index, how in self.pool.suspects:
                 self.quarantine.worker_died(index, how)
             self.pool.suspects.clear()
-            if self.first_batch_at is None and self.pool.restarts >= _CRASH_LOOP_DEATHS:
-                log.error("workers died %d times before the first batch was made; stopping (see the errors above)",
-                          self.pool.restarts)
+            if self.first_batch_at is None and self.pool.crashes_before_a_batch >= _CRASH_LOOP_DEATHS:
+                log.error("workers died %d times before the first batch was made (crashed, not killed); stopping "
+                          "(see the errors above)", self.pool.crashes_before_a_batch)
                 return 1
         log.info("stopping: %d batches published this run", self.produced_batches)
         return 0
@@ -360,7 +361,8 @@ class Daemon:
 
     def _schedule(self) -> None:
         if self.val:  # a pass being read keeps room for its next batches (validation.py: make_room)
-            for key in self.val.make_room(self.planner):
+            workers = self.pool.count + (len(self.remote.workers) if self.remote is not None else 0)
+            for key in self.val.make_room(self.planner, workers):
                 self.ring.evict(key)
         slots = sum(ex.idle() for ex in self._executors())
         if not slots:
@@ -370,6 +372,8 @@ class Daemon:
         if self.val and len(submit) < slots:  # validation gets the slots train leaves
             self.val.take_rest(self.planner)
             submit += self._plan(self.val.planner, slots - len(submit))
+        elif self.val:  # train took every slot: validation waits on workers, not on bytes
+            self.waiting.note(self.val.planner.name, None, None, time.monotonic(), all_slots=True)
         for r, e, b in submit:
             if r >= VAL_LANE:
                 task = self.val.task(r, e, b)
@@ -386,8 +390,7 @@ class Daemon:
         plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
         for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
             self.ring.evict(key)
-        if plan.cause is not None or len(plan.submit) < slots:  # else it ran out of slots, not of room
-            self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic())
+        self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic(), len(plan.submit) >= slots)
         return plan.submit
 
     def _estimate(self, key: tuple[int, int, int]) -> int:
@@ -542,21 +545,26 @@ class Daemon:
 
     def _start_rescan(self) -> None:
         if self._rescan is None:  # one at a time
-            D = self.cfg.dataset
-            self._rescan = Rescan(lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
+            D, index = self.cfg.dataset, self.index
+            self._rescan = Rescan(index, lambda: unchanged_since_scan(index.files_dir, index.fingerprint),
+                                  lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
                                                      use_cache=False)[0], self._wake)
 
     def _finish_rescan(self) -> None:
         if self._rescan is not None and self._rescan.done():
             self._rescan, rescan = None, self._rescan
-            rescan.report(self.index)
+            rescan.report()
 
     # --- teardown ---------------------------------------------------------------------------------
 
     def _close_early(self) -> None:
+        if self.stop_guard is not None:  # what follows is bounded step by step: the guard gives it longer
+            self.stop_guard.tearing_down()
         close_early(self)
 
     def _teardown(self) -> None:
+        if self.stop_guard is not None:
+            self.stop_guard.tearing_down()
         teardown(self)
 
 

@@ -59,7 +59,17 @@ def families(rec: dict):
                 rec.get("worker_utilisation"))
     yield gauge("prefetchd_quarantined_samples", "Samples quarantined (unreadable images)", rec.get("quarantined"))
     yield gauge("prefetchd_resident_memory_bytes", "Resident memory of the daemon and its workers", rec.get("rss_bytes"))
-    yield gauge("prefetchd_blocked", "1 while production waits on max_bytes or free space", 1 if rec.get("blocked") else 0)
+    yield gauge("prefetchd_blocked", "1 while the train stream's production waits on max_bytes or free space",
+                1 if rec.get("blocked") else 0)
+    yield gauge("prefetchd_train_bytes", "Bytes of buffer.max_bytes the train stream holds (published batches and "
+                "the estimates of those being made)", rec.get("train_bytes"))
+    yield gauge("prefetchd_dataset_unreadable", "1 while batches meet an unreadable dataset root (tried again until "
+                "it is back)", 1 if rec.get("dataset_unreadable") else 0)
+    if rec.get("val_bytes") is not None:  # validation.enabled
+        yield gauge("prefetchd_val_blocked", "1 while the validation stream's production waits on max_bytes or "
+                    "free space", 1 if rec.get("val_blocked") else 0)
+        yield gauge("prefetchd_val_bytes", "Bytes of buffer.max_bytes the validation stream holds (published "
+                    "batches and the estimates of those being made)", rec.get("val_bytes"))
     ready = GaugeMetricFamily("prefetchd_rank_ready_batches", "Batches ready in the rank's window", labels=["rank"])
     ahead = GaugeMetricFamily("prefetchd_rank_ahead_batches", "Batches ready in a row from the trainer's position",
                               labels=["rank"])

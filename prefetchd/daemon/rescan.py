@@ -1,9 +1,13 @@
-"""The dataset looked at again on SIGHUP: a scan on a thread, and one line saying what changed.
+"""The dataset looked at again on SIGHUP, on a thread, and one line saying what changed.
 
-The running stream keeps the index it started with: its batches are a function of it, and
-trainers check the stream's fingerprint. A sample gone since is found unreadable when a batch
-reaches it and replaced, as any unreadable one; samples added are served after a restart (a new
-stream). Workers never look at the dataset to start (``executors.pool.Pool._worker_setup``).
+A SIGHUP that changes only a tunable costs a look at the index cache's stamps (one stat per tar
+archive, the scanned folders' mtimes): the dataset unchanged since the index was read is not
+scanned again. Only a dataset that may have changed is scanned and compared, on the rescan's
+thread, never the loop's. The running stream keeps the index it started with: its batches are
+a function of it, and trainers check the stream's fingerprint. A sample gone since is found
+unreadable when a batch reaches it and replaced, as any unreadable one; samples added are
+served after a restart (a new stream). Workers never look at the dataset to start
+(``executors.pool.Pool._worker_setup``).
 """
 
 from __future__ import annotations
@@ -16,38 +20,46 @@ log = logging.getLogger("prefetchd")
 
 
 class Rescan:
-    """One rescan under way: ``scan()`` runs on a thread (a large tree takes a while), ``wake()``
-    tells the loop it is done; the loop then calls ``report``."""
+    """One rescan under way, all of it on a thread (a large tree takes a while; the comparison
+    of two large indexes too): first ``unchanged()`` (the index cache's stamps, cheap), and only
+    if that cannot vouch for the dataset ``scan()`` and a comparison with ``current``.
+    ``wake()`` tells the loop it is done; the loop then calls ``report``, which only logs."""
 
-    def __init__(self, scan: Callable[[], object], wake: Callable[[], None]):
-        self._box: dict = {}
+    def __init__(self, current, unchanged: Callable[[], bool], scan: Callable[[], object],
+                 wake: Callable[[], None]):
+        self._said: tuple[int, str] | None = None
 
         def run():
-            try:  # no cache write: the daemon's workers map the cache files of the running index
-                self._box["index"] = scan()
+            try:
+                self._said = _verdict(current, unchanged, scan)
             except Exception as e:  # handed to the loop
-                self._box["error"] = e
+                self._said = (logging.WARNING, f"dataset rescan (SIGHUP): {e}; serving the index read at start")
             wake()
 
         threading.Thread(target=run, name="prefetchd-rescan", daemon=True).start()
 
     def done(self) -> bool:
-        return bool(self._box)
+        return self._said is not None
 
-    def report(self, current) -> None:
-        """Say whether the dataset changed since ``current`` (the index the stream serves)."""
-        if "error" in self._box:
-            log.warning("dataset rescan (SIGHUP): %s; serving the index read at start", self._box["error"])
-            return
-        new = self._box["index"]
-        if new.fingerprint == current.fingerprint:
-            log.info("dataset rescan (SIGHUP): unchanged, %d samples", len(new))
-            return
-        added, gone = dataset_diff(current, new)
-        log.warning("dataset rescan (SIGHUP): the dataset changed since this daemon read it (%d samples added, "
-                    "%d gone, %d classes now): this stream keeps the index it started with (%d samples); gone "
-                    "samples are replaced as batches reach them; restart the daemon to serve the new index "
-                    "(a new stream)", added, gone, len(new.classes), len(current))
+    def report(self) -> None:
+        """Say whether the dataset changed since the index the stream serves was read."""
+        assert self._said is not None
+        log.log(*self._said)
+
+
+def _verdict(current, unchanged: Callable[[], bool], scan: Callable[[], object]) -> tuple[int, str]:
+    if unchanged():
+        return logging.INFO, (f"dataset rescan (SIGHUP): unchanged, {len(current)} samples (the index cache's stamps "
+                              "hold: not scanned again)")
+    new = scan()  # no cache write: the daemon's workers map the cache files of the running index
+    if new.fingerprint == current.fingerprint:
+        return logging.INFO, f"dataset rescan (SIGHUP): unchanged, {len(new)} samples"
+    added, gone = dataset_diff(current, new)
+    return logging.WARNING, (
+        f"dataset rescan (SIGHUP): the dataset changed since this daemon read it ({added} samples added, {gone} "
+        f"gone, {len(new.classes)} classes now): this stream keeps the index it started with ({len(current)} "
+        "samples); gone samples are replaced as batches reach them; restart the daemon to serve the new index "
+        "(a new stream)")
 
 
 def dataset_diff(old, new) -> tuple[int, int]:

@@ -154,9 +154,9 @@ class Lock:
 
     The directory's lock is the truth: it cannot be lost by deleting a file, so a second daemon
     started after someone removed ``daemon.lock`` still finds the first one and never deletes the
-    batches of the stream it serves. ``daemon.lock`` holds the pid, and clients (and older tools)
-    take a shared lock on it to see whether a daemon runs (``status.daemon_alive`` falls back to
-    the directory when the file is gone)."""
+    batches of the stream it serves. ``daemon.lock`` holds the pid, and older tools take a shared
+    lock on it to see whether a daemon runs (``status.daemon_alive`` asks the directory first,
+    then the file, for daemons of older versions)."""
 
     def __init__(self, directory: str):
         self.dir = directory

@@ -6,12 +6,15 @@ Eval augmentation, the val index relabelled with the train classes, a fingerprin
 The daemon's loop plans it beside the train stream.
 
 Sharing ``buffer.max_bytes`` with train (``make_room``, ``take_rest``): train is planned first,
-but its budget leaves room for what validation holds plus the next batch of every lane being
-read that holds none, and train gives back what it holds beyond that from the far end of its
-windows (never a rank's front batch). So a pass always makes progress, whatever train's windows
-would take; when it ends its lanes hold nothing and train's budget is ``max_bytes`` again. If
-train's front batches alone fill ``max_bytes``, validation goes over it by at most one batch per
-lane being read (``prefetchd check`` warns of such a configuration).
+but its budget leaves room for what validation holds plus the next batches of every lane being
+read, as many as keep the workers busy (``ceil(workers / lanes read) + 1`` per lane, within
+``validation.capacity``: ``Planner.room_wanted``), and train gives back what it holds beyond that
+from the far end of its windows (never a rank's front batch). Train is not read while its
+trainers validate, so what it gives up costs nothing until the pass ends, when its lanes hold
+nothing and train's budget is ``max_bytes`` again. So a pass always makes progress at the
+workers' speed, whatever train's windows would take. If train's front batches alone fill
+``max_bytes``, validation goes over it by at most one batch per lane being read (``prefetchd
+check`` warns of such a configuration).
 """
 
 from __future__ import annotations
@@ -49,17 +52,18 @@ class ValStream:
                                pass_len=lambda r: self.sampler.batches(r - VAL_LANE))
         self.sessions = Sessions(self.lanes, bpp, self.fingerprint_hex)
 
-    def make_room(self, train: Planner) -> list:
+    def make_room(self, train: Planner, workers: int = 0) -> list:
         """Before each plan: train's budget leaves room for what this stream holds and the next
-        batches of its lanes being read; train gives back its excess. Returns train's batches
-        to delete."""
-        room = self.planner.room_wanted()
+        batches of its lanes being read, enough to keep ``workers`` busy; train gives back its
+        excess. Returns train's batches to delete."""
+        room = self.planner.room_wanted(workers)
         train.limits = replace(train.limits, others=room)
         return train.shrink(train.budget)
 
     def take_rest(self, train: Planner) -> None:
-        """After train's plan: validation may hold what train leaves, and never less than its
-        room (over ``max_bytes`` only when train's front batches alone fill it)."""
+        """After train's plan: validation may hold what train leaves, and never less than one
+        batch per lane being read (over ``max_bytes`` only when train's front batches alone
+        fill it)."""
         most = self.planner.limits.max_bytes
         self.planner.limits = replace(self.planner.limits,
                                       others=min(train.held, max(0, most - self.planner.room_wanted())))

@@ -5,7 +5,9 @@ A planner says why it holds a batch back (``Plan.blocked``, with its ``cause``: 
 is held back at most turns while its trainer reads (a batch read makes room for one, then the
 next waits again). The log gets one line when a spell of waiting starts (or its cause changes);
 the spell ends once the stream has gone ``quiet_s`` without waiting. A plan that used every
-free worker slot says nothing either way: it ran out of slots before it could run out of room.
+free worker slot says nothing either way about the spell (it ran out of slots before it could
+run out of room), but the status (``blocked``) follows every plan: once one was not held back,
+the stream does not wait on bytes or space, whatever the log's spell still counts.
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ class Waiting:
         self._cause: dict[str, str] = {}  # per stream: the cause of the spell being said
         self._clear_since: dict[str, float] = {}
 
-    def note(self, stream: str, cause: str | None, blocked: str | None, now: float) -> None:
-        """One plan's outcome for ``stream`` (``cause`` None: it was not held back)."""
+    def note(self, stream: str, cause: str | None, blocked: str | None, now: float,
+             all_slots: bool = False) -> None:
+        """One plan's outcome for ``stream`` (``cause`` None: it was not held back; ``all_slots``:
+        it used every free worker slot)."""
         self.blocked[stream] = blocked
+        if cause is None and all_slots:  # no word on the spell: it ran out of slots, not of room
+            return
         if cause is None:
             since = self._clear_since.setdefault(stream, now)
             if stream in self._cause and now - since >= self.quiet_s:

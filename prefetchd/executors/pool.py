@@ -16,6 +16,8 @@ the deadline), blame nobody, so random kills never quarantine a good sample. A w
 status comes from ``waitid`` when it is this process's child (its forkserver died: see
 ``helpers``), else from the forkserver's report; when neither comes within
 ``_EXIT_STATUS_GRACE_S`` (the forkserver is stopped) it is buried unknown, blaming nobody.
+Crashes of workers that never made a batch are counted apart (``crashes_before_a_batch``): the
+daemon's sign of a broken set-up; kills from outside and unknown deaths are not.
 
 The forkserver and the resource tracker are watched by ``helpers.Helpers``: one that dies or
 does not answer a worker's start in time is replaced. A worker that cannot be started is tried
@@ -74,6 +76,7 @@ class Worker:
     pidfd: int | None = None  # readable once the worker has exited (None: no pidfds; the pipe tells)
     dead_at: float | None = None  # when its death was noticed (its status may come a little later)
     code: int | None = None  # its exit status, once known
+    made: bool = False  # it has made a batch (its set-up works)
 
     def exited(self) -> bool:
         if self.dead_at is not None:
@@ -106,6 +109,9 @@ class Pool:
         self._next_id = 0
         self.restarts = 0
         self.timeouts = 0
+        # crashes (an exit status > 0, or SIGSEGV, SIGBUS, ...) of workers that never made a batch:
+        # a broken set-up; kills from outside (the OOM killer, task_timeout_s) do not count
+        self.crashes_before_a_batch = 0
         self._respawn_delay = 0.0
         self._respawn_at = 0.0
         self._last_death = -1e9
@@ -215,6 +221,7 @@ class Pool:
                     results.append(msg)
                     if msg.error is None:
                         self._respawn_delay = 0.0
+                        w.made = True
             except (EOFError, OSError):  # its end of the pipe closed: it is dying
                 w.dead_at = now
             if w.dead_at is None and w.exited():
@@ -343,6 +350,8 @@ class Pool:
                       w.wid, w.pid, how, what, f" (at sample {sample})" if sample >= 0 else "", when)
         if sample >= 0:
             self.suspects.append((sample, how))
+        if crashed and not w.made:
+            self.crashes_before_a_batch += 1
         self._remove_temp(w)
         try:
             w.conn.close()
@@ -441,6 +450,12 @@ class Pool:
 
     def pids(self) -> list[int]:
         return [w.pid for w in self.workers.values() if w.pid]
+
+    def child_pids(self) -> list[int]:
+        """Every process the pool's work runs in: the workers (surplus ones being stopped too),
+        then the forkserver and the resource tracker (what a last-resort kill must take)."""
+        ws = [*self.workers.values(), *(w for w, _ in self._stopping)]
+        return [w.pid for w in ws if w.pid] + [p for p in self.helpers.pids().values() if p]
 
     def busy_s(self) -> float:
         return sum(w.busy_s for w in self.workers.values())

@@ -49,23 +49,34 @@ def lock_pid(directory: str) -> int | None:
 
 
 def daemon_alive(directory: str) -> bool | None:
-    """True if a daemon holds the lock on ``directory``, False if none, None if unknown."""
-    path = os.path.join(directory, LOCK_NAME)
-    kind = stat.S_ISREG
-    try:  # O_NONBLOCK: a FIFO put at the lock's name must not hang the caller
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:  # removed by hand? the daemon also locks the directory itself (ring.Lock)
-        kind = stat.S_ISDIR
+    """True if a daemon holds the lock on ``directory``, False if none, None if unknown.
+
+    The directory's own lock first: it is the truth (``ring.Lock``), and deleting or replacing
+    ``daemon.lock`` does not lose it. Then ``daemon.lock``, which daemons of older versions lock
+    alone (and what is left to look at when the directory cannot be opened)."""
+    try:
+        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    except OSError:  # not ours to open (its mode): the file tells
+        dfd = -1
+    if dfd >= 0:
         try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
+            fcntl.flock(dfd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
         except OSError:
-            return None
+            pass
+        finally:
+            os.close(dfd)
+    try:  # O_NONBLOCK: a FIFO put at the lock's name must not hang the caller
+        fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
     except OSError:
         return None
     try:
-        if not kind(os.fstat(fd).st_mode):  # not a lock the daemon made
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # not a lock a daemon made
             return None
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:

@@ -107,6 +107,7 @@ def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> l
     out: list[str] = []
     problem = lambda msg: out.append(f"problem: {msg}")  # noqa: E731
     warning = lambda msg: out.append(f"warning: {msg}")  # noqa: E731
+    note = lambda msg: out.append(f"note: {msg}")  # noqa: E731
     group = cfg.buffer.group
     gid = None
     if group:
@@ -134,7 +135,7 @@ def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> l
     _check_dir(cfg.progress_dir, "progress.dir", True, cfg, gid, daemon, trainers, problem, warning)
     _check_files(cfg, daemon, problem)
     _check_mount(cfg, problem, warning)
-    _check_progress_fs(cfg, warning)
+    _check_progress_fs(cfg, note)
     return out
 
 
@@ -145,19 +146,21 @@ def _existing(path: str) -> str:
     return path
 
 
-def _check_progress_fs(cfg: Config, warning) -> None:
+def _check_progress_fs(cfg: Config, note) -> None:
     """The progress files on the batches' filesystem (the default): a disk filled by something
     else also stops the trainers' progress writes; the client reads on from the ring and retries,
-    but the daemon makes nothing new until a write gets through."""
+    but the daemon makes nothing new until a write gets through. A note, not a warning: it is the
+    default, and what it costs is a delay while something else holds the RAM disk full, which
+    ``buffer.min_free_bytes`` and a RAM disk of the buffer's own already guard against."""
     try:
         same = os.stat(_existing(cfg.progress_dir)).st_dev == os.stat(_existing(cfg.buffer.dir)).st_dev
     except OSError:
         return
     if same:
-        warning(f"progress.dir {cfg.progress_dir} shares a filesystem with buffer.dir {cfg.buffer.dir}: when "
-                f"something else fills it, trainers cannot report their position (they read on from the ring and "
-                f"retry, and the daemon makes no new batch meanwhile); put progress.dir on another filesystem, "
-                f"e.g. a small tmpfs of its own")
+        note(f"progress.dir {cfg.progress_dir} shares a filesystem with buffer.dir {cfg.buffer.dir} (the default): "
+             f"should something else fill it, trainers' progress reports are delayed (the client retries and reads "
+             f"on from the ring; the daemon makes no new batch until a report gets through); a small tmpfs of its "
+             f"own for progress.dir avoids that")
 
 
 def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning) -> None:
