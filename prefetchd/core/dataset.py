@@ -440,7 +440,7 @@ def unchanged_since_scan(files_dir: str | None, fingerprint: str) -> bool:
             meta = json.load(f)
         if meta.get("fingerprint") != fingerprint:
             return False
-        return tarindex._valid(meta["stamps"]) if tar else _stamps_valid(meta["stamps"])
+        return tarindex.stamps_valid(meta["stamps"]) if tar else _stamps_valid(meta["stamps"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

@@ -415,7 +415,7 @@ def _devkit_files(devkit: str) -> list[str]:
 _ARRAYS = ("blob", "offsets", "labels", "archive_ids", "block", "size")
 
 
-def _valid(stamps: list) -> bool:
+def stamps_valid(stamps: list) -> bool:
     try:
         return all(_identity(s[0]) == s for s in stamps)
     except OSError:
@@ -432,7 +432,7 @@ def _load(cdir: str, validate: bool = True) -> TarIndex | None:
                         scan_s=meta["scan_s"], identity=tuple(tuple(x) for x in meta.get("identity", ())),
                         skipped=tuple(meta.get("skipped", ())))
 
-    return read_cache(cdir, META, _VERSION, build, _valid if validate else None)
+    return read_cache(cdir, META, _VERSION, build, stamps_valid if validate else None)
 
 
 def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
