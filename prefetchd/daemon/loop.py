@@ -294,7 +294,7 @@ class Daemon:
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
-            waitables = [self._wake_r, *self.pool.waitables()]
+            waitables = [self._wake_r, *self.watcher.waitables(), *self.pool.waitables()]
             if self.remote is not None:
                 waitables += self.remote.waitables()
             if self._wake_r in mp_wait(waitables, timeout):
