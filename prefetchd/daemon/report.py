@@ -29,9 +29,9 @@ def status_record(d) -> dict:
     respawn = d.pool.respawn_due()  # a worker is missing, replaced after this back-off
     for pid in [os.getpid(), *d.pool.pids()]:
         try:
-            rss += psutil.Process(pid).memory_info().rss
+            rss += _process(pid).memory_info().rss
         except psutil.Error:
-            pass
+            _processes.pop(pid, None)
     return {
         "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
         "state": "stopping" if d._stop else "running", "updated": now, "started": d.t_start,
@@ -58,6 +58,18 @@ def status_record(d) -> dict:
         "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
         "dataset_unreadable": d.dataset_unreadable,
     }
+
+
+_processes: dict[int, psutil.Process] = {}  # by pid: a Process is made once (it reads /proc to know its process)
+
+
+def _process(pid: int) -> psutil.Process:
+    p = _processes.get(pid)
+    if p is None:
+        if len(_processes) > 256:  # workers replaced many times: forget the old ones
+            _processes.clear()
+        p = _processes[pid] = psutil.Process(pid)
+    return p
 
 
 def _rate(dq: deque, now: float, t_start: float) -> float | None:
