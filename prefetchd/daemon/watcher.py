@@ -99,8 +99,9 @@ class ProgressWatcher:
     def _read_events(self) -> None:
         """Mark what inotify saw since the last poll (the loop woke on its descriptor)."""
         names, overflow = self._inotify.read()
-        for name in names:
-            self._note(name)
+        for name in names:  # a client's temp file (two of the three events of a progress write) is skipped first
+            if not (name.startswith(".progress-") and name.endswith(".tmp")):
+                self._note(name)
         if overflow:  # events were lost: every lane is read again now
             with self._dirty_lock:
                 self._dirty.update(self.ranks)
