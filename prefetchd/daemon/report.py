@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from operator import itemgetter
 
 import psutil
 
@@ -78,7 +79,7 @@ def _rate(dq: deque, now: float, t_start: float) -> float | None:
     if not dq:
         return 0.0
     span = min(_RATE_WINDOW_S, now - t_start)
-    return sum(n for _, n in dq) / span if span > 0 else None
+    return sum(map(itemgetter(1), dq)) / span if span > 0 else None  # (a deque of 10 s of batches: summed in C)
 
 
 def _own_cpu_s() -> float:

@@ -48,6 +48,7 @@ class ProgressWatcher:
         self._use_inotify = use_inotify
         self._inotify: Inotify | None = None
         self._stamps: dict[int, tuple | None] = {r: None for r in ranks}
+        self._paths = {r: progress_fmt.progress_path(directory, r) for r in ranks}
         self._bad: dict[int, str] = {}
         self.last: dict[int, progress_fmt.Progress] = {}
         self.mode = "polling"
@@ -117,7 +118,7 @@ class ProgressWatcher:
             self._check_strays()
         changed: dict[int, progress_fmt.Progress] = {}
         for r in (self.ranks if full else [r for r in dirty if r in self._stamps]):
-            path = progress_fmt.progress_path(self.dir, r)
+            path = self._paths[r]
             try:
                 st = os.lstat(path)  # a symlink's own stamp: it is refused, whatever it points to
                 stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
