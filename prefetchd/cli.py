@@ -42,7 +42,6 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper()))
-    logging.getLogger("watchdog").setLevel(logging.WARNING)
 
 
 def _fail_config(err: Exception) -> int:

@@ -41,7 +41,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import replace
-from multiprocessing.connection import wait as mp_wait
 
 from prefetchd.core import hybrid
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
@@ -62,6 +61,7 @@ from prefetchd.daemon.validation import ValStream
 from prefetchd.daemon.waiting import Waiting
 from prefetchd.daemon.watcher import ProgressWatcher
 from prefetchd.executors import builders
+from prefetchd.executors.fdwait import FdWait, fd_of
 from prefetchd.executors.pool import Pool, PoolError
 from prefetchd.executors.storage import STORAGE_RETRY_S
 from prefetchd.executors.worker import Result, WorkerSetup
@@ -89,6 +89,7 @@ class Daemon:
         self._stop = False
         self._reload = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fdwait = FdWait()  # the loop's wait: the same descriptors turn after turn
         self.waiting = Waiting()  # why each stream waits: the status, one log line per spell
         self.produced_batches = 0
         self.produced_images = 0
@@ -301,10 +302,10 @@ class Daemon:
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
-            waitables = [self._wake_r, *self.pool.waitables()]
+            waitables = [self._wake_r, *self.watcher.waitables(), *self.pool.waitables()]
             if self.remote is not None:
                 waitables += self.remote.waitables()
-            if self._wake_r in mp_wait(waitables, timeout):
+            if self._wake_r in self._fdwait.ready(tuple(map(fd_of, waitables)), timeout):
                 self._drain_wake()
             for ex in self._executors():
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from operator import itemgetter
 
 import psutil
 
@@ -29,9 +30,9 @@ def status_record(d) -> dict:
     respawn = d.pool.respawn_due()  # a worker is missing, replaced after this back-off
     for pid in [os.getpid(), *d.pool.pids()]:
         try:
-            rss += psutil.Process(pid).memory_info().rss
+            rss += _process(pid).memory_info().rss
         except psutil.Error:
-            pass
+            _processes.pop(pid, None)
     return {
         "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
         "state": "stopping" if d._stop else "running", "updated": now, "started": d.t_start,
@@ -61,13 +62,25 @@ def status_record(d) -> dict:
     }
 
 
+_processes: dict[int, psutil.Process] = {}  # by pid: a Process is made once (it reads /proc to know its process)
+
+
+def _process(pid: int) -> psutil.Process:
+    p = _processes.get(pid)
+    if p is None:
+        if len(_processes) > 256:  # workers replaced many times: forget the old ones
+            _processes.clear()
+        p = _processes[pid] = psutil.Process(pid)
+    return p
+
+
 def _rate(dq: deque, now: float, t_start: float) -> float | None:
     while dq and dq[0][0] < now - _RATE_WINDOW_S:
         dq.popleft()
     if not dq:
         return 0.0
     span = min(_RATE_WINDOW_S, now - t_start)
-    return sum(n for _, n in dq) / span if span > 0 else None
+    return sum(map(itemgetter(1), dq)) / span if span > 0 else None  # (a deque of 10 s of batches: summed in C)
 
 
 def _own_cpu_s() -> float:

@@ -1,8 +1,8 @@
 """Learning where each trainer is: the progress files, watched with inotify and polled.
 
-watchdog's inotify observer wakes the daemon's loop as soon as a progress file is replaced; the
-loop also polls (one ``stat`` per rank) every ``progress.poll_interval_s``, which is the whole
-mechanism where inotify is unavailable (NFS, exhausted watches, ``progress.inotify: false``).
+inotify (``inotify.Inotify``: a descriptor among the loop's waitables, read by the loop itself,
+no thread) wakes the daemon's loop as soon as a progress file is replaced; the loop also polls
+(one ``stat`` per rank) every ``progress.poll_interval_s``, which is the whole mechanism where inotify is unavailable (NFS, exhausted watches, ``progress.inotify: false``).
 Events are coalesced: inotify only marks a rank's file dirty, and each wake-up of the loop reads
 each dirty file once (all files on the poll timer). A file that cannot be parsed, for whatever
 reason, leaves the last good value in place and is reported in one line, once per bad spell
@@ -19,8 +19,9 @@ the loop:
   refused without anything waiting on it (``untrusted.read_regular``), with one warning per
   bad spell like bad content;
 * the set of dirty names holds served lanes only, so events cannot grow it;
-* when the kernel's inotify queue overflows (watchdog logs "Inotify queue overflowed"), marks
-  are lost, and the poll timer, which runs whatever inotify says, reads every lane again.
+* a flood of events is read a bounded amount per turn of the loop (``inotify._MAX_READS``);
+  when the kernel's inotify queue overflows, marks are lost and every lane is read again at
+  once (the poll timer, which runs whatever inotify says, would too).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from prefetchd.daemon.inotify import Inotify
 from prefetchd.format import progress as progress_fmt
 
 log = logging.getLogger("prefetchd.watcher")
@@ -44,14 +46,15 @@ class ProgressWatcher:
         self.ranks = ranks
         self._wake = wake
         self._use_inotify = use_inotify
-        self._observer = None
+        self._inotify: Inotify | None = None
         self._stamps: dict[int, tuple | None] = {r: None for r in ranks}
+        self._paths = {r: progress_fmt.progress_path(directory, r) for r in ranks}
         self._bad: dict[int, str] = {}
         self.last: dict[int, progress_fmt.Progress] = {}
         self.mode = "polling"
         self._dirty: set[int] = set()
         self._dirty_lock = threading.Lock()
-        # changes to names that are no progress file of ours, counted by watchdog's thread
+        # changes to names that are no progress file of ours
         self._strays = 0
         self._stray_name = ""
         self._stray_last = 0.0
@@ -61,62 +64,61 @@ class ProgressWatcher:
         if not self._use_inotify:
             return
         try:
-            from watchdog.events import FileSystemEventHandler
-            from watchdog.observers import Observer
-            from watchdog.observers.inotify import InotifyObserver  # noqa: F401  (Linux only)
-
-            mark, top = self._mark, os.path.normpath(self.dir)
-
-            class _Handler(FileSystemEventHandler):
-                def on_any_event(self, event):  # runs on watchdog's thread: only mark and wake
-                    path = os.path.normpath(os.fsdecode(getattr(event, "dest_path", "") or event.src_path))
-                    if path != top:  # not the directory itself (modified when an entry changes)
-                        mark(os.path.basename(path))
-
-            obs = Observer()
-            obs.schedule(_Handler(), self.dir, recursive=False)
-            obs.daemon = True
-            obs.start()
-            self._observer = obs
+            self._inotify = Inotify(self.dir)
             self.mode = "inotify+polling"
-        except Exception as e:  # no inotify (limits, filesystem, platform): polling still works
-            log.warning("cannot watch %s with inotify (%s); polling every interval instead", self.dir, e)
-            self._observer = None
+        except OSError as e:  # no inotify (limits, filesystem, platform): polling still works
+            log.warning("cannot watch %s with inotify (%s); polling every interval instead", self.dir, e.strerror)
+            self._inotify = None
 
     def stop(self) -> None:
-        if self._observer is not None:
-            # watchdog logs a harmless "queue_events() called when the thread is inactive" error
-            # when its emitter is stopped mid-read; not worth an ERROR line in the journal
-            logging.getLogger("watchdog.observers.inotify").setLevel(logging.CRITICAL)
-            try:
-                self._observer.stop()
-                self._observer.join(timeout=2)
-            except Exception:  # pragma: no cover - teardown must not fail the stop
-                pass
-            self._observer = None
+        if self._inotify is not None:
+            self._inotify.close()
+            self._inotify = None
+
+    def waitables(self) -> list:
+        """What the loop waits on besides its own: the inotify descriptor, readable on an event."""
+        return [] if self._inotify is None else [self._inotify]
 
     def _mark(self, name: str) -> None:
+        """A change to ``name`` seen by another thread: the lane is marked dirty and the loop woken."""
+        if self._note(name):
+            self._wake()
+
+    def _note(self, name: str) -> bool:
+        """Mark a served lane's name dirty (True), or count a change to anything else."""
         r = progress_fmt.parse_progress_name(name)
         if r is None or r not in self._stamps:
             if not (name.startswith(".progress-") and name.endswith(".tmp")) and name:  # a client's temp file is ours
                 self._strays += 1
                 self._stray_name = name
                 self._stray_last = time.monotonic()
-            return
+            return False
         with self._dirty_lock:
             self._dirty.add(r)
-        self._wake()
+        return True
+
+    def _read_events(self) -> None:
+        """Mark what inotify saw since the last poll (the loop woke on its descriptor)."""
+        names, overflow = self._inotify.read()
+        for name in names:  # a client's temp file (two of the three events of a progress write) is skipped first
+            if not (name.startswith(".progress-") and name.endswith(".tmp")):
+                self._note(name)
+        if overflow:  # events were lost: every lane is read again now
+            with self._dirty_lock:
+                self._dirty.update(self.ranks)
 
     def poll(self, full: bool = True) -> dict[int, progress_fmt.Progress]:
         """Progress records that changed since the last poll, by rank: every rank's file when
         ``full``, else only those inotify said were touched."""
+        if self._inotify is not None:
+            self._read_events()
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
         if full:
             self._check_strays()
         changed: dict[int, progress_fmt.Progress] = {}
         for r in (self.ranks if full else [r for r in dirty if r in self._stamps]):
-            path = progress_fmt.progress_path(self.dir, r)
+            path = self._paths[r]
             try:
                 st = os.lstat(path)  # a symlink's own stamp: it is refused, whatever it points to
                 stamp = (st.st_ino, st.st_mtime_ns, st.st_size)

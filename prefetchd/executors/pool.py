@@ -37,6 +37,7 @@ import logging
 import multiprocessing as mp
 import multiprocessing.process
 import os
+import select
 import signal
 import time
 from collections import deque
@@ -47,6 +48,7 @@ from multiprocessing.connection import wait as mp_wait
 
 from prefetchd.core.dataset import index_files_hold
 from prefetchd.executors import helpers
+from prefetchd.executors.fdwait import FdWait
 from prefetchd.executors.helpers import SpawnError, describe_exit
 from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, worker_main
 
@@ -120,6 +122,7 @@ class Pool:
         self.helpers = helpers.Helpers()
         self._unstartable_since: float | None = None  # the first failed start since the last good one
         self._orphans: list[tuple[int, int]] = []  # (pid, pidfd) of buried workers not reaped yet
+        self._fdwait = FdWait()
 
     def start(self) -> None:
         self._replace(force=True)
@@ -208,10 +211,12 @@ class Pool:
         lost: list[Task] = []
         self.helpers.check()
         now = time.monotonic()
+        ready = self._ready()
         for w in list(self.workers.values()):
             try:
-                while w.dead_at is None and w.conn.poll():
+                while w.dead_at is None and w.conn.fileno() in ready:
                     msg = w.conn.recv()
+                    ready = self._ready_after_recv(ready, w.conn.fileno())
                     if isinstance(msg, tuple) and msg and msg[0] == "ready":
                         w.ready = True
                         continue
@@ -224,7 +229,7 @@ class Pool:
                         w.made = True
             except (EOFError, OSError):  # its end of the pipe closed: it is dying
                 w.dead_at = now
-            if w.dead_at is None and w.exited():
+            if w.dead_at is None and (w.pidfd in ready if w.pidfd is not None else w.exited()):
                 w.dead_at = now
             if w.dead_at is not None:
                 if (self._exit_status(w) or now - w.dead_at >= _EXIT_STATUS_GRACE_S
@@ -246,6 +251,24 @@ class Pool:
         self._shrink_idle()
         self._reap_stopping(now)
         return results, lost
+
+    def _ready(self) -> set[int]:
+        """Of the live workers' result pipes and pidfds, those ready now: one poll for the pool,
+        not one per worker (see fdwait)."""
+        fds = []
+        for w in self.workers.values():
+            if w.dead_at is None:
+                fds.append(w.conn.fileno())
+                if w.pidfd is not None:
+                    fds.append(w.pidfd)
+        return self._fdwait.ready(tuple(fds))
+
+    @staticmethod
+    def _ready_after_recv(ready: set[int], fd: int) -> set[int]:
+        """``ready`` with ``fd`` looked at again: another message may wait behind the one read."""
+        if not select.select([fd], [], [], 0)[0]:
+            ready = ready - {fd}
+        return ready
 
     def wake_due(self) -> float | None:
         """When the loop must call ``results`` again without being woken: a worker is missing,

@@ -48,6 +48,7 @@ other and with the file's length, and the checksum matches.
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import re
@@ -147,8 +148,9 @@ class Layout:
         return self.images_offset + self.images_nbytes
 
 
+@functools.lru_cache(maxsize=256)
 def max_file_size(batch_size: int, height: int, width: int, channels: int = 3) -> int:
-    return Layout(batch_size, height, width, channels).file_size
+    return Layout(batch_size, height, width, channels).file_size  # (cached: the daemon asks once per batch)
 
 
 @dataclass(frozen=True)
