@@ -245,9 +245,10 @@ def _ring_bytes(paths: list[str], batch: int, size: int, capacity: int, decode: 
 
     per = batchfile.max_file_size(batch, size, size)
     if decode != "cpu" and paths:
-        largest = sorted(range(len(paths)), key=lambda i: os.stat(paths[i]).st_size)[-batch:]
+        sizes = [os.stat(p).st_size for p in paths]
+        largest = sorted(range(len(paths)), key=sizes.__getitem__)[-batch:]
         largest += largest[-1:] * (batch - len(largest))  # fewer files than a batch: some repeat
-        per = max(per, builders.compact_bound(lambda i: paths[i], largest, size))
+        per = max(per, builders.compact_bound(sizes.__getitem__, largest, size))
     return (capacity + 2) * per + (64 << 20)
 
 
