@@ -142,3 +142,19 @@ def test_progress_offset_is_optional_and_checked(tmp_path):
     for bad in (-1, "36", 1.5, True):
         with pytest.raises(pf.ProgressError, match="'offset'"):
             pf.decode(json.dumps({**d, "offset": bad}).encode())
+
+
+def test_a_task_crosses_the_worker_pipe_with_every_field():
+    """Tasks pickle their indices as bytes (cheap in the daemon's loop): every other field, the
+    resumed segment's ``offset`` included, must arrive as it was sent."""
+    import pickle
+
+    from prefetchd.executors.worker import Task
+
+    t = Task(3, 7, 11, 40, np.arange(5, dtype=np.int64) * 3, ((9, "crashed twice"),), 123456, offset=24)
+    back = pickle.loads(pickle.dumps(t, protocol=pickle.HIGHEST_PROTOCOL))
+    assert {f: getattr(back, f) for f in ("rank", "epoch", "batch", "batches_in_epoch", "crashers", "budget",
+                                          "offset")} == \
+        {"rank": 3, "epoch": 7, "batch": 11, "batches_in_epoch": 40, "crashers": ((9, "crashed twice"),),
+         "budget": 123456, "offset": 24}
+    assert back.indices.dtype == np.int64 and back.indices.flags.writeable and back.indices.tolist() == [0, 3, 6, 9, 12]

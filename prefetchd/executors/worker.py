@@ -17,6 +17,7 @@ trainer's GPU) a compact batch. Reading, quarantine and replacement are the same
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -66,13 +67,12 @@ class Task:
         ind = self.indices
         if type(ind) is not np.ndarray or ind.dtype != np.int64 or ind.ndim != 1:
             return super().__reduce_ex__(protocol)
-        return _task, (self.rank, self.epoch, self.batch, self.batches_in_epoch, ind.tobytes(), self.crashers,
-                       self.budget)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "indices"}
+        return _task, (ind.tobytes(), fields)  # every other field as it is: none can be dropped on the way
 
 
-def _task(rank: int, epoch: int, batch: int, batches_in_epoch: int, indices: bytes, crashers: tuple,
-          budget: int) -> Task:
-    return Task(rank, epoch, batch, batches_in_epoch, np.frombuffer(indices, np.int64).copy(), crashers, budget)
+def _task(indices: bytes, fields: dict) -> Task:
+    return Task(indices=np.frombuffer(indices, np.int64).copy(), **fields)
 
 
 @dataclass(frozen=True)
