@@ -172,8 +172,10 @@ def test_status_watch_redraws_until_interrupted(tmp_path, image_root, daemon_fac
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)
     wait_until(lambda: _status(str(tmp_path / "buffer")).get("pid"), 30, "a status")
+    # SIGINT as a terminal delivers it, also where the suite runs as a background job (which ignores it)
     p = subprocess.Popen([sys.executable, "-m", "prefetchd", "status", "--config", cfg, "--watch", "--interval", "0.2"],
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = p.stdout.read(200)
     p.send_signal(signal.SIGINT)
     out, _ = p.communicate(timeout=10)

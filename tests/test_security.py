@@ -382,7 +382,7 @@ def test_stray_names_in_the_progress_directory_cost_one_warning_and_no_dirty_mar
     woken = []
     w = ProgressWatcher(str(tmp_path), (0,), lambda: woken.append(1), use_inotify=False)
     caplog.set_level("WARNING", logger="prefetchd.watcher")
-    for i in range(20_000):  # what watchdog's thread sees when a trainer makes 20,000 files there
+    for i in range(20_000):  # the inotify events a trainer making 20,000 files there causes
         w._mark(f"junk-{i}")
     w._mark("progress-r0007.json")  # a rank this daemon does not serve
     w._mark(".progress-abc.tmp")  # a client's temp file: not stray

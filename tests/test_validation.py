@@ -244,7 +244,9 @@ def test_validation_makes_progress_when_train_windows_fill_max_bytes(tmp_path, i
     wait_until(lambda: all(t.read >= 2 or t.error for t in trainers), 60, "the trainers reading")
     before = [t.read for t in trainers]
     out: dict = {}
-    vals = [threading.Thread(target=_val_passes, args=(cfg, r, 2, out, 0.2), daemon=True) for r in range(ranks)]
+    # each val batch held 1.2 s, longer than the daemon's status period (1 s): every pass is seen
+    # in the status at least once, however few batches a rank's share has (one, at 3 ranks)
+    vals = [threading.Thread(target=_val_passes, args=(cfg, r, 2, out, 1.2), daemon=True) for r in range(ranks)]
     samples = []
     for v in vals:
         v.start()
@@ -321,6 +323,8 @@ def test_validation_at_8_ranks_with_default_sizes_keeps_every_worker_busy(tmp_pa
     from prefetchd.core.sampler import Sampler
     from prefetchd.daemon.loop import Daemon, _limits
     from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.daemon.segments import Segments
+    from prefetchd.daemon.sessions import Sessions
     from prefetchd.daemon.validation import ValStream
 
     cfg = load_config(small_config(tmp_path, image_root, loader={"world_size": 8, "batch_size": 256, "epochs": None},
@@ -335,6 +339,7 @@ def test_validation_at_8_ranks_with_default_sizes_keeps_every_worker_busy(tmp_pa
     d.val = ValStream(cfg, _FakeIndex(50_000), cfg.loader.ranks, "0" * 16)
     d.pool, d.remote, d.ring = _Slots(32), None, _Ring()
     d.sampler = Sampler(625 * 256 * 8, 256, 7, True, True, 8)  # train's tasks, once the pass is over
+    d.segments = Segments(d.sampler, cfg.loader.ranks, "0" * 16, Sessions(cfg.loader.ranks, 625, "0" * 16), d.planner)
     d.quarantine = QuarantineLog(str(tmp_path), "x", str)
     train, val = d.planner, d.val.planner
     while (plan := train.plan(1000, 0.0, 1 << 50)).submit:  # train's windows, made and published

@@ -150,7 +150,7 @@ class ProgressWatcher:
         return changed
 
     def _check_strays(self) -> None:
-        n, self._strays = self._strays, 0  # (a change counted meanwhile by watchdog's thread may be lost: harmless)
+        n, self._strays = self._strays, 0
         if n and not self._stray_spell:
             log.warning("progress.dir %s: %d change(s) to entries that are not progress files of the ranks served here "
                         "(e.g. %r); they are ignored (a trainer writes only its progress-rNNNN.json and "
