@@ -30,13 +30,13 @@ import json
 import logging
 import os
 import stat
-import tempfile
 from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
 
 from prefetchd.core.bars import bar
+from prefetchd.format.atomic import write_atomic
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -262,28 +262,14 @@ def write_cache(cdir: str, meta_name: str, arrays: dict, meta: dict) -> None:
     for k, a in arrays.items():
         if a is not None:
             files[k] = f"{k}-{meta['fingerprint']}.npy"
-            _write_atomic(cdir, files[k], lambda f, a=a: np.save(f, a, allow_pickle=False), "wb")
-    _write_atomic(cdir, meta_name, lambda f: json.dump({**meta, "files": files}, f), "w")
+            write_atomic(cdir, files[k], lambda f, a=a: np.save(f, a, allow_pickle=False))
+    write_atomic(cdir, meta_name, lambda f: f.write(json.dumps({**meta, "files": files}).encode()))
     for name in os.listdir(cdir):
         if name not in files.values() and name.endswith(".npy"):
             try:
                 os.unlink(os.path.join(cdir, name))
             except OSError:
                 pass
-
-
-def _write_atomic(cdir: str, name: str, write, mode: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=cdir)
-    try:
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
-            write(f)
-        os.replace(tmp, os.path.join(cdir, name))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None):

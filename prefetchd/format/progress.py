@@ -57,10 +57,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 
 from prefetchd.format import untrusted
+from prefetchd.format.atomic import write_atomic
 
 FORMAT = "prefetchd-progress"
 VERSION = 1
@@ -217,17 +217,5 @@ def read(path: str) -> Progress:
 
 def write(directory: str, p: Progress) -> str:
     """Atomically replace the rank's progress file. Returns its path."""
-    path = progress_path(directory, p.rank)
-    fd, tmp = tempfile.mkstemp(prefix=".progress-", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, FILE_MODE)
-        with os.fdopen(fd, "wb") as f:
-            f.write(encode(p))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    # the ".progress-" prefix: the daemon's watcher skips a client's temp files by it
+    return write_atomic(directory, progress_name(p.rank), lambda f: f.write(encode(p)), FILE_MODE, ".progress-")

@@ -21,11 +21,11 @@ import fcntl
 import json
 import os
 import stat
-import tempfile
 import time
 from typing import Any
 
 from prefetchd.format import untrusted
+from prefetchd.format.atomic import write_atomic
 
 META_NAME = "meta.json"
 STATUS_NAME = "status.json"
@@ -87,19 +87,8 @@ def daemon_alive(directory: str) -> bool | None:
 
 
 def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            # one write: json.dump writes each token to the file object (2,000 calls for 32 ranks)
-            f.write(json.dumps(data, indent=1, sort_keys=True))
-        os.chmod(tmp, FILE_MODE)
-        os.replace(tmp, os.path.join(directory, name))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    # one write: json.dump writes each token to the file object (2,000 calls for 32 ranks)
+    write_atomic(directory, name, lambda f: f.write(json.dumps(data, indent=1, sort_keys=True).encode()), FILE_MODE)
 
 
 def read_json(directory: str, name: str) -> dict[str, Any] | None:
