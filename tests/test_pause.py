@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 import pytest
 from conftest import small_config, wait_until
@@ -144,7 +148,6 @@ def test_process_state_reads_proc():
         p.kill()
         p.wait(5)
     assert procstate.state(p.pid) == "gone" and procstate.state(0) == "gone"
-    assert status  # (used by the status tests below)
 
 
 def test_a_daemon_that_makes_nothing_still_times_the_trainer_out_saying_so(tmp_path, image_root, daemon_factory):
@@ -184,3 +187,73 @@ def test_the_wait_clock_leaves_out_the_spells_the_process_did_not_run():
         c.tick()
     assert c.waited == pytest.approx(0.56) and c.frozen == pytest.approx(30.0)
     assert c.said() == "0.6 s (not counting 30 s in which this process was stopped)"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int) -> str:
+    try:
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        return ""
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefetchd", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_a_stalled_rank_is_named_with_since_when_and_its_trainers_state_in_status_metrics_and_log(
+        tmp_path, image_root, daemon_factory):
+    port = _free_port()
+    cfg = small_config(tmp_path, image_root, metrics={"enabled": True, "port": port})  # 2 epochs: never done here
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg, env={"PREFETCHD_STALL_AFTER_S": "2"})
+
+    def stall():
+        return ((status.read_json(buf, status.STATUS_NAME) or {}).get("ranks", {}).get("0", {}).get("stalled")
+                or {})
+
+    t = Trainer(cfg, pause_s=10.0)  # reads 4 batches, then pauses in Python (its reader fills its queue)
+    try:
+        wait_until(lambda: t.after(3), 60, "the trainer's first 4 batches")
+        st = wait_until(lambda: stall().get("process") == "running" and stall(), 30, "rank 0 stalled, running")
+        assert st["pid"] == t.proc.pid and st["age_s"] >= 2
+        os.kill(t.proc.pid, signal.SIGSTOP)
+        st = wait_until(lambda: stall().get("process") == "stopped" and stall(), 30, "rank 0 stalled, stopped")
+        since = time.strftime("%H:%M:%S", time.localtime(st["since"]))
+        text = _cli("status", "--config", cfg).stdout
+        assert re.search(rf"rank 0: .*; STALLED: no progress for \d+ s \(since {since}; pid {t.proc.pid} stopped\)",
+                         text), text
+        js = json.loads(_cli("status", "--json", "--config", cfg).stdout)["status"]["ranks"]["0"]["stalled"]
+        assert js["pid"] == t.proc.pid and js["process"] == "stopped" and js["since"] == st["since"]
+        m = wait_until(lambda: (x := _scrape(port)) and 'state="stopped"} 1.0' in x and x, 15, "metrics")
+        assert 'prefetchd_rank_stalled{rank="0"} 1.0' in m
+        assert 'prefetchd_rank_stalled_process{rank="0",state="running"} 0.0' in m
+        ts = re.search(r'^prefetchd_rank_last_progress_timestamp_seconds\{rank="0"\} (\S+)$', m, re.M)
+        assert ts and float(ts.group(1)) == pytest.approx(st["since"]), m
+        os.kill(t.proc.pid, signal.SIGCONT)
+        # it reads on (the daemon says so once), finishes epoch 0 and exits: rank 0 is left behind, gone
+        err = t.finish()
+        assert t.proc.returncode == 0, err
+        wait_until(lambda: stall().get("process") == "gone", 30, "rank 0 stalled, its trainer gone")
+        m = wait_until(lambda: (x := _scrape(port)) and 'state="gone"} 1.0' in x and x, 15, "metrics")
+    finally:
+        t.kill()
+    log = d.log()
+    assert len(re.findall(rf"rank 0: no progress for \d+ s \(since [\d:]+; pid {t.proc.pid} running\)", log)) == 1, log
+    assert len(re.findall(r"rank 0 moves again after \d+ s without progress", log)) == 1, log
+    assert len(re.findall(rf"rank 0: no progress for \d+ s \(since [\d:]+; pid {t.proc.pid} gone\)", log)) == 1, log
+    assert "process_resident_memory_bytes" in m and "process_cpu_seconds_total" in m
+    assert re.search(r'^prefetchd_rank_consumed_batches_total\{rank="0"\} 8\.0$', m, re.M), m
+    assert re.search(r"^prefetchd_consumed_batches_total 8\.0$", m, re.M), m
+    assert re.search(r'^prefetchd_rank_ready_ratio\{rank="0"\} (0\.\d+|1\.0)$', m, re.M), m
+    assert re.search(r"^prefetchd_samples_quarantined_total 0\.0$", m, re.M), m
+    promtool = shutil.which("promtool")
+    if promtool:  # Debian's prometheus package has it
+        r = subprocess.run([promtool, "check", "metrics"], input=m, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+    assert d.stop() == 0
