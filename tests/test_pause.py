@@ -257,3 +257,51 @@ def test_a_stalled_rank_is_named_with_since_when_and_its_trainers_state_in_statu
         r = subprocess.run([promtool, "check", "metrics"], input=m, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stdout + r.stderr
     assert d.stop() == 0
+
+
+ALERTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "prometheus")
+
+
+def test_the_example_alert_rules_pass_promtool():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+        r = subprocess.run([promtool, *args], cwd=ALERTS, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_status_says_a_stalled_rank_on_its_line():
+    since = time.time() - 32
+    rec = {"updated": time.time(), "state": "running", "capacity": 4, "ranks": {
+        "0": {"position": [3, 7], "ready": 4, "ahead": 4,
+              "stalled": {"since": since, "age_s": 32.4, "pid": 4242, "process": "stopped"}},
+        "1": {"position": [3, 9], "ready": 2, "ahead": 2, "stalled": None}}}
+    lines = status.format_status(rec, True).splitlines()
+    hhmmss = time.strftime("%H:%M:%S", time.localtime(since))
+    assert lines[-2].startswith("  rank 0: trainer at epoch 3 batch 7")
+    assert lines[-2].endswith(f"; STALLED: no progress for 32 s (since {hhmmss}; pid 4242 stopped)")
+    assert "STALLED" not in lines[-1]
+
+
+def test_stall_watch_says_each_change_once_and_leaves_idle_or_done_ranks_alone(caplog):
+    from prefetchd.daemon.stalls import StallWatch
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    w = StallWatch(after_s=30)
+    me = os.getpid()
+    with caplog.at_level("INFO", logger="prefetchd"):
+        assert w.check(0, 100.0, 90.0, me, False, True) is None
+        st = w.check(0, 125.0, 90.0, me, False, True)
+        assert st == {"since": 90.0, "age_s": 35.0, "pid": me, "process": "running"}
+        assert w.check(0, 126.0, 90.0, me, False, True)["age_s"] == 36.0
+        assert w.check(0, 127.0, 126.5, me, False, True) is None  # a record: it moves again
+        assert w.check(1, 1000.0, 10.0, dead.pid, False, False) is None  # a file left by an earlier run
+        assert w.check(1, 1000.0, 10.0, dead.pid, False, True)["process"] == "gone"  # read, then gone
+        assert w.check(2, 1000.0, 10.0, me, True, True) is None  # done: nothing left to read
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0] == f"rank 0: no progress for 35 s (since {time.strftime('%H:%M:%S', time.localtime(90))}; pid {me} running)"
+    assert said[1] == "rank 0 moves again after 36 s without progress"
+    assert said[2].startswith("rank 1: no progress for 990 s") and said[2].endswith(f"pid {dead.pid} gone)")
+    assert len(said) == 3
