@@ -39,8 +39,10 @@ class WaitClock:
             self.waited += step
         return self.waited
 
-    def said(self) -> str:
-        """``waited`` as a message says it: the pause left out is named, so no wait is claimed
-        that did not happen."""
+    def said(self, limit: float | None = None) -> str:
+        """``waited`` as a message says it (``limit`` when it is past that timeout: the polls'
+        granularity is no news); the pause left out is named, so no wait is claimed that did
+        not happen."""
+        waited = limit if limit is not None and self.waited >= limit else self.waited
         extra = f" (not counting {self.frozen:.0f} s in which this process was stopped)" if self.frozen >= 1 else ""
-        return f"{self.waited:.1f} s{extra}"
+        return f"{waited:.1f} s{extra}"

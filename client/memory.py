@@ -121,7 +121,7 @@ class _PinnedPool:
             if stop.is_set():
                 raise _Stopped()
             if clock.tick() >= timeout:
-                raise PrefetchTimeout(f"waited {clock.said()} for a pinned buffer's copy to the device to finish; "
+                raise PrefetchTimeout(f"waited {clock.said(timeout)} for a pinned buffer's copy to the device to finish; "
                                       "is the GPU hung?")
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)

@@ -125,7 +125,7 @@ class ReadAhead:
                         if there and limit == timeout:
                             limit += timeout  # made, or being read: the reader was slow, not the daemon
                             continue
-                        raise PrefetchTimeout(self._client._timeout_message(self.epoch, batch, clock,
+                        raise PrefetchTimeout(self._client._timeout_message(self.epoch, batch, clock, limit,
                                                                             self.in_hand(batch))) from None
                     continue
                 if kind == "error":
@@ -172,21 +172,21 @@ class BatchFiles:
             if stop.is_set():
                 raise _Stopped()
             if clock.tick() >= timeout:
-                raise PrefetchTimeout(self._timeout_message(epoch, batch, clock, False))
+                raise PrefetchTimeout(self._timeout_message(epoch, batch, clock, timeout, False))
             if self._unsaved is not None and time.monotonic() >= retry_at:  # the daemon makes this
                 self._retry_progress()  # batch once it knows where we are
                 retry_at = time.monotonic() + _PROGRESS_RETRY_S
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)
 
-    def _timeout_message(self, epoch: int, batch: int, clock: WaitClock, in_hand: bool) -> str:
-        """What a trainer that waited ``clock.waited`` for a batch is told: the wait (and the
+    def _timeout_message(self, epoch: int, batch: int, clock: WaitClock, limit: float, in_hand: bool) -> str:
+        """What a trainer that waited ``limit`` seconds for a batch is told: the wait (and the
         pause of its own it did not count), the batch, and what the daemon is doing."""
         path = self._path(epoch, batch)
         if in_hand:
-            return (f"waited {clock.said()} for the reader thread to read rank {self.rank} epoch {epoch} batch "
+            return (f"waited {clock.said(limit)} for the reader thread to read rank {self.rank} epoch {epoch} batch "
                     f"{batch} ({path}), whose file it has open: is the buffer's filesystem or the GPU stuck?")
-        return (f"waited {clock.said()} for rank {self.rank} epoch {epoch} batch {batch} ({path}); "
+        return (f"waited {clock.said(limit)} for rank {self.rank} epoch {epoch} batch {batch} ({path}); "
                 + self._daemon_state())
 
     def _daemon_state(self) -> str:

@@ -187,6 +187,7 @@ def test_the_wait_clock_leaves_out_the_spells_the_process_did_not_run():
         c.tick()
     assert c.waited == pytest.approx(0.56) and c.frozen == pytest.approx(30.0)
     assert c.said() == "0.6 s (not counting 30 s in which this process was stopped)"
+    assert c.said(limit=0.5) == "0.5 s (not counting 30 s in which this process was stopped)"
 
 
 def _free_port() -> int:
