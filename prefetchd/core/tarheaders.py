@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from prefetchd.core.dataset import DatasetError
+from prefetchd.core.indexbase import DatasetError
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)

@@ -59,7 +59,7 @@ import numpy as np
 
 from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
-from prefetchd.core.dataset import (
+from prefetchd.core.indexbase import (
     DatasetError,
     Index,
     StorageChanged,
