@@ -76,6 +76,15 @@ class Index:
             return f"a file list in {self.root}"
         return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
 
+    def content_stamp(self, i: int) -> str:
+        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime and inode):
+        a quarantine entry made under another stamp is not held against the new content."""
+        try:
+            st = os.stat(self.path(i))
+        except OSError as e:
+            return f"unreadable:{e.errno}"
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
         try:

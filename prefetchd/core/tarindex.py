@@ -18,10 +18,17 @@ hence every batch, are byte for byte those of the extracted folder. A flat set i
 skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
 ``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever. A worker
 keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fails closes the
-archive so the next try opens it again (a stale NFS handle after a remount), and an archive is
-opened only if its (size, inode) are those it was indexed with: another file at its path (a copy
-put in its place, a cut download) raises ``dataset.StorageChanged``, which the worker treats as
-storage to wait for (``executors.storage``), never as bad samples read at the wrong offsets.
+archive so the next try opens it again (a stale NFS handle after a remount).
+
+**Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
+(device, inode, size, mtime, ctime), taken when it is indexed; every read checks the descriptor
+it reads through against it with one ``fstat`` after the ``pread`` (a write moves mtime before
+it moves bytes, so a match after the read vouches for the bytes read). Another file at its path
+(a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
+``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
+``indexbase.StorageChanged``, which the worker treats as storage to wait for
+(``executors.storage``: one log line, no sample blamed), never as bad samples read at the wrong
+offsets; a restart indexes the archive again (the cache's stamps hold the same identity).
 
 **Unusual and hostile members** each have one outcome:
 
@@ -41,8 +48,8 @@ storage to wait for (``executors.storage``), never as bad samples read at the wr
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
-``tarmeta.json``, valid while every archive's (size, mtime, inode) (and the root folder's and the
-devkit's) are unchanged; the scan time is kept for ``prefetchd check``.
+``tarmeta.json``, valid while every archive's identity (and the root folder's and the devkit's)
+are unchanged; the scan time is kept for ``prefetchd check``.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ from prefetchd.core.tarheaders import BLOCK, members, show, unique
 log = logging.getLogger("prefetchd.dataset")
 
 META = "tarmeta.json"
-_VERSION = 3  # 3: PAX and GNU long-name members indexed; archive identities and skipped members kept
+_VERSION = 4  # 4: identity (dev, inode, size, mtime, ctime); 3: PAX and GNU long names, skipped members kept
 _MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
 _LAYOUT_WORDS = {"tar": "a tar of per-class tars", "tars": "a folder of per-class tars",
                  "flat-tar": "a flat tar labelled by the devkit", "flat-folder": "a flat folder labelled by the devkit"}
@@ -91,9 +98,10 @@ class TarIndex(Index):
     block: np.ndarray | None = None
     size: np.ndarray | None = None
     scan_s: float = 0.0  # how long the scan that built it took
-    # each archive's (size, inode) when it was indexed, checked whenever it is opened to read (its
-    # offsets hold for that file only); inode 0: not checked (another node's copy); (): no check
-    identity: tuple[tuple[int, int], ...] = ()
+    # each archive's (dev, inode, size, mtime_ns, ctime_ns) when it was indexed, checked at every
+    # read (its offsets hold for that file only); a 0 other than the size: that field is not checked
+    # (another node's copy, ``sizes_only``); (): no check
+    identity: tuple[tuple[int, int, int, int, int], ...] = ()
     skipped_what = ("archive member", "archive members")
     skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
                     "a flat set's images without a devkit label")
@@ -120,9 +128,12 @@ class TarIndex(Index):
         n = int(self.size[i])
         a = 0 if self.archive_ids is None else int(self.archive_ids[i])
         path = self.archive(i)
-        fd = _open(path, self.identity[a] if self.identity else None)
+        identity = self.identity[a] if self.identity else None
+        fd = _open(path, identity)
         try:
             data = os.pread(fd, n, int(self.block[i]) * BLOCK)
+            if identity is not None:  # after the read: a write that moved these bytes has moved mtime
+                _check(fd, path, identity)
             if len(data) != n:
                 raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
                                          "(it changed since it was indexed)")
@@ -130,6 +141,14 @@ class TarIndex(Index):
             _forget(path)  # a dead descriptor (a stale NFS handle, a remount): the next try opens the file again
             raise
         return data
+
+    def content_stamp(self, i: int) -> str:
+        """Sample ``i``'s archive identity as indexed and its place in it (no stat: an archive changed
+        since is indexed again at the next start, and its stamp then differs)."""
+        if self.block is None or not self.identity:
+            return super().content_stamp(i)
+        a = 0 if self.archive_ids is None else int(self.archive_ids[i])
+        return ":".join(map(str, (*self.identity[a], int(self.block[i]), int(self.size[i]))))
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes, from the index (no stat: the member is not a file)."""
@@ -149,10 +168,35 @@ _fds: dict[str, int] = {}  # in least recently used order
 _fds_pid = 0
 
 
-def _open(path: str, identity: tuple[int, int] | None = None) -> int:
+def identity_of(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """An archive's identity (``TarIndex.identity``): what changes when a byte of it may have moved."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def sizes_only(identity: tuple) -> tuple:
+    """``identity`` with only the sizes checked (another node's copy has its own device, inode and times)."""
+    return tuple((0, 0, ident[2], 0, 0) for ident in identity)
+
+
+_FIELDS = ("device", "inode", "size", "mtime_ns", "ctime_ns")
+
+
+def _check(fd: int, path: str, identity: tuple) -> None:
+    """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``)."""
+    now = identity_of(os.fstat(fd))
+    changed = [f"{name} {was} -> {is_}" for name, was, is_ in zip(_FIELDS, identity, now, strict=True)
+               if was != is_ and (was or name == "size")]
+    if changed:
+        _forget(path)  # the next try opens the path again (the file put back, or another in its place)
+        raise StorageChanged(errno.ESTALE, f"the archive {path} changed since it was indexed ({', '.join(changed)}; "
+                             "copied over, rewritten in place or cut): its indexed offsets would read other bytes, so "
+                             "batches from it wait; restart the daemon to index it again")
+
+
+def _open(path: str, identity: tuple | None = None) -> int:
     """A read-only descriptor of ``path``, kept open for the next read (the ``_MAX_OPEN`` most
-    recently used). ``identity``: the (size, inode) it was indexed with; a file that is not that
-    one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
+    recently used). ``identity``: what it was indexed with (``identity_of``); a file that is not
+    that one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
     global _fds_pid
     if _fds_pid != os.getpid():  # a forked child: the parent's descriptors are its own business
         _fds.clear()
@@ -162,14 +206,9 @@ def _open(path: str, identity: tuple[int, int] | None = None) -> int:
         if len(_fds) >= _MAX_OPEN:
             os.close(_fds.pop(next(iter(_fds))))
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        _fds[path] = fd
         if identity is not None:
-            st = os.fstat(fd)
-            size, ino = identity
-            if st.st_size != size or (ino and st.st_ino != ino):
-                os.close(fd)
-                raise StorageChanged(errno.ESTALE, f"the archive {path} is not the one indexed (size {size}, inode "
-                                     f"{ino}; now size {st.st_size}, inode {st.st_ino}): batches wait until it is "
-                                     "back as it was; restart the daemon to index it again")
+            _check(fd, path, identity)  # closes it if it is not the one indexed
     _fds[path] = fd
     return fd
 
@@ -277,13 +316,8 @@ def layout(root: str, devkit: str | None) -> str | None:
 
 
 def _identity(path: str) -> list:
-    st = os.stat(path)
-    return [path, st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _size_inode(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_size, st.st_ino
+    """A cache stamp: the path and its identity (``identity_of``)."""
+    return [path, *identity_of(os.stat(path))]
 
 
 def _open_archive(path: str, what: str) -> int:
@@ -372,7 +406,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",), notes)
             else:
                 index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "", notes)
-            index = replace(index, identity=(_size_inode(fd),))
+            index = replace(index, identity=(identity_of(os.fstat(fd)),))
         finally:
             os.close(fd)
     elif kind == "tars":
@@ -388,7 +422,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
                 stamps.append(_identity(os.path.join(root, name)))
             index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names), notes)
-            index = replace(index, identity=tuple(_size_inode(fd) for fd in fds))
+            index = replace(index, identity=tuple(identity_of(os.fstat(fd)) for fd in fds))
         finally:
             for fd in fds:
                 os.close(fd)

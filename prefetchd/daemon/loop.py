@@ -132,7 +132,8 @@ class Daemon:
         self.fingerprint_hex = stream_fingerprint(cfg, self.index.fingerprint)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
         self.ranks = L.ranks
-        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path)
+        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path,
+                                        self.index.content_stamp)
         self.quarantine.load()
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
