@@ -376,8 +376,8 @@ def test_kept_archive_descriptors_are_evicted_least_recently_used_first(tmp_path
 
 
 def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
-    with pytest.raises(DatasetError, match="set validation.devkit"):
-        load_index(imagenet.val_tar, None, EXTS, None, use_cache=False)
+    with pytest.raises(DatasetError, match="validation.root .* set validation.devkit"):
+        load_index(imagenet.val_tar, None, EXTS, None, use_cache=False, section="validation")
 
 
 # --- the cache, check and the daemon ---------------------------------------------------------------------

@@ -7,7 +7,8 @@ the cache) and never imports this one:
 * tar archives read in place (ImageNet's train tar of class tars, a folder of class tars, the
   flat validation tar or folder with the devkit): ``prefetchd.core.tarindex``.
 
-``load_index`` is the entry point (the daemon, ``prefetchd check``, the tools); the names of
+``choose`` decides which kind a root is, ``load_index`` (the entry point: the daemon, ``prefetchd
+check``, the tools) loads its index; the names of
 ``indexbase`` and ``folderindex`` that callers used from here are re-exported.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import replace
 
 import numpy as np
@@ -42,6 +44,61 @@ __all__ = ["DatasetError", "Index", "StorageChanged", "cache_path", "default_cac
 log = logging.getLogger("prefetchd.dataset")
 
 
+_LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class"}
+
+
+def choose(root: str | None, file_list: str | None, devkit: str | None, extensions: tuple[str, ...],
+           section: str = "dataset") -> tuple[str, tuple[str, ...]]:
+    """Which kind of dataset this is, the one place that decides: ``list`` (``file_list``),
+    ``folder`` (an ImageFolder), ``tar`` (a tar file: of class tars, or flat), ``tars`` (a folder of
+    class tars) or ``flat-folder`` (images with no class folders). Returns the kind and what of
+    ``root`` it leaves out, each with why (kept with the index, shown by ``prefetchd check``).
+    Mixtures that cannot be meant are a ``DatasetError`` saying what was found: class tars beside
+    folders that are not their extracted twins, a devkit with a set it cannot label."""
+    key = f"{section}.root"
+    if file_list is not None or root is None:
+        if devkit:
+            raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
+                               f"flat folder); {file_list} is not one (its labels are its own): remove validation.devkit")
+        return "list", ()
+    try:
+        st = os.stat(root)
+    except OSError:
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode):
+        return "tar", ()
+    check_root(root, key)  # missing, unreadable or not a directory: that is the mistake, said first
+    try:
+        entries = [e for e in os.scandir(root) if not e.name.startswith(".")]
+        dirs = {e.name for e in entries if e.is_dir()}
+        tars = {e.name for e in entries if e.name.lower().endswith(".tar") and e.is_file()}
+        images = any(e.name.lower().endswith(extensions) and e.is_file() for e in entries)
+    except OSError as e:
+        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+    if tars:
+        stems = {t[:-4] for t in tars}
+        leftovers = sorted(d for d in dirs if d in _LEFTOVERS)
+        twins = sorted(d for d in dirs if d in stems)
+        others = sorted(dirs - set(leftovers) - set(twins))
+        if others:
+            raise DatasetError(f"{key} {root} holds {len(tars)} class tar(s) ({', '.join(sorted(tars)[:3])}"
+                               f"{' ...' if len(tars) > 3 else ''}) and {len(others)} folder(s) that are not one "
+                               f"of them extracted ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}): "
+                               "one kind of dataset per root; move the folders out, or extract every class tar "
+                               "and move the tars out")
+        notes = [f"{d} ({_LEFTOVERS[d]})" for d in leftovers]
+        notes += [f"{d} (a folder extracted beside its class tar {d}.tar: the tar is read)" for d in twins]
+        if notes:
+            log.warning("%s: not read: %s", root, "; ".join(notes[:5]) + (" ..." if len(notes) > 5 else ""))
+        return "tars", tuple(notes)
+    if dirs or not images:
+        if devkit:
+            raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
+                               f"flat folder); {root} is not one (its labels are its own): remove validation.devkit")
+        return "folder", ()
+    return "flat-folder", ()
+
+
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset") -> tuple[Index, bool]:
@@ -49,16 +106,12 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
     validation set), so a message names the key the user wrote."""
-    if root is not None and file_list is None:
-        if tarindex.layout(root, devkit):
-            return tarindex.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root")
-    if devkit:
-        if root is not None and file_list is None:
-            check_root(root, f"{section}.root")  # missing or unreadable: that, not the devkit, is the mistake
-        raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
-                           f"flat folder); {root or file_list} is not one (its labels are its own): remove "
-                           "validation.devkit")
-    kind, source = ("list", file_list) if file_list else ("folder", root)
+    kind, notes = choose(root, file_list, devkit, tuple(e.lower() for e in extensions), section)
+    if kind in ("tar", "tars", "flat-folder"):
+        assert root is not None
+        return tarindex.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root", kind=kind,
+                             notes=notes)
+    source = file_list if kind == "list" else root
     assert source is not None
     return folderindex.load(source, kind, extensions, cache_dir, use_cache, section)
 

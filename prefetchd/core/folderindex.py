@@ -1,7 +1,9 @@
 """Two dataset kinds: an ImageFolder and a file list, with their cache.
 
 * an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
-  among the sorted class names, files are sorted, as torchvision's ``ImageFolder`` does;
+  among the sorted class names, and a class's images are in torchvision's ``ImageFolder`` order
+  (``sorted(os.walk(class_dir))``: folders by their whole path, then names, all compared as
+  ``str``, non-UTF-8 bytes as surrogates); hidden folders are skipped;
   extensions are matched case-insensitively. Directory symlinks, by one rule that never indexes
   an image twice or under another class's label: one whose target lies inside the root (a loop
   to an ancestor, a link to another class) is not followed, its images are indexed where they
@@ -59,15 +61,16 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     for label, cls in enumerate(classes_bar):
         top = os.path.join(root, cls)
         found = 0
+        groups: list[tuple[str, list[bytes]]] = []  # (folder, its images): ordered by folder path below
         why = _not_followed(top, real_root)
         for dirpath, dirnames, filenames in [] if why else os.walk(top, followlinks=True, onerror=_walk_error):
             st = os.stat(dirpath)
-            key = (st.st_dev, st.st_ino)
-            if key in seen:  # reached before (by another link): its images have their label already
+            dir_id = (st.st_dev, st.st_ino)  # not `key`: that names the config key in messages
+            if dir_id in seen:  # reached before (by another link): its images have their label already
                 skipped.append(f"{os.path.relpath(dirpath, root)} (a directory already indexed by another path)")
                 dirnames[:] = []
                 continue
-            seen.add(key)
+            seen.add(dir_id)
             stamps.append((dirpath, st.st_mtime_ns))
             dirnames.sort()
             keep = []
@@ -78,11 +81,14 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
                 elif not d.startswith("."):
                     keep.append(d)
             dirnames[:] = keep
-            for name in sorted(filenames):
-                if name.lower().endswith(exts):
-                    rel.append(os.fsencode(os.path.relpath(os.path.join(dirpath, name), root)))
-                    labels.append(label)
-                    found += 1
+            groups.append((dirpath, [os.fsencode(os.path.relpath(os.path.join(dirpath, name), root))
+                                     for name in sorted(filenames) if name.lower().endswith(exts)]))
+        # torchvision's order: `for root, _, fnames in sorted(os.walk(class_dir)): for f in sorted(fnames)`,
+        # folders by their whole path as str (so "a-b" before "a/b"), names as str (surrogateescape)
+        for _, images in sorted(groups):
+            rel.extend(images)
+            labels.extend([label] * len(images))
+            found += len(images)
         if why:
             skipped.append(f"{cls} {why}")
         if not found:

@@ -34,7 +34,10 @@ class DatasetError(ValueError):
 
 class StorageChanged(OSError):
     """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
-    the storage's state, not the sample's fault (``executors.storage`` waits for it)."""
+    the storage's state, not the sample's fault (``executors.storage`` waits for it). Its message
+    begins ``"the archive PATH "`` and holds ``MARK``: the daemon says it once per archive."""
+
+    MARK = " changed since it was indexed"
 
 
 @dataclass(frozen=True)
