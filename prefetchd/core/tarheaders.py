@@ -89,8 +89,13 @@ def members(fd: int, start: int, end: int, where: str, skipped: list, top: str =
                 data += BLOCK
                 if len(ext_block) < BLOCK or data > end or not ext_block[504]:
                     break
+        if kind == b"\0" and name.endswith(b"/"):  # an old-style directory (tarfile and GNU tar read it so)
+            kind = b"5"
         if kind not in _EXTENSIONS:  # the member the extension headers before it describe
             name, size = ext.get("name", name), ext.get("size", size)
+        if kind == b"5" and size:  # tarfile reads a header right after it; we cannot tell which is meant
+            raise DatasetError(f"{where}: the directory member {show(name)} at offset {off - start} claims {size} "
+                               "bytes of data; the archive is corrupt")
         if size > end - data:
             raise DatasetError(f"{where}: member {show(name)} needs {size} bytes at offset {data - start} but its archive "
                                f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")

@@ -475,8 +475,9 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
         if devkit:
             raise DatasetError(f"{key} {root} is a folder of class tars (a train set), but validation.devkit labels a "
                                f"flat validation set: give the validation tar as {key}, or remove validation.devkit")
-        names = sorted(e.name for e in os.scandir(root)
-                       if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
+        names = sorted((e.name for e in os.scandir(root)
+                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file()),
+                       key=lambda n: n[:-4])  # by class name: "a b.tar" after "a.tar", as folder "a b" after "a"
         if len(names) > 65535:
             raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
         tars = [(name[:-4], a, 0, None) for a, name in enumerate(names)]  # end: the size when opened
