@@ -13,7 +13,9 @@ walks the extracted folder (torchvision's ``ImageFolder`` order: folders by thei
 file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders skipped,
 extensions matched case-insensitively). The relative paths are those of the
 extracted ImageFolder (``<class>/<member>``), so the index's paths, labels and fingerprint, and
-hence every batch, are byte for byte those of the extracted folder. A flat set is in name order.
+hence every batch, are byte for byte those of the extracted folder, with one exception: hard
+and symbolic links in a class tar are skipped here (warned, listed by ``check``) where extracting
+makes files of them. A flat set is in name order.
 
 **Reading.** The scan reads the tar headers only: one 512-byte ``pread`` per member, the data is
 skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
@@ -44,8 +46,12 @@ offsets; a restart indexes the archive again (the cache's stamps hold the same i
 * a duplicate name: the last copy is used, as extraction would, with a warning;
 * a one-line error naming the archive and the member: a header that is not a tar header (bad
   checksum: corrupt, compressed or not a tar), an archive that ends inside a header, a member
-  whose data runs past the end of its archive (a truncated download) or of its inner tar, a PAX
-  global header that sets a path or size for every member after it;
+  whose data runs past the end of its archive (a truncated download) or of its inner tar, an
+  archive that ends without its end-of-archive block (cut at a member boundary), a directory
+  member that claims data, a PAX global header that sets a path or size for every member after it;
+* a would-be class tar that holds tars (the train tar left among its class tars) or only
+  ``ILSVRC2012_val_*`` images (the validation tar) is refused, naming it: read as a class, it
+  would shift every label after it;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -103,9 +109,10 @@ class TarIndex(Index):
     # read (its offsets hold for that file only); a 0 other than the size: that field is not checked
     # (another node's copy, ``sizes_only``); (): no check
     identity: tuple[tuple[int, int, int, int, int], ...] = ()
-    skipped_what = ("archive member", "archive members")
+    skipped_what = ("archive member or folder", "archive members or folders")
     skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
-                    "a flat set's images without a devkit label")
+                    "a flat set's images without a devkit label; beside class tars, lost+found and folders "
+                    "extracted from them")
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
