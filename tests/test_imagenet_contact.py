@@ -333,3 +333,13 @@ def test_a_damaged_meta_mat_is_a_one_line_error_rc_78(imagenet, tmp_path):
     assert rc == 78 and "meta.mat is not the ImageNet devkit's" in out, out
     assert len([ln for ln in out.splitlines() if "configuration error" in ln]) == 1, out
     shutil.rmtree(devkit)
+
+
+def test_an_imagefolder_without_images_names_the_config_key_not_a_directory_id(tmp_path):
+    from prefetchd.core.dataset import DatasetError
+
+    root = tmp_path / "root"
+    (root / "a" / "sub").mkdir(parents=True)
+    (root / "a" / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"^dataset\.root .* holds no images"):
+        load_index(str(root), None, EXTS, None, use_cache=False)
