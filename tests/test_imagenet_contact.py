@@ -80,7 +80,7 @@ def test_an_archive_rewritten_in_place_never_yields_another_members_pixels(tmp_p
     index, _ = load_index(root, None, EXTS, None, use_cache=False)
     d = daemon_factory(cfg)
     seen = 0
-    with PrefetchClient(cfg, as_numpy=True, timeout=4) as c:
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as c:  # 60 s for a start under load
         try:
             for x, _ in c.iter_epoch(0):
                 _check_colours(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), c.last_batch.indices, index, colour_of)
@@ -94,6 +94,7 @@ def test_an_archive_rewritten_in_place_never_yields_another_members_pixels(tmp_p
                     with open(path, "r+b") as f:  # in place: same inode
                         f.write(tar_of(members))
                     assert (os.stat(path).st_ino, os.stat(path).st_size) == (ino, size)
+                    c.timeout = 4  # from here on, the batches from the changed archive wait
         except PrefetchTimeout:
             pass  # the batches from the changed archive wait
     wait_until(lambda: "n0.tar changed since it was indexed" in d.log(), 30, "the one line about the changed archive")
