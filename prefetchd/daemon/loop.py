@@ -133,7 +133,8 @@ class Daemon:
         self.fingerprint_hex = stream_fingerprint(cfg, self.index.fingerprint)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
         self.ranks = L.ranks
-        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path)
+        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path,
+                                        self.index.content_stamp)
         self.quarantine.load()
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
         self.stalls = StallWatch()  # ranks whose trainer stopped moving (status, metrics, one log line)
