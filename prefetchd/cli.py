@@ -107,6 +107,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_check(args) -> int:
+    from prefetchd.core.classlike import class_counts, describe_classes, plural
     from prefetchd.core.dataset import DatasetError, load_index, val_labels
     from prefetchd.core.sampler import Sampler
     from prefetchd.daemon.ring import is_tmpfs
@@ -129,8 +130,9 @@ def cmd_check(args) -> int:
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
-    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
-          + f"; {index.describe()}")
+    print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "
+          f"({'cached index' if cached else 'scanned'} in {dt:.2f} s); {index.describe()}")
+    print(f"classes: {describe_classes(index.classes, class_counts(index))}")
     if index.skipped:  # the rules: prefetchd/core/dataset.py's and tarindex.py's docstrings
         print(f"dataset: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
               f"({index.skipped_rule}):")

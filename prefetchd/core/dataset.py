@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from prefetchd.core.bars import bar
+from prefetchd.core.classlike import refuse_unless_classlike
 from prefetchd.format.atomic import write_atomic
 
 log = logging.getLogger("prefetchd.dataset")
@@ -321,6 +322,7 @@ def _save_cache(cdir: str, index: Index, stamps: list) -> Index:
     return cached if cached is not None else index
 
 
+@refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: core/classlike.py
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset") -> tuple[Index, bool]:
