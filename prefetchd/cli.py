@@ -209,6 +209,7 @@ def _check_deployment(cfg: Config, args) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
+    from prefetchd.core.classlike import plural
     from prefetchd.tools.deploy import Account, check_deployment
 
     try:
@@ -223,8 +224,8 @@ def _check_deployment(cfg: Config, args) -> int:
     problems = sum(line.startswith("problem:") for line in findings)
     warnings = sum(line.startswith("warning:") for line in findings)  # notes are neither
     who = f"daemon user {daemon.name}" + (f", trainer(s) {', '.join(t.name for t in trainers)}" if trainers else "")
-    print(f"deployment ({who}): " + (f"{problems} problem(s)" if problems else "no problems")
-          + (f", {warnings} warning(s)" if warnings else ""))
+    print(f"deployment ({who}): " + (plural(problems, "problem") if problems else "no problems")
+          + (f", {plural(warnings, 'warning')}" if warnings else ""))
     return 1 if problems else 0
 
 

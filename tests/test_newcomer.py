@@ -1,0 +1,95 @@
+"""Issue 34: a newcomer's first hour. ``check`` tries what ``run`` does with the directories (as
+the daemon's user); ``bench --root`` skips and counts the files it cannot decode; the messages a
+newcomer meets name the keys and the values to set, in one line, without a traceback."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from conftest import small_config
+
+NOBODY = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else None
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (nobody)")
+
+
+def _run(*args: str, user: str | None = None, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefetchd", *args], capture_output=True, text=True,
+                          timeout=timeout, user=user, **kw)
+
+
+# --- item 3: check tries create, write and lock as the daemon's user ------------------------------
+
+
+@pytest.fixture
+def closed_parent():
+    """A directory nobody may enter but not create in (root's, 0755), outside pytest's 0700 tmp."""
+    d = tempfile.mkdtemp(prefix="prefetchd-closed-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_root
+def test_check_says_what_run_refuses_a_buffer_dir_the_daemon_user_cannot_create(tmp_path, image_root, closed_parent):
+    buf = os.path.join(closed_parent, "buffer")
+    cfg = small_config(tmp_path, image_root, buffer={"dir": buf})
+    r = _run("check", "--config", cfg, "--user", "nobody")
+    problems = [x for x in r.stdout.splitlines() if x.startswith("problem:")]
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert any(f"buffer.dir {buf}: nobody cannot create {buf} in {closed_parent} (root:root 0755): Permission denied"
+               in p and "`prefetchd run` as nobody would fail" in p for p in problems), problems
+    assert "deployment (daemon user nobody): 1 problem" in r.stdout, r.stdout  # progress.dir is not said again
+    assert os.listdir(closed_parent) == []  # the trial left nothing behind
+    assert _prepare_as(NOBODY, buf) == f"buffer.dir {buf}: cannot create it (permission denied)"  # as `run` fails
+
+
+def _prepare_as(uid: int, buf: str) -> str:
+    """What ``run``'s first step (``ring.prepare_dirs``) says as user ``uid`` (a forked child)."""
+    from prefetchd.daemon.ring import prepare_dirs
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            prepare_dirs(buf, os.path.join(buf, "progress"))
+            os.write(w, b"ok")
+        except BaseException as e:
+            os.write(w, str(e).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    os.waitpid(pid, 0)
+    return out
+
+
+@needs_root
+def test_check_says_the_daemon_user_cannot_write_or_lock_an_existing_buffer(tmp_path, image_root, closed_parent):
+    buf = os.path.join(closed_parent, "buffer")
+    os.mkdir(buf, 0o700)
+    os.chown(buf, NOBODY, -1)
+    lock = os.path.join(buf, "daemon.lock")
+    open(lock, "w").close()
+    os.chmod(lock, 0o644)  # root's, left by a daemon that ran as root: nobody cannot open it to write
+    r = _run("check", "--config", small_config(tmp_path, image_root, buffer={"dir": buf}), "--user", "nobody")
+    problems = [x for x in r.stdout.splitlines() if x.startswith("problem:")]
+    assert r.returncode == 1 and any(f"buffer.dir {buf}: nobody cannot take its lock ({lock}: Permission denied)"
+                                     in p for p in problems), problems
+    assert sorted(os.listdir(buf)) == ["daemon.lock"] and not os.path.exists(os.path.join(buf, "progress"))
+
+
+def test_check_as_the_daemon_user_itself_creates_nothing(tmp_path, image_root):
+    buf = tmp_path / "a" / "b" / "buffer"
+    r = _run("check", "--config", small_config(tmp_path, image_root, buffer={"dir": str(buf)}))
+    assert r.returncode == 0 and "no problems" in r.stdout, r.stdout + r.stderr
+    assert not (tmp_path / "a").exists()
