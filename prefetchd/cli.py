@@ -302,7 +302,11 @@ def cmd_bench(args) -> int:
         return run_train_bench(args)
     from prefetchd.tools.bench.throughput import run_bench
 
-    return run_bench(args)
+    try:
+        return run_bench(args)
+    except (ConfigError, RuntimeError, ValueError) as e:  # a daemon that would not start, nothing decodable
+        print(f"prefetchd bench: {e}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:

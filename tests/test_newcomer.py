@@ -93,3 +93,51 @@ def test_check_as_the_daemon_user_itself_creates_nothing(tmp_path, image_root):
     r = _run("check", "--config", small_config(tmp_path, image_root, buffer={"dir": str(buf)}))
     assert r.returncode == 0 and "no problems" in r.stdout, r.stdout + r.stderr
     assert not (tmp_path / "a").exists()
+
+
+# --- item 2: bench --root skips and counts what it cannot decode ------------------------------------
+
+
+def make_bad_folder(root: str) -> dict[str, str]:
+    """3 classes x 8 JPEGs plus a JPEG cut in half, an empty file and a PNG named .JPEG (a user's own
+    small dataset with the bad files users have). Returns the bad files by kind."""
+    import io
+
+    from PIL import Image
+
+    from prefetchd.tools.samples import make_image_folder
+
+    make_image_folder(root, classes=3, per_class=8, seed=1, long_side=120)
+    c = sorted(os.listdir(root))
+    bad = {"truncated": os.path.join(root, c[0], "cut.JPEG"), "empty": os.path.join(root, c[1], "empty.JPEG"),
+           "png": os.path.join(root, c[2], "png.JPEG")}
+    first = os.path.join(root, c[0], sorted(os.listdir(os.path.join(root, c[0])))[0])
+    data = open(first, "rb").read()
+    with open(bad["truncated"], "wb") as f:
+        f.write(data[: len(data) // 2])
+    open(bad["empty"], "wb").close()
+    png = io.BytesIO()
+    Image.new("RGB", (50, 40), (200, 10, 10)).save(png, "PNG")
+    with open(bad["png"], "wb") as f:
+        f.write(png.getvalue())
+    return bad
+
+
+def test_bench_root_skips_and_counts_files_it_cannot_decode(tmp_path):
+    bad = make_bad_folder(str(tmp_path / "mine"))
+    r = _run("bench", "--root", "mine", "--epochs", "1", "--batch-size", "8", "--workers", "2", "-q",
+             cwd=str(tmp_path), timeout=300)  # a relative root, as a user types it
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    skipped = next(x for x in r.stdout.splitlines() if x.startswith("decode-only limit: skipped"))
+    assert skipped.startswith("decode-only limit: skipped 2 files Pillow cannot decode"), skipped
+    assert f"{bad['truncated']}: image file is truncated" in skipped and bad["empty"] in skipped, skipped
+    line = next(x for x in r.stdout.splitlines() if x.startswith("[1/1] decode-only limit"))
+    limit = line.split("decode-only limit (2 procs) ")[1].split(" img/s")[0]
+    assert f"x the decode-only limit of {limit} img/s (Pillow decoding alone" in line, line
+
+
+def test_bench_says_why_its_daemon_did_not_start(tmp_path):
+    (tmp_path / "empty" / "a").mkdir(parents=True)
+    r = _run("bench", "--root", str(tmp_path / "empty"), "--epochs", "1", "--workers", "1", "-q", timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("prefetchd bench: "), r.stderr
