@@ -107,9 +107,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from prefetchd.core.classlike import class_counts, describe_classes, plural
+    from prefetchd.core.classlike import class_counts, describe_classes
     from prefetchd.core.dataset import DatasetError, load_index, val_labels
     from prefetchd.core.sampler import Sampler
+    from prefetchd.core.words import plural
     from prefetchd.daemon.ring import is_tmpfs
     from prefetchd.format import batchfile
 
@@ -127,7 +128,7 @@ def cmd_check(args) -> int:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
     s = cfg.augment.output_size
-    per_batch = batchfile.max_file_size(L.batch_size, s, s)
+    per_batch = batchfile.max_file_size(sampler.batch_len(0), s, s)  # the largest batch made: drop_last: false
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "
@@ -140,9 +141,14 @@ def cmd_check(args) -> int:
             print(f"  skipped {what}")
         if len(index.skipped) > 20:
             print(f"  ... and {len(index.skipped) - 20} more")
-    print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
-          f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
-          f"augment {cfg.augment.mode} -> {s}x{s}")
+    nb = sampler.batches_per_epoch
+    first, last = sampler.batch_len(0), sampler.batch_len(nb - 1)
+    sizes = f"{plural(nb, 'batch', 'batches')} of {first}" + (f" (the last of {last})" if last != first else "")
+    if first < L.batch_size:  # drop_last: false, a batch larger than a rank's share: one short batch
+        sizes += (f" (loader.batch_size {L.batch_size} is more than a rank's {sampler.samples_per_rank} samples: "
+                  f"with drop_last: false its one batch holds {first})")
+    print(f"stream: {sizes} per epoch for each of ranks {list(L.ranks)} (world size {L.world_size}), seed {L.seed}, "
+          f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment {cfg.augment.mode} -> {s}x{s}")
     V = cfg.validation
     if V.enabled:
         from prefetchd.core.sampler import ValSampler
@@ -209,7 +215,7 @@ def _check_deployment(cfg: Config, args) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
-    from prefetchd.core.classlike import plural
+    from prefetchd.core.words import plural
     from prefetchd.tools.deploy import Account, check_deployment
 
     try:
@@ -398,4 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    if args.fn is cmd_run:  # the daemon's own errors are its to say (cmd_run)
+        return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # `prefetchd status --json | head`: the reader has gone, as for any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE

@@ -12,8 +12,9 @@ import sys
 import pytest
 from conftest import small_config
 
-from prefetchd.core.classlike import describe_classes, judge, plural
+from prefetchd.core.classlike import describe_classes, judge
 from prefetchd.core.dataset import DatasetError, load_index
+from prefetchd.core.words import plural
 
 
 def _split_root(tmp_path, image_root, splits=("train", "val")) -> str:

@@ -25,15 +25,12 @@ import functools
 import os
 from collections.abc import Sequence
 
+from prefetchd.core.words import plural
+
 SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "dev",
                          "images", "imgs", "img", "data", "dataset", "all"})
 _TRAIN_FIRST = ("train", "training", "images", "imgs", "img", "data", "dataset", "all")
 _VAL_FIRST = ("val", "validation", "valid", "dev", "test", "testing")
-
-
-def plural(n: int, one: str, many: str | None = None) -> str:
-    """``1 class``, ``2 classes``: the count and the noun in the right number."""
-    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def judge(root: str, key: str, classes: Sequence[str], counts: Sequence[int],

@@ -43,8 +43,8 @@ from multiprocessing import get_context
 import numpy as np
 
 from prefetchd.core.bars import bar
-from prefetchd.core.classlike import plural
 from prefetchd.format import batchfile
+from prefetchd.tools.bench.limit import decode_limit, say_skipped
 from prefetchd.tools.demo import write_config
 
 
@@ -64,52 +64,6 @@ def list_images(root: str) -> list[str]:
         if os.path.isdir(d):
             out += [os.path.join(d, f) for f in sorted(os.listdir(d))]
     return out
-
-
-# --- the decode-only limit -------------------------------------------------------------------------
-
-
-def _decode_only(paths: list[str], min_side: int = 256) -> tuple[int, list[str]]:
-    """Decode ``paths`` as the limit does: (how many decoded, ``path: why`` of each one that did not)."""
-    from PIL import Image
-
-    done, skipped = 0, []
-    for p in paths:
-        try:  # a file Pillow cannot decode (cut short, empty, not an image) is skipped, as the daemon quarantines it
-            with Image.open(p) as im:
-                w, h = im.size
-                s = min_side / max(1, min(w, h))
-                im.draft("RGB", (max(1, int(w * s)), max(1, int(h * s))))
-                im.convert("RGB").load()
-            done += 1
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-            skipped.append(f"{p}: {e}")
-    return done, skipped
-
-
-def decode_limit(paths: list[str], procs: int) -> tuple[float, list[str]]:
-    """The decode-only limit over ``paths`` with ``procs`` processes: (images/s of those decoded,
-    ``path: why`` of each file skipped because Pillow cannot decode it)."""
-    for p in paths:  # warm the page cache, as the daemon's run will have it
-        with open(p, "rb") as f:
-            f.read()
-    chunks = [paths[i::procs] for i in range(procs)]
-    with get_context("forkserver").Pool(procs) as pool:
-        pool.map(_decode_only, [c[:10] for c in chunks])
-        t = time.perf_counter()
-        results = pool.map(_decode_only, chunks)
-        dt = time.perf_counter() - t
-    n = sum(done for done, _ in results)
-    skipped = sorted(x for _, sk in results for x in sk)
-    if not n:
-        raise ValueError(f"none of the {len(paths)} files could be decoded ({skipped[0] if skipped else 'no files'})")
-    return n / dt, skipped
-
-
-def _say_skipped(skipped: list[str]) -> None:
-    if skipped:
-        print(f"decode-only limit: skipped {plural(len(skipped), 'file')} Pillow cannot decode (the daemon "
-              f"quarantines them): " + "; ".join(skipped[:3]) + (" ..." if len(skipped) > 3 else ""), flush=True)
 
 
 # --- the daemon ----------------------------------------------------------------------------------------
@@ -537,7 +491,7 @@ def run_bench(args) -> int:
                 vals = [daemon_run(root, w, batch, args.epochs, aug, work, _buffer_parent(args))["img_s"] for _ in range(args.repeats)]
                 lims = [decode_limit(paths, w) for _ in range(args.repeats)]
                 lim = [x for x, _ in lims]
-                _say_skipped(lims[0][1])
+                say_skipped(lims[0][1])
                 rows.append({"workers": w, "daemon": vals, "limit": lim})
                 sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
                 print(f"workers {w}: daemon {statistics.mean(vals):7.0f} ± {sd:5.0f} img/s, decode-only limit "
@@ -549,7 +503,7 @@ def run_bench(args) -> int:
             for rep in range(args.repeats):
                 lim, skipped = decode_limit(paths, workers)
                 if rep == 0:
-                    _say_skipped(skipped)
+                    say_skipped(skipped)
                 d = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args))
                 row = {"limit_img_s": lim, "limit_skipped": len(skipped), **d}
                 line = (f"[{rep + 1}/{args.repeats}] decode-only limit ({workers} procs) {lim:,.0f} img/s | daemon "
