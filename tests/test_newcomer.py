@@ -12,6 +12,7 @@ import sys
 import tempfile
 
 import pytest
+import yaml
 from conftest import small_config
 
 NOBODY = pwd.getpwnam("nobody").pw_uid if os.geteuid() == 0 else None
@@ -141,3 +142,115 @@ def test_bench_says_why_its_daemon_did_not_start(tmp_path):
     r = _run("bench", "--root", str(tmp_path / "empty"), "--epochs", "1", "--workers", "1", "-q", timeout=120)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("prefetchd bench: "), r.stderr
+
+
+# --- item 5: each message names the keys and the values to set ---------------------------------------
+
+
+def test_a_trainer_of_another_stream_is_told_which_keys_differ(tmp_path, image_root, daemon_factory):
+    from prefetchd_client import PrefetchClient, PrefetchError
+
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    data = yaml.safe_load(open(cfg))
+    data["loader"]["batch_size"] = 4
+    data["augment"]["flip"] = False
+    other = tmp_path / "trainer.yaml"
+    other.write_text(yaml.safe_dump(data))
+    with PrefetchClient(str(other), timeout=60) as c, pytest.raises(PrefetchError) as e:
+        c.meta()
+    msg = str(e.value)
+    assert "(augment.flip false here, true in the daemon's config; loader.batch_size 4 here, 6 in the daemon's " \
+           "config)" in msg, msg
+    assert f"use the daemon's config file ({cfg}) or restart the daemon with this one" in msg, msg
+    assert d.stop() == 0
+
+
+def test_world_size_and_rank_mismatches_say_what_to_set(tmp_path, image_root, monkeypatch):
+    from prefetchd_client import PrefetchClient
+
+    from prefetchd.core.config import ConfigError
+
+    cfg = small_config(tmp_path, image_root)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError) as e:
+        PrefetchClient(cfg)
+    assert str(e.value) == (f"loader.world_size is 1 in {cfg} but WORLD_SIZE=2 in the environment (the job's world "
+                            "size): set loader.world_size: 2 and restart the daemon with that config (the stream "
+                            "depends on it)")
+    assert e.value.__cause__ is None and e.value.__suppress_context__ is False and e.value.__context__ is None
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError) as e:
+        PrefetchClient(cfg)
+    assert str(e.value).startswith("loader.ranks [0] does not include rank 1 (RANK=1 in the environment; ranks: all "
+                                   f"at world size 1 in {cfg}): set loader.world_size to the job's world size"), e.value
+
+
+def test_a_trainer_with_no_daemon_says_at_once_that_it_waits_and_how_long(tmp_path, image_root, caplog):
+    import time
+
+    from prefetchd_client import PrefetchClient, PrefetchTimeout
+
+    cfg = small_config(tmp_path, image_root)
+    t0 = time.time()
+    with caplog.at_level("WARNING", logger="prefetchd_client"), PrefetchClient(cfg, timeout=3) as c, \
+            pytest.raises(PrefetchTimeout):
+        next(iter(c))
+    said = [r for r in caplog.records if "no daemon holds" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert said[0].created - t0 < 1.5  # at once, not after the 3 s timeout
+    assert f"no daemon holds {tmp_path / 'buffer'}" in said[0].getMessage()
+    assert f"waiting up to 3 s (timeout=) for one to start: prefetchd run --config {cfg}" in said[0].getMessage()
+
+
+def test_check_says_the_real_batch_size_when_the_batch_is_larger_than_the_set(tmp_path, image_root):
+    r = _run("check", "--config", small_config(tmp_path, image_root, loader={"batch_size": 512, "drop_last": False,
+                                                                            "epochs": 1}))
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("stream: "))
+    assert line.startswith("stream: 1 batch of 48 (loader.batch_size 512 is more than a rank's 48 samples: with "
+                           "drop_last: false its one batch holds 48) per epoch"), line
+    assert ", 1 epoch, " in line and "1 batches" not in r.stdout and "1 classes" not in r.stdout, r.stdout
+    r = _run("check", "--config", small_config(tmp_path, image_root, loader={"batch_size": 10, "drop_last": False}))
+    assert "stream: 5 batches of 10 (the last of 8) per epoch" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("text, line, words", [
+    ("dataset:\n\troot: /x\n", "2, column 1 ('\\troot: /x')", "a tab: YAML indents with spaces only"),
+    ("dataset:\n  root: /x: y\n", "2, column 11 ('  root: /x: y')", "a ':' where no key can start: a value holding ': ' must be quoted"),
+    ("dataset:\n  root: /x\n loader: 3\n", "3, column 2 (' loader: 3')", "the indentation does not line up"),
+    ("loader:\n  ranks: [0, 1\n", "2, column 10 ('  ranks: [0, 1')", "a list opened with '[' here is never closed"),
+    ("dataset:\n  root: \"/x\n", "2, column 9 ('  root: \"/x')", "a quote opened here is never closed"),
+])
+def test_invalid_yaml_says_the_line_its_text_and_what_is_wrong(tmp_path, text, line, words):
+    from prefetchd.core.config import ConfigError, load
+
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(str(p))
+    msg = str(e.value)
+    assert f"{p}: invalid YAML at line {line}: {words}" in msg and "\n" not in msg, msg
+    r = _run("check", "--config", str(p))
+    assert r.returncode == 78 and r.stderr.count("\n") == 1 and f"invalid YAML at line {line}" in r.stderr, r.stderr
+
+
+def test_status_piped_into_head_ends_quietly(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root)
+    r = subprocess.run(f"set -o pipefail; {sys.executable} -m prefetchd status --json --watch --interval 0.02 "
+                       f"--config {cfg} | head -1", shell=True, executable="/bin/bash", capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout == "{\n" and r.stderr == "" and r.returncode == 141, (r.returncode, r.stderr)
+
+
+def test_a_stopped_daemons_status_says_no_worker_is_about_to_start():
+    import time
+
+    from prefetchd.format.status import format_status
+
+    rec = {"state": "stopped", "pid": 7, "updated": time.time() - 5, "worker_respawn_in_s": 0.0, "produced_batches": 1}
+    text = format_status(rec, alive=False)
+    assert "next worker starts" not in text and "(1 batch)" in text, text
+    rec["state"] = "running"
+    assert "the next worker starts in 0.0 s (back-off)" in format_status(rec, alive=True)
