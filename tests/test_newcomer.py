@@ -254,3 +254,18 @@ def test_a_stopped_daemons_status_says_no_worker_is_about_to_start():
     assert "next worker starts" not in text and "(1 batch)" in text, text
     rec["state"] = "running"
     assert "the next worker starts in 0.0 s (back-off)" in format_status(rec, alive=True)
+
+
+@needs_root
+def test_check_that_cannot_act_as_the_daemon_user_judges_by_the_mode_bits(tmp_path, image_root, closed_parent,
+                                                                           monkeypatch):
+    from prefetchd.core.config import load
+    from prefetchd.tools import deploy
+
+    buf = os.path.join(closed_parent, "buffer")
+    cfg = load(small_config(tmp_path, image_root, buffer={"dir": buf}))
+    monkeypatch.setattr(deploy.os, "geteuid", lambda: 4242)  # a user that is neither root nor nobody
+    problems = [x for x in deploy.check_deployment(cfg, deploy.Account.lookup("nobody"), []) if x.startswith("problem:")]
+    assert problems == [f"problem: buffer.dir {buf} does not exist and nobody cannot create it in {closed_parent} "
+                        f"(root:root 0755): `prefetchd run` as nobody would fail; the unit's RuntimeDirectory= must "
+                        f"make it (README), or make it yourself"], problems

@@ -177,7 +177,13 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
         parent = path
         while not os.path.exists(parent) and os.path.dirname(parent) != parent:
             parent = os.path.dirname(parent)
-        return  # whether the daemon's user can make it: ``try_dirs`` tries
+        pst = os.stat(parent)
+        inside = path.startswith(cfg.buffer.dir.rstrip(os.sep) + os.sep)  # said for buffer.dir already
+        if not _can_act_as(daemon) and not daemon.may(pst, 3) and not inside:  # else ``try_dirs`` tries
+            problem(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
+                    f"`prefetchd run` as {daemon.name} would fail; the unit's RuntimeDirectory= must make it "
+                    f"(README), or make it yourself")
+        return
     except OSError as e:
         problem(f"{key} {path}: {e.strerror}")
         return
@@ -211,6 +217,11 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
                 f"is closed to it")
 
 
+def _can_act_as(daemon: Account) -> bool:
+    """Can this process try things as ``daemon`` (it is that user, or root)?"""
+    return daemon.uid == os.geteuid() or os.geteuid() == 0
+
+
 def try_dirs(cfg: Config, daemon: Account, gid: int | None = None) -> list[str]:
     """Do with ``buffer.dir`` and ``progress.dir`` what ``prefetchd run`` does first, as the
     daemon's user (``daemon``; a child process takes its uid and groups when this one is root):
@@ -219,7 +230,7 @@ def try_dirs(cfg: Config, daemon: Account, gid: int | None = None) -> list[str]:
     for writing. What this created is removed again. Returns one line per failure, each naming
     the key, the path, what failed and what to do; ``[]`` when everything worked, or when this
     process cannot act as ``daemon`` (not root, another user: the mode bits were judged)."""
-    if daemon.uid != os.geteuid() and os.geteuid() != 0:
+    if not _can_act_as(daemon):
         return []
     r, w = os.pipe()
     pid = os.fork()
