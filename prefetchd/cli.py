@@ -128,7 +128,7 @@ def cmd_check(args) -> int:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
     s = cfg.augment.output_size
-    per_batch = batchfile.max_file_size(sampler.batch_len(0), s, s)  # the largest batch made: drop_last: false
+    per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "

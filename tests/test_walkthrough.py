@@ -104,7 +104,7 @@ def test_a_newcomers_first_hour(fresh_venv, tmp_path):
     prefetchd, python = os.path.join(bin_, "prefetchd"), os.path.join(bin_, "python")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = bin_ + os.pathsep + env.get("PATH", "")
-    r = _sh([python, "-c", "import prefetchd, prefetchd_client, torch; print(prefetchd.__file__, torch.__version__)"],
+    r = _sh([python, "-c", "import prefetchd as p, prefetchd_client, torch; print(p.__file__, torch.__version__)"],
             env=env, cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.startswith(fresh_venv), r.stdout + r.stderr  # not this tree's copy
     assert "+cpu" in r.stdout or "TORCH_CPU" in os.environ, r.stdout  # not the multi-GB CUDA build
