@@ -42,7 +42,7 @@ def test_splits_are_refused_naming_the_split_meant():
         "set dataset.root: /data/x/Train")
     assert judge("/data/imagenet", "validation.root", ["train", "val"], [5, 5]).endswith(
         "set validation.root: /data/imagenet/val")
-    one = judge("/data/imagenet", "dataset.root", ["train"], [9])
+    one = judge("/data/imagenet", "dataset.root", ["train"], [9], ["cat", "dog"])
     assert "holds only train/" in one and "every label would be 0" in one and one.endswith("/data/imagenet/train")
 
 
@@ -53,6 +53,8 @@ def test_one_folder_of_every_image_is_refused():
     flat = judge("/d", "dataset.root", ["photos"], [1])
     assert "holds one folder, photos/, with all 1 image: every label would be 0" in flat
     assert "one folder per class" in flat and "dataset.file_list" in flat
+    flat_images = judge("/d", "dataset.root", ["images"], [40])  # root/images/<image>: no classes at all
+    assert "holds one folder, images/, with all 40 images: every label would be 0" in flat_images, flat_images
     assert judge("/d", "dataset.root", ["n01"], [7], folder=False) is None  # one class tar: fine
     assert judge("/d", "validation.root", ["n01"], [7]) is None  # a validation subset of one class
 

@@ -44,7 +44,8 @@ def judge(root: str, key: str, classes: Sequence[str], counts: Sequence[int],
     if not names:
         return None
     root_s = root.rstrip(os.sep) or root
-    if all(n.lower() in SPLIT_NAMES for n in names):
+    one = len(names) == 1 and folder and not key.startswith("validation")
+    if all(n.lower() in SPLIT_NAMES for n in names) and not (one and not sub_folders):  # images/ of flat images: below
         order = _VAL_FIRST + _TRAIN_FIRST if key.startswith("validation") else _TRAIN_FIRST + _VAL_FIRST
         lower = {n.lower(): n for n in names}
         meant = next((lower[o] for o in order if o in lower), names[0])
@@ -52,7 +53,7 @@ def judge(root: str, key: str, classes: Sequence[str], counts: Sequence[int],
         what = ("folders of splits or of all images, not classes: each would be one class"
                 if len(names) > 1 else "a folder of a split or of all images, not a class: every label would be 0")
         return (f"{key} {root_s} holds only {found} ({what}): set {key}: {os.path.join(root_s, meant)}")
-    if len(names) == 1 and folder and not key.startswith("validation"):
+    if one:
         only, n = names[0], int(counts[0]) if len(counts) else 0
         if sub_folders:
             subs = ", ".join(sub_folders[:3]) + (", ..." if len(sub_folders) > 3 else "")
