@@ -36,6 +36,7 @@ import numpy as np
 
 from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
+from prefetchd.core.streamkeys import differences, stream_settings
 from prefetchd.format import progress, status
 
 from .common import (
@@ -179,6 +180,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._last_written: tuple[int, int] | None = None
         self._held: object | None = None  # the iteration under way (its token), if any
         self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
+        self._said_no_daemon = False  # "no daemon holds the buffer: waiting" said (once)
         self._closed = False
 
     # --- DataLoader-shaped attributes ----------------------------------------------------------------
@@ -251,6 +253,7 @@ class PrefetchClient(LoaderState, BatchFiles):
             if (m is not None and m.get("format") == "prefetchd-meta" and status.daemon_alive(self.dir)
                     and m.get("pid") == status.lock_pid(self.dir)):
                 break
+            self._say_no_daemon()
             if time.monotonic() >= deadline:
                 raise PrefetchTimeout(f"waited {self.timeout:.1f} s for the daemon's meta.json in {self.dir}; "
                                       + self._daemon_state())
@@ -258,8 +261,9 @@ class PrefetchClient(LoaderState, BatchFiles):
             delay = min(delay * 2, 0.05)
         if m.get("stream_fingerprint") != self.cfg.stream_fingerprint():
             raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes a different stream than "
-                                f"{self.cfg.source or 'this config'} describes (loader or augment settings differ); "
-                                "use the daemon's config file")
+                                f"{self.cfg.source or 'this config'} describes ({self._stream_diff(m)}); use the "
+                                f"daemon's config file" + (f" ({m['config']})" if m.get("config") else "")
+                                + " or restart the daemon with this one")
         if self.rank not in m.get("ranks", []):
             raise PrefetchError(f"the daemon serving {self.dir} serves ranks {m.get('ranks')}, not rank {self.rank}")
         if self.split == "val" and not isinstance(m.get("validation"), dict):
@@ -271,6 +275,23 @@ class PrefetchClient(LoaderState, BatchFiles):
                                 "differ); use the daemon's config file")
         self._meta = m
         return m
+
+    def _stream_diff(self, m: dict) -> str:
+        """The stream settings that differ from the daemon's (``m``: its meta.json), by key."""
+        mine = stream_settings(self.cfg)
+        theirs = m.get("stream")
+        if not isinstance(theirs, dict):  # a daemon of an older version: what its meta says
+            theirs = {k: m[k.split(".")[1]] for k in ("loader.batch_size", "loader.world_size") if k.split(".")[1] in m}
+            mine = {k: mine[k] for k in theirs}
+        return differences(mine, theirs) or "loader or augment settings differ"
+
+    def _say_no_daemon(self) -> None:
+        """Once per client, at the first wait with no daemon holding the buffer: say so, and how long it waits."""
+        if not self._said_no_daemon and status.daemon_alive(self.dir) is False:
+            self._said_no_daemon = True
+            _log.warning("prefetchd: no daemon holds %s (nothing locks %s): waiting up to %.0f s (timeout=) for "
+                         "one to start: prefetchd run --config %s", self.dir, status.LOCK_NAME, self.timeout,
+                         self.cfg.source or "<the daemon's config>")
 
     def _fingerprint(self) -> str:
         m = self.meta()
@@ -444,6 +465,7 @@ class PrefetchClient(LoaderState, BatchFiles):
                     break
                 except FileNotFoundError:
                     # the daemon creates the directory as it starts: a trainer started beside it waits
+                    self._say_no_daemon()
                     now = time.monotonic()
                     deadline = deadline or now + self.timeout
                     if now >= deadline:
@@ -519,12 +541,21 @@ class _Sized:
 
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:
+    L, where = cfg.loader, f" in {cfg.source}" if cfg.source else ""
     env_world = os.environ.get("WORLD_SIZE")
-    if env_world is not None and env_world.isdigit() and int(env_world) != cfg.loader.world_size:
-        raise ConfigError("loader.world_size", f"is {cfg.loader.world_size} but WORLD_SIZE={env_world} in the environment")
+    if env_world is not None and env_world.isdigit() and int(env_world) != L.world_size:
+        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but WORLD_SIZE={env_world} in the environment "
+                          f"(the job's world size): set loader.world_size: {env_world} and restart the daemon with "
+                          "that config (the stream depends on it)")
+    given = f"rank={rank}"
     if rank is None:
         env = os.environ.get("RANK")
         rank = int(env) if env is not None and env.isdigit() else 0
-    if rank not in cfg.loader.ranks:
-        raise ConfigError("loader.ranks", f"{list(cfg.loader.ranks)} does not include rank {rank}")
+        given = f"RANK={rank} in the environment" if env is not None and env.isdigit() else "rank 0, the default"
+    if rank not in L.ranks:
+        every = "ranks: all at " if L.ranks == tuple(range(L.world_size)) else ""
+        todo = (f"set loader.world_size to the job's world size (more than {rank}) and restart the daemon"
+                if rank >= L.world_size else f"add {rank} to loader.ranks, or run rank {rank} where a config serves it")
+        raise ConfigError("loader.ranks", f"{list(L.ranks)} does not include rank {rank} ({given}; {every}world size "
+                          f"{L.world_size}{where}): {todo}")
     return rank

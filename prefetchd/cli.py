@@ -107,8 +107,10 @@ def cmd_run(args) -> int:
 
 
 def cmd_check(args) -> int:
+    from prefetchd.core.classlike import class_counts, describe_classes
     from prefetchd.core.dataset import DatasetError, load_index, val_labels
     from prefetchd.core.sampler import Sampler
+    from prefetchd.core.words import plural
     from prefetchd.daemon.ring import is_tmpfs
     from prefetchd.format import batchfile
 
@@ -129,8 +131,9 @@ def cmd_check(args) -> int:
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
-    print(f"dataset: {len(index)} samples, {len(index.classes)} classes ({'cached index' if cached else 'scanned'} in {dt:.2f} s)"
-          + f"; {index.describe()}")
+    print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "
+          f"({'cached index' if cached else 'scanned'} in {dt:.2f} s); {index.describe()}")
+    print(f"classes: {describe_classes(index.classes, class_counts(index))}")
     if index.skipped:  # the rules: prefetchd/core/dataset.py's and tarindex.py's docstrings
         print(f"dataset: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
               f"({index.skipped_rule}):")
@@ -138,9 +141,14 @@ def cmd_check(args) -> int:
             print(f"  skipped {what}")
         if len(index.skipped) > 20:
             print(f"  ... and {len(index.skipped) - 20} more")
-    print(f"stream: {sampler.batches_per_epoch} batches of {L.batch_size} per epoch for each of ranks {list(L.ranks)} "
-          f"(world size {L.world_size}), seed {L.seed}, {'endless' if L.epochs is None else f'{L.epochs} epochs'}, "
-          f"augment {cfg.augment.mode} -> {s}x{s}")
+    nb = sampler.batches_per_epoch
+    first, last = sampler.batch_len(0), sampler.batch_len(nb - 1)
+    sizes = f"{plural(nb, 'batch', 'batches')} of {first}" + (f" (the last of {last})" if last != first else "")
+    if first < L.batch_size:  # drop_last: false, a batch larger than a rank's share: one short batch
+        sizes += (f" (loader.batch_size {L.batch_size} is more than a rank's {sampler.samples_per_rank} samples: "
+                  f"with drop_last: false its one batch holds {first})")
+    print(f"stream: {sizes} per epoch for each of ranks {list(L.ranks)} (world size {L.world_size}), seed {L.seed}, "
+          f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment {cfg.augment.mode} -> {s}x{s}")
     V = cfg.validation
     if V.enabled:
         from prefetchd.core.sampler import ValSampler
@@ -207,6 +215,7 @@ def _check_deployment(cfg: Config, args) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
+    from prefetchd.core.words import plural
     from prefetchd.tools.deploy import Account, check_deployment
 
     try:
@@ -221,8 +230,8 @@ def _check_deployment(cfg: Config, args) -> int:
     problems = sum(line.startswith("problem:") for line in findings)
     warnings = sum(line.startswith("warning:") for line in findings)  # notes are neither
     who = f"daemon user {daemon.name}" + (f", trainer(s) {', '.join(t.name for t in trainers)}" if trainers else "")
-    print(f"deployment ({who}): " + (f"{problems} problem(s)" if problems else "no problems")
-          + (f", {warnings} warning(s)" if warnings else ""))
+    print(f"deployment ({who}): " + (plural(problems, "problem") if problems else "no problems")
+          + (f", {plural(warnings, 'warning')}" if warnings else ""))
     return 1 if problems else 0
 
 
@@ -299,7 +308,11 @@ def cmd_bench(args) -> int:
         return run_train_bench(args)
     from prefetchd.tools.bench.throughput import run_bench
 
-    return run_bench(args)
+    try:
+        return run_bench(args)
+    except (ConfigError, RuntimeError, ValueError) as e:  # a daemon that would not start, nothing decodable
+        print(f"prefetchd bench: {e}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -391,4 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    if args.fn is cmd_run:  # the daemon's own errors are its to say (cmd_run)
+        return args.fn(args)
+    try:
+        rc = args.fn(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:  # `prefetchd status --json | head`: the reader has gone, as for any Unix tool
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 128 + signal.SIGPIPE

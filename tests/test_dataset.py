@@ -28,13 +28,14 @@ def test_image_folder_labels_are_sorted_class_indices_and_extensions_case_insens
 def test_cache_is_reused_and_invalidated_by_a_change(tmp_path):
     root, cache = tmp_path / "root", str(tmp_path / "cache")
     touch(str(root / "a/1.jpg"))
+    touch(str(root / "b/1.jpg"))  # two classes: one alone is refused (core/classlike.py)
     i1, cached1 = load_index(str(root), None, (".jpg",), cache)
     i2, cached2 = load_index(str(root), None, (".jpg",), cache)
     assert (cached1, cached2) == (False, True) and i1.fingerprint == i2.fingerprint
     assert isinstance(i2.blob, np.memmap)  # workers share the pages
     touch(str(root / "a/2.jpg"))
     i3, cached3 = load_index(str(root), None, (".jpg",), cache)
-    assert not cached3 and len(i3) == 2 and i3.fingerprint != i1.fingerprint
+    assert not cached3 and len(i3) == 3 and i3.fingerprint != i1.fingerprint
 
 
 def test_file_list(tmp_path):
@@ -109,6 +110,7 @@ def test_a_mistyped_validation_root_is_named_by_its_own_key(tmp_path, image_root
 
 def test_every_index_describes_itself_and_the_cache_keeps_what_it_is(tmp_path):
     touch(str(tmp_path / "root/a/1.jpg"))
+    touch(str(tmp_path / "root/b/1.jpg"))
     (tmp_path / "list.txt").write_text("root/a/1.jpg 0\n")
     cache = str(tmp_path / "cache")
     for _ in range(2):  # scanned, then from the cache

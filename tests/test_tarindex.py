@@ -257,7 +257,7 @@ def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
     for how in ("scanned", "cached index"):  # the second check reads the cache the first one wrote
         r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
                            text=True, timeout=120)
-        assert r.returncode == 0 and f"dataset: 6 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
+        assert r.returncode == 0 and f"dataset: 6 samples, 1 class ({how} in" in r.stdout, (r.stdout, r.stderr)
         assert "archive members or folders not indexed (only regular members" in r.stdout, r.stdout
         assert f"  skipped {root / 'n1.tar'}: link.JPEG (a symbolic link)" in r.stdout, r.stdout
         assert "/abs.JPEG (an absolute path)" in r.stdout, r.stdout

@@ -554,11 +554,10 @@ def load(path: str) -> Config:
         raise ConfigError("", f"cannot read config file {path}: {e.strerror}") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError("", f"{path}: invalid YAML{where}: {problem}") from None
+    except yaml.YAMLError as e:  # the line, its text, what is wrong in words: core/yamlerror.py
+        from prefetchd.core.yamlerror import explain
+
+        raise ConfigError("", explain(e, text, path)) from None
     base = os.path.dirname(os.path.abspath(path))
     if isinstance(data, dict):
         data = _resolve_relative(data, base)

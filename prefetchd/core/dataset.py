@@ -23,6 +23,7 @@ from dataclasses import replace
 import numpy as np
 
 from prefetchd.core import folderindex, tarindex
+from prefetchd.core.classlike import refuse_unless_classlike
 from prefetchd.core.folderindex import scan_file_list, scan_image_folder
 from prefetchd.core.indexbase import (
     DatasetError,
@@ -99,6 +100,7 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
     return "flat-folder", ()
 
 
+@refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: core/classlike.py
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset") -> tuple[Index, bool]:

@@ -48,6 +48,7 @@ from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
+from prefetchd.core.streamkeys import stream_settings
 from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
@@ -176,7 +177,7 @@ class Daemon:
         self.watcher.start()
         log.info("serving ranks %s of world size %d: %d batches of %d per epoch per rank, %s; %d workers, "
                  "capacity %d (refill below %d), max %s; buffer %s",
-                 list(self.ranks), L.world_size, self.sampler.batches_per_epoch, L.batch_size,
+                 list(self.ranks), L.world_size, self.sampler.batches_per_epoch, self.sampler.batch_len(0),
                  "endless" if L.epochs is None else f"{L.epochs} epochs", self.pool.count, cfg.buffer.capacity,
                  cfg.buffer.refill_at, format_size(cfg.buffer.max_bytes), cfg.buffer.dir)
         if self.val:
@@ -223,7 +224,8 @@ class Daemon:
         c = self.cfg
         status.write_json(c.buffer.dir, status.META_NAME, {
             "format": "prefetchd-meta", "version": 1, "pid": os.getpid(), "fingerprint": self.fingerprint_hex,
-            "stream_fingerprint": c.stream_fingerprint(), "num_samples": len(self.index),
+            "stream_fingerprint": c.stream_fingerprint(), "stream": stream_settings(c), "config": c.source,
+            "num_samples": len(self.index),
             "num_classes": len(self.index.classes), "batch_size": c.loader.batch_size,
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
@@ -359,7 +361,7 @@ class Daemon:
                     self.ring.evict(key)
         if consumed := self.segments.apply({r: p for r, p in changed.items() if r < VAL_LANE}, now, initial,
                                            lambda key: self.ring.evict(key)):
-            self._consumed.append((now, consumed * self.cfg.loader.batch_size))
+            self._consumed.append((now, consumed * self.sampler.batch_len(0)))  # not batch_size: drop_last: false
 
     # --- making batches ---------------------------------------------------------------------------
 

@@ -133,12 +133,12 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
                  f"{STATUS_NAME} (is the buffer's filesystem full?)")
     lines = [
         f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
-        f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batches), "
+        f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batch{'' if s.get('produced_batches', 0) == 1 else 'es'}), "
         f"consumption {_rate(s.get('consumed_img_s'))} img/s, workers {s.get('workers_alive', 0)}/"
         f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)}, "
         f"timeouts {s.get('worker_timeouts', 0)})"
         + (f"; the next worker starts in {s['worker_respawn_in_s']:.1f} s (back-off)"
-           if s.get("worker_respawn_in_s") is not None else "")
+           if s.get("worker_respawn_in_s") is not None and alive is not False and s.get("state") != "stopped" else "")
         + f"; forkserver restarts {s.get('forkserver_restarts', 0)}, resource tracker restarts "
           f"{s.get('resource_tracker_restarts', 0)}",
         f"  bytes {s.get('bytes_used', 0) / 2**20:,.1f} MiB of {s.get('max_bytes', 0) / 2**20:,.0f} MiB, "

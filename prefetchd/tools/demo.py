@@ -20,6 +20,7 @@ import time
 import yaml
 
 from prefetchd.core.bars import bar
+from prefetchd.core.words import plural
 from prefetchd.tools.samples import make_image_folder
 
 
@@ -57,7 +58,7 @@ def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: i
         t0 = time.monotonic()
         per_class = max(1, images // classes)
         n = make_image_folder(data, classes=classes, per_class=per_class, seed=0)
-        print(f"made {n} sample JPEGs in {classes} classes in {time.monotonic() - t0:.1f} s ({data})")
+        print(f"made {n} sample JPEGs in {plural(classes, 'class', 'classes')} in {time.monotonic() - t0:.1f} s ({data})")
         write_config(cfg_path, data, buffer, cache, batch_size, epochs,
                      workers if workers == "auto" else int(workers))
         with open(log_path, "wb") as logf:
@@ -80,7 +81,7 @@ def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: i
                         rate = seen / max(time.monotonic() - t_start, 1e-9)
                         batches.set_postfix_str(f"{rate:,.0f} img/s, trainer waited {client.wait_s:.2f} s",
                                                 refresh=False)
-                print(f"  epoch {epoch}: {total} batches in {time.monotonic() - t_epoch:.1f} s")
+                print(f"  epoch {epoch}: {plural(total, 'batch', 'batches')} in {time.monotonic() - t_epoch:.1f} s")
             elapsed = time.monotonic() - t_start
             wait = client.wait_s
         print(f"done: {seen} images in {elapsed:.1f} s = {seen / elapsed:,.0f} img/s through the client; "

@@ -14,14 +14,18 @@ speak for the daemon's user and the trainers.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import grp
+import json
 import os
 import pwd
 import stat
 from dataclasses import dataclass
 
 from prefetchd.core.config import Config, format_size
-from prefetchd.daemon.ring import SETGID, dir_mode
+from prefetchd.daemon.ring import PRIVATE_DIR_MODE, SETGID, dir_mode
+from prefetchd.format.status import LOCK_NAME
 
 HUGE_OK = ("within_size", "always", "advise")
 _THP_SHMEM = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -133,6 +137,9 @@ def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> l
     trainers = [t for t in trainers if not any(f"trainer {t.name} " in line for line in out)]
     _check_dir(cfg.buffer.dir, "buffer.dir", False, cfg, gid, daemon, trainers, problem, warning)
     _check_dir(cfg.progress_dir, "progress.dir", True, cfg, gid, daemon, trainers, problem, warning)
+    for msg in try_dirs(cfg, daemon, gid):
+        if not any(msg.split(":", 1)[0] in line and "cannot" in line for line in out):  # said once per directory
+            problem(msg)
     _check_files(cfg, daemon, problem)
     _check_mount(cfg, problem, warning)
     _check_progress_fs(cfg, note)
@@ -171,9 +178,11 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
         while not os.path.exists(parent) and os.path.dirname(parent) != parent:
             parent = os.path.dirname(parent)
         pst = os.stat(parent)
-        if not daemon.may(pst, 3) and key == "buffer.dir":
-            warning(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
-                    f"the unit's RuntimeDirectory= must make it (README), or make it yourself")
+        inside = path.startswith(cfg.buffer.dir.rstrip(os.sep) + os.sep)  # said for buffer.dir already
+        if not _can_act_as(daemon) and not daemon.may(pst, 3) and not inside:  # else ``try_dirs`` tries
+            problem(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
+                    f"`prefetchd run` as {daemon.name} would fail; the unit's RuntimeDirectory= must make it "
+                    f"(README), or make it yourself")
         return
     except OSError as e:
         problem(f"{key} {path}: {e.strerror}")
@@ -206,6 +215,111 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
     if blocked:
         problem(f"the daemon's user {daemon.name} cannot reach {key} {path}: {blocked} ({_who(os.stat(blocked))}) "
                 f"is closed to it")
+
+
+def _can_act_as(daemon: Account) -> bool:
+    """Can this process try things as ``daemon`` (it is that user, or root)?"""
+    return daemon.uid == os.geteuid() or os.geteuid() == 0
+
+
+def try_dirs(cfg: Config, daemon: Account, gid: int | None = None) -> list[str]:
+    """Do with ``buffer.dir`` and ``progress.dir`` what ``prefetchd run`` does first, as the
+    daemon's user (``daemon``; a child process takes its uid and groups when this one is root):
+    create each one that is missing (with its missing parents), create and remove a file in it,
+    and take the buffer directory's lock (held by a running daemon: fine) and open ``daemon.lock``
+    for writing. What this created is removed again. Returns one line per failure, each naming
+    the key, the path, what failed and what to do; ``[]`` when everything worked, or when this
+    process cannot act as ``daemon`` (not root, another user: the mode bits were judged)."""
+    if not _can_act_as(daemon):
+        return []
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become the daemon's user, try, write the findings, exit
+        code = 0
+        try:
+            os.close(r)
+            if daemon.uid != os.geteuid():
+                primary = gid if gid is not None and gid in daemon.gids else pwd.getpwuid(daemon.uid).pw_gid
+                os.setgroups(sorted(daemon.gids))
+                os.setgid(primary)
+                os.setuid(daemon.uid)
+            found = _try_dir(cfg.buffer.dir, "buffer.dir", daemon.name, lock=True)
+            if not (found and cfg.progress_dir.startswith(cfg.buffer.dir.rstrip(os.sep) + os.sep)):  # said once
+                found += _try_dir(cfg.progress_dir, "progress.dir", daemon.name, lock=False)
+            os.write(w, json.dumps(found).encode())
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    try:
+        return list(json.loads(data))
+    except ValueError:
+        return []
+
+
+def _try_dir(path: str, key: str, user: str, lock: bool) -> list[str]:
+    """``try_dirs`` for one directory, in the process acting as the daemon's user ``user``."""
+    made: list[str] = []  # what this created, deepest last: removed again
+    try:
+        missing, p = [], path
+        while not os.path.lexists(p) and os.path.dirname(p) != p:
+            missing.append(p)
+            p = os.path.dirname(p)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, PRIVATE_DIR_MODE)
+            except OSError as e:
+                parent = os.path.dirname(d)
+                try:
+                    where = f" ({_who(os.stat(parent))})"
+                except OSError:
+                    where = ""
+                return [f"{key} {path}: {user} cannot create {d} in {parent}{where}: {e.strerror}; `prefetchd run` "
+                        f"as {user} would fail: create it for {user} (`install -d -o {user} -m 0700 {path}`), or "
+                        f"start the unit whose RuntimeDirectory= makes it first"]
+            made.append(d)
+        if not os.path.isdir(path) or os.path.islink(path):
+            return []  # said by the mode-bit checks
+        probe = os.path.join(path, f".prefetchd-check-{os.getpid()}.tmp")
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            return [f"{key} {path}: {user} cannot create a file in it: {e.strerror}; `prefetchd run` as {user} "
+                    f"would fail: make {user} its owner (`chown {user} {path}`)"]
+        if lock:
+            return _try_lock(path, key, user)
+        return []
+    finally:
+        for d in reversed(made):
+            try:
+                os.rmdir(d)
+            except OSError:
+                pass
+
+
+def _try_lock(path: str, key: str, user: str) -> list[str]:
+    """Take ``path``'s lock and open its ``daemon.lock`` as ``run`` does (a daemon holding them: fine)."""
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                raise
+        finally:
+            os.close(dfd)
+        lock = os.path.join(path, LOCK_NAME)
+        if os.path.lexists(lock):
+            os.close(os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC))
+    except OSError as e:
+        return [f"{key} {path}: {user} cannot take its lock ({e.filename or path}: {e.strerror}); `prefetchd run` "
+                f"as {user} would fail: make {user} the owner of {path} and what is in it"]
+    return []
 
 
 def _check_files(cfg: Config, daemon: Account, problem) -> None:

@@ -44,6 +44,7 @@ import numpy as np
 
 from prefetchd.core.bars import bar
 from prefetchd.format import batchfile
+from prefetchd.tools.bench.limit import decode_limit, say_skipped
 from prefetchd.tools.demo import write_config
 
 
@@ -63,33 +64,6 @@ def list_images(root: str) -> list[str]:
         if os.path.isdir(d):
             out += [os.path.join(d, f) for f in sorted(os.listdir(d))]
     return out
-
-
-# --- the decode-only limit -------------------------------------------------------------------------
-
-
-def _decode_only(paths: list[str], min_side: int = 256) -> int:
-    from PIL import Image
-
-    for p in paths:
-        with Image.open(p) as im:
-            w, h = im.size
-            s = min_side / min(w, h)
-            im.draft("RGB", (max(1, int(w * s)), max(1, int(h * s))))
-            im.convert("RGB").load()
-    return len(paths)
-
-
-def decode_limit(paths: list[str], procs: int) -> float:
-    for p in paths:  # warm the page cache, as the daemon's run will have it
-        with open(p, "rb") as f:
-            f.read()
-    chunks = [paths[i::procs] for i in range(procs)]
-    with get_context("forkserver").Pool(procs) as pool:
-        pool.map(_decode_only, [c[:10] for c in chunks])
-        t = time.perf_counter()
-        n = sum(pool.map(_decode_only, chunks))
-        return n / (time.perf_counter() - t)
 
 
 # --- the daemon ----------------------------------------------------------------------------------------
@@ -119,6 +93,7 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
+        _daemon_started(proc, buffer, os.path.join(run, "daemon.log"))
         import psutil
 
         rss_by_epoch = []
@@ -140,6 +115,18 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
         stop_daemon(proc, 30)
         log.close()
         shutil.rmtree(buffer, ignore_errors=True)
+
+
+def _daemon_started(proc: subprocess.Popen, buffer: str, log_path: str) -> None:
+    """Wait until the daemon has written its meta.json; if it exits first, say why (its log's last line)."""
+    from prefetchd.format import status
+
+    while not os.path.exists(os.path.join(buffer, status.META_NAME)):
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                last = ([x for x in f.read().splitlines() if x.strip()] or ["(no output)"])[-1]
+            raise RuntimeError(f"the daemon exited with status {proc.returncode} before its first batch: {last}")
+        time.sleep(0.05)
 
 
 # --- many ranks against one daemon ---------------------------------------------------------------------------
@@ -451,6 +438,7 @@ def run_bench(args) -> int:
             batch = args.batch_size or cfg.loader.batch_size
             workers = args.workers or cfg.workers.resolved_count()
         elif args.root:
+            args.root = [os.path.abspath(r) for r in args.root]  # the daemon's config lives elsewhere
             root = args.root[0]
             batch = args.batch_size or 64
             workers = args.workers or _cores()
@@ -501,7 +489,9 @@ def run_bench(args) -> int:
             rows = []
             for w in range(1, _cores() + 2):
                 vals = [daemon_run(root, w, batch, args.epochs, aug, work, _buffer_parent(args))["img_s"] for _ in range(args.repeats)]
-                lim = [decode_limit(paths, w) for _ in range(args.repeats)]
+                lims = [decode_limit(paths, w) for _ in range(args.repeats)]
+                lim = [x for x, _ in lims]
+                say_skipped(lims[0][1])
                 rows.append({"workers": w, "daemon": vals, "limit": lim})
                 sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
                 print(f"workers {w}: daemon {statistics.mean(vals):7.0f} ± {sd:5.0f} img/s, decode-only limit "
@@ -511,11 +501,14 @@ def run_bench(args) -> int:
                 _plot(rows, args.plot)
         else:
             for rep in range(args.repeats):
-                lim = decode_limit(paths, workers)
+                lim, skipped = decode_limit(paths, workers)
+                if rep == 0:
+                    say_skipped(skipped)
                 d = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args))
-                row = {"limit_img_s": lim, **d}
+                row = {"limit_img_s": lim, "limit_skipped": len(skipped), **d}
                 line = (f"[{rep + 1}/{args.repeats}] decode-only limit ({workers} procs) {lim:,.0f} img/s | daemon "
-                        f"({workers} workers) {d['img_s']:,.0f} img/s = {d['img_s'] / lim:.2f} x limit | trainer waited "
+                        f"({workers} workers) {d['img_s']:,.0f} img/s = {d['img_s'] / lim:.2f} x the decode-only limit "
+                        f"of {lim:,.0f} img/s (Pillow decoding alone, no augmentation) | trainer waited "
                         f"{d['wait_s']:.2f} s, first batch {d['first_batch_s']:.2f} s")
                 if args.peer:
                     peer = peer_dataloader(paths, workers, batch, args.jitter, args.mode or "scale")
