@@ -12,7 +12,8 @@
 
 Modules by role: ``loader`` (``PrefetchClient``, the public loader), ``reader`` (the reader thread
 and batch files), ``memory`` (pinned buffers and device copies), ``normalize``, ``gpudecode``
-(compact batches decoded on the GPU), ``common`` (errors, ``BatchInfo``, constants; imports
+(compact batches decoded on the GPU), ``child`` (``serve()``: the daemon as a child process for a
+``with`` block), ``common`` (errors, ``BatchInfo``, constants; imports
 nothing of the client).
 """
 
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from .child import DaemonStartError, serve
 from .common import BatchInfo, PrefetchError, PrefetchTimeout
 from .loader import PrefetchClient
 from .memory import CudaTransfer
 from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
 
-__all__ = ["BatchInfo", "CudaTransfer", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize",
+__all__ = ["BatchInfo", "CudaTransfer", "DaemonStartError", "PrefetchClient", "PrefetchError", "PrefetchTimeout",
+           "normalize", "serve",
            "IMAGENET_MEAN", "IMAGENET_STD"]
 
 

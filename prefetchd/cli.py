@@ -1,4 +1,4 @@
-"""Command line: ``prefetchd run|check|status|demo|bench`` (also ``python -m prefetchd``).
+"""Command line: ``prefetchd run|launch|check|status|demo|bench`` (also ``python -m prefetchd``).
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
@@ -302,6 +302,12 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_launch(args) -> int:
+    from prefetchd.tools.launch import run_launch
+
+    return run_launch(args.config, args.cmd, args.ready_timeout or None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefetchd", description="A data-loading daemon: JPEG folder -> augmented "
                                 "uint8 batches in a RAM-disk ring buffer -> your trainer.")
@@ -311,6 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", "-c", required=True)
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     r.set_defaults(fn=cmd_run)
+    la = sub.add_parser("launch", help="run CMD with the daemon serving it: started (or the running one used), "
+                        "ready, restarted if it dies, stopped when CMD exits; exits with CMD's status")
+    la.add_argument("--config", "-c", help="the config (default: $PREFETCHD_CONFIG); CMD gets its path in "
+                    "$PREFETCHD_CONFIG")
+    la.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds to wait for the daemon to be ready before CMD runs (0: no limit; default 600)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
+    la.set_defaults(fn=cmd_launch)
     c = sub.add_parser("check", help="validate the config, scan the dataset, check users, modes and the RAM disk")
     c.add_argument("--config", "-c", required=True)
     c.add_argument("--user", help="the daemon's user (default: the user running check)")
