@@ -231,10 +231,30 @@ def cmd_status(args) -> int:
         cfg = _load(args.config)
     except ConfigError as e:
         return _fail_config(e)
+    if args.ready:
+        return _ready(cfg)
     try:
         return _status_loop(cfg, args)
     except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
         return 0
+
+
+def _ready(cfg: Config) -> int:
+    """``status --ready``, a probe (Kubernetes' startupProbe): 0 once every rank has a batch ready
+    (or is done; what the daemon's READY=1 means), 1 while it runs but not yet, 3 when none runs."""
+    from prefetchd.format import status
+
+    if not status.daemon_alive(cfg.buffer.dir):
+        print(f"not running: no daemon serves {cfg.buffer.dir}")
+        return 3
+    rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
+    ranks = (rec or {}).get("ranks") or {}
+    waiting = sorted((r for r, v in ranks.items() if not (v.get("ahead", 0) > 0 or v.get("done"))), key=int)
+    if rec is None or status.is_stale(rec) or rec.get("state") != "running" or not ranks or waiting:
+        print("running, not ready" + (f": no batch ready yet for rank(s) {', '.join(waiting)}" if waiting else ""))
+        return 1
+    print(f"ready: every rank of {cfg.buffer.dir} has a batch ready")
+    return 0
 
 
 def _status_loop(cfg: Config, args) -> int:
@@ -335,6 +355,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=1.0)
+    s.add_argument("--ready", action="store_true", help="a probe: exit 0 once every rank has a batch ready, 1 while "
+                   "the daemon runs but not yet, 3 when none runs")
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
     d.add_argument("--images", type=int, default=640)
