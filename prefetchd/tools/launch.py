@@ -99,6 +99,7 @@ class Launch:
         self.created: Created | None = None
         self.restarts = Restarts()
         self.restart_at: float | None = None
+        self.stopping = False  # a stop signal came: the daemon may be stopping too (scancel signals every process)
 
     def _record(self, signum, frame) -> None:  # record only; the loop acts
         self.pending.append(signum)
@@ -153,6 +154,7 @@ class Launch:
                 return rc if rc >= 0 else 128 - rc
             while self.pending:
                 signum = self.pending.pop(0)
+                self.stopping |= signum in (signal.SIGTERM, signal.SIGINT)
                 if not _from_terminal(signum):
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signum)
@@ -163,7 +165,7 @@ class Launch:
     def _supervise(self) -> None:
         """Notice a daemon that died and start it again as the service would."""
         d = self.daemon
-        if d is None:
+        if d is None or self.stopping:
             return
         now = time.monotonic()
         if self.restart_at is not None:
