@@ -200,7 +200,7 @@ class DaemonChild:
 
     def error_line(self) -> str:
         """The daemon's own error line from what it logged before it was ready (or its last line)."""
-        if self._relay is not None:
+        if self._relay is not None and self.poll() is not None:
             self._relay.join(2.0)  # it ended: the pipe's last lines are on their way
         self._reported = True  # said in one line: the rest of what it held back is not passed on
         with self._lock:
@@ -245,7 +245,7 @@ class DaemonChild:
             if stop():
                 return False
             if deadline is not None and time.monotonic() > deadline:
-                line = self.error_line()
+                line = self.error_line()  # what it said last before being stopped
                 self.stop()
                 raise DaemonStartError(f"the daemon was not ready within {timeout:.0f} s (its last line: {line}); "
                                        f"stopped it", 1)
@@ -268,6 +268,12 @@ class DaemonChild:
                 except subprocess.TimeoutExpired:
                     _log.warning("the daemon (pid %d) did not stop within %.0f s of SIGTERM; killing it",
                                  self.proc.pid, timeout)
+                except KeyboardInterrupt:  # a second Ctrl-C while it stops: no waiting, but nothing left either
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+                    self._close_socket()
+                    raise
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # workers it left, or all of it after the deadline
             rc = self.proc.wait()
@@ -356,5 +362,7 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
         with _config_env(path):
             yield Served(path, child.pid, False, child)
     finally:
-        child.stop()
-        created.remove()
+        try:
+            child.stop()
+        finally:
+            created.remove()

@@ -155,6 +155,34 @@ def test_a_dataset_the_daemon_refuses_is_its_one_line_and_78(tmp_path):
     assert not marker.exists() and not (tmp_path / "buffer").exists()
 
 
+def test_a_stop_signal_while_the_daemon_starts_stops_it_before_the_command_runs(tmp_path, cfg):
+    stuck = tmp_path / "stuck"
+    stuck.write_text("")  # the daemon's loop blocks before its first READY=1
+    marker = tmp_path / "ran"
+    p = _launch(tmp_path, cfg, "touch", str(marker), env={"PREFETCHD_FAULT_STUCK_LOOP": str(stuck)})
+    wait_until(lambda: status.lock_pid(str(tmp_path / "buffer")), 60, "the daemon to take the buffer")
+    daemon_pid = status.lock_pid(str(tmp_path / "buffer"))
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = _finish(p)
+    assert rc == 128 + signal.SIGTERM, err
+    assert not marker.exists()
+    _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
+def test_a_daemon_never_ready_is_one_line_and_1_after_the_ready_timeout(tmp_path, cfg):
+    stuck = tmp_path / "stuck"
+    stuck.write_text("")
+    marker = tmp_path / "ran"
+    p = subprocess.Popen([sys.executable, "-m", "prefetchd", "launch", "--config", cfg, "--ready-timeout", "3", "--",
+                          "touch", str(marker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "PREFETCHD_FAULT_STUCK_LOOP": str(stuck)})
+    rc, _, err = _finish(p)
+    assert rc == 1 and not marker.exists()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefetchd launch: the daemon was not ready within 3 s"), err
+    _assert_nothing_left(str(tmp_path / "buffer"), [])
+
+
 def test_no_config_at_all_is_a_usage_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFETCHD_CONFIG"}
     p = subprocess.run([sys.executable, "-m", "prefetchd", "launch", "--", "true"], capture_output=True, text=True,
