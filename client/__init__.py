@@ -19,13 +19,28 @@ nothing of the client).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from .child import DaemonStartError, serve
 from .common import BatchInfo, PrefetchError, PrefetchTimeout
-from .loader import PrefetchClient
-from .memory import CudaTransfer
 from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
+
+# Imported at first use: they import torch (seconds, hundreds of MB), which `prefetchd launch`
+# and `serve()` (this package's ``child``) do not need.
+_LAZY = {"PrefetchClient": ".loader", "CudaTransfer": ".memory"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = ["BatchInfo", "CudaTransfer", "DaemonStartError", "PrefetchClient", "PrefetchError", "PrefetchTimeout",
            "normalize", "serve",

@@ -320,3 +320,13 @@ def test_the_client_without_a_config_path_says_how_to_give_one(monkeypatch, cfg)
     client = PrefetchClient(as_numpy=True, timeout=1)  # no daemon needed to build one
     assert client.cfg.source == cfg
     client.close()
+
+
+def test_launch_and_serve_import_neither_torch_nor_the_daemon():
+    """The supervisor stays small: importing it costs no torch (seconds, hundreds of MB) and,
+    for serve(), nothing of the daemon."""
+    code = ("import sys, prefetchd.tools.launch, prefetchd_client; from prefetchd_client import serve; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('prefetchd.daemon', "
+            "'prefetchd.executors', 'PIL', 'cv2'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
