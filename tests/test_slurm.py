@@ -195,7 +195,17 @@ def cluster(tmp_path_factory):
     logs = tmp_path_factory.mktemp("slurm")
     c = Cluster(logs)
     try:
-        wait_until(c.idle, BOOT_TIMEOUT_S, "slurmd to register with slurmctld (logs in " + str(logs) + ")", 0.5)
+        try:
+            wait_until(lambda: c.proc.poll() is not None or c.idle(), BOOT_TIMEOUT_S,
+                       "slurmd to register with slurmctld (logs in " + str(logs) + ")", 0.5)
+        except AssertionError:
+            c.proc.poll()
+        if c.proc.returncode is not None:  # the boot script failed: a missing kernel feature is a skip
+            said = (logs / "boot.out").read_text(errors="replace").strip().splitlines()[-1:] or ["(nothing)"]
+            if any(w in said[0] for w in ("unshare:", "veth", "Operation not permitted", "RTNETLINK")):
+                pytest.skip(f"cannot make the test's namespaces here: {said[0]}")
+            raise AssertionError(f"the Slurm namespace did not boot: {said[0]} (logs in {logs})")
+        assert c.idle(), f"slurmd did not register with slurmctld within {BOOT_TIMEOUT_S} s (logs in {logs})"
         yield c
     finally:
         c.stop()
