@@ -292,22 +292,33 @@ class DaemonChild:
 
 @dataclass
 class Created:
-    """What a start will create, so that it can be removed after: the outermost missing
-    directories of the buffer and progress paths, and the buffer directory itself."""
+    """What a start will create, so that it can be removed after: the buffer and progress
+    directories that did not exist, and the parents made for them (``(path, outermost)`` pairs)."""
 
     buffer_dir: str
-    dirs: tuple[str, ...]
+    made: tuple[tuple[str, str], ...]
 
     @classmethod
     def before_start(cls, cfg: Config) -> Created:
-        dirs = {d for d in (_missing_top(cfg.buffer.dir), _missing_top(cfg.progress_dir)) if d}
-        return cls(cfg.buffer.dir, tuple(sorted(dirs)))
+        made = [(os.path.abspath(p), top) for p in (cfg.buffer.dir, cfg.progress_dir) if (top := _missing_top(p))]
+        return cls(os.path.abspath(cfg.buffer.dir), tuple(made))
 
     def remove(self) -> None:
-        """Remove what the start created; in a buffer directory that was there, only the lock
-        file, and only when no daemon holds it."""
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
+        """Remove what the start created: each directory the daemon made, batches and all, unless
+        a daemon holds it (another start got there first), then the parents made for it while
+        they are empty (another job's directory beside it keeps them). In a buffer directory
+        that was there before, only the lock file, and only when no daemon holds it."""
+        for path, top in self.made:
+            if status.daemon_alive(path) is True or status.daemon_alive(os.path.dirname(path)) is True:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            parent = os.path.dirname(path)
+            while len(parent) >= len(top) and parent.startswith(top):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
         if os.path.isdir(self.buffer_dir) and status.daemon_alive(self.buffer_dir) is False:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.buffer_dir, status.LOCK_NAME))

@@ -330,3 +330,39 @@ def test_launch_and_serve_import_neither_torch_nor_the_daemon():
             "'prefetchd.executors', 'PIL', 'cv2'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_clean_up_removes_only_what_this_start_made(tmp_path, image_root, cfg):
+    """Two jobs' rings under one parent that neither found: the first to finish removes its own
+    ring, not the parent the other still uses; a ring a daemon holds is never removed."""
+    from types import SimpleNamespace
+
+    from prefetchd_client.child import Created
+
+    def fake(buffer_dir: str):
+        return SimpleNamespace(buffer=SimpleNamespace(dir=buffer_dir), progress_dir=buffer_dir + "/progress")
+
+    parent = tmp_path / "shm" / "job"
+    a, b = Created.before_start(fake(str(parent / "a"))), None
+    (parent / "a" / "progress").mkdir(parents=True)
+    b = Created.before_start(fake(str(parent / "b")))
+    (parent / "b" / "progress").mkdir(parents=True)
+    (parent / "b" / "r0000-e000000-b00000000.batch").write_bytes(b"x")
+    a.remove()
+    assert not (parent / "a").exists() and (parent / "b" / "r0000-e000000-b00000000.batch").exists()
+    b.remove()
+    assert not any(parent.iterdir())  # b found the parents made: an empty directory is all that is left
+    Created.before_start(fake(str(tmp_path / "shm2" / "a"))).remove()  # nothing was made: nothing goes wrong
+    alone = Created.before_start(fake(str(tmp_path / "shm2" / "a")))
+    (tmp_path / "shm2" / "a" / "progress").mkdir(parents=True)
+    alone.remove()
+    assert not (tmp_path / "shm2").exists()  # alone, a start removes the parents it made
+
+    held = Created.before_start(fake(str(tmp_path / "buffer")))  # before the daemon below made it
+    d = DaemonProc(cfg, str(tmp_path / "held.log"))
+    try:
+        wait_until(lambda: status.daemon_alive(str(tmp_path / "buffer")), 60, "the daemon to hold its buffer")
+        held.remove()
+        assert (tmp_path / "buffer" / status.LOCK_NAME).exists()
+    finally:
+        assert d.stop() == 0
