@@ -155,7 +155,7 @@ class Cluster:
 
     def run(self, *cmd: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess:
         env = {"PATH": f"{BIN}:/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": "/run/slurm/slurm.conf",
-               "HOME": os.environ.get("HOME", "/root"), "NPROC_PER_NODE": "2", "PYTHON": sys.executable}
+               "HOME": os.environ.get("HOME", "/root"), "NPROC_PER_NODE": "2"}
         r = subprocess.run(["nsenter", "-t", str(self.pid), "-a", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
                             *cmd], capture_output=True, text=True, timeout=timeout)
         if check and r.returncode:
