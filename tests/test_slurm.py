@@ -214,7 +214,9 @@ def cluster(tmp_path_factory):
 
 
 def _job(cluster, tmp_path, image_root, epochs, *trainer_args):
-    template = small_config(tmp_path, image_root, loader={"epochs": epochs}, buffer={"dir": "/set/by/the/script"})
+    # the dataset's path relative to the template, as users write them: the node's copy is elsewhere
+    template = small_config(tmp_path, os.path.relpath(image_root, tmp_path), loader={"epochs": epochs},
+                            buffer={"dir": "/set/by/the/script"})
     trainer = tmp_path / "trainer.py"
     trainer.write_text(TRAINER)
     out = tmp_path / "out"
