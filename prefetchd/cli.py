@@ -2,7 +2,9 @@
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
-restart loop on a config error).
+restart loop on a config error). ``launch`` exits with its command's status (128 + n for signal
+n), or 78 / 1 when the daemon cannot start, before the command runs (``prefetchd.tools.launch``).
+``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs.
 """
 
 from __future__ import annotations
