@@ -12,8 +12,8 @@ The rules, shared with ``prefetchd launch``:
 
 * **A daemon already serving the buffer** (it holds the buffer directory's lock) is used, and
   said so in one log line, when it serves what the config asks (``meta.json``'s batch size,
-  world size, ranks, output size and epochs equal the config's); it is neither stopped nor
-  restarted. One serving something else is an error (exit status 1): two configs cannot share
+  world size, ranks, output size, epochs and stream fingerprint equal the config's); it is
+  neither stopped nor restarted. One serving something else is an error (exit status 1): two configs cannot share
   one ``buffer.dir``.
 * **Ready** is the daemon's own ``READY=1`` (systemd's notify protocol, on a private socket in
   the abstract namespace: no file): every rank has a batch ready. Waiting is bounded
@@ -105,6 +105,10 @@ def running_daemon(cfg: Config) -> int | None:
             raise DaemonStartError(f"another prefetchd (pid {pid}) already serves {cfg.buffer.dir} with {name} "
                                    f"{meta[key]}, not {want[key]} as in {cfg.source}; stop it, or set another "
                                    f"buffer.dir")
+    if "stream_fingerprint" in meta and meta["stream_fingerprint"] != cfg.stream_fingerprint():
+        raise DaemonStartError(f"another prefetchd (pid {pid}) already serves {cfg.buffer.dir} with a different "
+                               f"stream than {cfg.source} describes (loader or augment settings differ); stop it, "
+                               f"or set another buffer.dir")
     return pid
 
 

@@ -203,6 +203,10 @@ def test_a_daemon_serving_the_buffer_is_used_or_refused_and_left_alone(tmp_path,
         assert err.splitlines() == [f"prefetchd launch: another prefetchd (pid {d.pid}) already serves "
                                     f"{tmp_path / 'buffer'} with loader.batch_size 6, not 4 as in {clash}; stop it, "
                                     f"or set another buffer.dir"], err
+        seed = small_config(other, image_root, loader={"seed": 8}, buffer={"dir": str(tmp_path / "buffer")})
+        rc, _, err = _finish(_launch(tmp_path, seed, "touch", str(marker)))
+        assert rc == 1 and not marker.exists()
+        assert "with a different stream than" in err and len(err.splitlines()) == 1, err
         rc, _, err = _finish(_launch(tmp_path, cfg, "touch", str(marker)))  # the same config: used as it is
         assert rc == 0 and marker.exists()
         assert f"using the daemon already serving {tmp_path / 'buffer'} (pid {d.pid}); it is left running" in err
