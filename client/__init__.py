@@ -13,19 +13,37 @@
 Modules by role: ``loader`` (``PrefetchClient``, the public loader), ``reader`` (the reader thread
 and batch files), ``memory`` (pinned buffers and device copies), ``normalize``, ``gpudecode``
 (compact batches decoded on the GPU), ``clock`` (waiting time, less the process's own stops),
-``common`` (errors, ``BatchInfo``, constants; imports nothing of the client).
+``child`` (``serve()``: the daemon as a child process for a ``with`` block), ``common`` (errors,
+``BatchInfo``, constants; imports nothing of the client).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from .child import DaemonStartError, serve
 from .common import BatchInfo, PrefetchError, PrefetchTimeout
-from .loader import PrefetchClient
-from .memory import CudaTransfer
 from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
 
-__all__ = ["BatchInfo", "CudaTransfer", "PrefetchClient", "PrefetchError", "PrefetchTimeout", "normalize",
+# Imported at first use: they import torch (seconds, hundreds of MB), which `prefetchd launch`
+# and `serve()` (this package's ``child``) do not need.
+_LAZY = {"PrefetchClient": ".loader", "CudaTransfer": ".memory"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+__all__ = ["BatchInfo", "CudaTransfer", "DaemonStartError", "PrefetchClient", "PrefetchError", "PrefetchTimeout",
+           "normalize", "serve",
            "IMAGENET_MEAN", "IMAGENET_STD"]
 
 

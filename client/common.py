@@ -7,6 +7,7 @@ The bottom of the client's imports: it imports nothing of the client, so the mod
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +20,20 @@ _STATE_FORMAT = "prefetchd-loader"
 _PROGRESS_RETRY_S = 0.1  # a progress write a full disk refused is tried again this often while waiting
 # progress writes failing with these (a full disk, a hiccup) are tried again, not raised
 _PASSING_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EINTR, errno.EAGAIN})
+
+
+CONFIG_ENV = "PREFETCHD_CONFIG"  # the config's path when none is given (``prefetchd launch`` sets it)
+
+
+def config_from_env(config):
+    """``config`` itself, or the path in ``$PREFETCHD_CONFIG`` when it is None."""
+    if config is not None:
+        return config
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        raise PrefetchError(f"no config given and ${CONFIG_ENV} is not set: pass the config's path, or run "
+                            f"the trainer under `prefetchd launch --config FILE -- ...`, which sets it")
+    return path
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from .common import (
     PrefetchError,
     PrefetchTimeout,
     _Stopped,
+    config_from_env,
 )
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
@@ -76,6 +77,8 @@ class PrefetchClient(LoaderState, BatchFiles):
       torch tensors (on ``device`` when given) or numpy arrays when torch is absent or
       ``as_numpy=True``. ``normalize=True`` yields ``(x / 255 - mean) / std`` in ``dtype``
       (default float32) on the images' device instead of uint8.
+    * ``config``: the daemon's config file (or a loaded ``Config``); None takes the path in
+      ``$PREFETCHD_CONFIG``, which ``prefetchd launch`` and ``prefetchd_client.serve`` set.
     * ``rank``: default from the ``RANK`` environment variable (torchrun), else 0.
     * ``for x, y in loader`` runs one epoch from the current position; ``iter_epoch(e)`` runs
       epoch ``e`` (from the current batch if ``e`` is the current epoch); ``set_epoch(e)``,
@@ -104,13 +107,14 @@ class PrefetchClient(LoaderState, BatchFiles):
       ``augment.decode: cpu``.
     """
 
-    def __init__(self, config: str | Config, rank: int | None = None, device: Any = None,
+    def __init__(self, config: str | Config | None = None, rank: int | None = None, device: Any = None,
                  timeout: float = 60.0, as_numpy: bool = False, pin_memory: bool | None = None,
                  verify: bool = True, normalize: bool = False, dtype: Any = None, prefetch: int | None = None,
                  transfer: Any = None, decoder: Any = None, split: str = "train"):
         self._closed = True  # until fully built: __del__ must not trip over a half-made client
         self._reader: ReadAhead | None = None
         self._pool: _PinnedPool | None = None
+        config = config_from_env(config)
         self.cfg = config if isinstance(config, Config) else load_config(config)
         self.rank = _resolve_rank(self.cfg, rank)
         if split not in progress.STREAMS:

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-try:
-    import torch
-except ImportError:  # numpy arrays only
-    torch = None
-
+# torch is imported where a tensor is normalised (it is loaded by then): importing this module,
+# and so the package, costs no torch import (prefetchd launch imports the package's ``child``)
 
 _CONSTANTS: dict = {}
 
@@ -17,6 +14,8 @@ _CONSTANTS: dict = {}
 def _constants(mean, std, device, dtype):
     """(scale, shift) with x * scale + shift == (x / 255 - mean) / std, made once per device,
     dtype and stream without a host-to-device copy (a pageable copy would sync the host)."""
+    import torch
+
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (tuple(mean), tuple(std), device, dtype, stream)
     c = _CONSTANTS.get(key)
@@ -35,6 +34,8 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def _normalize_torch(images, dtype=None, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    import torch
+
     dtype = dtype or torch.float32
     # low-precision outputs are computed in float32 and rounded once
     work = dtype if dtype in (torch.float32, torch.float64) else torch.float32

@@ -1,8 +1,10 @@
-"""Command line: ``prefetchd run|check|status|demo|bench`` (also ``python -m prefetchd``).
+"""Command line: ``prefetchd run|launch|check|status|demo|bench`` (also ``python -m prefetchd``).
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
-restart loop on a config error).
+restart loop on a config error). ``launch`` exits with its command's status (128 + n for signal
+n), or 78 / 1 when the daemon cannot start, before the command runs (``prefetchd.tools.launch``).
+``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs.
 """
 
 from __future__ import annotations
@@ -240,10 +242,30 @@ def cmd_status(args) -> int:
         cfg = _load(args.config)
     except ConfigError as e:
         return _fail_config(e)
+    if args.ready:
+        return _ready(cfg)
     try:
         return _status_loop(cfg, args)
     except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
         return 0
+
+
+def _ready(cfg: Config) -> int:
+    """``status --ready``, a probe (Kubernetes' startupProbe): 0 once every rank has a batch ready
+    (or is done; what the daemon's READY=1 means), 1 while it runs but not yet, 3 when none runs."""
+    from prefetchd.format import status
+
+    if not status.daemon_alive(cfg.buffer.dir):
+        print(f"not running: no daemon serves {cfg.buffer.dir}")
+        return 3
+    rec = status.read_json(cfg.buffer.dir, status.STATUS_NAME)
+    ranks = (rec or {}).get("ranks") or {}
+    waiting = sorted((r for r, v in ranks.items() if not (v.get("ahead", 0) > 0 or v.get("done"))), key=int)
+    if rec is None or status.is_stale(rec) or rec.get("state") != "running" or not ranks or waiting:
+        print("running, not ready" + (f": no batch ready yet for rank(s) {', '.join(waiting)}" if waiting else ""))
+        return 1
+    print(f"ready: every rank of {cfg.buffer.dir} has a batch ready")
+    return 0
 
 
 def _status_loop(cfg: Config, args) -> int:
@@ -315,6 +337,12 @@ def cmd_bench(args) -> int:
         return 1
 
 
+def cmd_launch(args) -> int:
+    from prefetchd.tools.launch import run_launch
+
+    return run_launch(args.config, args.cmd, args.ready_timeout or None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefetchd", description="A data-loading daemon: JPEG folder -> augmented "
                                 "uint8 batches in a RAM-disk ring buffer -> your trainer.")
@@ -324,6 +352,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", "-c", required=True)
     r.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     r.set_defaults(fn=cmd_run)
+    la = sub.add_parser("launch", help="run CMD with the daemon serving it: started (or the running one used), "
+                        "ready, restarted if it dies, stopped when CMD exits; exits with CMD's status")
+    la.add_argument("--config", "-c", help="the config (default: $PREFETCHD_CONFIG); CMD gets its path in "
+                    "$PREFETCHD_CONFIG")
+    la.add_argument("--ready-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds to wait for the daemon to be ready before CMD runs (0: no limit; default 600)")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
+    la.set_defaults(fn=cmd_launch)
     c = sub.add_parser("check", help="validate the config, scan the dataset, check users, modes and the RAM disk")
     c.add_argument("--config", "-c", required=True)
     c.add_argument("--user", help="the daemon's user (default: the user running check)")
@@ -334,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=1.0)
+    s.add_argument("--ready", action="store_true", help="a probe: exit 0 once every rank has a batch ready, 1 while "
+                   "the daemon runs but not yet, 3 when none runs")
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
     d.add_argument("--images", type=int, default=640)

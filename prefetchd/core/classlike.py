@@ -25,6 +25,7 @@ import functools
 import os
 from collections.abc import Sequence
 
+from prefetchd.core.indexbase import DatasetError
 from prefetchd.core.words import plural
 
 SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "dev",
@@ -109,8 +110,6 @@ def refuse_unless_classlike(load):
             subs = _sub_folders(index) if folder and len(index.classes) == 1 else []
             problem = judge(index.root, f"{section}.root", index.classes, class_counts(index), subs, folder)
             if problem:
-                from prefetchd.core.dataset import DatasetError
-
                 raise DatasetError(problem)
         return index, cached
 

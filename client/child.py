@@ -1,0 +1,383 @@
+"""The daemon as a child process: ``serve()`` for a ``with`` block, ``DaemonChild`` for ``prefetchd launch``.
+
+    import prefetchd_client
+
+    with prefetchd_client.serve("train.yaml"):            # starts `python -m prefetchd run`, waits until ready
+        loader = prefetchd_client.PrefetchClient()          # the path comes from $PREFETCHD_CONFIG
+        for images, labels in loader:
+            ...
+    # the daemon is stopped; what it made for this block is gone
+
+The rules, shared with ``prefetchd launch``:
+
+* **A daemon already serving the buffer** (it holds the buffer directory's lock) is used, and
+  said so in one log line, when it serves what the config asks (``meta.json``'s batch size,
+  world size, ranks, output size, epochs and stream fingerprint equal the config's); it is
+  neither stopped nor restarted. One serving something else is an error (exit status 1): two configs cannot share
+  one ``buffer.dir``.
+* **Ready** is the daemon's own ``READY=1`` (systemd's notify protocol, on a private socket in
+  the abstract namespace: no file): every rank has a batch ready. Waiting is bounded
+  (``timeout``); a daemon that exits first is an error of one line, its own error line, with its
+  exit status (78: the configuration, 1: anything else).
+* **Its log** goes to ``sys.stderr``: held back until it is ready (a failing start is then one
+  line, not the whole log), passed on from then on.
+* **Clean-up**: the daemon is stopped with SIGTERM (SIGKILL of its process group after
+  ``_STOP_TIMEOUT_S``, the service's ``TimeoutStopSec``), and the buffer and progress
+  directories it created are removed, batches and all; in a directory that existed before, only
+  ``daemon.lock`` is removed. It runs in a session of its own (a Ctrl-C at the terminal is the
+  trainer's, not the daemon's: it is stopped after the trainer), and it is sent SIGTERM by the
+  kernel if the process that started it dies (``PR_SET_PDEATHSIG``).
+
+Imports nothing of the daemon: it runs ``python -m prefetchd run`` (the interpreter running
+this), like any user would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prefetchd.core.config import EX_CONFIG, Config, ConfigError
+from prefetchd.core.config import load as load_config
+from prefetchd.format import status
+
+from .common import CONFIG_ENV, PrefetchError, config_from_env
+
+_log = logging.getLogger("prefetchd_client.child")
+
+_STOP_TIMEOUT_S = 20.0  # systemd/prefetchd.service's TimeoutStopSec
+_READY_TIMEOUT_S = 600.0  # the index of a large tar is scanned before the first batch: minutes, not hours
+_TICK_S = 0.05  # how often a wait looks at the child and at its caller's stop flag
+_HELD_LINES = 2000  # log lines held back until ready (a start that logs more keeps the last ones)
+_PR_SET_PDEATHSIG = 1
+_LOG_PREFIX = re.compile(r"^(<\d>)?(\d\d:\d\d:\d\d \w+ )?")
+# the meta.json keys that must equal the config's for a running daemon to serve this config
+_SAME = (("batch_size", "loader.batch_size"), ("world_size", "loader.world_size"), ("ranks", "loader.ranks"),
+         ("output_size", "augment.output_size"), ("epochs", "loader.epochs"))
+
+
+class DaemonStartError(PrefetchError):
+    """The daemon could not be started or used; ``exit_code`` is 78 (configuration) or 1."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def load(config: str | os.PathLike | None) -> tuple[str, Config]:
+    """The config's absolute path (``$PREFETCHD_CONFIG`` when None) and the config, or a
+    ``DaemonStartError`` with exit code 78 naming the key."""
+    try:
+        path = os.path.abspath(os.fspath(config_from_env(config)))
+    except PrefetchError as e:
+        raise DaemonStartError(str(e), 2) from None
+    try:
+        return path, load_config(path)
+    except ConfigError as e:
+        raise DaemonStartError(f"configuration error: {e}", EX_CONFIG) from None
+
+
+def running_daemon(cfg: Config) -> int | None:
+    """The pid of a daemon already serving ``cfg``'s buffer, or None when none runs there.
+    Raises ``DaemonStartError`` (exit code 1) when the one running serves another stream."""
+    if status.daemon_alive(cfg.buffer.dir) is not True:
+        return None
+    pid = status.lock_pid(cfg.buffer.dir)
+    meta = status.read_json(cfg.buffer.dir, status.META_NAME) or {}
+    want = {"batch_size": cfg.loader.batch_size, "world_size": cfg.loader.world_size, "ranks": list(cfg.loader.ranks),
+            "output_size": cfg.augment.output_size, "epochs": cfg.loader.epochs}
+    for key, name in _SAME:
+        if key in meta and meta[key] != want[key]:
+            raise DaemonStartError(f"another prefetchd (pid {pid}) already serves {cfg.buffer.dir} with {name} "
+                                   f"{meta[key]}, not {want[key]} as in {cfg.source}; stop it, or set another "
+                                   f"buffer.dir")
+    if "stream_fingerprint" in meta and meta["stream_fingerprint"] != cfg.stream_fingerprint():
+        raise DaemonStartError(f"another prefetchd (pid {pid}) already serves {cfg.buffer.dir} with a different "
+                               f"stream than {cfg.source} describes (loader or augment settings differ); stop it, "
+                               f"or set another buffer.dir")
+    return pid
+
+
+def _missing_top(path: str) -> str | None:
+    """The outermost directory of ``path`` that does not exist yet (what a start would create)."""
+    top = None
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        top = path
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return top
+
+
+def _set_pdeathsig() -> None:  # in the child between fork and exec: one system call, no Python objects made
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+try:
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    _LIBC.prctl  # noqa: B018 (Linux only: elsewhere the child lives on if its parent dies)
+except (OSError, AttributeError):
+    _LIBC = None
+
+
+class DaemonChild:
+    """One ``python -m prefetchd run --config PATH`` child: started, waited for, stopped.
+
+    ``sink`` receives the daemon's log lines (default: ``sys.stderr`` at the time of writing);
+    lines before ``READY=1`` are held back and passed on once it is ready."""
+
+    def __init__(self, config_path: str, sink: Callable[[str], object] | None = None, env: dict | None = None):
+        self.config_path = config_path
+        self._sink = sink
+        self._env = env
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self._sock: socket.socket | None = None
+        self._held: list[str] = []
+        self._passing = False
+        self._reported = False
+        self._lock = threading.Lock()
+        self._relay: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        name = f"prefetchd-serve-{os.getpid()}-{secrets.token_hex(6)}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        self._sock.bind("\0" + name)
+        self._sock.setblocking(False)
+        env = {k: v for k, v in (self._env if self._env is not None else os.environ).items()
+               if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")}
+        env["NOTIFY_SOCKET"] = "@" + name
+        self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True,
+                                     preexec_fn=_set_pdeathsig if _LIBC is not None else None)
+        self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
+                                       name="prefetchd-serve-log")
+        self._relay.start()
+
+    def _write(self, line: str) -> None:
+        try:
+            if self._sink is not None:
+                self._sink(line)
+            else:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        except (OSError, ValueError):  # a closed stderr: the log is lost, the daemon is not
+            pass
+
+    def _read_log(self, pipe) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                line = raw.decode(errors="replace")
+                with self._lock:
+                    if not self._passing:
+                        self._held.append(line)
+                        del self._held[:-_HELD_LINES]
+                        continue
+                self._write(line)
+
+    def _pass_log(self) -> None:
+        with self._lock:
+            held, self._held, self._passing = self._held, [], True
+        for line in held:
+            self._write(line)
+
+    def error_line(self) -> str:
+        """The daemon's own error line from what it logged before it was ready (or its last line)."""
+        if self._relay is not None and self.poll() is not None:
+            self._relay.join(2.0)  # it ended: the pipe's last lines are on their way
+        self._reported = True  # said in one line: the rest of what it held back is not passed on
+        with self._lock:
+            lines = [ln.strip() for ln in self._held if ln.strip()]
+        errors = [ln for ln in lines if " ERROR " in ln or " CRITICAL " in ln or "error:" in ln
+                  or ln.startswith(("<2>", "<3>"))]
+        line = (errors or lines or ["(it said nothing)"])[-1]
+        return _LOG_PREFIX.sub("", line)
+
+    def check_ready(self) -> bool:
+        """Read what the daemon said on the notify socket; True once it said ``READY=1``."""
+        if self.ready or self._sock is None:
+            return self.ready
+        while True:
+            try:
+                msg = self._sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                break
+            if b"READY=1" in msg.split(b"\n"):
+                self.ready = True
+                # nothing more to hear: the daemon's later sends fail at once (logged at debug),
+                # where a socket nobody reads would fill and block them
+                self._sock.close()
+                self._sock = None
+                self._pass_log()
+                break
+        return self.ready
+
+    def wait_ready(self, timeout: float | None = _READY_TIMEOUT_S, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until the daemon is ready (True), or ``stop()`` says so (False). Raises
+        ``DaemonStartError`` when it exits first (with its exit status) or is not ready in time
+        (the child is stopped then)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.check_ready():
+            rc = self.proc.poll()
+            if rc is not None:
+                self._close_socket()
+                line = self.error_line()
+                code = EX_CONFIG if rc == EX_CONFIG else 1
+                how = f"status {rc}" if rc >= 0 else f"signal {signal.Signals(-rc).name}"
+                raise DaemonStartError(f"the daemon exited ({how}) before it was ready: {line}", code)
+            if stop():
+                return False
+            if deadline is not None and time.monotonic() > deadline:
+                line = self.error_line()  # what it said last before being stopped
+                self.stop()
+                raise DaemonStartError(f"the daemon was not ready within {timeout:.0f} s (its last line: {line}); "
+                                       f"stopped it", 1)
+            fd = self._sock.fileno() if self._sock is not None else None
+            select.select([fd] if fd is not None else [], [], [], _TICK_S)
+        return True
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def stop(self, timeout: float = _STOP_TIMEOUT_S) -> int | None:
+        """SIGTERM, then SIGKILL of its process group after ``timeout``; its exit status."""
+        rc = None
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    _log.warning("the daemon (pid %d) did not stop within %.0f s of SIGTERM; killing it",
+                                 self.proc.pid, timeout)
+                except KeyboardInterrupt:  # a second Ctrl-C while it stops: no waiting, but nothing left either
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait()
+                    self._close_socket()
+                    raise
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # workers it left, or all of it after the deadline
+            rc = self.proc.wait()
+        self._close_socket()
+        if self._relay is not None:
+            self._relay.join(2.0)
+            if not self._reported:
+                self._pass_log()
+        return rc
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+@dataclass
+class Created:
+    """What a start will create, so that it can be removed after: the buffer and progress
+    directories that did not exist, and the parents made for them (``(path, outermost)`` pairs)."""
+
+    buffer_dir: str
+    made: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def before_start(cls, cfg: Config) -> Created:
+        made = [(os.path.abspath(p), top) for p in (cfg.buffer.dir, cfg.progress_dir) if (top := _missing_top(p))]
+        return cls(os.path.abspath(cfg.buffer.dir), tuple(made))
+
+    def remove(self) -> None:
+        """Remove what the start created: each directory the daemon made, batches and all, unless
+        a daemon holds it (another start got there first), then the parents made for it while
+        they are empty (another job's directory beside it keeps them). In a buffer directory
+        that was there before, only the lock file, and only when no daemon holds it."""
+        for path, top in self.made:
+            if status.daemon_alive(path) is True or status.daemon_alive(os.path.dirname(path)) is True:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            parent = os.path.dirname(path)
+            while len(parent) >= len(top) and parent.startswith(top):
+                try:
+                    os.rmdir(parent)
+                except OSError:
+                    break
+                parent = os.path.dirname(parent)
+        if os.path.isdir(self.buffer_dir) and status.daemon_alive(self.buffer_dir) is False:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.buffer_dir, status.LOCK_NAME))
+
+
+@contextlib.contextmanager
+def _config_env(path: str) -> Iterator[None]:
+    old = os.environ.get(CONFIG_ENV)
+    os.environ[CONFIG_ENV] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(CONFIG_ENV, None)
+        else:
+            os.environ[CONFIG_ENV] = old
+
+
+@dataclass
+class Served:
+    """What ``serve()`` yields: the config's path, the daemon's pid, and whether it was already running."""
+
+    config: str
+    pid: int | None
+    reused: bool
+    child: DaemonChild | None = None
+
+
+@contextlib.contextmanager
+def serve(config: str | os.PathLike | None = None, timeout: float | None = _READY_TIMEOUT_S,
+          sink: Callable[[str], object] | None = None) -> Iterator[Served]:
+    """Run the daemon for ``config`` as a child process for the ``with`` block.
+
+    Waits until it is ready (``timeout`` seconds at most, None: no limit); inside the block
+    ``$PREFETCHD_CONFIG`` is the config's path, so ``PrefetchClient()`` needs no argument. On
+    leaving the block (an exception and Ctrl-C too) the daemon is stopped and what it created is
+    removed. A daemon already serving the buffer is used as it is (and left running). Raises
+    ``DaemonStartError`` (its ``exit_code``: 78 for the configuration, else 1) with a one-line
+    message when the daemon cannot start. See the module's docstring for the rules."""
+    path, cfg = load(config)
+    pid = running_daemon(cfg)
+    if pid is not None:
+        _log.warning("prefetchd: using the daemon already serving %s (pid %s)", cfg.buffer.dir, pid)
+        with _config_env(path):
+            yield Served(path, pid, True)
+        return
+    created = Created.before_start(cfg)
+    child = DaemonChild(path, sink=sink)
+    try:
+        child.start()
+        child.wait_ready(timeout)
+        with _config_env(path):
+            yield Served(path, child.pid, False, child)
+    finally:
+        try:
+            child.stop()
+        finally:
+            created.remove()

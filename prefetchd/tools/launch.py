@@ -1,0 +1,199 @@
+"""``prefetchd launch [--config FILE] -- CMD ARGS...``: the daemon for the life of one command.
+
+    prefetchd launch --config train.yaml -- torchrun --nproc-per-node 8 train.py
+
+1. The config is read (``--config``, else ``$PREFETCHD_CONFIG``); an error is one line, exit 78.
+2. A daemon already serving ``buffer.dir`` for this config is used (said in one line) and left
+   as it is; one serving another stream there is one line, exit 1. Otherwise the daemon is
+   started (``python -m prefetchd run``, ``prefetchd_client.child.DaemonChild``) and waited for
+   until its ``READY=1`` (every rank has a batch ready); a daemon that exits first is one line
+   (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
+3. CMD runs with ``PREFETCHD_CONFIG`` set to the config's absolute path (the client takes it when
+   given no path), in launch's process group, so a terminal's Ctrl-C reaches it directly (and is
+   not sent twice); SIGINT, SIGTERM and SIGHUP sent to launch are forwarded to CMD.
+4. While CMD runs, a daemon that dies is started again as ``systemd/prefetchd.service`` would
+   (``Restart=on-failure``, ``RestartSec=2``, at most ``StartLimitBurst=5`` starts in
+   ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
+   in the ring, so the trainers wait at most a start's time.
+5. When CMD exits, the daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
+   created are removed (``child.Created``), and launch exits with CMD's status (128 + n when
+   signal n ended it; 127: CMD not found, 126: not executable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+
+from prefetchd_client.child import Created, DaemonChild, DaemonStartError, load, running_daemon
+from prefetchd_client.common import CONFIG_ENV
+
+# systemd/prefetchd.service's back-off (tests/test_launch.py reads the unit and compares)
+RESTART_SEC = 2.0  # RestartSec=2
+START_LIMIT_INTERVAL_S = 300.0  # StartLimitIntervalSec=300
+START_LIMIT_BURST = 5  # StartLimitBurst=5
+NO_RESTART = (0, 78)  # Restart=on-failure: not after a clean exit; RestartPreventExitStatus=78
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_TICK_S = 0.05  # how often the loop looks at CMD, the daemon and the signals received
+
+
+def say(text: str) -> None:
+    print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
+
+
+class Restarts:
+    """The service's restart rule, pure: when to start the daemon again after it exited."""
+
+    def __init__(self) -> None:
+        self.starts: deque[float] = deque()
+
+    def started(self, now: float) -> None:
+        self.starts.append(now)
+
+    def after_exit(self, rc: int, now: float) -> tuple[float | None, str]:
+        """(when to start again or None, why): ``rc`` is the exit status, negative for a signal."""
+        if rc in NO_RESTART:
+            return None, ("it stopped cleanly (status 0), not restarted" if rc == 0 else
+                          "a configuration error (status 78) is not restarted; fix the config and launch again")
+        when = now + RESTART_SEC
+        while self.starts and self.starts[0] <= when - START_LIMIT_INTERVAL_S:
+            self.starts.popleft()
+        if len(self.starts) >= START_LIMIT_BURST:
+            return None, (f"it was started {len(self.starts)} times within {START_LIMIT_INTERVAL_S:.0f} s; "
+                          f"not restarted again (the service's StartLimitBurst)")
+        return when, f"restarting it in {RESTART_SEC:.0f} s"
+
+
+def _how(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def _from_terminal(signum: int) -> bool:
+    """A SIGINT while launch's group is the terminal's foreground: the terminal sent it to the
+    whole group, CMD included, so forwarding it would deliver it twice."""
+    if signum != signal.SIGINT:
+        return False
+    try:
+        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+    except OSError:
+        return False
+
+
+class Launch:
+    def __init__(self, config: str | None, cmd: list[str], ready_timeout: float | None):
+        self.config = config
+        self.cmd = cmd
+        self.ready_timeout = ready_timeout
+        self.pending: list[int] = []
+        self.daemon: DaemonChild | None = None
+        self.created: Created | None = None
+        self.restarts = Restarts()
+        self.restart_at: float | None = None
+        self.stopping = False  # a stop signal came: the daemon may be stopping too (scancel signals every process)
+
+    def _record(self, signum, frame) -> None:  # record only; the loop acts
+        self.pending.append(signum)
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._record) for s in FORWARDED}
+        try:
+            return self._run()
+        finally:
+            try:
+                if self.daemon is not None:
+                    self.daemon.stop()
+                if self.created is not None:
+                    self.created.remove()
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
+
+    def _run(self) -> int:
+        try:
+            path, cfg = load(self.config)
+            pid = running_daemon(cfg)
+        except DaemonStartError as e:
+            say(str(e))
+            return e.exit_code
+        if pid is not None:
+            say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}); it is left running")
+        else:
+            self.created = Created.before_start(cfg)
+            self.daemon = DaemonChild(path)
+            self.daemon.start()
+            self.restarts.started(time.monotonic())
+            try:
+                if not self.daemon.wait_ready(self.ready_timeout, stop=lambda: bool(self.pending)):
+                    return 128 + self.pending[0]  # stopped before CMD ran
+            except DaemonStartError as e:
+                say(str(e))
+                return e.exit_code
+        if self.pending:
+            return 128 + self.pending[0]
+        try:
+            proc = subprocess.Popen(self.cmd, env={**os.environ, CONFIG_ENV: path})
+        except FileNotFoundError:
+            say(f"cannot run {self.cmd[0]!r}: no such command")
+            return 127
+        except OSError as e:
+            say(f"cannot run {self.cmd[0]!r}: {e.strerror}")
+            return 126
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                return rc if rc >= 0 else 128 - rc
+            while self.pending:
+                signum = self.pending.pop(0)
+                self.stopping |= signum in (signal.SIGTERM, signal.SIGINT)
+                if not _from_terminal(signum):
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signum)
+            self._supervise()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(_TICK_S)
+
+    def _supervise(self) -> None:
+        """Notice a daemon that died and start it again as the service would."""
+        d = self.daemon
+        if d is None or self.stopping:
+            return
+        now = time.monotonic()
+        if self.restart_at is not None:
+            if now >= self.restart_at:
+                self.restart_at = None
+                self.daemon = DaemonChild(d.config_path)
+                self.daemon.start()
+                self.restarts.started(now)
+                say(f"started the daemon again (pid {self.daemon.pid})")
+            return
+        was_ready = d.ready
+        if not was_ready and d.check_ready():
+            say(f"the daemon (pid {d.pid}) is ready again")
+        rc = d.poll()
+        if rc is None:
+            return
+        last = "" if was_ready else f" before it was ready: {d.error_line()}"
+        d.stop()  # reaps it and whatever of its process group is left
+        self.restart_at, why = self.restarts.after_exit(rc, now)
+        say(f"the daemon (pid {d.pid}) {_how(rc)} while the command runs{last}; {why}")
+        if self.restart_at is None:
+            self.daemon = None
+
+
+def run_launch(config: str | None, cmd: list[str], ready_timeout: float | None) -> int:
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        say("no command given: prefetchd launch [--config FILE] -- CMD [ARGS...]")
+        return 2
+    return Launch(config, cmd, ready_timeout).run()

@@ -1,0 +1,372 @@
+"""``prefetchd launch -- CMD`` and ``prefetchd_client.serve()``: the real daemon for the life of a
+command or a ``with`` block. Exit statuses, signals, a daemon killed and restarted under a running
+trainer, starts that fail in one line, and nothing left behind after any of them."""
+
+from __future__ import annotations
+
+import configparser
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+import yaml
+from conftest import DaemonProc, small_config, wait_until
+
+from prefetchd.format import status
+from prefetchd.tools import launch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# CMD for the tests: reads EPOCHS epochs through the client (the config from $PREFETCHD_CONFIG),
+# notes the daemon's pid and what it saw, and exits with argv[1]; KILL_AT kills the daemon there.
+TRAINER = textwrap.dedent("""
+    import os, signal, sys, json
+    from prefetchd.format import status
+    from prefetchd_client import PrefetchClient
+    out = sys.argv[2]
+    seen = []
+    with PrefetchClient(as_numpy=True, timeout=60) as loader:
+        pids = [status.lock_pid(loader.dir)]
+        for epoch in range(2):
+            for x, y in loader:
+                seen.append([loader.last_batch.epoch, loader.last_batch.batch])
+                if len(seen) == int(os.environ.get("KILL_AT", "-1")):
+                    os.kill(pids[0], signal.SIGKILL)
+        pids.append(status.lock_pid(loader.dir))
+    json.dump({"config": os.environ["PREFETCHD_CONFIG"], "seen": seen, "pids": pids}, open(out, "w"))
+    sys.exit(int(sys.argv[1]))
+""")
+
+# CMD that waits for signals: SIGHUP is noted in a file; SIGINT and SIGTERM keep their defaults
+WAITER = textwrap.dedent("""
+    import os, signal, sys, time
+    from prefetchd.format import status
+    out = sys.argv[1]
+    signal.signal(signal.SIGHUP, lambda s, f: open(out + ".hup", "a").write("HUP\\n"))
+    import yaml
+    buf = yaml.safe_load(open(os.environ["PREFETCHD_CONFIG"]))["buffer"]["dir"]
+    open(out, "w").write(str(status.lock_pid(buf)))
+    while True:
+        time.sleep(0.05)
+""")
+
+
+def _launch(tmp_path, config: str | None, *cmd: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "prefetchd", "launch", *(["--config", config] if config else []),
+                             "--", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def _finish(p: subprocess.Popen, timeout: float = 90) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return p.returncode, out, err
+
+
+def _script(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def _assert_nothing_left(buffer_dir: str, pids) -> None:
+    assert not os.path.exists(buffer_dir), os.listdir(buffer_dir)
+    for pid in pids:
+        if pid is None:
+            continue
+        gone = not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        assert gone, f"process {pid} is still there"
+
+
+@pytest.fixture
+def cfg(tmp_path, image_root):
+    return small_config(tmp_path, image_root)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_launch_runs_the_command_against_a_ready_daemon_and_exits_with_its_status(tmp_path, cfg, code):
+    out = str(tmp_path / "seen.json")
+    rc, _, err = _finish(_launch(tmp_path, cfg, sys.executable, _script(tmp_path, "t.py", TRAINER), str(code), out))
+    assert rc == code, err
+    seen = yaml.safe_load(open(out))
+    assert seen["config"] == cfg
+    assert len(seen["seen"]) == 16 and seen["pids"][0] == seen["pids"][1]
+    _assert_nothing_left(str(tmp_path / "buffer"), seen["pids"])
+    assert "prefetchd launch" not in err  # nothing went wrong, nothing said
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_launch_forwards_signals_and_exits_128_plus_the_signal(tmp_path, cfg, sig):
+    out = str(tmp_path / "waiter")
+    p = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "w.py", WAITER), out)
+    wait_until(lambda: os.path.exists(out) and open(out).read(), 60, "the command to run")
+    daemon_pid = int(open(out).read())
+    p.send_signal(signal.SIGHUP)  # forwarded: the command notes it and runs on
+    wait_until(lambda: os.path.exists(out + ".hup"), 20, "SIGHUP to reach the command")
+    assert p.poll() is None
+    p.send_signal(sig)
+    rc, _, err = _finish(p)
+    assert rc == 128 + sig, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
+def test_a_daemon_killed_while_the_command_runs_is_restarted_and_the_command_reads_on(tmp_path, cfg):
+    out = str(tmp_path / "seen.json")
+    p = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "t.py", TRAINER), "0", out, env={"KILL_AT": "5"})
+    rc, _, err = _finish(p)
+    assert rc == 0, err
+    seen = yaml.safe_load(open(out))
+    assert seen["seen"] == [[e, b] for e in range(2) for b in range(8)]  # every batch, once, in order
+    first, second = seen["pids"]
+    assert first != second
+    assert f"the daemon (pid {first}) was killed by SIGKILL while the command runs; restarting it in 2 s" in err
+    assert "started the daemon again" in err
+    _assert_nothing_left(str(tmp_path / "buffer"), [first, second])
+
+
+def test_a_bad_config_is_one_line_and_78_and_the_command_never_runs(tmp_path, image_root):
+    marker = tmp_path / "ran"
+    bad = small_config(tmp_path, image_root, buffer={"capacity": 0})
+    rc, _, err = _finish(_launch(tmp_path, bad, "touch", str(marker)))
+    assert rc == 78
+    assert err.splitlines() == ["prefetchd launch: configuration error: buffer.capacity must be a positive "
+                                "integer, got 0"], err
+    assert not marker.exists() and not (tmp_path / "buffer").exists()
+
+
+def test_a_dataset_the_daemon_refuses_is_its_one_line_and_78(tmp_path):
+    marker = tmp_path / "ran"
+    bad = small_config(tmp_path, str(tmp_path / "no-such-dataset"))
+    rc, _, err = _finish(_launch(tmp_path, bad, "touch", str(marker)))
+    assert rc == 78, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefetchd launch: the daemon exited (status 78) before it was "
+                                                   "ready: ") and "no-such-dataset" in lines[0], err
+    assert not marker.exists() and not (tmp_path / "buffer").exists()
+
+
+def test_a_stop_signal_while_the_daemon_starts_stops_it_before_the_command_runs(tmp_path, cfg):
+    stuck = tmp_path / "stuck"
+    stuck.write_text("")  # the daemon's loop blocks before its first READY=1
+    marker = tmp_path / "ran"
+    p = _launch(tmp_path, cfg, "touch", str(marker), env={"PREFETCHD_FAULT_STUCK_LOOP": str(stuck)})
+    wait_until(lambda: status.lock_pid(str(tmp_path / "buffer")), 60, "the daemon to take the buffer")
+    daemon_pid = status.lock_pid(str(tmp_path / "buffer"))
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = _finish(p)
+    assert rc == 128 + signal.SIGTERM, err
+    assert not marker.exists()
+    _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
+def test_a_daemon_never_ready_is_one_line_and_1_after_the_ready_timeout(tmp_path, cfg):
+    stuck = tmp_path / "stuck"
+    stuck.write_text("")
+    marker = tmp_path / "ran"
+    p = subprocess.Popen([sys.executable, "-m", "prefetchd", "launch", "--config", cfg, "--ready-timeout", "3", "--",
+                          "touch", str(marker)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env={**os.environ, "PREFETCHD_FAULT_STUCK_LOOP": str(stuck)})
+    rc, _, err = _finish(p)
+    assert rc == 1 and not marker.exists()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("prefetchd launch: the daemon was not ready within 3 s"), err
+    _assert_nothing_left(str(tmp_path / "buffer"), [])
+
+
+def test_no_config_at_all_is_a_usage_error(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PREFETCHD_CONFIG"}
+    p = subprocess.run([sys.executable, "-m", "prefetchd", "launch", "--", "true"], capture_output=True, text=True,
+                       env=env, timeout=60)
+    assert p.returncode == 2 and "PREFETCHD_CONFIG is not set" in p.stderr
+
+
+def test_a_daemon_serving_the_buffer_is_used_or_refused_and_left_alone(tmp_path, image_root, cfg):
+    d = DaemonProc(cfg, str(tmp_path / "other.log"))
+    try:
+        wait_until(lambda: status.read_json(str(tmp_path / "buffer"), status.META_NAME), 60, "the other daemon")
+        other = tmp_path / "other"
+        other.mkdir()
+        clash = small_config(other, image_root, loader={"batch_size": 4}, buffer={"dir": str(tmp_path / "buffer")})
+        marker = tmp_path / "ran"
+        rc, _, err = _finish(_launch(tmp_path, clash, "touch", str(marker)))
+        assert rc == 1 and not marker.exists()
+        assert err.splitlines() == [f"prefetchd launch: another prefetchd (pid {d.pid}) already serves "
+                                    f"{tmp_path / 'buffer'} with loader.batch_size 6, not 4 as in {clash}; stop it, "
+                                    f"or set another buffer.dir"], err
+        seed = small_config(other, image_root, loader={"seed": 8}, buffer={"dir": str(tmp_path / "buffer")})
+        rc, _, err = _finish(_launch(tmp_path, seed, "touch", str(marker)))
+        assert rc == 1 and not marker.exists()
+        assert "with a different stream than" in err and len(err.splitlines()) == 1, err
+        rc, _, err = _finish(_launch(tmp_path, cfg, "touch", str(marker)))  # the same config: used as it is
+        assert rc == 0 and marker.exists()
+        assert f"using the daemon already serving {tmp_path / 'buffer'} (pid {d.pid}); it is left running" in err
+        assert d.proc.poll() is None and status.daemon_alive(str(tmp_path / "buffer"))
+    finally:
+        assert d.stop() == 0
+
+
+def test_a_command_that_cannot_run_is_127_and_the_daemon_is_stopped(tmp_path, cfg):
+    rc, _, err = _finish(_launch(tmp_path, cfg, str(tmp_path / "no-such-command")))
+    assert rc == 127 and "no such command" in err
+    _assert_nothing_left(str(tmp_path / "buffer"), [])
+
+
+def test_restarts_follow_the_shipped_unit():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.read(ROOT / "systemd" / "prefetchd.service")
+    assert float(unit["Service"]["RestartSec"]) == launch.RESTART_SEC
+    assert unit["Service"]["Restart"] == "on-failure"
+    assert int(unit["Service"]["RestartPreventExitStatus"]) in launch.NO_RESTART
+    assert float(unit["Unit"]["StartLimitIntervalSec"]) == launch.START_LIMIT_INTERVAL_S
+    assert int(unit["Unit"]["StartLimitBurst"]) == launch.START_LIMIT_BURST
+    r = launch.Restarts()
+    r.started(0.0)
+    assert r.after_exit(78, 1.0)[0] is None and r.after_exit(0, 1.0)[0] is None
+    when = [0.0]
+    for _ in range(4):  # 5 starts in all
+        when, _why = r.after_exit(-9, when if isinstance(when, float) else 1.0)
+        assert when is not None
+        r.started(when)
+    assert r.after_exit(1, when)[0] is None  # the sixth within 300 s is not made
+    assert r.after_exit(1, when + 400)[0] is not None  # later, it is
+
+
+# --- prefetchd_client.serve(): the same rules from Python ---------------------------------------
+
+
+def _read_epoch(n: int = 8) -> list[tuple[int, int]]:
+    from prefetchd_client import PrefetchClient
+
+    with PrefetchClient(as_numpy=True, timeout=60) as loader:  # the config from $PREFETCHD_CONFIG
+        return [(loader.last_batch.epoch, loader.last_batch.batch) for _ in zip(range(n), loader, strict=False)]
+
+
+def test_serve_runs_the_daemon_for_the_block_and_again_in_the_same_process(tmp_path, cfg, monkeypatch):
+    from prefetchd_client import serve
+
+    monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
+    pids = []
+    for _ in range(2):
+        with serve(cfg) as served:
+            assert not served.reused and os.environ["PREFETCHD_CONFIG"] == cfg
+            assert status.daemon_alive(str(tmp_path / "buffer"))
+            assert _read_epoch() == [(0, b) for b in range(8)]
+            pids.append(served.pid)
+        assert "PREFETCHD_CONFIG" not in os.environ
+        _assert_nothing_left(str(tmp_path / "buffer"), pids)
+    assert pids[0] != pids[1]
+
+
+def test_ctrl_c_in_the_block_stops_the_daemon_and_the_cell_runs_again(tmp_path, cfg):
+    from prefetchd_client import serve
+
+    with pytest.raises(KeyboardInterrupt):
+        with serve(cfg) as served:
+            first = served.pid
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C (or Jupyter's interrupt) does
+            wait_until(lambda: False, 10, "KeyboardInterrupt")
+    _assert_nothing_left(str(tmp_path / "buffer"), [first])
+    with serve(cfg) as served:
+        assert _read_epoch(2) == [(0, 0), (0, 1)]
+    _assert_nothing_left(str(tmp_path / "buffer"), [first, served.pid])
+
+
+def test_serve_refuses_a_bad_start_in_one_line(tmp_path, image_root):
+    from prefetchd_client import DaemonStartError, serve
+
+    for root, sections, code, words in [(image_root, {"buffer": {"capacity": 0}}, 78, "buffer.capacity"),
+                                        (str(tmp_path / "nothing-here"), {}, 78, "nothing-here")]:
+        bad = small_config(tmp_path, root, **sections)
+        with pytest.raises(DaemonStartError) as e:
+            with serve(bad):
+                raise AssertionError("the block ran")
+        assert e.value.exit_code == code and words in str(e.value) and "\n" not in str(e.value)
+        assert not (tmp_path / "buffer").exists()
+
+
+def test_serve_refuses_a_buffer_another_stream_is_served_from(tmp_path, image_root, cfg):
+    from prefetchd_client import DaemonStartError, serve
+
+    d = DaemonProc(cfg, str(tmp_path / "other.log"))
+    try:
+        wait_until(lambda: status.read_json(str(tmp_path / "buffer"), status.META_NAME), 60, "the other daemon")
+        other = tmp_path / "other"
+        other.mkdir()
+        clash = small_config(other, image_root, augment={"output_size": 32}, buffer={"dir": str(tmp_path / "buffer")})
+        with pytest.raises(DaemonStartError, match=r"augment.output_size 64, not 32") as e:
+            with serve(clash):
+                raise AssertionError("the block ran")
+        assert e.value.exit_code == 1
+        with serve(cfg) as served:  # the same stream: used, and left running
+            assert served.reused and served.pid == d.pid
+        assert d.proc.poll() is None
+    finally:
+        assert d.stop() == 0
+
+
+def test_the_client_without_a_config_path_says_how_to_give_one(monkeypatch, cfg):
+    from prefetchd_client import PrefetchClient, PrefetchError
+
+    monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
+    with pytest.raises(PrefetchError, match=r"no config given and \$PREFETCHD_CONFIG is not set"):
+        PrefetchClient()
+    monkeypatch.setenv("PREFETCHD_CONFIG", cfg)
+    client = PrefetchClient(as_numpy=True, timeout=1)  # no daemon needed to build one
+    assert client.cfg.source == cfg
+    client.close()
+
+
+def test_launch_and_serve_import_neither_torch_nor_the_daemon():
+    """The supervisor stays small: importing it costs no torch (seconds, hundreds of MB) and,
+    for serve(), nothing of the daemon."""
+    code = ("import sys, prefetchd.tools.launch, prefetchd_client; from prefetchd_client import serve; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('prefetchd.daemon', "
+            "'prefetchd.executors', 'PIL', 'cv2'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_clean_up_removes_only_what_this_start_made(tmp_path, image_root, cfg):
+    """Two jobs' rings under one parent that neither found: the first to finish removes its own
+    ring, not the parent the other still uses; a ring a daemon holds is never removed."""
+    from types import SimpleNamespace
+
+    from prefetchd_client.child import Created
+
+    def fake(buffer_dir: str):
+        return SimpleNamespace(buffer=SimpleNamespace(dir=buffer_dir), progress_dir=buffer_dir + "/progress")
+
+    parent = tmp_path / "shm" / "job"
+    a, b = Created.before_start(fake(str(parent / "a"))), None
+    (parent / "a" / "progress").mkdir(parents=True)
+    b = Created.before_start(fake(str(parent / "b")))
+    (parent / "b" / "progress").mkdir(parents=True)
+    (parent / "b" / "r0000-e000000-b00000000.batch").write_bytes(b"x")
+    a.remove()
+    assert not (parent / "a").exists() and (parent / "b" / "r0000-e000000-b00000000.batch").exists()
+    b.remove()
+    assert not any(parent.iterdir())  # b found the parents made: an empty directory is all that is left
+    Created.before_start(fake(str(tmp_path / "shm2" / "a"))).remove()  # nothing was made: nothing goes wrong
+    alone = Created.before_start(fake(str(tmp_path / "shm2" / "a")))
+    (tmp_path / "shm2" / "a" / "progress").mkdir(parents=True)
+    alone.remove()
+    assert not (tmp_path / "shm2").exists()  # alone, a start removes the parents it made
+
+    held = Created.before_start(fake(str(tmp_path / "buffer")))  # before the daemon below made it
+    d = DaemonProc(cfg, str(tmp_path / "held.log"))
+    try:
+        wait_until(lambda: status.daemon_alive(str(tmp_path / "buffer")), 60, "the daemon to hold its buffer")
+        held.remove()
+        assert (tmp_path / "buffer" / status.LOCK_NAME).exists()
+    finally:
+        assert d.stop() == 0
