@@ -48,9 +48,8 @@ def test_ray_executor_makes_the_same_bytes_on_two_nodes(tmp_path, image_root, da
     d = daemon_factory(cfg)
     got = collect(cfg, timeout=120)
     assert digest(got) == _reference_digest(cfg)
-    st = wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected") and _ray_status(buf), 60,
-                    "a connected status")
-    assert "2 workers on 2 node(s)" in st["state"]
+    # actors start as they are placed: the first may serve before the second is up
+    wait_until(lambda: "2 workers on 2 node(s)" in _ray_status(buf).get("state", ""), 60, "both workers connected")
     assert d.stop() == 0
     assert "remote workers ready; stopping the local stand-ins" in d.log()
 

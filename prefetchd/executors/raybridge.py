@@ -297,8 +297,8 @@ class Bridge:
         nodes = len({w.split(":")[0] for _, w in ready})
         state = f"connected to {self.cfg.address}: {len(ready)} workers on {nodes} node(s)"
         if waiting:
-            state += (f"; {waiting} more starting or waiting for a node with free {_fmt(worker_needs(self.cfg))}"
-                      " (another job may hold it)")
+            state += (f"; {waiting} more starting (or waiting for a node with free {_fmt(worker_needs(self.cfg))}:"
+                      " another job may hold it)")
         if (ready, state) != self._last_up:
             self._last_up = (ready, state)
             self.send(Msg.UP, ready, waiting, state)
