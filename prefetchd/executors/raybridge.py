@@ -54,6 +54,8 @@ from prefetchd.format.progress import VAL_LANE
 _WAIT_S = 0.1
 _MAX_FAILURES = 3  # consecutive lost batches: an actor that keeps failing is dropped
 _PR_SET_PDEATHSIG = 1
+_HEALTH_EVERY_S = 1.0  # the head's GCS port is probed this often...
+_GCS_LOST_S = 2.0  # ...and a head that has not answered for this long is lost: the bridge exits
 _UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
 
 
@@ -293,19 +295,31 @@ class Bridge:
         """Tell the daemon which actors are ready, when that changes."""
         with self.lock:
             ready = [(a.wid, a.node) for a in self.actors.values() if a.where_ref is None]
-            waiting = len(self.actors) - len(ready)
+            restarting = sum(1 for a in self.actors.values() if a.where_ref is not None and a.node)
+            waiting = len(self.actors) - len(ready) - restarting
         nodes = len({w.split(":")[0] for _, w in ready})
         state = f"connected to {self.cfg.address}: {len(ready)} workers on {nodes} node(s)"
+        if restarting:
+            state += f"; {restarting} restarting (a process or node died)"
         if waiting:
             state += (f"; {waiting} more starting (or waiting for a node with free {_fmt(worker_needs(self.cfg))}:"
                       " another job may hold it)")
         if (ready, state) != self._last_up:
             self._last_up = (ready, state)
-            self.send(Msg.UP, ready, waiting, state)
+            self.send(Msg.UP, ready, waiting + restarting, state)
 
     def _collect(self) -> int:
         ray = self.ray
+        next_check, answered = 0.0, time.monotonic()
         while not self.stop.is_set():
+            now = time.monotonic()
+            if now >= next_check:  # Ray's driver would wait a minute for a head that restarted anew
+                next_check = now + _HEALTH_EVERY_S
+                why = probe(self.cfg.address, _HEALTH_EVERY_S)
+                if why is None:
+                    answered = now
+                elif now - answered >= _GCS_LOST_S:
+                    return self.down(f"lost the Ray cluster: {why}")
             with self.lock:
                 fills = dict(self.refs)
                 starts = {a.where_ref: a for a in self.actors.values() if a.where_ref is not None}
@@ -423,7 +437,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from prefetchd.executors import raybridge  # under its own name: the messages' tags pickle as its
+    # under its own name, so that the messages' tags pickle as the daemon knows them
+    from prefetchd.executors import raybridge
 
     code = raybridge.main(sys.argv[1:])
     sys.stdout.flush()

@@ -76,6 +76,7 @@ class RayPool:
         self._seq = 0
         self._relaunch_at: float | None = None
         self._said: str | None = None  # the last failure said in the log
+        self._lost = False  # the cluster was lost and is not back: tries that cannot reach it are not said again
         self._stopped = False
         self._tail: deque = deque(maxlen=_TAIL_LINES)  # the bridge's stderr (Ray's own messages)
 
@@ -123,9 +124,13 @@ class RayPool:
         self.workers = {}
         self.state = (f"unavailable: {why}; making batches with local workers"
                       + (f"; trying again every {self.cfg.retry_s:g} s" if again else ""))
-        if why != self._said:  # said once; the status keeps saying it
+        quiet = self._lost and why.startswith(("cannot reach", "no answer"))
+        if why != self._said and not quiet:  # said once; the status keeps saying it
             log.warning("ray: %s", self.state)
             self._said = why
+        else:
+            log.debug("ray: %s", self.state)
+        self._lost = self._lost or lost_cluster
         if again:
             delay = min(_FIRST_RETRY_S, self.cfg.retry_s) if lost_cluster else self.cfg.retry_s
             self._relaunch_at = time.monotonic() + delay
@@ -154,7 +159,8 @@ class RayPool:
         redo = f"; {len(lost)} batches it held are made again" if lost else ""
         if self._down is not None:
             why, retry = self._down
-            self._fail(why + redo, lost_cluster=bool(self.workers) or bool(lost), retry=retry)
+            self._fail(why + redo, lost_cluster=why.startswith("lost the Ray cluster") or bool(self.workers),
+                       retry=retry)
             return lost
         was_up = bool(self.workers) or self._inited
         self.bridge_deaths += 1
@@ -247,8 +253,8 @@ class RayPool:
                     log.info("ray: worker(s) %s restarting or dropped; %d ready", sorted(gone), len(ready))
             self.workers = dict(ready)
             self.state = state
-            if ready and self._said is not None:
-                self._said = None
+            if ready:
+                self._said, self._lost = None, False
             if ready:
                 log.info("ray: %s", state)
         elif kind == Msg.INIT:
