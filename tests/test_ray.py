@@ -299,8 +299,10 @@ def test_the_head_killed_mid_stream_leaves_the_daemon_serving_and_it_rejoins_the
     old = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head_args)
     new = None
     try:
+        old.add_node(**NODE, temp_dir=ray_temp_dir)  # its actor lives on after the head: the driver still waits on it
+        old.wait_for_nodes()
         d = daemon_factory(cfg)
-        wait_until(lambda: "2 workers on 1 node(s)" in _ray_status(buf).get("state", ""), 120, "both actors up")
+        wait_until(lambda: "2 workers on 2 node(s)" in _ray_status(buf).get("state", ""), 120, "both actors up")
 
         def kill_head():
             old.head_node.kill_gcs_server()

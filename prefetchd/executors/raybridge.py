@@ -113,7 +113,8 @@ def _fmt(need: dict[str, float]) -> str:
 
 
 def probe(address: str, timeout_s: float) -> str | None:
-    """A quick TCP check of a host:port address, so a dead head fails in a second."""
+    """A quick TCP check of a host:port address, so a dead head fails in a second: why it does
+    not answer, or None."""
     if address == "auto" or "://" in address or ":" not in address:
         return None
     host, _, port = address.rpartition(":")
@@ -121,7 +122,7 @@ def probe(address: str, timeout_s: float) -> str | None:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, timeout_s)):
             return None
     except (OSError, ValueError) as e:
-        return f"cannot reach the Ray cluster at {address} ({getattr(e, 'strerror', None) or e})"
+        return str(getattr(e, "strerror", None) or e)
 
 
 def reason(e: BaseException) -> str:
@@ -232,7 +233,7 @@ class Bridge:
         cfg = self.cfg
         why = probe(cfg.address, cfg.connect_timeout_s)
         if why:
-            return self.down(why)
+            return self.down(f"cannot reach the Ray cluster at {cfg.address} ({why})")
         try:
             import ray
         except ImportError:
@@ -319,7 +320,7 @@ class Bridge:
                 if why is None:
                     answered = now
                 elif now - answered >= _GCS_LOST_S:
-                    return self.down(f"lost the Ray cluster: {why}")
+                    return self.down(f"lost the Ray cluster at {self.cfg.address}: its head does not answer ({why})")
             with self.lock:
                 fills = dict(self.refs)
                 starts = {a.where_ref: a for a in self.actors.values() if a.where_ref is not None}

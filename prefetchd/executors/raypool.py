@@ -247,10 +247,6 @@ class RayPool:
                 lost.append(task)
         elif kind == Msg.UP:
             _, ready, _waiting, state = msg
-            if self.workers and ready:
-                gone = set(self.workers) - {w for w, _ in ready}
-                if gone:
-                    log.info("ray: worker(s) %s restarting or dropped; %d ready", sorted(gone), len(ready))
             self.workers = dict(ready)
             self.state = state
             if ready:
