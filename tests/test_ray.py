@@ -182,11 +182,17 @@ def test_mixed_executor_and_node_loss(tmp_path, image_root, daemon_factory, clus
                        loader={"epochs": 3})
     buf = str(tmp_path / "buffer")
     d = daemon_factory(cfg)
-    wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "a connected status")
+    wait_until(lambda: "2 workers on 2 node(s)" in _ray_status(buf).get("state", ""), 120, "both actors up")
+    dead = worker.node_id[:12]
+    assert any(w.startswith(dead) for w in _ray_status(buf)["where"])
     c.remove_node(worker)  # a whole node goes away: its actor restarts on the head
     got = collect(cfg, epochs=(0, 1, 2), timeout=180)
     ref, _ = reference_batches(cfg, epochs=3)
     assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+    # the status follows: the dead node's actor is said where it runs now
+    st = wait_until(lambda: (s := _ray_status(buf)).get("workers") == 2 and not any(w.startswith(dead) for w in s["where"])
+                    and s, 60, "the status without the dead node")
+    assert "2 workers on 1 node(s)" in st["state"], st
     assert d.stop() == 0
     cluster[0].add_node(**NODE)  # give the module's later tests their second node back
 

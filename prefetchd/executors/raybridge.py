@@ -56,6 +56,7 @@ _MAX_FAILURES = 3  # consecutive lost batches: an actor that keeps failing is dr
 _PR_SET_PDEATHSIG = 1
 _HEALTH_EVERY_S = 1.0  # the head's GCS port is probed this often...
 _GCS_LOST_S = 2.0  # ...and a head that has not answered for this long is lost: the bridge exits
+_WHERE_EVERY_S = 5.0  # ready actors say where they run this often: one restarted elsewhere is seen
 _UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
 
 
@@ -195,6 +196,7 @@ class _Actor:
     wid: int
     handle: object
     where_ref: object = None  # the pending ``where`` call: the actor is (re)starting
+    check_ref: object = None  # a ``where`` call of a ready actor: where it runs now (a node died?)
     node: str = ""
     tasks: int = 0
     failures: int = 0
@@ -311,9 +313,15 @@ class Bridge:
 
     def _collect(self) -> int:
         ray = self.ray
-        next_check, answered = 0.0, time.monotonic()
+        next_check, next_where, answered = 0.0, time.monotonic() + _WHERE_EVERY_S, time.monotonic()
         while not self.stop.is_set():
             now = time.monotonic()
+            if now >= next_where:
+                next_where = now + _WHERE_EVERY_S
+                with self.lock:
+                    for a in self.actors.values():
+                        if a.where_ref is None and a.check_ref is None:
+                            a.check_ref = a.handle.where.remote()
             if now >= next_check:  # Ray's driver would wait a minute for a head that restarted anew
                 next_check = now + _HEALTH_EVERY_S
                 why = probe(self.cfg.address, _HEALTH_EVERY_S)
@@ -324,7 +332,8 @@ class Bridge:
             with self.lock:
                 fills = dict(self.refs)
                 starts = {a.where_ref: a for a in self.actors.values() if a.where_ref is not None}
-            refs = list(fills) + list(starts)
+                checks = {a.check_ref: a for a in self.actors.values() if a.check_ref is not None}
+            refs = list(fills) + list(starts) + list(checks)
             if not refs:
                 self.stop.wait(_WAIT_S)
                 continue
@@ -335,6 +344,8 @@ class Bridge:
             for ref in ready:
                 if ref in starts:
                     why = self._started(starts[ref], ref)
+                elif ref in checks:
+                    why = self._checked(checks[ref], ref)
                 else:
                     why = self._finished(*fills[ref], ref)
                 if why:
@@ -343,10 +354,28 @@ class Bridge:
                 self._up()
         return 0
 
+    def _checked(self, a: _Actor, ref) -> None:
+        try:
+            node = self.ray.get(ref)
+        except Exception:  # it died: it restarts (where, the next ``where`` says)
+            node = None
+        with self.lock:
+            a.check_ref = None
+            if node is None and a.where_ref is None and self.actors.get(a.wid) is a:
+                a.where_ref = a.handle.where.remote()
+            elif node is not None:
+                a.node = node
+
     def _started(self, a: _Actor, ref) -> str | None:
         try:
             a.node = self.ray.get(ref)
-        except Exception as e:  # its constructor failed (an unreadable dataset): it is dead
+        except Exception as e:
+            if a.node and a.failures + 1 < _MAX_FAILURES:  # it was up: it restarts; ask again
+                a.failures += 1
+                with self.lock:
+                    a.where_ref = a.handle.where.remote()
+                return None
+            # its constructor failed (an unreadable dataset), or it keeps dying: it is dropped
             with self.lock:
                 del self.actors[a.wid]
                 left = len(self.actors)
