@@ -152,6 +152,7 @@ def test_a_storage_outage_on_the_cluster_waits_for_the_storage_and_keeps_the_act
     ref = _reference_digest(cfg)
     d = daemon_factory(cfg)
     wait_until(lambda: "stopping the local stand-ins" in d.log(), 120, "the remote workers taking over")
+    wait_until(lambda: _ray_status(buf).get("workers") == 2, 120, "both actors up (they start one by one)")
     got = {}
     try:
         with PrefetchClient(cfg, timeout=120, as_numpy=True) as cl:
@@ -213,7 +214,8 @@ def test_unreachable_cluster_means_local_workers_and_a_status_saying_so(tmp_path
 def test_dataset_not_readable_on_the_cluster_is_said_clearly(tmp_path, image_root, daemon_factory, cluster):
     c, _ = cluster
     cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {
-        "address": c.loopback_address, "workers": 1, "path_map": {image_root: "/nonexistent/imagenet"}, **LOOP}})
+        "address": c.loopback_address, "workers": 1, "path_map": {image_root: "/nonexistent/imagenet"}, "retry_s": 1,
+        **LOOP}})
     buf = str(tmp_path / "buffer")
     d = daemon_factory(cfg)
     got = collect(cfg, timeout=120)  # made locally meanwhile
@@ -221,7 +223,10 @@ def test_dataset_not_readable_on_the_cluster_is_said_clearly(tmp_path, image_roo
     st = wait_until(lambda: "unavailable" in _ray_status(buf).get("state", "") and _ray_status(buf), 120,
                     "an unavailable status")
     assert "cannot read the dataset" in st["state"] and "/nonexistent/imagenet" in st["state"]
+    wait_until(lambda: _ray_status(buf)["bridge"]["starts"] >= 3, 120, "three tries")
     assert d.stop() == 0
+    assert d.log().count("cannot read the dataset") == 1, d.log()  # said once, not at every retry_s
+    assert not _live_actors(c)
 
 
 def test_a_cluster_that_comes_up_later_is_joined(tmp_path, image_root, daemon_factory):

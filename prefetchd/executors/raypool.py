@@ -79,6 +79,7 @@ class RayPool:
         self._lost = False  # the cluster was lost and is not back: tries that cannot reach it are not said again
         self._stopped = False
         self._tail: deque = deque(maxlen=_TAIL_LINES)  # the bridge's stderr (Ray's own messages)
+        self._timers: list[threading.Timer] = []
 
     # --- the bridge -----------------------------------------------------------------------------
 
@@ -86,6 +87,7 @@ class RayPool:
         self._launch()
 
     def _launch(self) -> None:
+        # from the loop's thread only: the bridge dies with the thread that started it (PR_SET_PDEATHSIG)
         self._relaunch_at = None
         self._inited = False
         self._down = None
@@ -114,9 +116,16 @@ class RayPool:
         self._timer(self._deadline)
 
     def _timer(self, at: float) -> None:
-        t = threading.Timer(max(0.0, at - time.monotonic()) + 0.05, self.wake)
+        """Wake the loop at ``at`` (a deadline or a retry is due); cancelled by ``stop``."""
+        self._timers = [t for t in self._timers if t.is_alive()]
+        t = threading.Timer(max(0.0, at - time.monotonic()) + 0.05, self._wake_unless_stopped)
         t.daemon = True
         t.start()
+        self._timers.append(t)
+
+    def _wake_unless_stopped(self) -> None:
+        if not self._stopped:  # after stop the loop's wake pipe may be closed
+            self.wake()
 
     def _fail(self, why: str, lost_cluster: bool, retry: bool = True) -> None:
         """The bridge is gone (or never came): local workers go on; a new bridge after a while."""
@@ -271,17 +280,18 @@ class RayPool:
         cluster); kill it if it does not within ``_STOP_TIMEOUT_S`` (Ray then removes the actors
         of the dead driver)."""
         self._stopped = True
+        for t in self._timers:
+            t.cancel()
         if self._proc is None:
             return
         proc = self._proc
-        try:
-            self._conn.send((Msg.STOP,))
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=_STOP_TIMEOUT_S if self._inited else 0.5)
-        except subprocess.TimeoutExpired:
-            helpers.send_signal(proc.pid, self._pidfd, signal.SIGKILL)
+        if self._inited:  # it may have actors: it kills them (before that, the start may still be being sent)
+            try:
+                self._conn.send((Msg.STOP,))
+                proc.wait(timeout=_STOP_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        helpers.send_signal(proc.pid, self._pidfd, signal.SIGKILL)  # gone by now, or nothing of it to keep
         self._bridge_gone()
 
 
