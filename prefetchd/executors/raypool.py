@@ -47,6 +47,7 @@ _FIRST_RETRY_S = 1.0  # a cluster that was working and was lost is tried again t
 _STOP_TIMEOUT_S = 10.0  # a bridge told to stop (it kills its actors) is killed after this
 _START_SLACK_S = 15.0  # starting Python and importing ray, before connect_timeout_s counts
 _TAIL_LINES = 20
+_PARTIAL_GRACE_S = 10.0  # some actors up, others not yet: local stand-ins keep serving this long
 
 
 class RayPool:
@@ -80,6 +81,8 @@ class RayPool:
         self._stopped = False
         self._tail: deque = deque(maxlen=_TAIL_LINES)  # the bridge's stderr (Ray's own messages)
         self._timers: list[threading.Timer] = []
+        self._waiting = 0  # actors not up (starting, restarting, or waiting for room)
+        self._up_since = 0.0  # when the first actor of this bridge was up
 
     # --- the bridge -----------------------------------------------------------------------------
 
@@ -190,7 +193,11 @@ class RayPool:
 
     @property
     def connected(self) -> bool:
-        return bool(self.workers)
+        """Remote workers serve (``executor: ray`` stops its local stand-ins): every actor is up,
+        or some have been for ``_PARTIAL_GRACE_S`` (the others may wait long for room)."""
+        if not self.workers:
+            return False
+        return not self._waiting or time.monotonic() - self._up_since >= _PARTIAL_GRACE_S
 
     # --- the executor interface -----------------------------------------------------------------------
 
@@ -255,7 +262,10 @@ class RayPool:
                           task.batch, msg[2])
                 lost.append(task)
         elif kind == Msg.UP:
-            _, ready, _waiting, state = msg
+            _, ready, self._waiting, state = msg
+            if ready and not self.workers:
+                self._up_since = now
+                self._timer(now + _PARTIAL_GRACE_S)  # the loop looks at ``connected`` again then
             self.workers = dict(ready)
             self.state = state
             if ready:
