@@ -326,7 +326,7 @@ def test_the_head_killed_mid_stream_leaves_the_daemon_serving_and_it_rejoins_the
                         "the lost cluster said")
         assert "local workers" in st["state"] and f"trying again every {retry_s} s" in st["state"], st
         time.sleep(2 * retry_s)  # tries that fail while the head is down: not said again
-        said = [line for line in d.log().splitlines() if "WARNING prefetchd.ray" in line]
+        said = [line for line in d.log().splitlines() if " WARNING " in line and "ray: unavailable" in line]
         assert len(said) == 1 and ("lost the Ray cluster" in said[0] or "the Ray bridge" in said[0]), said
         new = ray_cluster_utils.Cluster(initialize_head=True, head_node_args=head_args)  # the same port, free again
         t0 = time.monotonic()

@@ -33,3 +33,12 @@ def test_no_alive_node_and_zero_asks():
     assert "has no alive node" in placement_problem({"CPU": 1.0}, [], "h:1")
     assert worker_needs(RayConfig(num_cpus=0)) == {}
     assert fits({}, {}) > 1000 and fits({"CPU": 1.0}, {"CPU": 2.5}) == 2
+
+
+def test_status_text_names_the_bridge():
+    from prefetchd.format.status import format_status
+
+    text = format_status({"ray": {"state": "unavailable: lost the Ray cluster at h:1", "in_flight": 0, "lost_batches": 2,
+                                  "bridge": {"pid": 123, "starts": 2, "deaths": 1}}}, True)
+    assert "ray: unavailable: lost the Ray cluster at h:1; 0 batches in flight, 2 lost and remade; bridge pid 123, " \
+           "started 2x, died 1x" in text
