@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from prefetchd.core.config import RayConfig
 from prefetchd.executors.raybridge import fits, placement_problem, worker_needs
 
@@ -42,3 +44,36 @@ def test_status_text_names_the_bridge():
                                   "bridge": {"pid": 123, "starts": 2, "deaths": 1}}}, True)
     assert "ray: unavailable: lost the Ray cluster at h:1; 0 batches in flight, 2 lost and remade; bridge pid 123, " \
            "started 2x, died 1x" in text
+
+
+def test_remote_setup_maps_a_tar_dataset_and_checks_only_sizes_there(tmp_path):
+    """The setup an actor gets for a folder of class tars: root moved by path_map, each archive's
+    identity reduced to its size (another node's copy has its own inodes and times)."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    from prefetchd.core.dataset import load_index
+    from prefetchd.core.tarindex import TarIndex
+    from prefetchd.executors.raybridge import remote_setup
+    from prefetchd.executors.worker import WorkerSetup
+
+    root = tmp_path / "tars"
+    root.mkdir()
+    for cls in ("a", "b"):
+        with tarfile.open(root / f"{cls}.tar", "w") as tf:
+            for i in range(2):
+                buf = io.BytesIO()
+                Image.fromarray(np.full((8, 8, 3), i * 50, np.uint8)).save(buf, "JPEG")
+                info = tarfile.TarInfo(f"{cls}_{i}.jpg")
+                info.size = len(buf.getvalue())
+                tf.addfile(info, io.BytesIO(buf.getvalue()))
+    index, _ = load_index(str(root), None, (".jpg",), str(tmp_path / "cache"))
+    assert isinstance(index, TarIndex)
+    setup = WorkerSetup(None, None, index, 0, str(tmp_path / "buf"))
+    mapped = remote_setup(setup, RayConfig(path_map={str(root): "/cluster/tars"})).index
+    assert mapped.root == "/cluster/tars" and len(mapped) == len(index) == 4
+    sizes = [os.path.getsize(root / f"{c}.tar") for c in ("a", "b")]
+    assert sorted(s for ident in mapped.identity for s in ident if s) == sorted(sizes), mapped.identity

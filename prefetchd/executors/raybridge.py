@@ -43,6 +43,7 @@ import time
 from enum import IntEnum
 from multiprocessing.connection import Connection
 
+from prefetchd.core import tarindex
 from prefetchd.core.config import RayConfig
 from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
@@ -144,8 +145,11 @@ def remote_setup(setup: WorkerSetup, cfg: RayConfig) -> WorkerSetup:
     if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
         mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
                                                 for k in ("archive_ids", "block", "size")})
-        # another node's copy has its own inodes: only the sizes are checked there
-        mapped = dataclasses.replace(mapped, identity=tuple((size, 0) for size, _ in mapped.identity))
+        # another node's copy has its own inodes: only the sizes are checked there (main's
+        # tarindex.sizes_only since its 5-field identities; this branch's base has 2 fields)
+        sizes_only = getattr(tarindex, "sizes_only", None)
+        identity = sizes_only(mapped.identity) if sizes_only else tuple((size, 0) for size, _ in mapped.identity)
+        mapped = dataclasses.replace(mapped, identity=identity)
     val = remote_setup(setup.val, cfg) if setup.val is not None else None
     return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 
