@@ -3,98 +3,56 @@
 Each remote worker is a Ray actor holding a ``BatchMaker`` (the same code as a local worker,
 so a batch's bytes do not depend on where it was made). The dataset index travels once through
 Ray's object store, with its root mapped by ``workers.ray.path_map`` to where the cluster's
-nodes see the data. An actor makes the pixels of a batch and returns them through the object
-store; this daemon alone writes the temp file and publishes it, so publishing stays atomic and
-local.
+nodes see the data.
 
-Actors restart when their process or node dies (``max_restarts=-1``); the batches they held
-come back to the daemon as lost and are made again, like a dead local worker's. A batch that
-met unreadable storage is not lost: the actor answers "unavailable" and the daemon waits for
-the storage as it does for a local worker (``executors.storage``). Connecting runs
-on a thread: the daemon starts at once and keeps making batches locally while the cluster is
-being reached, or when it cannot be, and says so in its status (``ray``).
+The daemon is not Ray's driver: Ray ends a driver whose raylet is gone (a head restart takes
+every node's raylet with it), and it must not end the data service. The driver runs in a child
+process, the bridge (``raybridge``), which this class starts and talks to over a socket pair,
+as the pool talks to a local worker. The bridge writes each remote batch as a temp file (named
+with its pid); this daemon publishes it, so publishing stays atomic and local.
+
+Faults: actors restart when their process or node dies (``max_restarts=-1``); the batches
+they held come back as lost and are made again, like a dead local worker's. A batch that met
+unreadable storage is not lost: the actor answers "unavailable" and the daemon waits for the
+storage as for a local worker (``executors.storage``). A bridge that exits or dies (the
+cluster is gone, Ray ended its driver, ``connect_timeout_s`` passed without an answer) is said
+in one line and in the status (``ray``); its batches are made again, its temp files removed,
+the daemon goes on with local workers and starts a new bridge after ``retry_s`` (the first
+time after a working cluster was lost: after at most ``_FIRST_RETRY_S``). A reason said
+once is not said again at every try (the status keeps it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 from prefetchd.core.config import RayConfig
-from prefetchd.core.tarindex import TarIndex, sizes_only
-from prefetchd.executors.builders import Packed
-from prefetchd.executors.storage import StorageUnavailable
-from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
-from prefetchd.format.batchfile import BatchMeta, segment_fingerprint
-from prefetchd.format.progress import VAL_LANE
+from prefetchd.executors import helpers
+from prefetchd.executors.raybridge import Msg
+from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, tmp_name
 
 log = logging.getLogger("prefetchd.ray")
 
-_WAIT_S = 0.1
-_MAX_FAILURES = 3
-_UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
-
-
-@dataclass
-class RemoteWorker:
-    wid: int
-    actor: object
-    node: str = "?"
-    tasks: deque = field(default_factory=deque)  # (task, t0, ref)
-    ready: bool = True
-    busy_s: float = 0.0
-    failures: int = 0  # consecutive lost batches: an actor that keeps failing is dropped
-
-
-def _actor_class(ray):
-    @ray.remote(max_restarts=-1, max_task_retries=0)
-    class BatchActor:
-        def __init__(self, setup: WorkerSetup, worker_id: int):
-            from prefetchd.executors.worker import BatchMaker
-
-            root = setup.index.root
-            probe = setup.index.archive(0) if isinstance(setup.index, TarIndex) else setup.index.path(0)
-            if not os.access(probe, os.R_OK):
-                raise RuntimeError(f"this node ({os.uname().nodename}) cannot read the dataset: {probe} "
-                                   f"(root {root}); mount it there or set workers.ray.path_map")
-            self.maker = BatchMaker(setup, worker_id)
-            self.val_maker = BatchMaker(setup.val, worker_id) if setup.val is not None else None
-
-        def where(self) -> str:
-            return ray.get_runtime_context().get_node_id()[:12] + ":" + str(os.getpid())
-
-        def fill(self, epoch, indices, crashers, where, val=False):
-            """The whole batch file as bytes (``where``: its rank, batch number, batches in the
-            epoch and, for a resumed epoch's segment, its offset). ``val``: a validation lane's
-            batch, made by the actor's second maker."""
-            maker = self.val_maker if val else self.maker
-            for i, reason in crashers:
-                maker.bad.setdefault(i, reason)
-            t0 = time.perf_counter()
-            rank, batch, batches, *offset = where
-            fingerprint = segment_fingerprint(maker.fingerprint, epoch, offset[0] if offset else 0)
-            builder = maker.builder_for(epoch, batch)
-            try:
-                _, used, labels, replaced, quarantined = maker.fill(epoch, indices, builder)
-            except StorageUnavailable as e:  # the storage's, not the actor's: the daemon waits, as for a local worker
-                return _UNAVAILABLE, str(e)
-            data = builder.pack(BatchMeta(rank, epoch, batch, batches, fingerprint), used, labels, replaced)
-            return data, used, labels, replaced, quarantined, time.perf_counter() - t0
-
-    return BatchActor
+_FIRST_RETRY_S = 1.0  # a cluster that was working and was lost is tried again this soon, then every retry_s
+_STOP_TIMEOUT_S = 10.0  # a bridge told to stop (it kills its actors) is killed after this
+_START_SLACK_S = 15.0  # starting Python and importing ray, before connect_timeout_s counts
+_TAIL_LINES = 20
+_PARTIAL_GRACE_S = 10.0  # some actors up, others not yet: local stand-ins keep serving this long
 
 
 class RayPool:
     """Remote workers behind the executor interface of ``pool.Pool`` (``idle``, ``submit``,
-    ``results``, ``waitables``, ``stop``); results arrive on a thread that wakes the loop."""
+    ``results``, ``waitables``, ``stop``), through a bridge process."""
 
     def __init__(self, cfg: RayConfig, setup: WorkerSetup, max_in_flight: int, wake: Callable[[], None],
                  worker_id: int = 9999):
@@ -102,241 +60,267 @@ class RayPool:
         self.setup = setup
         self.max_in_flight = max_in_flight
         self.wake = wake
+        self.worker_id = worker_id  # names the temp files the bridge writes for remote batches
         self.state = "connecting"
-        self.workers: dict[int, RemoteWorker] = {}
-        self.restarts = 0
-        self._lock = threading.Lock()
-        self._done: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._connecting = threading.Lock()
-        self._collecting = False
-        self._threads: list[threading.Thread] = []
-        self._ray = None
-        self.worker_id = worker_id  # names the temp files this daemon writes for remote batches
+        self.workers: dict[int, str] = {}  # ready actors: wid -> where (node:pid)
+        self.restarts = 0  # batches lost and made again
+        self.bridge_starts = 0
+        self.bridge_deaths = 0  # bridges that exited without being told to (the cluster was lost)
+        self._busy_s = 0.0
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._pidfd: int | None = None
+        self._inited = False  # the bridge's driver is connected
+        self._down: tuple[str, bool] | None = None  # what the bridge said before exiting
+        self._deadline = 0.0  # no INIT by then: the bridge is killed
+        self._in_flight: dict[int, tuple[Task, float]] = {}  # seq -> (task, sent at)
+        self._seq = 0
+        self._relaunch_at: float | None = None
+        self._said: str | None = None  # the last failure said in the log
+        self._lost = False  # the cluster was lost and is not back: tries that cannot reach it are not said again
+        self._stopped = False
+        self._tail: deque = deque(maxlen=_TAIL_LINES)  # the bridge's stderr (Ray's own messages)
+        self._timers: list[threading.Timer] = []
+        self._waiting = 0  # actors not up (starting, restarting, or waiting for room)
+        self._up_since = 0.0  # when the first actor of this bridge was up
 
-    # --- connecting -----------------------------------------------------------------------------
+    # --- the bridge -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        t = threading.Thread(target=self._connect, name="prefetchd-ray-connect", daemon=True)
-        t.start()
-        self._threads.append(t)
-        timer = threading.Timer(self.cfg.connect_timeout_s, self._give_up)
-        timer.daemon = True
-        timer.start()
-        self._threads.append(timer)
+        self._launch()
 
-    def _give_up(self) -> None:
-        if self.state == "connecting":  # ray.init cannot be cancelled; if it ever returns, we go on
-            self._fail(f"no answer from the Ray cluster at {self.cfg.address} within "
-                       f"{self.cfg.connect_timeout_s:.0f} s (workers.ray.connect_timeout_s)", retry=False)
-
-    def _probe(self) -> str | None:
-        """A quick TCP check of a host:port address, so a dead head fails in a second."""
-        addr = self.cfg.address
-        if addr == "auto" or "://" in addr or ":" not in addr:
-            return None
-        host, _, port = addr.rpartition(":")
+    def _launch(self) -> None:
+        # from the loop's thread only: the bridge dies with the thread that started it (PR_SET_PDEATHSIG)
+        self._relaunch_at = None
+        self._inited = False
+        self._down = None
+        self.workers = {}
+        ours, theirs = socket.socketpair()
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=min(5.0, self.cfg.connect_timeout_s)):
-                return None
-        except (OSError, ValueError) as e:
-            return f"cannot reach the Ray cluster at {addr} ({getattr(e, 'strerror', None) or e})"
-
-    def _connect(self) -> None:
-        if self._stop.is_set() or not self._connecting.acquire(blocking=False):
-            return  # stopping, or a connection attempt is already under way
-        try:
-            self._connect_once()
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "prefetchd.executors.raybridge", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE)
+        except OSError as e:
+            ours.close()
+            self._fail(f"cannot start the Ray bridge process ({e.strerror or e})", lost_cluster=False)
+            return
         finally:
-            self._connecting.release()
+            theirs.close()
+        self.bridge_starts += 1
+        self._conn = Connection(ours.detach())
+        self._pidfd = helpers.pidfd_open(self._proc.pid)
+        self._deadline = time.monotonic() + _START_SLACK_S + self.cfg.connect_timeout_s
+        self._tail = deque(maxlen=_TAIL_LINES)
+        conn, proc, tail = self._conn, self._proc, self._tail
+        start = (Msg.START, self.cfg, self.setup, self.worker_id)
+        threading.Thread(target=_send_start, args=(conn, start), name="prefetchd-ray-start", daemon=True).start()
+        threading.Thread(target=_read_stderr, args=(proc, tail), name="prefetchd-ray-stderr", daemon=True).start()
+        self._timer(self._deadline)
 
-    def _connect_once(self) -> None:
-        try:
-            import ray
-        except ImportError:
-            self._fail("ray is not installed (pip install 'prefetchd[ray]')", retry=False)
-            return
-        why = self._probe()
-        if why:
-            self._fail(why)
-            return
-        try:
-            extra = {"_node_ip_address": self.cfg.node_ip_address} if self.cfg.node_ip_address else {}
-            ray.init(address=self.cfg.address, namespace="prefetchd", log_to_driver=False,
-                     ignore_reinit_error=True, include_dashboard=False, logging_level=logging.WARNING, **extra)
-        except Exception as e:  # unreachable, refused, version mismatch: the daemon goes on locally
-            try:
-                ray.shutdown()  # whatever half of ray.init happened, so the next try starts clean
-            except Exception:  # pragma: no cover - best effort
-                pass
-            self._fail(f"cannot reach the Ray cluster at {self.cfg.address} ({type(e).__name__}: {e})")
-            return
-        self._ray = ray
-        try:
-            remote_setup = self._remote_setup(self.setup)
-            actor_cls = _actor_class(ray)
-            opts = {"num_cpus": self.cfg.num_cpus, "resources": dict(self.cfg.resources), "scheduling_strategy": "SPREAD"}
-            # held for the pool's life: a restarting actor gets its constructor arguments from it
-            self._setup_ref = ray.put(remote_setup)
-            actors = [actor_cls.options(**opts).remote(self._setup_ref, 1000 + i) for i in range(self.cfg.workers)]
-            where = ray.get([a.where.remote() for a in actors], timeout=max(60.0, self.cfg.connect_timeout_s))
-        except Exception as e:
-            self._fail(f"Ray workers could not start ({type(e).__name__}: {_reason(e)})")
-            return
-        with self._lock:
-            for i, (a, w) in enumerate(zip(actors, where, strict=True)):
-                self.workers[i] = RemoteWorker(i, a, node=w)
-            self.state = f"connected to {self.cfg.address}: {len(actors)} workers on {len({w.split(':')[0] for w in where})} node(s)"
-        log.info("ray: %s", self.state)
-        if not self._collecting:
-            self._collecting = True
-            t = threading.Thread(target=self._collect, name="prefetchd-ray-collect", daemon=True)
-            t.start()
-            self._threads.append(t)
-        self.wake()
+    def _timer(self, at: float) -> None:
+        """Wake the loop at ``at`` (a deadline or a retry is due); cancelled by ``stop``."""
+        self._timers = [t for t in self._timers if t.is_alive()]
+        t = threading.Timer(max(0.0, at - time.monotonic()) + 0.05, self._wake_unless_stopped)
+        t.daemon = True
+        t.start()
+        self._timers.append(t)
 
-    def _fail(self, why: str, retry: bool = True) -> None:
-        again = retry and self.cfg.retry_s > 0 and not self._stop.is_set()
+    def _wake_unless_stopped(self) -> None:
+        if not self._stopped:  # after stop the loop's wake pipe may be closed
+            self.wake()
+
+    def _fail(self, why: str, lost_cluster: bool, retry: bool = True) -> None:
+        """The bridge is gone (or never came): local workers go on; a new bridge after a while."""
+        again = retry and self.cfg.retry_s > 0 and not self._stopped
+        self.workers = {}
         self.state = (f"unavailable: {why}; making batches with local workers"
-                      + (f"; trying again every {self.cfg.retry_s:.0f} s" if again else ""))
-        log.warning("ray: %s", self.state)
+                      + (f"; trying again every {self.cfg.retry_s:g} s" if again else ""))
+        quiet = self._lost and why.startswith(("cannot reach", "no answer"))
+        if why != self._said and not quiet:  # said once; the status keeps saying it
+            log.warning("ray: %s", self.state)
+            self._said = why
+        else:
+            log.debug("ray: %s", self.state)
+        self._lost = self._lost or lost_cluster
         if again:
-            timer = threading.Timer(self.cfg.retry_s, self._connect)
-            timer.daemon = True
-            timer.start()
+            delay = min(_FIRST_RETRY_S, self.cfg.retry_s) if lost_cluster else self.cfg.retry_s
+            self._relaunch_at = time.monotonic() + delay
+            self._timer(self._relaunch_at)
         self.wake()
+
+    def _bridge_gone(self) -> list[Task]:
+        """Reap the bridge; its batches are lost (made again), its temp files removed."""
+        proc, pid = self._proc, self._proc.pid
+        try:
+            code = proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            helpers.send_signal(pid, self._pidfd, signal.SIGKILL)
+            code = proc.wait()
+        self._close()
+        lost = [task for task, _ in self._in_flight.values()]
+        for task in lost:
+            try:
+                os.unlink(os.path.join(self.setup.buffer_dir, tmp_name(task, self.worker_id, pid)))
+            except OSError:
+                pass
+        self._in_flight.clear()
+        self.restarts += len(lost)
+        if self._stopped:
+            return lost
+        redo = f"; {len(lost)} batches it held are made again" if lost else ""
+        if self._down is not None:
+            why, retry = self._down
+            self._fail(why + redo, lost_cluster=why.startswith("lost the Ray cluster") or bool(self.workers),
+                       retry=retry)
+            return lost
+        was_up = bool(self.workers) or self._inited
+        self.bridge_deaths += 1
+        last = next((line for line in reversed(self._tail) if line.strip()), "")
+        how = helpers.describe_exit(code)
+        why = (f"the Ray bridge (pid {pid}, Ray's driver) {how}" + (f" (its last words: {last.strip()[:200]})"
+                                                                    if last else "") + redo)
+        self._said = None  # always said: the cluster was lost (or never answered)
+        self._fail(why, lost_cluster=was_up)
+        return lost
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self._conn = self._pidfd = self._proc = None
 
     @property
     def connected(self) -> bool:
-        return self.state.startswith("connected")
+        """Remote workers serve (``executor: ray`` stops its local stand-ins): every actor is up,
+        or some have been for ``_PARTIAL_GRACE_S`` (the others may wait long for room)."""
+        if not self.workers:
+            return False
+        return not self._waiting or time.monotonic() - self._up_since >= _PARTIAL_GRACE_S
 
-    # --- work ------------------------------------------------------------------------------------
+    # --- the executor interface -----------------------------------------------------------------------
 
     def idle(self) -> int:
         """Free task slots."""
-        with self._lock:
-            return sum(max(0, self.max_in_flight - len(w.tasks)) for w in self.workers.values())
+        return max(0, len(self.workers) * self.max_in_flight - len(self._in_flight))
 
     def submit(self, task: Task) -> bool:
-        with self._lock:
-            ws = [w for w in self.workers.values() if len(w.tasks) < self.max_in_flight]
-            if not ws:
-                return False
-            w = min(ws, key=lambda w: len(w.tasks))
-            where = (task.rank, task.batch, task.batches_in_epoch, task.offset)
-            ref = w.actor.fill.remote(task.epoch, task.indices, task.crashers, where, task.rank >= VAL_LANE)
-            w.tasks.append((task, time.monotonic(), ref))
+        if not self.idle() or self._conn is None:
+            return False
+        self._seq += 1
+        try:
+            self._conn.send((Msg.TASK, self._seq, task))
+        except OSError:  # the bridge is dying: results() says so
+            return False
+        self._in_flight[self._seq] = (task, time.monotonic())
         return True
 
     def waitables(self) -> list:
-        return []  # the collecting thread wakes the loop
+        return [] if self._conn is None else [self._conn] + ([self._pidfd] if self._pidfd is not None else [])
 
     def results(self) -> tuple[list[Result], list[Task]]:
-        return self.drain(self.setup.buffer_dir, self.worker_id)
-
-    def _collect(self) -> None:
-        ray = self._ray
-        while not self._stop.is_set():
-            with self._lock:
-                refs = {ref: (w, task, t0) for w in self.workers.values() for task, t0, ref in w.tasks}
-            if not refs:
-                self._stop.wait(_WAIT_S)
-                continue
-            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=_WAIT_S, fetch_local=True)
-            for ref in ready:
-                w, task, t0 = refs[ref]
-                try:
-                    value = ray.get(ref)
-                    self._done.put(("ok", task, value))
-                    w.failures = 0
-                except Exception as e:  # the actor or its node died: made again elsewhere
-                    self._done.put(("lost", task, e))
-                    w.failures += 1
-                with self._lock:
-                    w.tasks = deque(x for x in w.tasks if x[2] is not ref)
-                    w.busy_s += time.monotonic() - t0
-                    if w.failures >= _MAX_FAILURES and self.workers.get(w.wid) is w:
-                        del self.workers[w.wid]
-                        log.error("ray: worker %d (%s) lost %d batches in a row; dropping it (%d remote workers left)",
-                                  w.wid, w.node, w.failures, len(self.workers))
-                        if not self.workers:
-                            threading.Thread(target=self._fail, args=("every Ray worker failed",), daemon=True).start()
-            if ready:
-                self.wake()
-
-    def drain(self, buffer_dir: str, worker_id: int) -> tuple[list[Result], list[Task]]:
-        """Finished remote batches, written here as temp files; and the lost ones."""
+        """Finished remote batches (temp files the bridge wrote) and lost ones; does not block."""
         results: list[Result] = []
         lost: list[Task] = []
-        while True:
+        now = time.monotonic()
+        if self._conn is not None:
+            gone = False
             try:
-                kind, task, value = self._done.get_nowait()
-            except queue.Empty:
-                return results, lost
-            if kind == "lost":
-                self.restarts += 1
-                log.error("ray: batch r%d e%d b%d was lost (%s: %s); making it again", task.rank, task.epoch,
-                          task.batch, type(value).__name__, _first_line(value))
-                lost.append(task)
-                continue
-            if value[0] == _UNAVAILABLE:  # what worker_main answers for a StorageUnavailable
-                results.append(Result(task.rank, task.epoch, task.batch, None, error=value[1], unavailable=True))
-                continue
-            data, used, labels, replaced, quarantined, seconds = value
-            setup = self.setup.val if task.rank >= VAL_LANE else self.setup
-            results.append(write_temp(buffer_dir, task, setup.fingerprint, worker_id, Packed(data), used, labels,
-                                      replaced, list(quarantined), seconds))
+                while self._conn.poll(0):
+                    self._handle(self._conn.recv(), results, lost, now)
+            except (EOFError, OSError):
+                gone = True
+            except Exception as e:  # noqa: BLE001 -- a message that cannot be read: a broken bridge
+                log.error("ray: unreadable message from the Ray bridge (%s: %s); killing it", type(e).__name__, e)
+                helpers.send_signal(self._proc.pid, self._pidfd, signal.SIGKILL)
+                gone = True
+            if gone or (self._pidfd is not None and helpers.has_exited(self._pidfd)):
+                lost += self._bridge_gone()
+            elif not self._inited and now > self._deadline:
+                log.debug("ray: the bridge did not connect in time; killing it")
+                helpers.send_signal(self._proc.pid, self._pidfd, signal.SIGKILL)
+                self._down = (f"no answer from the Ray cluster at {self.cfg.address} within "
+                              f"{self.cfg.connect_timeout_s:g} s (workers.ray.connect_timeout_s)", True)
+                lost += self._bridge_gone()
+        elif self._relaunch_at is not None and now >= self._relaunch_at and not self._stopped:
+            self._launch()
+        return results, lost
 
-    def _remote_setup(self, setup: WorkerSetup) -> WorkerSetup:
-        """The setup as a remote node sees it: the index held in memory, its root mapped by path_map
-        (the validation stream's too)."""
-        index = setup.index
-        mapped = dataclasses.replace(index, root=self.cfg.map_path(index.root), files_dir=None,
-                                     blob=index.blob.copy(), offsets=index.offsets.copy(), labels=index.labels.copy())
-        if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
-            mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
-                                                    for k in ("archive_ids", "block", "size")})
-            # another node's copy has its own inodes: only the sizes are checked there
-            mapped = dataclasses.replace(mapped, identity=sizes_only(mapped.identity))
-        val = self._remote_setup(setup.val) if setup.val is not None else None
-        return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
+    def _handle(self, msg: tuple, results: list, lost: list, now: float) -> None:
+        kind = msg[0]
+        if kind == Msg.DONE:
+            task, t0 = self._in_flight.pop(msg[1], (None, now))
+            if task is not None:
+                self._busy_s += now - t0
+                results.append(msg[2])
+        elif kind == Msg.LOST:
+            task, _ = self._in_flight.pop(msg[1], (None, now))
+            if task is not None:
+                self.restarts += 1
+                log.error("ray: batch r%d e%d b%d was lost (%s); making it again", task.rank, task.epoch,
+                          task.batch, msg[2])
+                lost.append(task)
+        elif kind == Msg.UP:
+            _, ready, self._waiting, state = msg
+            if ready and not self.workers:
+                self._up_since = now
+                self._timer(now + _PARTIAL_GRACE_S)  # the loop looks at ``connected`` again then
+            self.workers = dict(ready)
+            self.state = state
+            if ready:
+                self._said, self._lost = None, False
+            if ready:
+                log.info("ray: %s", state)
+        elif kind == Msg.INIT:
+            self._inited = True
+        elif kind == Msg.DOWN:
+            self._down = (msg[1], msg[2])
+        elif kind == Msg.LOG:
+            log.log(msg[1], "ray: %s", msg[2])
 
     def status(self) -> dict:
-        with self._lock:
-            return {"state": self.state, "workers": len(self.workers), "lost_batches": self.restarts,
-                    "where": [w.node for w in self.workers.values()],
-                    "in_flight": sum(len(w.tasks) for w in self.workers.values()),
-                    "busy_s": sum(w.busy_s for w in self.workers.values())}
+        return {"state": self.state, "workers": len(self.workers), "lost_batches": self.restarts,
+                "where": list(self.workers.values()), "in_flight": len(self._in_flight), "busy_s": self._busy_s,
+                "bridge": {"pid": self._proc.pid if self._proc is not None else None, "starts": self.bridge_starts,
+                           "deaths": self.bridge_deaths}}
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._ray is not None:
-            with self._lock:
-                actors = [w.actor for w in self.workers.values()]
-                self.workers.clear()
-            for a in actors:
-                try:
-                    self._ray.kill(a)
-                except Exception:  # already gone
-                    pass
+        """Tell the bridge to stop (it kills its actors, placed or pending, and leaves the
+        cluster); kill it if it does not within ``_STOP_TIMEOUT_S`` (Ray then removes the actors
+        of the dead driver)."""
+        self._stopped = True
+        for t in self._timers:
+            t.cancel()
+        if self._proc is None:
+            return
+        proc = self._proc
+        if self._inited:  # it may have actors: it kills them (before that, the start may still be being sent)
             try:
-                self._ray.shutdown()
-            except Exception:  # pragma: no cover - teardown must not fail the stop
+                self._conn.send((Msg.STOP,))
+                proc.wait(timeout=_STOP_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
+        helpers.send_signal(proc.pid, self._pidfd, signal.SIGKILL)  # gone by now, or nothing of it to keep
+        self._bridge_gone()
 
 
-def _reason(e: BaseException) -> str:
-    """The line of a Ray error that says what went wrong (its cause), else its first line."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    for line in reversed(lines):
-        if "RuntimeError:" in line or "cannot read" in line:
-            return line
-    return lines[0] if lines else type(e).__name__
+def _send_start(conn: Connection, msg: tuple) -> None:
+    """The set-up (the whole index) to a new bridge, off the loop's thread."""
+    try:
+        conn.send(msg)
+    except OSError:  # it died first: results() says so
+        pass
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""
+def _read_stderr(proc: subprocess.Popen, tail: deque) -> None:
+    """Ray's own messages on the bridge's stderr: kept for the line that says why it died, and
+    logged at debug level (its stack dumps never fill the daemon's log)."""
+    for raw in iter(proc.stderr.readline, b""):
+        line = raw.decode(errors="replace").rstrip()
+        tail.append(line)
+        log.debug("ray bridge: %s", line)
+    proc.stderr.close()
 
 
 __all__ = ["RayPool", "Quarantined"]

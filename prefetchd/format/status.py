@@ -149,7 +149,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
     ]
     if s.get("ray"):
         r = s["ray"]
-        lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade")
+        b = r.get("bridge") or {}  # the process that is Ray's driver (executors/raybridge.py)
+        lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade"
+                     + (f"; bridge pid {b.get('pid')}, started {b.get('starts', 0)}x, died {b.get('deaths', 0)}x" if b else ""))
     if s.get("val_bytes") is not None:
         lines.append(f"  of max_bytes, train holds {s.get('train_bytes', 0) / 2**20:,.2f} MiB, validation "
                      f"{s['val_bytes'] / 2**20:,.2f} MiB")

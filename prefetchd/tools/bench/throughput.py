@@ -79,7 +79,7 @@ def stop_daemon(proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: dict, work: str,
-               parent: str, capacity: int = 16, workers_extra: dict | None = None) -> dict:
+               parent: str, capacity: int = 16, workers_extra: dict | None = None, daemon_src: str | None = None) -> dict:
     from prefetchd_client import PrefetchClient
 
     run = tempfile.mkdtemp(prefix="run-", dir=work)
@@ -90,8 +90,11 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
                  extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}, "workers": workers_extra or {}})
     log = open(os.path.join(run, "daemon.log"), "wb")
     t_start = time.monotonic()
+    env = dict(os.environ)
+    if daemon_src:  # an A/B run: the daemon from another source tree (cwd=run: not ours first)
+        env["PYTHONPATH"] = daemon_src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=run)
     try:
         _daemon_started(proc, buffer, os.path.join(run, "daemon.log"))
         import psutil
@@ -384,8 +387,9 @@ def index_scale(root: str, n: int, work: str, workers: int) -> dict:
 
 
 def ray_vs_local(root: str, workers: int, batch: int, args, aug: dict, work: str) -> list[dict]:
-    """The same daemon run with local workers and with as many Ray actors on a one-node cluster
-    of the same cores (started here, on loopback), alternating, ``--repeats`` times."""
+    """The same daemon run with local workers, with as many Ray actors on a one-node cluster of
+    the same cores (started here, on loopback), and mixed (both), alternating, ``--repeats``
+    times; with ``--daemon-src``, also Ray with the daemon from that tree (an A/B of the driver)."""
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
     from ray.cluster_utils import Cluster
 
@@ -393,17 +397,21 @@ def ray_vs_local(root: str, workers: int, batch: int, args, aug: dict, work: str
                                                             "object_store_memory": 512 * 2**20})
     rows = []
     try:
-        remote = {"executor": "ray", "ray": {"address": cluster.address, "workers": workers,
-                                             "node_ip_address": "127.0.0.1", "connect_timeout_s": 120}}
+        ray_cfg = {"address": cluster.address, "workers": workers, "node_ip_address": "127.0.0.1",
+                   "connect_timeout_s": 120}
+        kinds = {"local": {}, "ray": {"executor": "ray", "ray": ray_cfg},
+                 "mixed": {"executor": "mixed", "count": workers, "ray": ray_cfg}}
         for rep in range(args.repeats):
-            local = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args))
-            ray_ = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args), workers_extra=remote)
-            per_batch_ms = 1000 * workers * batch * (1 / ray_["img_s"] - 1 / local["img_s"])
-            rows.append({"local_img_s": local["img_s"], "ray_img_s": ray_["img_s"], "added_ms_per_batch": per_batch_ms,
-                         "ray_first_batch_s": ray_["first_batch_s"]})
-            print(f"[{rep + 1}/{args.repeats}] local {local['img_s']:,.0f} img/s | ray {ray_['img_s']:,.0f} img/s = "
-                  f"{ray_['img_s'] / local['img_s']:.2f} x local | added time per batch of {batch}: "
-                  f"{per_batch_ms:+.0f} ms | ray's first batch {ray_['first_batch_s']:.2f} s", flush=True)
+            row = {}
+            for kind, extra in kinds.items():
+                row[kind] = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args),
+                                       workers_extra=extra)["img_s"]
+            if args.daemon_src:
+                row["ray_other_src"] = daemon_run(root, workers, batch, args.epochs, aug, work, _buffer_parent(args),
+                                                  workers_extra=kinds["ray"], daemon_src=args.daemon_src)["img_s"]
+            rows.append(row)
+            print(f"[{rep + 1}/{args.repeats}] " + " | ".join(
+                f"{k} {v:,.0f} img/s ({v / row['local']:.2f} x local)" for k, v in row.items()), flush=True)
     finally:
         cluster.shutdown()
     return rows
