@@ -27,6 +27,7 @@ import subprocess
 import sys
 import textwrap
 
+import aptools
 import pytest
 from conftest import small_config, wait_until
 
@@ -110,29 +111,6 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def _install() -> None:
-    """slurm-wlm and munge with apt, as root, without starting their services on this host."""
-    if not shutil.which("apt-get"):
-        pytest.skip(f"{', '.join(t for t in TOOLS if not shutil.which(t))} missing and no apt-get to install "
-                    "slurm-wlm and munge")
-    policy = pathlib.Path("/usr/sbin/policy-rc.d")
-    ours = not policy.exists()
-    if ours:
-        policy.write_text("#!/bin/sh\nexit 101\n")  # invoke-rc.d / deb-systemd-invoke: start nothing
-        policy.chmod(0o755)
-    try:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for cmd in (["apt-get", "update", "-q"],
-                    ["apt-get", "install", "-y", "-q", "--no-install-recommends", "slurm-wlm", "munge"]):
-            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-            if r.returncode:
-                last = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["?"]
-                pytest.skip(f"cannot install slurm-wlm and munge: `{' '.join(cmd)}` failed: {last[0]}")
-    finally:
-        if ours:
-            policy.unlink()
-
-
 def _set_pdeathsig() -> None:  # the namespace goes if pytest dies (unshare --kill-child does the rest)
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
@@ -190,8 +168,7 @@ def cluster(tmp_path_factory):
     for tool in ("unshare", "nsenter", "ip"):
         if not shutil.which(tool):
             pytest.skip(f"{tool} is missing (util-linux, iproute2)")
-    if not all(shutil.which(t) for t in TOOLS):
-        _install()
+    aptools.ensure({t: "munge" if t == "munged" else "slurm-wlm" for t in TOOLS})
     logs = tmp_path_factory.mktemp("slurm")
     c = Cluster(logs)
     try:
