@@ -78,6 +78,7 @@ class Model:
         """The samples of rank ``r``'s next batch (a new ``for`` at an epoch's end starts the next)."""
         e, b, o = self._norm(r)
         self.pos[r] = (e, b + 1, o)
+        self.pos[r] = self._norm(r)  # the last batch of an epoch moves the loader to the next one
         return self.geo.sampler().batch_indices(e, r, b, o).tolist()
 
     def epoch_after_next(self, r: int) -> int:
@@ -261,7 +262,7 @@ class Walk:
             self.note("save")
             self.save()
         elif move == "seek":
-            e = rng.randrange(EPOCHS)
+            e = m.pos[0][0] if rng.random() < 0.5 else rng.randrange(EPOCHS)  # within the epoch, or any
             b = rng.randrange(m.end_of(0) + 1)
             self.note(f"seek({e}, {b})")
             self.seek(e, b)

@@ -480,14 +480,23 @@ class Config:
         # batch file written, renamed and deleted (about 4% of a core, measured)
         return self.progress.dir or os.path.join(self.buffer.dir, "progress")
 
-    def stream_fingerprint(self) -> str:
+    def stream_fingerprint(self, **loader: Any) -> str:
         """Hash of every setting that changes the bytes of the batch stream (the dataset's own
-        fingerprint is added by the daemon). Worker count, capacity and paths are not in it."""
+        fingerprint is added by the daemon). Worker count, capacity and paths are not in it.
+        ``loader``: other values of ``batch_size``, ``drop_last`` or ``world_size`` (a job that
+        cut the same samples otherwise, whose state a resume checks)."""
+        keys = ("batch_size", "seed", "shuffle", "drop_last", "world_size")
         d = {
-            "loader": {k: getattr(self.loader, k) for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")},
+            "loader": {k: loader.get(k, getattr(self.loader, k)) for k in keys},
             "augment": self.augment.stream_dict(),
         }
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    def stream_id(self, dataset_fingerprint: str, **loader: Any) -> str:
+        """16 hex digits naming the batch stream: ``stream_fingerprint`` and the dataset's (the
+        daemon's ``fingerprint`` in meta.json and in every state)."""
+        text = f"{self.stream_fingerprint(**loader)}|{dataset_fingerprint}"
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
