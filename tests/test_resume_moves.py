@@ -4,6 +4,9 @@ one state after another, a state's own geometry checked, rank 0's state on every
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import yaml
 from conftest import small_config, wait_until
@@ -89,3 +92,104 @@ def test_a_record_into_another_segmentation_is_a_jump_even_in_the_same_session()
     assert s.apply(0, Progress(0, 0, 2, session="a"), 0.0) is None  # back within a session: a stale copy
     move = s.apply(0, Progress(0, 0, 2, session="a"), 0.0, jump=True)
     assert (move.epoch, move.batch, move.consumed) == (0, 2, 0)
+
+
+# --- a state is checked as the job that saved it cut the epoch (item 2) ---------------------------------
+
+
+def _real_two_rank_state(loader: PrefetchClient, batch: int) -> dict:
+    """``_two_rank_state`` as ``state_dict()`` writes it today: its stream and drop_last too."""
+    fp = loader.cfg.stream_id(loader.meta()["dataset_fingerprint"], world_size=2, batch_size=5, drop_last=True)
+    return {**_two_rank_state(loader, batch), "fingerprint": fp, "drop_last": True}
+
+
+@pytest.mark.parametrize("bad, refused", [
+    ({"batch": 50, "_sampler_iter_state": {"epoch": 0, "batch": 50}},
+     "batch 50 of epoch 0, which has 4 batches in the job of world_size 2, batch_size 5 that saved it: past its end"),
+    ({"world_size": 0}, "world_size must be positive, got 0"),
+    ({"batch_size": 0}, "batch_size must be positive, got 0"),
+    ({"fingerprint": "0123456789abcdef"}, "is for stream 0123456789abcdef, which is not this dataset's at world_size 2"),
+    ({"drop_last": False}, "which is not this dataset's at world_size 2, batch_size 5"),
+])
+def test_a_state_of_another_world_size_is_checked_in_its_own_geometry(one_rank, bad, refused):
+    loader, _ = one_rank
+    good = _real_two_rank_state(loader, 2)
+    with pytest.raises(PrefetchError, match=refused):
+        loader.load_state_dict({**good, **bad})
+    assert (loader.epoch, loader.batch, loader.state_dict()["offset"]) == (0, 0, 0)  # nothing moved
+    loader.load_state_dict({**good, "batch": 4, "_sampler_iter_state": {"epoch": 0, "batch": 4}})  # its last
+    assert (loader.epoch, loader.batch) == (0, 0) and loader.state_dict()["offset"] == 40
+
+
+def test_a_state_without_drop_last_finds_it_by_its_fingerprint(tmp_path, image_root, daemon_factory):
+    cfg = _config(tmp_path, "one", image_root, world=1, batch=6)
+    daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=15, as_numpy=True) as loader:
+        fp = loader.cfg.stream_id(loader.meta()["dataset_fingerprint"], world_size=3, batch_size=7, drop_last=False)
+        state = {**_two_rank_state(loader, 0), "world_size": 3, "batch_size": 7, "fingerprint": fp}
+        # 16 samples per rank of 3: 3 batches of 7 with the short tail kept (2 with drop_last)
+        loader.load_state_dict({**state, "batch": 2, "_sampler_iter_state": {"epoch": 0, "batch": 2}})
+        assert loader.state_dict()["offset"] == 42
+        with pytest.raises(PrefetchError, match="batch 4 of epoch 0, which has 3 batches"):
+            loader.load_state_dict({**state, "batch": 4, "_sampler_iter_state": {"epoch": 0, "batch": 4}})
+
+
+# --- one rule: rank 0's state on every rank, at the same world size too (item 5) ------------------------
+
+
+def test_rank_0s_state_resumes_every_rank_at_the_same_world_size(tmp_path, image_root, daemon_factory):
+    cfg = _config(tmp_path, "two", image_root, world=2, batch=5)
+    daemon_factory(cfg)
+    loaders = [PrefetchClient(cfg, rank=r, timeout=15, as_numpy=True) for r in range(2)]
+    try:
+        for ld in loaders:
+            it = iter(ld)
+            next(it)
+            next(it)
+            it.close()
+        saved = loaders[0].state_dict()
+        assert saved["_num_yielded"] == 2
+        for ld in loaders:
+            ld.seek(1, 3)
+            ld.load_state_dict(saved)  # rank 0's, on rank 1 too
+        two = Sampler(N, 5, SEED, world_size=2)
+        assert [_next_indices(ld) for ld in loaders] == [two.batch_indices(0, r, 2).tolist() for r in range(2)]
+    finally:
+        for ld in loaders:
+            ld.close()
+
+
+# --- smaller (item 6) ---------------------------------------------------------------------------------
+
+
+def test_a_resumed_rank_is_said_in_its_own_numbering_and_counts_the_whole_epoch(one_rank):
+    loader, buf = one_rank
+    loader.load_state_dict(_real_two_rank_state(loader, 2))  # from sample 20: 28 left, 4 batches of 6
+    loader.prefetch = 1
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert (state["batch"], state["offset"], state["_num_yielded"]) == (1, 20, 8 - 4 + 1)
+
+    def rank0():
+        try:
+            with open(os.path.join(buf, "status.json")) as f:
+                return json.load(f)["ranks"]["0"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    # the reader reads a batch or two ahead of the trainer: the rank reads batch 1 to 3 of its segment
+    at = wait_until(lambda: (rank0() or {}).get("offset") == 20 and rank0()["position"][1] >= 1 and rank0(), 30,
+                    "status.json to show the rank in its segment")
+    assert at["position"][0] == 0 and 1 <= at["position"][1] < 4, at  # the daemon's own numbering: 5 to 7
+    it.close()
+
+
+def test_a_train_state_into_another_ranks_val_loader_names_the_split(tmp_path, image_root):
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                       validation={"enabled": True, "root": image_root, "batch_size": 4})
+    with PrefetchClient(cfg, rank=1, split="val", timeout=15, as_numpy=True) as v:
+        train0 = {"epoch": 0, "batch": 1, "rank": 0, "world_size": 2, "fingerprint": "0123456789abcdef",
+                  "split": "train"}
+        with pytest.raises(PrefetchError, match="split='train' loader's, this client reads split='val'"):
+            v.load_state_dict(train0)

@@ -20,6 +20,7 @@ def status_record(d) -> dict:
     ranks = {}
     for r in d.ranks:
         rs = d.planner.rank_status(r)
+        rs.update(d.segments.user_position(r, rs.get("position")))  # in a resumed epoch: its segment's batch
         seen = d.sessions.last_seen.get(r)
         rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
                   gpu_fallbacks=d.sessions.gpu_fallbacks[r],

@@ -84,6 +84,14 @@ class WholeEpochs:
     def planner_key(self, r: int, e: int, b: int, offset: int) -> tuple[Key, bool]:
         return (r, e, b), offset == 0
 
+    def user_position(self, r: int, position) -> dict:
+        """A planner position ``[epoch, batch]`` of rank ``r`` as its trainer numbers it (the batch of
+        its resumed epoch's segment, and the segment's ``offset``), for status.json and messages."""
+        if position is None:
+            return {}
+        _, e, b, o = self.real((r, *position))
+        return {"position": [e, b], "offset": o}
+
     def discard(self, planner: Planner, key: Key, tmp_path: str | None) -> None:
         """A result of a segmentation no longer read: its file goes, the planner is told (``stale``)."""
         planner.stale(key)
