@@ -249,7 +249,8 @@ class Walk:
         W = m.geo.world
         moves = {"next": 30, "next3": 12, "break": 6, "save": 10, "seek": 8, "set_epoch": 8, "load": 10,
                  "refuse": 6, "restart": 2, "regeo": 3, "wrong_then_right": 3}
-        move = rng.choices(*zip(*((k, w) for k, w in moves.items() if k not in OMIT)))[0]
+        names = [k for k in moves if k not in OMIT]
+        move = rng.choices(names, [moves[k] for k in names])[0]
         r = rng.randrange(W)
         if move in ("next", "next3"):
             for _ in range(1 if move == "next" else 3):

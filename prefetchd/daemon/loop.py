@@ -32,7 +32,6 @@ until ``stopguard.STOP_TOTAL_S``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import select
