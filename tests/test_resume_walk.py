@@ -216,9 +216,7 @@ class Walk:
     def restart(self) -> None:
         self.iters.clear()
         assert self.daemon.stop() == 0
-        self.daemon = self.start(self.config(self.model.geo))
-        for ld in self.loaders:
-            ld.meta(refresh=True)
+        self.daemon = self.start(self.config(self.model.geo))  # the trainers go on as they are
 
     def regeo(self, geo: Geo, how: str) -> None:
         """The job restarts at another world and batch size and resumes its last step."""
