@@ -53,9 +53,21 @@ class PrefetchValLoader:
 
 
 class PrefetchTrainLoader(PrefetchValLoader):
-    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
-    state is this rank's position, of which the checkpoint (which rank 0 writes) keeps rank 0's,
-    and every rank loads it. Lightning saves and restores it as it does a StatefulDataLoader."""
+    """The client as Lightning's train dataloader. Iteration is the client's; the state is this
+    rank's position, of which the checkpoint (which rank 0 writes) keeps rank 0's, and every rank
+    loads it. Lightning saves and restores it as it does a StatefulDataLoader.
+
+    Lightning ends an epoch when its count of the epoch's batches reaches ``len()``, and restores
+    that count from the checkpoint. A checkpoint of another world or batch size counted other
+    batches: after loading, the count is set to the batches of this job's epoch the loader stands
+    after (``_num_yielded``), and ``len()`` is a whole epoch's, so the two meet at the epoch's end."""
+
+    def __init__(self, client: PrefetchClient, trainer: Any = None):
+        super().__init__(client)
+        self.trainer = trainer
+
+    def __len__(self) -> int:
+        return self.client.batches_per_epoch
 
     def state_dict(self) -> dict[str, Any]:
         return {"ranks": [self.client.state_dict()]}
@@ -65,6 +77,10 @@ class PrefetchTrainLoader(PrefetchValLoader):
         # rank 0's is among them), at this world size or another
         states = sorted(state["ranks"], key=lambda s: int(s.get("rank", 0)))
         self.client.load_state_dict(states[0])
+        if self.trainer is not None:
+            done = self.client.state_dict()["_num_yielded"]
+            current = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            current.ready = current.started = current.processed = current.completed = done
 
 
 class PrefetchDataModule(L.LightningDataModule):
@@ -91,7 +107,7 @@ class PrefetchDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> PrefetchTrainLoader:
         assert self.train is not None, "setup() opens the loader"
-        return PrefetchTrainLoader(self.train)
+        return PrefetchTrainLoader(self.train, self.trainer)
 
     def val_dataloader(self) -> PrefetchValLoader | list:
         """The validation stream, one pass per ``iter()``; empty without ``validation.enabled``."""
