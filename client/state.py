@@ -80,7 +80,7 @@ class LoaderState:
             raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
         self._check_state_split(state)
         if self._resharded(world, saved_batch_size):
-            epoch, offset = self._reshard(state, epoch, batch, offset, world, saved_batch_size, allow_unverified)
+            epoch, offset = self._reshard(state, epoch, batch, offset, world, saved_batch_size)
             return self._seek(epoch, 0, offset)
         if world is not None and world != self.world_size:
             raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
@@ -99,7 +99,7 @@ class LoaderState:
             world != self.world_size or (batch_size is not None and batch_size != self.batch_size))
 
     def _reshard(self, state: Mapping, epoch: int, batch: int, offset: int, world: int,
-                 batch_size: int | None, allow_unverified: bool = False) -> tuple[int, int]:
+                 batch_size: int | None) -> tuple[int, int]:
         """Where a state saved at ``world`` x ``batch_size`` goes on here, as ``(epoch, offset)``:
         the samples of its epoch not consumed globally (its ``batch`` steps of ``world x
         batch_size`` samples each, from its own ``offset``) are shared out among this config's
@@ -115,7 +115,7 @@ class LoaderState:
             raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
                                 f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
                                 "same epoch: start the loader afresh or use the old config")
-        drop_last = self._saved_drop_last(state, world, batch_size, allow_unverified)
+        drop_last = self._saved_drop_last(state, world, batch_size)
         self._check_offset(epoch, offset)
         L = self.cfg.loader
         theirs = Sampler(self._sampler().num_samples, batch_size, L.seed, L.shuffle, drop_last, world)
@@ -130,15 +130,17 @@ class LoaderState:
                  "" if batch_size == self.batch_size else f", batch size {self.batch_size} (saved at {batch_size})")
         return new
 
-    def _saved_drop_last(self, state: Mapping, world: int, batch_size: int, allow_unverified: bool) -> bool:
+    def _saved_drop_last(self, state: Mapping, world: int, batch_size: int) -> bool:
         """The saving job's ``drop_last``, checked with its ``fingerprint``: the stream of this
-        dataset at that job's world size, batch size and drop_last (this config's other settings)."""
+        dataset at that job's world size, batch size and drop_last (this config's other settings).
+        Unknown (an older state naming no stream): False, the longer epoch, so no position of
+        either is refused."""
         said = state.get("drop_last")
         if said is not None and not isinstance(said, bool):
             raise PrefetchError(f"not a prefetchd loader state (drop_last must be true or false, got {said!r})")
         fp, dataset = state.get("fingerprint"), self.meta().get("dataset_fingerprint")
         if not fp or dataset is None:  # nothing to compare (the samples are: sample_fingerprint), or a
-            return self.drop_last if said is None else said  # daemon before meta.json's dataset_fingerprint
+            return bool(said)  # daemon before meta.json's dataset_fingerprint
         for d in (said,) if said is not None else (self.drop_last, not self.drop_last):
             if self.cfg.stream_id(dataset, world_size=world, batch_size=batch_size, drop_last=d) == fp:
                 return d
