@@ -13,7 +13,7 @@ daemon restart, a change of world and batch size. After each move a rank's next 
 the samples the model predicts (and a sample's pixels in an epoch never change), within the
 loader's timeout; every refused state must be refused with a message and move nothing.
 
-``make test`` runs a bounded walk (``PREFETCHD_WALK_STEPS``, default 160 moves). The soak:
+``make test`` runs a bounded walk (``PREFETCHD_WALK_STEPS``, default 120 moves). The soak:
 ``PREFETCHD_WALK_STEPS=3000 PREFETCHD_WALK_SEED=5 pytest tests/test_resume_walk.py``.
 """
 
@@ -32,7 +32,7 @@ from prefetchd.core.sampler import Sampler
 
 N = 48  # conftest's image_root
 SEED = 7  # small_config's loader.seed
-STEPS = int(os.environ.get("PREFETCHD_WALK_STEPS", "160"))
+STEPS = int(os.environ.get("PREFETCHD_WALK_STEPS", "120"))
 WALK_SEED = int(os.environ.get("PREFETCHD_WALK_SEED", "29"))
 TIMEOUT_S = float(os.environ.get("PREFETCHD_WALK_TIMEOUT_S", "20"))
 # moves (and "other_rank_same_world": loading rank 0's or another rank's state at the same world

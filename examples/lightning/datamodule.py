@@ -59,7 +59,7 @@ class PrefetchTrainLoader(PrefetchValLoader):
 
     Lightning ends an epoch when its count of the epoch's batches reaches ``len()``, and restores
     that count from the checkpoint. A checkpoint of another world or batch size counted other
-    batches: after loading, the count is set to the batches of this job's epoch the loader stands
+    batches: after loading, the count is moved to the batches of this job's epoch the loader stands
     after (``_num_yielded``), and ``len()`` is a whole epoch's, so the two meet at the epoch's end."""
 
     def __init__(self, client: PrefetchClient, trainer: Any = None):
@@ -77,10 +77,11 @@ class PrefetchTrainLoader(PrefetchValLoader):
         # rank 0's is among them), at this world size or another
         states = sorted(state["ranks"], key=lambda s: int(s.get("rank", 0)))
         self.client.load_state_dict(states[0])
-        if self.trainer is not None:
-            done = self.client.state_dict()["_num_yielded"]
+        if self.trainer is not None:  # Lightning's restored count, moved (all its fields alike) to the loader's
             current = self.trainer.fit_loop.epoch_loop.batch_progress.current
-            current.ready = current.started = current.processed = current.completed = done
+            shift = self.client.state_dict()["_num_yielded"] - current.ready
+            current.ready, current.started = current.ready + shift, current.started + shift
+            current.processed, current.completed = current.processed + shift, current.completed + shift
 
 
 class PrefetchDataModule(L.LightningDataModule):
