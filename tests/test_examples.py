@@ -106,7 +106,7 @@ def test_imagenet_example_under_torchrun_resumes_with_the_straight_runs_batches(
     _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--max-steps", "3",
                          "--log-batches", str(resumed_log)], cwd=str(tmp_path))
     stopped = torch.load(ckpt, weights_only=True)
-    assert [s["rank"] for s in stopped["loader"]] == [0, 1]
+    assert [s["rank"] for s in stopped["loader"]] == [0]  # rank 0's state, which every rank loads
     assert all((s["epoch"], s["batch"]) == (0, 3) for s in stopped["loader"])
     r = _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--resume", str(ckpt),
                              "--log-batches", str(resumed_log)], cwd=str(tmp_path))
