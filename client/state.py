@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from prefetchd.core.sampler import Sampler
+from prefetchd.format import status
 
 from .common import _STATE_FORMAT, PrefetchError
 
@@ -142,7 +143,8 @@ class LoaderState:
         if not fp or dataset is None:  # nothing to compare (the samples are: sample_fingerprint), or a
             return bool(said)  # daemon before meta.json's dataset_fingerprint
         for d in (said,) if said is not None else (self.drop_last, not self.drop_last):
-            if self.cfg.stream_id(dataset, world_size=world, batch_size=batch_size, drop_last=d) == fp:
+            if status.stream_id(self.cfg.stream_fingerprint(world_size=world, batch_size=batch_size, drop_last=d),
+                                dataset) == fp:
                 return d
         raise PrefetchError(f"this loader state is for stream {fp}, which is not this dataset's at world_size {world}, "
                             f"batch_size {batch_size} with this config's seed and augment settings (the daemon "

@@ -14,6 +14,7 @@ from prefetchd_client import PrefetchClient, PrefetchError
 from test_daemon import published
 
 from prefetchd.core.sampler import Sampler
+from prefetchd.format.status import stream_id
 
 N = 48  # conftest's image_root
 SEED = 7  # small_config's loader.seed
@@ -99,7 +100,8 @@ def test_a_record_into_another_segmentation_is_a_jump_even_in_the_same_session()
 
 def _real_two_rank_state(loader: PrefetchClient, batch: int) -> dict:
     """``_two_rank_state`` as ``state_dict()`` writes it today: its stream and drop_last too."""
-    fp = loader.cfg.stream_id(loader.meta()["dataset_fingerprint"], world_size=2, batch_size=5, drop_last=True)
+    fp = stream_id(loader.cfg.stream_fingerprint(world_size=2, batch_size=5, drop_last=True),
+                   loader.meta()["dataset_fingerprint"])
     return {**_two_rank_state(loader, batch), "fingerprint": fp, "drop_last": True}
 
 
@@ -125,7 +127,8 @@ def test_a_state_without_drop_last_finds_it_by_its_fingerprint(tmp_path, image_r
     cfg = _config(tmp_path, "one", image_root, world=1, batch=6)
     daemon_factory(cfg)
     with PrefetchClient(cfg, timeout=15, as_numpy=True) as loader:
-        fp = loader.cfg.stream_id(loader.meta()["dataset_fingerprint"], world_size=3, batch_size=7, drop_last=False)
+        fp = stream_id(loader.cfg.stream_fingerprint(world_size=3, batch_size=7, drop_last=False),
+                       loader.meta()["dataset_fingerprint"])
         state = {**_two_rank_state(loader, 0), "world_size": 3, "batch_size": 7, "fingerprint": fp}
         # 16 samples per rank of 3: 3 batches of 7 with the short tail kept (2 with drop_last)
         loader.load_state_dict({**state, "batch": 2, "_sampler_iter_state": {"epoch": 0, "batch": 2}})

@@ -483,20 +483,10 @@ class Config:
     def stream_fingerprint(self, **loader: Any) -> str:
         """Hash of every setting that changes the bytes of the batch stream (the dataset's own
         fingerprint is added by the daemon). Worker count, capacity and paths are not in it.
-        ``loader``: other values of ``batch_size``, ``drop_last`` or ``world_size`` (a job that
-        cut the same samples otherwise, whose state a resume checks)."""
+        ``loader`` overrides batch_size, drop_last or world_size (another job's, for a resume)."""
         keys = ("batch_size", "seed", "shuffle", "drop_last", "world_size")
-        d = {
-            "loader": {k: loader.get(k, getattr(self.loader, k)) for k in keys},
-            "augment": self.augment.stream_dict(),
-        }
+        d = {"loader": {k: loader.get(k, getattr(self.loader, k)) for k in keys}, "augment": self.augment.stream_dict()}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
-
-    def stream_id(self, dataset_fingerprint: str, **loader: Any) -> str:
-        """16 hex digits naming the batch stream: ``stream_fingerprint`` and the dataset's (the
-        daemon's ``fingerprint`` in meta.json and in every state)."""
-        text = f"{self.stream_fingerprint(**loader)}|{dataset_fingerprint}"
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

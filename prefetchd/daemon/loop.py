@@ -575,4 +575,4 @@ def _limits(b) -> Limits:
 
 def stream_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:
     """16 hex digits identifying the batch stream: config settings that change bytes + dataset."""
-    return cfg.stream_id(dataset_fingerprint)
+    return status.stream_id(cfg.stream_fingerprint(), dataset_fingerprint)
