@@ -20,7 +20,6 @@ def status_record(d) -> dict:
     ranks = {}
     for r in d.ranks:
         rs = d.planner.rank_status(r)
-        rs.update(d.segments.user_position(r, rs.get("position")))  # in a resumed epoch: its segment's batch
         seen = d.sessions.last_seen.get(r)
         rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
                   gpu_fallbacks=d.sessions.gpu_fallbacks[r],
@@ -28,6 +27,8 @@ def status_record(d) -> dict:
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0
+    for r in d.ranks:  # a rank in a resumed epoch as its trainer numbers it: the batch of its segment
+        ranks[str(r)].update(d.segments.user_position(r, ranks[str(r)].get("position")))
     respawn = d.pool.respawn_due()  # a worker is missing, replaced after this back-off
     for pid in [os.getpid(), *d.pool.pids()]:
         try:
