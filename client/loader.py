@@ -181,7 +181,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._progress_lock = threading.Lock()
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._jumps = 0
-        self._last_written: tuple[int, int] | None = None
+        self._last_written: tuple[int, int, int] | None = None  # (epoch, batch, offset)
         self._held: object | None = None  # the iteration under way (its token), if any
         self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._said_no_daemon = False  # "no daemon holds the buffer: waiting" said (once)
@@ -230,7 +230,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._held = None  # an iteration this ends leaves the position to this seek
         self.epoch, self.batch = int(epoch), int(batch)
         self._segment = (self.epoch, int(offset)) if offset else None
-        self._write_progress(self.epoch, self.batch)
+        self._write_progress(self.epoch, self.batch, jump=True)
 
     def _offset_of(self, epoch: int) -> int:
         """Where this client's segment of ``epoch`` starts: 0 but in a resumed epoch."""
@@ -449,13 +449,21 @@ class PrefetchClient(LoaderState, BatchFiles):
 
     # --- progress ----------------------------------------------------------------------------------
 
-    def _write_progress(self, epoch: int, batch: int, reader: threading.Event | None = None) -> None:
+    def _write_progress(self, epoch: int, batch: int, reader: threading.Event | None = None,
+                        jump: bool = False) -> None:
+        """Tell the daemon where this rank is. ``jump``: the trainer moved the position (``seek``,
+        ``set_epoch``, ``load_state_dict``), a new session, which the daemon honours whichever way
+        it goes: the client cannot tell backwards from forwards in the daemon's terms (a resumed
+        epoch's segment sits after its epoch's own batches there), so it never has to."""
         with self._progress_lock:
             if reader is not None and reader.is_set():
                 raise _Stopped()  # a stopped reader's report would undo the seek that stopped it
-            if self._last_written is not None and (epoch, batch) < self._last_written:
-                self._jumps += 1  # going back on purpose: a new session tells the daemon it is a jump
-            self._last_written = (epoch, batch)
+            where = (epoch, batch, self._offset_of(epoch))
+            last = self._last_written
+            if jump or (last is not None and (epoch < last[0] or epoch == last[0] and (
+                    where[2] != last[2] or batch < last[1]))):
+                self._jumps += 1  # moved by the trainer, or back, or into another segment: a new session
+            self._last_written = where
             fp = self._fingerprint() if self._meta else ""
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,

@@ -3,11 +3,19 @@
 
 A state names its position (``epoch``, ``batch``; in a resumed epoch the ``offset`` of its segment),
 its stream (``fingerprint``) and ``split``, and what a job at another world or batch size needs to
-go on from it (``world_size``, ``batch_size``, ``sample_fingerprint``). Refused with a message
-saying why: another rank's state at the same world size, another stream's, the other split's, a
-position past the end of its epoch, a state naming no stream (unless ``allow_unverified=True``).
-A state saved at another world size or batch size resumes the rest of its epoch shared out among
-this job's ranks as the sampler shares a whole epoch (``prefetchd.core.sampler``).
+go on from it (``world_size``, ``batch_size``, ``drop_last``, ``sample_fingerprint``).
+
+One rule for which state to load: rank 0's, on every rank, at the same world size or another
+(each rank's own works too). The ranks of a job step in lock-step, so every state of one step
+names the same position; ``rank`` is kept for the record only.
+
+Refused with a message saying why: another stream's state, the other split's, a position past the
+end of its epoch (as the job that saved it cut the epoch: its world size, batch size and
+drop_last), a world or batch size of 0, a state naming no stream (unless
+``allow_unverified=True``). A state saved at another world size or batch size resumes the rest of
+its epoch shared out among this job's ranks as the sampler shares a whole epoch
+(``prefetchd.core.sampler``); its ``fingerprint`` must be the stream of this dataset at its own
+world size, batch size and drop_last (meta.json's ``dataset_fingerprint``).
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from prefetchd.core.sampler import Sampler
+from prefetchd.format import status
 
 from .common import _STATE_FORMAT, PrefetchError
 
@@ -35,43 +44,49 @@ class LoaderState:
         segment starts (0 otherwise); ``world_size``, ``batch_size`` and ``sample_fingerprint`` let
         it resume at another world or batch size."""
         fp = self._fingerprint()
-        return {"_num_yielded": self.batch, "_sampler_iter_yielded": self.batch,
+        # torchdata's count is of the whole epoch: in a resumed epoch the batches before its segment
+        # count as done (this job's epoch length less the segment's), so it ends at len() of a whole one
+        done = self.batch + (self.batches_per_epoch - self._epoch_len(self.epoch) if self._offset_of(self.epoch) else 0)
+        return {"_num_yielded": done, "_sampler_iter_yielded": done,
                 "_sampler_iter_state": {"epoch": self.epoch, "batch": self.batch}, "_iterator_finished": False,
                 "format": _STATE_FORMAT, "epoch": self.epoch, "batch": self.batch, "rank": self.rank,
                 "world_size": self.world_size, "fingerprint": fp, "split": self.split, **self._resume_fields()}
 
     def _resume_fields(self) -> dict:
         """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
-        return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size,
+        return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None}
 
     def load_state_dict(self, state: Mapping, allow_unverified: bool = False) -> None:
         """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
-        fingerprint}``) was. Refuses another rank's state at the same world size, another stream's,
-        the other split's, a position past the end of its epoch, and a state that names no stream
-        (no ``fingerprint``) unless ``allow_unverified=True``. A state saved at another world size or
-        batch size (any rank's: all save the same step) resumes the rest of its epoch shared out
-        among this job's ranks (``_reshard``)."""
+        fingerprint}``) was. Which state: rank 0's, on every rank (any rank's works as well: the
+        ranks of a job step in lock-step, so the states of one step name one position), at the
+        same world size or another. Refuses another stream's state, the other split's, a position
+        past the end of its epoch (counted as the job that saved it cut the epoch), a world or
+        batch size of 0, and a state that names no stream (no ``fingerprint``) unless
+        ``allow_unverified=True``. A state saved at another world size or batch size resumes the
+        rest of its epoch shared out among this job's ranks (``_reshard``)."""
         if not isinstance(state, Mapping):
             raise PrefetchError(f"a loader state is a dict from state_dict(), got {type(state).__name__}")
         pos = state.get("_sampler_iter_state") if isinstance(state.get("_sampler_iter_state"), Mapping) else state
         try:
             epoch, batch = _state_int(pos, "epoch"), _state_int(pos, "batch")
-            rank, world = _state_int(state, "rank", None), _state_int(state, "world_size", None)
-            offset, saved_batch_size = _state_int(state, "offset", 0), _state_int(state, "batch_size", None)
+            world, saved_batch_size = _state_int(state, "world_size", None), _state_int(state, "batch_size", None)
+            _state_int(state, "rank", None)
+            offset = _state_int(state, "offset", 0)
+            for key, v in (("world_size", world), ("batch_size", saved_batch_size)):
+                if v == 0:
+                    raise ValueError(f"{key} must be positive, got 0")
         except ValueError as e:
             raise PrefetchError(f"not a prefetchd loader state ({e}); keys {sorted(map(str, state))}") from None
+        self._check_state_split(state)
         if self._resharded(world, saved_batch_size):
-            self._check_state_split(state)
             epoch, offset = self._reshard(state, epoch, batch, offset, world, saved_batch_size)
             return self._seek(epoch, 0, offset)
-        if rank is not None and rank != self.rank:
-            raise PrefetchError(f"this loader state is rank {state['rank']}'s, not rank {self.rank}'s; "
-                                "load each rank's own state")
         if world is not None and world != self.world_size:
             raise PrefetchError(f"this loader state is from a job of world_size {state['world_size']}, this config "
-                                f"has loader.world_size {self.world_size}; positions do not carry over")
-        self._check_state_split(state)
+                                f"has loader.world_size {self.world_size}; a split={self.split!r} position does not "
+                                "carry over to another world size")
         self._check_state_stream(state, allow_unverified)
         self._check_offset(epoch, offset)
         self._check_state_position(epoch, batch, offset)
@@ -89,7 +104,9 @@ class LoaderState:
         """Where a state saved at ``world`` x ``batch_size`` goes on here, as ``(epoch, offset)``:
         the samples of its epoch not consumed globally (its ``batch`` steps of ``world x
         batch_size`` samples each, from its own ``offset``) are shared out among this config's
-        ranks as a whole epoch is (``core.sampler``); the epochs after it are whole."""
+        ranks as a whole epoch is (``core.sampler``); the epochs after it are whole. The state is
+        checked as its own job cut the stream: its ``fingerprint`` must be that job's stream of
+        this dataset, its position inside that job's epoch."""
         saved, have = state.get("sample_fingerprint"), self.meta().get("sample_fingerprint")
         was = f"world_size {world}" + (f", batch_size {batch_size}" if batch_size is not None else "")
         if not saved or batch_size is None:
@@ -99,13 +116,40 @@ class LoaderState:
             raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
                                 f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
                                 "same epoch: start the loader afresh or use the old config")
-        sampler = self._sampler()
+        drop_last = self._saved_drop_last(state, world, batch_size)
         self._check_offset(epoch, offset)
+        L = self.cfg.loader
+        theirs = Sampler(self._sampler().num_samples, batch_size, L.seed, L.shuffle, drop_last, world)
+        n = theirs.batches_in(offset)
+        if batch > n:
+            raise PrefetchError(f"this loader state is at batch {batch} of epoch {epoch}, which has {n} batches in the "
+                                f"job of {was} that saved it: past its end, so it is no position of that job's stream")
+        sampler = self._sampler()
         new = sampler.resume(epoch, offset, batch, world, batch_size)
         _log.info("resuming epoch %d at sample %d of %d with world size %d (saved at %d)%s", new[0], new[1],
                  sampler.num_samples, self.world_size, world,
                  "" if batch_size == self.batch_size else f", batch size {self.batch_size} (saved at {batch_size})")
         return new
+
+    def _saved_drop_last(self, state: Mapping, world: int, batch_size: int) -> bool:
+        """The saving job's ``drop_last``, checked with its ``fingerprint``: the stream of this
+        dataset at that job's world size, batch size and drop_last (this config's other settings).
+        Unknown (an older state naming no stream): False, the longer epoch, so no position of
+        either is refused."""
+        said = state.get("drop_last")
+        if said is not None and not isinstance(said, bool):
+            raise PrefetchError(f"not a prefetchd loader state (drop_last must be true or false, got {said!r})")
+        fp, dataset = state.get("fingerprint"), self.meta().get("dataset_fingerprint")
+        if not fp or dataset is None:  # nothing to compare (the samples are: sample_fingerprint), or a
+            return bool(said)  # daemon before meta.json's dataset_fingerprint
+        for d in (said,) if said is not None else (self.drop_last, not self.drop_last):
+            if status.stream_id(self.cfg.stream_fingerprint(world_size=world, batch_size=batch_size, drop_last=d),
+                                dataset) == fp:
+                return d
+        raise PrefetchError(f"this loader state is for stream {fp}, which is not this dataset's at world_size {world}, "
+                            f"batch_size {batch_size} with this config's seed and augment settings (the daemon "
+                            f"serving {self.dir} makes samples {self.meta().get('sample_fingerprint')}); it is no "
+                            "state of this dataset: start the loader afresh or use the old config")
 
     def _check_offset(self, epoch: int, offset: int) -> None:
         if offset and offset >= self._sampler().num_samples:

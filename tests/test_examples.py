@@ -106,7 +106,7 @@ def test_imagenet_example_under_torchrun_resumes_with_the_straight_runs_batches(
     _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--max-steps", "3",
                          "--log-batches", str(resumed_log)], cwd=str(tmp_path))
     stopped = torch.load(ckpt, weights_only=True)
-    assert [s["rank"] for s in stopped["loader"]] == [0, 1]
+    assert [s["rank"] for s in stopped["loader"]] == [0]  # rank 0's state, which every rank loads
     assert all((s["epoch"], s["batch"]) == (0, 3) for s in stopped["loader"])
     r = _run(_torchrun(2) + [IMAGENET, resumed_cfg, *common, "--checkpoint", str(ckpt), "--resume", str(ckpt),
                              "--log-batches", str(resumed_log)], cwd=str(tmp_path))
@@ -222,3 +222,77 @@ def test_imagenet_example_resumes_a_two_rank_checkpoint_on_three_ranks(tmp_path,
     epoch1 = [i for x in rest if x["epoch"] == 1 for i in x["indices"]]
     assert sorted(epoch1) == list(range(48))  # then a whole epoch at the new world size
     assert torch.load(ckpt, weights_only=True)["steps"] == 2 + 2 + 4
+
+
+@pytest.mark.parametrize("devices, batch", [(3, 4), (1, 6)], ids=["grow-2-to-3", "shrink-2-to-1"])
+def test_lightning_resumes_a_two_rank_checkpoint_on_another_number_of_devices(tmp_path, image_root, daemon_factory,
+                                                                              devices, batch):
+    pytest.importorskip("lightning", reason="the dev extra installs lightning")
+    # two ranks x batches of 6, a checkpoint after 2 steps: 24 samples of epoch 0 read; the job goes
+    # on with `devices` ranks (the config says so), every rank loading rank 0's state (the rule)
+    two = _stream(tmp_path, "two", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]})
+    other = _stream(tmp_path, "other", image_root, loader={"epochs": 1, "world_size": devices,
+                                                           "ranks": list(range(devices)), "batch_size": batch})
+    log = tmp_path / "batches.jsonl"
+    ddp = ["--accelerator", "cpu", "--max-epochs", "1"]
+    d1 = daemon_factory(two)
+    _run([sys.executable, LIGHTNING, two, *ddp, "--devices", "2", "--strategy", "ddp", "--max-steps", "3",
+          "--save-every-n-steps", "2", "--default-root-dir", str(tmp_path / "l-two"), "--log-batches", str(log)],
+         cwd=str(tmp_path))
+    assert d1.stop() == 0
+    first = [json.loads(line) for line in open(log) if json.loads(line)["step"] < 2]
+    log.unlink()
+    d2 = daemon_factory(other)
+    r = _run([sys.executable, LIGHTNING, other, *ddp, "--devices", str(devices),
+              *(["--strategy", "ddp"] if devices > 1 else []),
+              "--ckpt-path", str(tmp_path / "l-two" / "checkpoints" / "step=2.ckpt"),
+              "--default-root-dir", str(tmp_path / "l-other"), "--log-batches", str(log)], cwd=str(tmp_path))
+    assert d2.stop() == 0
+    assert "the loader stopped at epoch 1 batch 0" in r.stdout, r.stdout
+    rest = [json.loads(line) for line in open(log)]
+    assert sorted({x["rank"] for x in rest}) == list(range(devices))
+    epoch0 = [i for x in first + rest for i in x["indices"]]
+    assert sorted(epoch0) == list(range(48))  # every sample of epoch 0 once across both jobs
+
+
+def test_imagenet_example_stopped_on_an_epochs_last_batch_resumes_with_the_next_epoch(tmp_path, image_root,
+                                                                                      daemon_factory):
+    # one rank, 8 steps per epoch: --max-steps 8 stops on epoch 0's last batch. The epoch is done
+    # (its scheduler step taken, the checkpoint says epoch 1): the resumed run reads epoch 1 only
+    cfg = _stream(tmp_path, "one", image_root, loader={"epochs": 2})
+    ckpt, log = tmp_path / "ckpt.pt", tmp_path / "batches.jsonl"
+    common = [IMAGENET, cfg, "--arch", "tiny", "--epochs", "2", "--checkpoint", str(ckpt), "--log-batches", str(log)]
+    d = daemon_factory(cfg)
+    _run([sys.executable, *common, "--max-steps", "8"], cwd=str(tmp_path))
+    saved = torch.load(ckpt, weights_only=True)
+    assert (saved["epoch"], saved["loader"][0]["epoch"], saved["loader"][0]["batch"]) == (1, 1, 0)
+    assert saved["scheduler"]["last_epoch"] == 1
+    r = _run([sys.executable, *common, "--resume", str(ckpt)], cwd=str(tmp_path))
+    assert d.stop() == 0
+    assert "resumed from" in r.stdout and "at epoch 1" in r.stdout, r.stdout
+    recs = [json.loads(line) for line in open(log)]
+    assert [x["epoch"] for x in recs] == [0] * 8 + [1] * 8  # epoch 0 not replayed
+    assert torch.load(ckpt, weights_only=True)["steps"] == 16
+
+
+def test_imagenet_example_resumes_a_two_rank_checkpoint_on_one_rank(tmp_path, image_root, daemon_factory):
+    # two ranks x batches of 6 stopped after 2 steps (24 samples of epoch 0); one rank goes on with
+    # rank 0's state: the other 24 samples (4 steps of 6), then epoch 1 whole (8 steps)
+    buffer = {"dir": str(tmp_path / "buffer")}
+    two = _stream(tmp_path, "two", image_root, loader={"epochs": 2, "world_size": 2, "ranks": [0, 1]}, buffer=buffer)
+    one = _stream(tmp_path, "one", image_root, loader={"epochs": 2}, buffer=buffer)
+    common = ["--arch", "tiny", "--epochs", "2"]
+    ckpt, log = tmp_path / "ckpt.pt", tmp_path / "batches.jsonl"
+    d1 = daemon_factory(two)
+    _run(_torchrun(2) + [IMAGENET, two, *common, "--checkpoint", str(ckpt), "--max-steps", "2",
+                         "--log-batches", str(log)], cwd=str(tmp_path))
+    assert d1.stop() == 0
+    d2 = daemon_factory(one)
+    r = _run([sys.executable, IMAGENET, one, *common, "--checkpoint", str(ckpt), "--resume", str(ckpt),
+              "--log-batches", str(log)], cwd=str(tmp_path))
+    assert d2.stop() == 0
+    assert "(saved by 2 ranks, continued on 1)" in r.stdout, r.stdout
+    recs = [json.loads(line) for line in open(log)]
+    assert sorted(i for x in recs if x["epoch"] == 0 for i in x["indices"]) == list(range(48))
+    assert sorted(i for x in recs if x["epoch"] == 1 for i in x["indices"]) == list(range(48))
+    assert [x["epoch"] for x in recs[4:]] == [0] * 4 + [1] * 8

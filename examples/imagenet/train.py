@@ -14,8 +14,11 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
 * ``PrefetchClient(..., normalize=True)`` hands over model-ready floats on the device; the loop is
   the DataLoader loop (``for images, target in train_loader``, one epoch per pass).
 * Checkpoints (``--checkpoint``, written atomically by rank 0 after every epoch, and when
-  ``--max-steps`` stops a run early) hold the model, optimizer, scheduler, scaler and every rank's
-  loader ``state_dict()``: ``--resume`` continues from the very next batch, mid-epoch too. On
+  ``--max-steps`` stops a run early) hold the model, optimizer, scheduler, scaler and rank 0's
+  loader ``state_dict()``, which every rank loads (the ranks step in lock-step; the README's
+  rule): ``--resume`` continues from the very next batch, mid-epoch too. The epoch loop starts
+  from ``train_loader.epoch`` (a counter of the script's own that lags the loader, say after a
+  run stopped on an epoch's last batch, would have ``set_epoch`` replay that epoch). On
   another number of ranks (a config whose ``loader.world_size`` is the new job's), it continues
   the epoch with the samples the old job had not reached, shared out among the new ranks, and
   the epochs after it are whole: ``torchrun --nproc-per-node 3 train.py train3.yaml --resume
@@ -244,16 +247,12 @@ def validate(loader, model, criterion, args, amp, device, world: int) -> float:
 
 def save_checkpoint(path: str, epoch: int, model, optimizer, scheduler, scaler, loader, best_acc1: float, args,
                     world: int, rank: int, steps: int) -> None:
-    """Every rank's loader state (all ranks stand at the same step, but each state is its rank's),
-    the rest from rank 0; written by rank 0 to a temporary file and renamed into place."""
-    state = loader.state_dict()
-    if world > 1:
-        states: list = [None] * world
-        dist.all_gather_object(states, state)
-    else:
-        states = [state]
+    """Rank 0's loader state (the ranks step in lock-step: every rank resumes from it, the
+    README's rule) and the rest, from rank 0; written to a temporary file and renamed into place."""
     if rank != 0:
         return
+    state = loader.state_dict()
+    states = [state]  # a list: checkpoints of older versions held every rank's
     module = model.module if hasattr(model, "module") else model
     ckpt = {"epoch": epoch, "arch": args.arch, "model": module.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
@@ -297,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             scaler.load_state_dict(ckpt["scaler"])
         # continues at the very next batch; saved by another number of ranks (all saved the same
         # step), the rest of that epoch is shared out among this job's ranks
-        train_loader.load_state_dict(ckpt["loader"][rank] if ckpt["world_size"] == world else ckpt["loader"][0])
-        start_epoch, best_acc1 = ckpt["epoch"], ckpt["best_acc1"]
+        train_loader.load_state_dict(ckpt["loader"][0])  # rank 0's state on every rank (the README's rule)
+        start_epoch, best_acc1 = train_loader.epoch, ckpt["best_acc1"]
         if rank == 0:
             print(f"=> resumed from {args.resume} at epoch {start_epoch}"
                   + (f" (saved by {ckpt['world_size']} ranks, continued on {world})" if ckpt["world_size"] != world
@@ -306,20 +305,25 @@ def main(argv: list[str] | None = None) -> int:
 
     state = {"steps": ckpt["steps"] if args.resume else 0, "run_steps": 0}
     try:
-        for epoch in range(start_epoch, args.epochs):
+        # the epochs count from the loader's own (as the checkpoint's): a counter of the script's
+        # that fell behind it would have set_epoch seek back to the start of an epoch already read
+        for epoch in range(train_loader.epoch, args.epochs):
             # as DistributedSampler.set_epoch; at the epoch a resumed loader stands in, it keeps its batch
             train_loader.set_epoch(epoch)
-            finished = train_one_epoch(train_loader, model, criterion, optimizer, scaler, epoch, state, args, amp,
-                                       device, rank)
-            if not finished:
+            stopped = not train_one_epoch(train_loader, model, criterion, optimizer, scaler, epoch, state, args, amp,
+                                          device, rank)
+            if train_loader.epoch == epoch:  # --max-steps stopped it inside the epoch
                 save_checkpoint(args.checkpoint, epoch, model, optimizer, scheduler, scaler, train_loader,
                                 best_acc1, args, world, rank, state["steps"])
                 break
+            # the epoch is done (--max-steps may have stopped on its last batch: it is done all the same)
             if val_loader is not None:
                 best_acc1 = max(best_acc1, validate(val_loader, model, criterion, args, amp, device, world))
             scheduler.step()
             save_checkpoint(args.checkpoint, epoch + 1, model, optimizer, scheduler, scaler, train_loader,
                             best_acc1, args, world, rank, state["steps"])
+            if stopped:
+                break
         if dist.is_initialized():
             # leave together: rank 0 may still be writing the checkpoint. Without this, rank 1 died
             # of SIGABRT at exit in 3 of about 30 test runs ("terminate called without an active

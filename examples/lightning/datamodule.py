@@ -14,8 +14,11 @@
 * On a CUDA root device the client copies each batch to the device itself (pinned memory, a side
   stream); Lightning's own transfer is then a no-op. Batches come normalised (float32,
   ImageNet mean and std) unless ``normalize=False``.
-* Lightning keeps the loader's state in its checkpoints (as for a StatefulDataLoader): every
-  rank's position, so ``ckpt_path=`` resumes each rank at its next batch, mid-epoch too.
+* Lightning keeps the loader's state in its checkpoints (as for a StatefulDataLoader): rank 0's
+  position (the ranks step in lock-step, so it is every rank's), and ``ckpt_path=`` resumes every
+  rank from it at its next batch, mid-epoch too; on another number of devices too (a config
+  whose ``loader.world_size`` is the new one): the rest of the epoch is shared out among the new
+  ranks. The README's rule: rank 0's state, loaded on every rank.
 
 * With ``validation.enabled`` in the config, ``val_dataloader`` is the validation stream
   (``PrefetchClient(config, split="val")``): each validation run is one pass, every sample once
@@ -30,7 +33,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-import torch.distributed as dist
 from prefetchd_client import PrefetchClient
 
 
@@ -51,24 +53,35 @@ class PrefetchValLoader:
 
 
 class PrefetchTrainLoader(PrefetchValLoader):
-    """The client as Lightning's train dataloader. Iteration and ``len()`` are the client's; the
-    state holds every rank's position, so that a checkpoint (which rank 0 writes) resumes each
-    rank where it was. Lightning saves and restores it as it does a StatefulDataLoader."""
+    """The client as Lightning's train dataloader. Iteration is the client's; the state is this
+    rank's position, of which the checkpoint (which rank 0 writes) keeps rank 0's, and every rank
+    loads it. Lightning saves and restores it as it does a StatefulDataLoader.
+
+    Lightning ends an epoch when its count of the epoch's batches reaches ``len()``, and restores
+    that count from the checkpoint. A checkpoint of another world or batch size counted other
+    batches: after loading, the count is moved to the batches of this job's epoch the loader stands
+    after (``_num_yielded``), and ``len()`` is a whole epoch's, so the two meet at the epoch's end."""
+
+    def __init__(self, client: PrefetchClient, trainer: Any = None):
+        super().__init__(client)
+        self.trainer = trainer
+
+    def __len__(self) -> int:
+        return self.client.batches_per_epoch
 
     def state_dict(self) -> dict[str, Any]:
-        own = self.client.state_dict()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            states: list = [None] * dist.get_world_size()
-            dist.all_gather_object(states, own)  # Lightning dumps checkpoints on every rank
-        else:
-            states = [own]
-        return {"ranks": states}
+        return {"ranks": [self.client.state_dict()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        by_rank = {int(s["rank"]): s for s in state["ranks"]}
-        if self.client.rank not in by_rank:
-            raise ValueError(f"the checkpoint holds loader states of ranks {sorted(by_rank)}, not of rank {self.client.rank}")
-        self.client.load_state_dict(by_rank[self.client.rank])
+        # rank 0's state on every rank (a checkpoint of an older version holds every rank's:
+        # rank 0's is among them), at this world size or another
+        states = sorted(state["ranks"], key=lambda s: int(s.get("rank", 0)))
+        self.client.load_state_dict(states[0])
+        if self.trainer is not None:  # Lightning's restored count, moved (all its fields alike) to the loader's
+            current = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            shift = self.client.state_dict()["_num_yielded"] - current.ready
+            current.ready, current.started = current.ready + shift, current.started + shift
+            current.processed, current.completed = current.processed + shift, current.completed + shift
 
 
 class PrefetchDataModule(L.LightningDataModule):
@@ -95,7 +108,7 @@ class PrefetchDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> PrefetchTrainLoader:
         assert self.train is not None, "setup() opens the loader"
-        return PrefetchTrainLoader(self.train)
+        return PrefetchTrainLoader(self.train, self.trainer)
 
     def val_dataloader(self) -> PrefetchValLoader | list:
         """The validation stream, one pass per ``iter()``; empty without ``validation.enabled``."""

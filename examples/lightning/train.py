@@ -5,7 +5,8 @@
     python examples/lightning/train.py train.yaml --devices 2 --strategy ddp   # one rank per device
 
 The data side is ``PrefetchDataModule`` (datamodule.py beside this file). ``--ckpt-path`` resumes
-every rank at its next batch (``--save-every-n-steps`` writes mid-epoch checkpoints); pass the
+every rank at its next batch (``--save-every-n-steps`` writes mid-epoch checkpoints), on another
+number of devices too (with a config whose ``loader.world_size`` is the new one); pass the
 same ``--seed`` to a straight and a resumed run and they train on the same batches to the same
 weights (tests/test_examples.py checks it with two ranks). With ``validation:`` enabled in the
 config, Lightning validates after every epoch on the daemon's validation stream.
@@ -62,8 +63,9 @@ class Classifier(L.LightningModule):
             h = hashlib.blake2b(images.detach().cpu().contiguous().numpy().tobytes(), digest_size=12)
             h.update(target.detach().cpu().numpy().tobytes())
             with open(self.hparams.log_batches, "a") as f:
+                last = self.trainer.datamodule.train.last_batch  # the samples, as the daemon made them
                 f.write(json.dumps({"rank": self.global_rank, "epoch": self.current_epoch, "step": self.global_step,
-                                    "digest": h.hexdigest()}) + "\n")
+                                    "digest": h.hexdigest(), "indices": last.indices.tolist()}) + "\n")
         logits = self.model(images.contiguous(memory_format=torch.channels_last))
         loss = F.cross_entropy(logits, target)
         acc = (logits.argmax(1) == target).float().mean()

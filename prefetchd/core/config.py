@@ -480,13 +480,12 @@ class Config:
         # batch file written, renamed and deleted (about 4% of a core, measured)
         return self.progress.dir or os.path.join(self.buffer.dir, "progress")
 
-    def stream_fingerprint(self) -> str:
+    def stream_fingerprint(self, **loader: Any) -> str:
         """Hash of every setting that changes the bytes of the batch stream (the dataset's own
-        fingerprint is added by the daemon). Worker count, capacity and paths are not in it."""
-        d = {
-            "loader": {k: getattr(self.loader, k) for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")},
-            "augment": self.augment.stream_dict(),
-        }
+        fingerprint is added by the daemon). Worker count, capacity and paths are not in it.
+        ``loader`` overrides batch_size, drop_last or world_size (another job's, for a resume)."""
+        keys = ("batch_size", "seed", "shuffle", "drop_last", "world_size")
+        d = {"loader": {k: loader.get(k, getattr(self.loader, k)) for k in keys}, "augment": self.augment.stream_dict()}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,7 +32,6 @@ until ``stopguard.STOP_TOTAL_S``.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import select
@@ -231,6 +230,7 @@ class Daemon:
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
             "progress_dir": c.progress_dir, "started": self.t_start,  # and what a resume at another world size checks:
             "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint),
+            "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
             "validation": self.val.meta() if self.val else None,
@@ -580,4 +580,4 @@ def _limits(b) -> Limits:
 
 def stream_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:
     """16 hex digits identifying the batch stream: config settings that change bytes + dataset."""
-    return hashlib.sha256(f"{cfg.stream_fingerprint()}|{dataset_fingerprint}".encode()).hexdigest()[:16]
+    return status.stream_id(cfg.stream_fingerprint(), dataset_fingerprint)

@@ -32,6 +32,8 @@ def status_record(d) -> dict:
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0
+    for r in d.ranks:  # a rank in a resumed epoch as its trainer numbers it: the batch of its segment
+        ranks[str(r)].update(d.segments.user_position(r, ranks[str(r)].get("position")))
     respawn = d.pool.respawn_due()  # a worker is missing, replaced after this back-off
     for pid in [os.getpid(), *d.pool.pids()]:
         try:

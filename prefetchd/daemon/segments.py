@@ -84,6 +84,14 @@ class WholeEpochs:
     def planner_key(self, r: int, e: int, b: int, offset: int) -> tuple[Key, bool]:
         return (r, e, b), offset == 0
 
+    def user_position(self, r: int, position) -> dict:
+        """A planner position ``[epoch, batch]`` of rank ``r`` as its trainer numbers it (the batch of
+        its resumed epoch's segment, and the segment's ``offset``), for status.json and messages."""
+        if position is None:
+            return {}
+        _, e, b, o = self.real((r, *position))
+        return {"position": [e, b], "offset": o}
+
     def discard(self, planner: Planner, key: Key, tmp_path: str | None) -> None:
         """A result of a segmentation no longer read: its file goes, the planner is told (``stale``)."""
         planner.stale(key)
@@ -172,8 +180,10 @@ class Segments(WholeEpochs):
         consumed = 0
         for r in todo:
             p = self.latest[r]
-            self._segment(r, p.epoch, p.offset, evict)
-            move = self.sessions.apply(r, replace(p, batch=p.batch + self.skip(p.offset)), now, initial)
+            # a new segmentation is a jump whatever its session says: the positions of the old one
+            # are no measure of the new one's (a resumed epoch's batches sit after the epoch's own)
+            jump = self._segment(r, p.epoch, p.offset, evict)
+            move = self.sessions.apply(r, replace(p, batch=p.batch + self.skip(p.offset)), now, initial, jump)
             if move is None:
                 continue
             for key in self.planner.set_position(r, move.epoch, move.batch):
@@ -188,23 +198,25 @@ class Segments(WholeEpochs):
                     r, p.epoch, p.offset, self.sampler.num_samples)
         return False
 
-    def _segment(self, r: int, epoch: int, offset: int, evict) -> None:
+    def _segment(self, r: int, epoch: int, offset: int, evict) -> bool:
+        """Rank ``r`` reads segment ``(epoch, offset)``: whether its segmentation changed."""
         old = self.resumed.get(r)
         if offset:
             new = (epoch, offset)
         else:  # a whole epoch: after its resumed one (read on), or at or before it (a seek back)
             new = old if old is not None and epoch > old[0] else None
         if new == old:
-            return
+            return False
         for key in self.planner.forget(r):  # made for the old segmentation, deleted under its names
             evict(key)
         if new is None:
             del self.resumed[r]
-            return
+            return True
         self.resumed[r] = new
         n = self.sampler.batches_in(offset)
         log.info("rank %d reads epoch %d from sample %d of %d: %d batches of %d at world size %d (a resumed epoch)",
                  r, epoch, offset, self.sampler.num_samples, n, self.sampler.batch_size, self.sampler.world_size)
+        return True
 
     def _agreement(self) -> set[int]:
         """The ranks to hold; says (once per change) where the ranks disagree, or that they agree again."""

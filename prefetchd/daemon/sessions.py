@@ -2,7 +2,9 @@
 
 A record's position is taken unless it goes backwards within the trainer session that wrote
 the last one (a stale copy restored, say): then the last good position is kept, with one
-warning per session. A new session that goes back is a jump (a resume, a seek). Positions are
+warning per session. A new session that goes back is a jump (a resume, a seek): a client starts
+one at every move of its trainer's (``seek``, ``set_epoch``, ``load_state_dict``), and so is a
+record that moves the rank into another segmentation of an epoch (``segments``). Positions are
 linear batch numbers (``epoch * batches_per_epoch + batch``).
 """
 
@@ -39,8 +41,9 @@ class Sessions:
         self.consumed = {r: 0 for r in ranks}  # batches passed going forward, since the daemon started
         self._warned: dict[int, str] = {}
 
-    def apply(self, r: int, p: Progress, now: float, initial: bool = False) -> Move | None:
-        """The move a record asks for, or None when it is ignored or moves nothing."""
+    def apply(self, r: int, p: Progress, now: float, initial: bool = False, jump: bool = False) -> Move | None:
+        """The move a record asks for, or None when it is ignored or moves nothing. ``jump``: the
+        record moves the rank into another segmentation (``segments``), taken whatever its session."""
         new = p.epoch * self.bpe + p.batch
         old = self.pos[r]
         self.last_seen[r] = now
@@ -50,7 +53,7 @@ class Sessions:
         self.wait_s[r] = p.wait_s
         self.echoed[r] = p.echoed
         self.gpu_fallbacks[r] = p.gpu_fallbacks
-        if new < old and not initial and p.session and p.session == self.session.get(r):
+        if new < old and not initial and not jump and p.session and p.session == self.session.get(r):
             if self._warned.get(r) != p.session:
                 log.warning("rank %d's progress went back from epoch %d batch %d to epoch %d batch %d within one "
                             "trainer session; ignoring it and keeping the last good position",

@@ -11,7 +11,7 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "fingerprint": "9f2c...",                # stream fingerprint the trainer expects
      "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
      "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
-     "session": "4242-9f1c2a7b.3",            # changes whenever the writer moves backwards
+     "session": "4242-9f1c2a7b.3",            # changes at every move of the trainer's (a jump)
      "echoed": 0,                             # batches served again (data echoing, opt-in)
      "gpu_fallbacks": 0,                      # hybrid decode: samples the client's GPU decoder
                                               # failed on, decoded on its CPU instead (or replaced)
@@ -46,10 +46,14 @@ FIFO, a symlink, a directory or a socket at a progress file's name is refused th
 without being waited on (``read``). The file's mode is 0644 (``FILE_MODE``) whatever the
 writer's umask, so a daemon running as another user reads it.
 
-Positions only move forward within a ``session``: a client that goes back (a resume, a seek, a
-new process) writes a new session, and the daemon treats that as a jump. A backwards move
-within one session is not a client's doing (a stale copy restored, say): the daemon keeps the
-last good position and warns.
+Positions only move forward within a ``session``: a client starts a new one at every move its
+trainer makes (``seek``, ``set_epoch`` to another epoch, ``load_state_dict``, a new process),
+forward or back, and whenever it goes back or into another segment of an epoch; the daemon
+treats a new session as a jump. (The client cannot tell back from forward in the daemon's
+terms, where a resumed epoch's segment sits after the epoch's own batches, so it need not.) A
+record that moves a rank into another segmentation is a jump too, whatever its session. A
+backwards move within one session is not a client's doing (a stale copy restored, say): the
+daemon keeps the last good position and warns.
 """
 
 from __future__ import annotations

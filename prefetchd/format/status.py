@@ -2,8 +2,9 @@
 
 ``meta.json`` (written once per start, before any batch is published) tells a client what the
 daemon serves: ``{"format": "prefetchd-meta", "version": 1, "pid", "fingerprint" (16 hex
-digits, the batch header's u64), "num_samples", "num_classes", "batch_size",
-"batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started"}``.
+digits, the batch header's u64, ``stream_id``), "num_samples", "num_classes", "batch_size",
+"batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started",
+"dataset_fingerprint", ...}``.
 
 ``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
 are listed in ``format_status``. Both live in the buffer directory, mode 0640 (``FILE_MODE``)
@@ -18,6 +19,7 @@ lock file is probed the same way.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import stat
@@ -37,6 +39,12 @@ FILE_MODE = 0o640
 STALE_AFTER_S = 5.0  # status.json is rewritten every second: older than this, it is stale
 MAX_JSON_BYTES = 16 << 20  # status.json of thousands of ranks fits many times over
 _MAX_LOCK_BYTES = 64
+
+
+def stream_id(stream_fingerprint: str, dataset_fingerprint: str) -> str:
+    """meta.json's ``fingerprint`` (and every loader state's): 16 hex digits naming the batch
+    stream, from the config's ``stream_fingerprint()`` and the dataset's fingerprint."""
+    return hashlib.sha256(f"{stream_fingerprint}|{dataset_fingerprint}".encode()).hexdigest()[:16]
 
 
 def lock_pid(directory: str) -> int | None:
