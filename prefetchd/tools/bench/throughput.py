@@ -493,8 +493,8 @@ def run_bench(args) -> int:
         elif len(args.root or []) > 1:
             from prefetchd.tools.bench.roots import compare_roots
 
-            results["roots"] = compare_roots(args.root, workers, batch, args.epochs, aug, work, _buffer_parent(args),
-                                             args.repeats)
+            results["roots"] = compare_roots(
+                args.root, lambda r: daemon_run(r, workers, batch, args.epochs, aug, work, parent), workers, args.repeats)
         elif args.executor == "ray":
             results["ray"] = ray_vs_local(root, workers, batch, args, aug, work)
         elif args.sweep_workers:
