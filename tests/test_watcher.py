@@ -157,6 +157,17 @@ def test_an_unwatchable_directory_falls_back_to_snapshots_with_one_line(tmp_path
     assert w.poll() == {}
 
 
+def test_a_platform_without_inotify_is_served_by_snapshots(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(watcher_mod, "Inotify", None)
+    monkeypatch.setattr(watcher_mod, "_NO_INOTIFY", "UnsupportedLibcError: no inotify_init", raising=False)
+    caplog.set_level("WARNING", logger="prefetchd.watcher")
+    w = ProgressWatcher(str(tmp_path), (0,), lambda: None, use_inotify=True)
+    w.start()
+    assert w.mode == "polling" and "no inotify_init" in caplog.text
+    progress.write(str(tmp_path), progress.Progress(0, 0, 1, session="s"))
+    assert w.poll()[0].position == (0, 1)
+
+
 def test_the_watch_ending_with_its_directory_leaves_snapshots_in_charge(tmp_path, caplog):
     d = tmp_path / "progress"
     d.mkdir()

@@ -41,8 +41,12 @@ from itertools import chain
 
 from watchdog.utils.dirsnapshot import DirectorySnapshot, DirectorySnapshotDiff
 
-from prefetchd.daemon.inotify import Inotify
 from prefetchd.format import progress as progress_fmt
+
+try:
+    from prefetchd.daemon.inotify import Inotify
+except Exception as e:  # no inotify here (watchdog raises UnsupportedLibcError): snapshots only
+    Inotify, _NO_INOTIFY = None, f"{type(e).__name__}: {e}"
 
 log = logging.getLogger("prefetchd.watcher")
 
@@ -74,6 +78,9 @@ class ProgressWatcher:
 
     def start(self) -> None:
         if not self._use_inotify:
+            return
+        if Inotify is None:
+            log.warning("cannot watch %s with inotify (%s); polling every interval instead", self.dir, _NO_INOTIFY)
             return
         try:
             self._inotify = Inotify(self.dir)
