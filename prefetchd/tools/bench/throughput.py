@@ -46,6 +46,10 @@ from prefetchd.core.bars import bar
 from prefetchd.format import batchfile
 from prefetchd.tools.demo import write_config
 
+# 32 readers importing numpy and the client on 2 cores shared with other work took over 120 s at
+# load average 40; the wait is before the daemon starts, so it is outside every measurement
+_READERS_READY_S = 600
+
 
 def _cores() -> int:
     try:
@@ -188,8 +192,8 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
     readers = [ctx.Process(target=_rank_reader, args=(cfg, r, batches, start, out), daemon=True) for r in range(ranks)]
     for p in readers:
         p.start()
-    for _ in readers:  # every reader has imported what it needs before the clock starts
-        out.get(timeout=120)
+    for _ in readers:  # every reader has imported what it needs before the clock starts (and the daemon)
+        out.get(timeout=_READERS_READY_S)
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=run)
     try:
