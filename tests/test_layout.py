@@ -26,10 +26,18 @@ def _modules():
         yield path, "prefetchd_client" + ("" if path.stem == "__init__" else "." + path.stem)
 
 
-def _imports(path: pathlib.Path, module: str) -> set[str]:
+def _imports(path: pathlib.Path, module: str, runtime_only: bool = False) -> set[str]:
+    """The ``prefetchd`` and ``prefetchd_client`` names ``module`` imports (also inside functions);
+    with ``runtime_only``, less those under ``if TYPE_CHECKING:`` (type hints, never executed)."""
     package = module if path.stem == "__init__" else module.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    todo = [ast.parse(path.read_text(), str(path))]
+    while todo:
+        node = todo.pop()
+        if runtime_only and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -96,6 +104,80 @@ def test_the_checker_catches_a_lower_layer_importing_a_higher_one(tmp_path):
     assert "prefetchd.daemon.ring" in imports and "prefetchd.tools.demo" in imports
     assert not _allowed("core", "prefetchd.daemon.ring") and not _allowed("format", "prefetchd.core.config")
     assert not _allowed("client", "prefetchd.executors.worker") and _allowed("client", "prefetchd.format.batchfile")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    mods = dict((m, p) for p, m in _modules())
+    return {m: {t for t in _imports(p, m, runtime_only=True) if t in mods and t != m} for m, p in mods.items()}
+
+
+def test_no_import_cycle_among_the_modules_outside_type_checking():
+    """A cycle (also through an import inside a function) makes the import order matter and hides
+    which module is the lower one; an import under ``if TYPE_CHECKING:`` never runs and is fine."""
+    cycles = _cycles(_import_graph())
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_checker_sees_a_lazy_import_cycle_and_skips_type_checking_imports(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from prefetchd.tools.fake_b import B\n")
+    b.write_text("def f():\n    from prefetchd.tools.fake_a import A\n")
+    graph = {"prefetchd.tools.fake_a": set(), "prefetchd.tools.fake_b": set()}
+    for path, m in ((a, "prefetchd.tools.fake_a"), (b, "prefetchd.tools.fake_b")):
+        graph[m] = {t for t in _imports(path, m, runtime_only=True) if t in graph and t != m}
+    assert graph == {"prefetchd.tools.fake_a": set(), "prefetchd.tools.fake_b": {"prefetchd.tools.fake_a"}} and _cycles(graph) == []
+    graph["prefetchd.tools.fake_a"].add("prefetchd.tools.fake_b")  # the same import outside TYPE_CHECKING
+    assert _cycles(graph) == [["prefetchd.tools.fake_a", "prefetchd.tools.fake_b"]]
+
+
+def test_the_daemons_helpers_read_only_its_public_attributes():
+    """report.py and teardown.py (split out of the loop for the 600-line bound) take what they need
+    through the Daemon's public attributes and accessors, never its private fields nor by name."""
+    bad = []
+    for name in ("report.py", "teardown.py"):
+        for n in ast.walk(ast.parse((ROOT / "prefetchd" / "daemon" / name).read_text())):
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "d" \
+                    and n.attr.startswith("_"):
+                bad.append(f"{name}:{n.lineno}: d.{n.attr}")
+            if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("getattr", "hasattr", "setattr") \
+                    and n.args and getattr(n.args[0], "id", "") == "d":
+                bad.append(f"{name}:{n.lineno}: {n.func.id}(d, ...)")
+    assert not bad, bad
 
 
 _PATH = re.compile(r"(?<![\w/.])((?:prefetchd|client|tests|examples|systemd)/[\w/]+\.(?:py|service|mount))")

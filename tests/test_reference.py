@@ -323,9 +323,9 @@ def test_non_utf8_member_names_sort_as_the_folder_scan_sorts_them(tmp_path):
     (tmp_path / "folder" / "d" / "z.JPEG").write_bytes(b"i")
     tars = tmp_path / "tars"
     tars.mkdir()
-    for cls, members in (("c", names), ("d", [b"z.JPEG"])):
+    for cls, inside in (("c", names), ("d", [b"z.JPEG"])):
         with tarfile.open(str(tars / f"{cls}.tar"), "w", format=tarfile.GNU_FORMAT, errors="surrogateescape") as tf:
-            for n in members:
+            for n in inside:
                 info = tarfile.TarInfo(os.fsdecode(n))
                 info.size = 1
                 tf.addfile(info, io.BytesIO(b"i"))

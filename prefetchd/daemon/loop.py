@@ -38,7 +38,6 @@ import select
 import signal
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 
 from prefetchd.core import hybrid
@@ -51,7 +50,7 @@ from prefetchd.core.streamkeys import stream_settings
 from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
-from prefetchd.daemon.report import status_record
+from prefetchd.daemon.report import RateWindow, status_record
 from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
@@ -96,12 +95,13 @@ class Daemon:
         self.produced_images = 0
         self.failed_batches = 0
         self._bounds: dict = {}  # compact batches: key -> size bound (made from file sizes, reused while blocked)
-        self._produced: deque = deque()  # (time, images)
-        self._consumed: deque = deque()  # (time, images)
+        self.produced_rate = RateWindow()  # images made in the last seconds (the status's img/s)
+        self.consumed_rate = RateWindow()
         self.first_batch_at: float | None = None
         self._ready_notified = False
         self._last_activity = time.monotonic()  # last batch made, or the start of work after idling
         self._status_error: str | None = None
+        self.watcher = self.pool = self.lock = None  # made by _setup: teardown stops the parts that exist
         self.remote = None
         self.metrics = None
         self.val = None  # the validation stream's state, when validation.enabled
@@ -361,7 +361,7 @@ class Daemon:
                     self.ring.evict(key)
         if consumed := self.segments.apply({r: p for r, p in changed.items() if r < VAL_LANE}, now, initial,
                                            lambda key: self.ring.evict(key)):
-            self._consumed.append((now, consumed * self.sampler.batch_len(0)))  # not batch_size: drop_last: false
+            self.consumed_rate.add(now, consumed * self.sampler.batch_len(0))  # not batch_size: drop_last: false
 
     # --- making batches ---------------------------------------------------------------------------
 
@@ -457,12 +457,16 @@ class Daemon:
         self._last_activity = time.monotonic()
         self.produced_batches += 1
         self.produced_images += res.samples
-        self._produced.append((now, res.samples))
+        self.produced_rate.add(now, res.samples)
         if self.first_batch_at is None:
             self.first_batch_at = now
             log.info("first batch published %.2f s after start", now - self.t_start)
 
     # --- status -----------------------------------------------------------------------------------
+
+    @property
+    def stopping(self) -> bool:  # a stop was asked for: the loop ends at its next turn
+        return self._stop
 
     def status_record(self) -> dict:
         """The status record (``status.json``, metrics), from counters: see ``report.status_record``."""

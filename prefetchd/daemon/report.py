@@ -1,5 +1,6 @@
 """The daemon's status record: what ``status.json``, ``prefetchd status`` and the metrics show
-(format in ``prefetchd.format.status``), read from the loop's counters."""
+(format in ``prefetchd.format.status``), read from the loop's counters through the Daemon's public
+attributes and accessors (``stopping``, ``produced_rate``, ``consumed_rate``, ...)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def status_record(d) -> dict:
             _processes.pop(pid, None)
     return {
         "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
-        "state": "stopping" if d._stop else "running", "updated": now, "started": d.t_start,
+        "state": "stopping" if d.stopping else "running", "updated": now, "started": d.t_start,
         "uptime_s": up, "buffer_dir": d.cfg.buffer.dir, "fingerprint": d.fingerprint_hex,
         "capacity": d.cfg.buffer.capacity, "refill_at": d.cfg.buffer.refill_at,
         "workers": d.pool.count, "workers_alive": d.pool.alive(), "worker_restarts": d.pool.restarts,
@@ -55,8 +56,8 @@ def status_record(d) -> dict:
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
         "consumed_batches": sum(d.sessions.consumed.values()),
         "failed_batches": d.failed_batches,
-        "produced_img_s": _rate(d._produced, now, d.t_start),
-        "consumed_img_s": _rate(d._consumed, now, d.t_start),
+        "produced_img_s": d.produced_rate.per_s(now, d.t_start),
+        "consumed_img_s": d.consumed_rate.per_s(now, d.t_start),
         "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
         "bytes_used": d.ring.bytes_used, "max_bytes": d.cfg.buffer.max_bytes,
         "fs_free": d.ring.free_bytes(), "quarantined": len(d.quarantine),
@@ -93,13 +94,24 @@ def _process(pid: int) -> psutil.Process:
     return p
 
 
-def _rate(dq: deque, now: float, t_start: float) -> float | None:
-    while dq and dq[0][0] < now - _RATE_WINDOW_S:
-        dq.popleft()
-    if not dq:
-        return 0.0
-    span = min(_RATE_WINDOW_S, now - t_start)
-    return sum(map(itemgetter(1), dq)) / span if span > 0 else None  # (a deque of 10 s of batches: summed in C)
+class RateWindow:
+    """Images made (or consumed) in the last ``_RATE_WINDOW_S``: the loop adds, the status reads."""
+
+    def __init__(self):
+        self._dq: deque = deque()  # (time, images)
+
+    def add(self, t: float, images: int) -> None:
+        self._dq.append((t, images))
+
+    def per_s(self, now: float, t_start: float) -> float | None:
+        """Images per second over the window (shorter while the daemon is younger than it)."""
+        dq = self._dq
+        while dq and dq[0][0] < now - _RATE_WINDOW_S:
+            dq.popleft()
+        if not dq:
+            return 0.0
+        span = min(_RATE_WINDOW_S, now - t_start)
+        return sum(map(itemgetter(1), dq)) / span if span > 0 else None  # (a deque of 10 s of batches: summed in C)
 
 
 def _own_cpu_s() -> float:

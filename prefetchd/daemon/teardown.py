@@ -1,5 +1,6 @@
 """Stopping the daemon: what its set-up started is stopped step by step, each step that fails is
-logged and the others still run, and the buffer's lock is released last, always."""
+logged and the others still run, and the buffer's lock is released last, always. The parts are the
+Daemon's public attributes (``watcher``, ``pool``, ``lock``, ... each None until set-up makes it)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ log = logging.getLogger("prefetchd")
 def close_early(d) -> None:
     """The daemon ``d``'s set-up failed: stop what it started; the lock goes last, whatever happens."""
     try:
-        for part in ("watcher", "metrics", "remote", "pool"):
-            obj = getattr(d, part, None)
-            if obj is not None:
+        for part, obj in (("watcher", d.watcher), ("metrics", d.metrics), ("remote", d.remote), ("pool", d.pool)):
+            if obj is not None:  # None: set-up failed before making it
                 _quietly(obj.stop, part)
     finally:
-        if hasattr(d, "lock"):
+        if d.lock is not None:
             d.lock.release()
 
 def teardown(d) -> None:

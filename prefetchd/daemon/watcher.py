@@ -1,27 +1,33 @@
-"""Learning where each trainer is: the progress files, watched with inotify and polled.
+"""Learning where each trainer is: the progress files, watched through watchdog, with inotify and
+snapshots.
 
-inotify (``inotify.Inotify``: a descriptor among the loop's waitables, read by the loop itself,
-no thread) wakes the daemon's loop as soon as a progress file is replaced; the loop also polls
-(one ``stat`` per rank) every ``progress.poll_interval_s``, which is the whole mechanism where inotify is unavailable (NFS, exhausted watches, ``progress.inotify: false``).
-Events are coalesced: inotify only marks a rank's file dirty, and each wake-up of the loop reads
-each dirty file once (all files on the poll timer). A file that cannot be parsed, for whatever
-reason, leaves the last good value in place and is reported in one line, once per bad spell
-(until a good file is read), never raising into the loop.
+Both sources are watchdog's, used without its observer threads. inotify (``inotify.Inotify``:
+watchdog's ``InotifyFD``, its descriptor among the loop's waitables, read by the loop itself) wakes
+the daemon's loop as soon as a progress file is replaced. Every ``progress.poll_interval_s`` the
+loop also takes a snapshot of the served lanes' files (``watchdog.utils.dirsnapshot``: one
+``lstat`` per lane) and diffs it with the last one; that is the whole mechanism where inotify sees
+nothing: a directory on NFS or another node's mount (inotify is accepted there, but events of
+other clients never come), exhausted watches, ``progress.inotify: false``.
+Events are coalesced: an event or a difference only marks a lane's file dirty, and each wake-up of
+the loop reads each dirty file once, if its stamp (inode, mtime, size) changed since it was last
+read. A file that cannot be parsed, for whatever reason, leaves the last good value in place and is
+reported in one line, once per bad spell (until a good file is read), never raising into the loop.
 
 Every trainer of the node can write the directory, so nothing found there may block or flood
 the loop:
 
-* the directory is never listed: a wake-up looks up the served lanes' names only (one
-  ``lstat``, and one bounded read when it changed, per lane), so entries beside them (20,000
-  stray files, say) cost their inotify events and nothing else, and one warning per spell
-  (``_STRAY_QUIET_S`` without such a change ends it);
+* the directory is never listed: the snapshot's listing is the served lanes' names
+  (``DirectorySnapshot``'s ``listdir``), its ``stat`` is ``os.lstat``, so entries beside them
+  (20,000 stray files, FIFOs, say) cost their inotify events and nothing else, and one warning per
+  spell (``_STRAY_QUIET_S`` without such a change ends it); a wake-up looks up dirty lanes only
+  (one ``lstat``, and one bounded read when it changed, per lane);
 * a name that is not a regular file (a FIFO, a symlink to anything, a directory, a socket) is
   refused without anything waiting on it (``untrusted.read_regular``), with one warning per
   bad spell like bad content;
 * the set of dirty names holds served lanes only, so events cannot grow it;
-* a flood of events is read a bounded amount per turn of the loop (``inotify._MAX_READS``);
+* a flood of events is read a bounded amount per turn of the loop (``inotify._READ_BYTES``);
   when the kernel's inotify queue overflows, marks are lost and every lane is read again at
-  once (the poll timer, which runs whatever inotify says, would too).
+  once (the snapshot on the poll timer would find the changes too).
 """
 
 from __future__ import annotations
@@ -31,9 +37,16 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from itertools import chain
 
-from prefetchd.daemon.inotify import Inotify
+from watchdog.utils.dirsnapshot import DirectorySnapshot, DirectorySnapshotDiff
+
 from prefetchd.format import progress as progress_fmt
+
+try:
+    from prefetchd.daemon.inotify import Inotify
+except Exception as e:  # no inotify here (watchdog raises UnsupportedLibcError): snapshots only
+    Inotify, _NO_INOTIFY = None, f"{type(e).__name__}: {e}"
 
 log = logging.getLogger("prefetchd.watcher")
 
@@ -49,6 +62,9 @@ class ProgressWatcher:
         self._inotify: Inotify | None = None
         self._stamps: dict[int, tuple | None] = {r: None for r in ranks}
         self._paths = {r: progress_fmt.progress_path(directory, r) for r in ranks}
+        self._lane_of = {p: r for r, p in self._paths.items()}
+        self._entries = tuple(_Entry(progress_fmt.progress_name(r)) for r in ranks)
+        self._snap: DirectorySnapshot | None = None
         self._bad: dict[int, str] = {}
         self.last: dict[int, progress_fmt.Progress] = {}
         self.mode = "polling"
@@ -62,6 +78,9 @@ class ProgressWatcher:
 
     def start(self) -> None:
         if not self._use_inotify:
+            return
+        if Inotify is None:
+            log.warning("cannot watch %s with inotify (%s); polling every interval instead", self.dir, _NO_INOTIFY)
             return
         try:
             self._inotify = Inotify(self.dir)
@@ -106,18 +125,46 @@ class ProgressWatcher:
         if overflow:  # events were lost: every lane is read again now
             with self._dirty_lock:
                 self._dirty.update(self.ranks)
+        if self._inotify.gone:  # the directory was removed or unmounted: snapshots only from now on
+            log.warning("the inotify watch on %s ended (the directory was removed or unmounted); "
+                        "looking every progress.poll_interval_s instead", self.dir)
+            self.stop()
+            self.mode = "polling"
+
+    def _lanes_only(self, _directory) -> tuple[_Entry, ...]:
+        return self._entries
+
+    def _snapshot_changes(self) -> set[int]:
+        """The lanes whose file differs from the last snapshot's (created, deleted, replaced,
+        modified, moved): watchdog's snapshot of the lanes' names alone, diffed with the last."""
+        try:
+            snap = DirectorySnapshot(self.dir, recursive=False, stat=os.lstat, listdir=self._lanes_only)
+        except OSError:  # the directory itself is gone or unreachable: each lane says why below
+            self._snap = None
+            return set(self.ranks)
+        prev, self._snap = self._snap, snap
+        if prev is None:
+            return set(self.ranks)
+        diff = DirectorySnapshotDiff(prev, snap)
+        paths = chain(diff.files_created, diff.files_deleted, diff.files_modified, diff.files_attrib,
+                      diff.dirs_created, diff.dirs_deleted, diff.dirs_modified, diff.dirs_attrib,
+                      *diff.files_moved, *diff.dirs_moved)
+        return {self._lane_of[p] for p in paths if p in self._lane_of}
 
     def poll(self, full: bool = True) -> dict[int, progress_fmt.Progress]:
-        """Progress records that changed since the last poll, by rank: every rank's file when
-        ``full``, else only those inotify said were touched."""
+        """Progress records that changed since the last poll, by rank: those inotify said were
+        touched, and when ``full`` those a new snapshot differs in."""
         if self._inotify is not None:
             self._read_events()
         with self._dirty_lock:
             dirty, self._dirty = self._dirty, set()
         if full:
             self._check_strays()
+            dirty |= self._snapshot_changes()
         changed: dict[int, progress_fmt.Progress] = {}
-        for r in (self.ranks if full else [r for r in dirty if r in self._stamps]):
+        for r in (self.ranks if full else dirty):
+            if r not in dirty:
+                continue
             path = self._paths[r]
             try:
                 st = os.lstat(path)  # a symlink's own stamp: it is refused, whatever it points to
@@ -165,3 +212,12 @@ class ProgressWatcher:
         if rank not in self._bad:
             log.warning("%s", msg)
         self._bad[rank] = msg
+
+
+class _Entry:
+    """What ``DirectorySnapshot`` takes of an ``os.scandir`` entry: its name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name

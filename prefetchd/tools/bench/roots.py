@@ -9,16 +9,16 @@ index scan is outside it), then mean, spread and the ratio to the first root.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
-from prefetchd.tools.bench.throughput import daemon_run
 
-
-def compare_roots(roots: list[str], workers: int, batch: int, epochs: int, aug: dict, work: str, parent: str,
-                  repeats: int) -> list[dict]:
+def compare_roots(roots: list[str], run: Callable[[str], dict], workers: int, repeats: int) -> list[dict]:
+    """``run(root)`` is one run of the daemon on ``root`` (``throughput.daemon_run`` with the
+    bench's options bound): its ``img_s``, ``images`` and ``first_batch_s``."""
     runs: dict[str, list[float]] = {r: [] for r in roots}
     for rep in range(repeats):
         for root in roots:
-            d = daemon_run(root, workers, batch, epochs, aug, work, parent)
+            d = run(root)
             runs[root].append(d["img_s"])
             print(f"[{rep + 1}/{repeats}] {root}: {d['img_s']:,.0f} img/s ({d['images']} images, {workers} workers), "
                   f"first batch {d['first_batch_s']:.2f} s", flush=True)

@@ -47,6 +47,10 @@ from prefetchd.format import batchfile
 from prefetchd.tools.bench.limit import decode_limit, say_skipped
 from prefetchd.tools.demo import write_config
 
+# 32 readers importing numpy and the client on 2 cores shared with other work took over 120 s at
+# load average 40; the wait is before the daemon starts, so it is outside every measurement
+_READERS_READY_S = 600
+
 
 def _cores() -> int:
     try:
@@ -178,8 +182,8 @@ def ranks_run(root: str, ranks: int, workers: int, batch_size: int, capacity: in
     readers = [ctx.Process(target=_rank_reader, args=(cfg, r, batches, start, out), daemon=True) for r in range(ranks)]
     for p in readers:
         p.start()
-    for _ in readers:  # every reader has imported what it needs before the clock starts
-        out.get(timeout=120)
+    for _ in readers:  # every reader has imported what it needs before the clock starts (and the daemon)
+        out.get(timeout=_READERS_READY_S)
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=run)
     try:
@@ -489,8 +493,8 @@ def run_bench(args) -> int:
         elif len(args.root or []) > 1:
             from prefetchd.tools.bench.roots import compare_roots
 
-            results["roots"] = compare_roots(args.root, workers, batch, args.epochs, aug, work, _buffer_parent(args),
-                                             args.repeats)
+            results["roots"] = compare_roots(
+                args.root, lambda r: daemon_run(r, workers, batch, args.epochs, aug, work, parent), workers, args.repeats)
         elif args.executor == "ray":
             results["ray"] = ray_vs_local(root, workers, batch, args, aug, work)
         elif args.sweep_workers:
