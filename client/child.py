@@ -136,6 +136,26 @@ except (OSError, AttributeError):
     _LIBC = None
 
 
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives in the block and deliver it
+    to the handler that was there once the block is over (in the main thread; elsewhere no
+    KeyboardInterrupt is raised)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[object] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(signal.SIGINT, got[0])
+        elif got and old == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 class DaemonChild:
     """One ``python -m prefetchd run --config PATH`` child: started, waited for, stopped.
 
@@ -167,13 +187,14 @@ class DaemonChild:
         env = {k: v for k, v in (self._env if self._env is not None else os.environ).items()
                if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")}
         env["NOTIFY_SOCKET"] = "@" + name
-        self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True,
-                                     preexec_fn=_set_pdeathsig if _LIBC is not None else None)
-        self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
-                                       name="prefetchd-serve-log")
-        self._relay.start()
+        with _ctrl_c_after():  # a Ctrl-C inside Popen would lose the child's pid: the daemon would be left
+            self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True,
+                                         preexec_fn=_set_pdeathsig if _LIBC is not None else None)
+            self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
+                                           name="prefetchd-serve-log")
+            self._relay.start()
 
     def _write(self, line: str) -> None:
         try:

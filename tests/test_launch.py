@@ -370,3 +370,28 @@ def test_clean_up_removes_only_what_this_start_made(tmp_path, image_root, cfg):
         assert (tmp_path / "buffer" / status.LOCK_NAME).exists()
     finally:
         assert d.stop() == 0
+
+
+def test_a_ctrl_c_as_the_daemon_process_is_made_leaves_no_daemon(tmp_path, cfg, monkeypatch):
+    """A notebook's interrupt that lands inside ``Popen`` (after the fork, before the pid is
+    kept) used to lose the child: the daemon ran on, and the cell run again used it."""
+    import prefetchd_client.child as child
+    from prefetchd_client import serve
+
+    made = []
+    real = subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        p = real(*args, **kwargs)
+        made.append(p.pid)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands here; the sleep is where Python raises it
+        for _ in range(20):
+            __import__("time").sleep(0.01)
+        return p
+
+    monkeypatch.setattr(child.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with serve(cfg):
+            raise AssertionError("the block ran")
+    assert made
+    _assert_nothing_left(str(tmp_path / "buffer"), made)
