@@ -395,3 +395,15 @@ def test_a_ctrl_c_as_the_daemon_process_is_made_leaves_no_daemon(tmp_path, cfg, 
             raise AssertionError("the block ran")
     assert made
     _assert_nothing_left(str(tmp_path / "buffer"), made)
+
+
+def test_what_the_command_left_running_is_ended_with_it(tmp_path, cfg):
+    """CMD that starts a background job (its grandchild, a shell's ``&``) and exits: the job is
+    orphaned to launch (a subreaper) and ended, not left running after launch, as under Slurm."""
+    pidfile = tmp_path / "bg"
+    script = f"sleep 300 & echo $! > {pidfile}; (sleep 1 &); sleep 2; exit 5"
+    rc, _, err = _finish(_launch(tmp_path, cfg, "sh", "-c", script))
+    assert rc == 5, err
+    left = int(pidfile.read_text())
+    assert "the command left 1 process(es) running" in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [left])
