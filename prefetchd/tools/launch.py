@@ -47,6 +47,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TICK_S = 0.05  # how often the loop looks at CMD, the daemon and the signals received
 LEFTOVER_STOP_S = 20.0  # what CMD left running gets SIGTERM, then SIGKILL after this (TimeoutStopSec)
 _PR_SET_CHILD_SUBREAPER = 36
+_GRACE_S = 0.5  # a leftover already killed (the daemon's group) has this long to exit before it is said
 _REAP_EVERY_S = 1.0  # how often orphans that exited while CMD runs are reaped (no zombies pile up)
 
 
@@ -106,14 +107,17 @@ def _become_subreaper() -> None:
 
 
 def end_leftovers(timeout: float = LEFTOVER_STOP_S) -> list[int]:
-    """End launch's remaining children (orphans reparented to it: what CMD and the daemon left),
-    SIGTERM then SIGKILL after ``timeout``, each reaped; their pids."""
+    """End launch's remaining children (orphans reparented to it: what CMD left; the daemon's
+    own, killed with it, are only reaped), SIGTERM then SIGKILL after ``timeout``, each reaped;
+    the pids of those that were still running."""
     ended: list[int] = []
     for _ in range(8):  # a leftover's own children are orphaned in turn when it ends
         try:
             kids = psutil.Process().children()
         except psutil.Error:
             break
+        # exited or exiting (the daemon's workers, killed with its process group): reaped, not said
+        _, kids = psutil.wait_procs(kids, _GRACE_S)
         if not kids:
             break
         ended += [k.pid for k in kids]
