@@ -171,7 +171,8 @@ class Daemon:
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
 
-            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake)
+            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake,
+                                  task_timeout_s=W.task_timeout_s)
             self.remote.start()
         self.watcher.start()
         log.info("serving ranks %s of world size %d: %d batches of %d per epoch per rank, %s; %d workers, "
@@ -532,6 +533,8 @@ class Daemon:
                                validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
             self.pool.task_timeout_s = new.workers.task_timeout_s
+            if self.remote is not None:
+                self.remote.task_timeout_s = new.workers.task_timeout_s
             self.pool.resize(new.workers.resolved_count())
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper()))
             for key in self.planner.set_limits(_limits(new.buffer)):
