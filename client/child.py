@@ -43,6 +43,7 @@ import secrets
 import select
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -51,6 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prefetchd.core import config as _config_module
 from prefetchd.core.config import EX_CONFIG, Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.format import status
@@ -85,6 +87,10 @@ def load(config: str | os.PathLike | None) -> tuple[str, Config]:
         path = os.path.abspath(os.fspath(config_from_env(config)))
     except PrefetchError as e:
         raise DaemonStartError(str(e), 2) from None
+    except OSError as e:  # a relative path, and the current directory was deleted
+        raise DaemonStartError(f"configuration error: cannot find config file {os.fspath(config_from_env(config))} "
+                               f"relative to the current directory ({e.strerror}); give its absolute path",
+                               EX_CONFIG) from None
     try:
         return path, load_config(path)
     except ConfigError as e:
@@ -134,6 +140,16 @@ try:
     _LIBC.prctl  # noqa: B018 (Linux only: elsewhere the child lives on if its parent dies)
 except (OSError, AttributeError):
     _LIBC = None
+
+
+def _importable_from_root(env: dict) -> None:
+    """The daemon runs in ``/`` (as under systemd: the caller's directory may be deleted,
+    unreadable or an unmount the daemon must not hold); a ``prefetchd`` found only through the
+    caller's directory (a checkout, not installed) is put on its ``PYTHONPATH``."""
+    root = os.path.abspath(os.path.join(os.path.dirname(_config_module.__file__), "..", ".."))
+    if root in set(site.getsitepackages()) | {site.getusersitepackages()}:
+        return  # installed: the interpreter finds it anywhere (a site dir first on PYTHONPATH would shadow the stdlib)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
 
 
 @contextlib.contextmanager
@@ -187,10 +203,11 @@ class DaemonChild:
         env = {k: v for k, v in (self._env if self._env is not None else os.environ).items()
                if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")}
         env["NOTIFY_SOCKET"] = "@" + name
+        _importable_from_root(env)
         with _ctrl_c_after():  # a Ctrl-C inside Popen would lose the child's pid: the daemon would be left
             self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True,
+                                         env=env, start_new_session=True, cwd="/",
                                          preexec_fn=_set_pdeathsig if _LIBC is not None else None)
             self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
                                            name="prefetchd-serve-log")

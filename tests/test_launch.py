@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -407,3 +408,22 @@ def test_what_the_command_left_running_is_ended_with_it(tmp_path, cfg):
     left = int(pidfile.read_text())
     assert "the command left 1 process(es) running" in err, err
     _assert_nothing_left(str(tmp_path / "buffer"), [left])
+
+
+def test_launch_from_a_deleted_directory(tmp_path, cfg):
+    """The daemon runs in / (as under systemd), not in the caller's directory: started from a
+    directory deleted since, it used to fail after 60 s (its forkserver could not start there).
+    A relative config path there is one line and 78, not a traceback."""
+    gone = tmp_path / "gone"
+    for config, want in ((cfg, 0), ("rel.yaml", 78)):
+        gone.mkdir()
+        shutil.copy(cfg, gone / "rel.yaml")
+        p = subprocess.Popen([sys.executable, "-m", "prefetchd", "launch", "--config", config, "--ready-timeout", "50",
+                              "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gone,
+                             start_new_session=True)
+        shutil.rmtree(gone)
+        rc, _, err = _finish(p)
+        assert rc == want, err
+        if want:
+            assert len(err.splitlines()) == 1 and "give its absolute path" in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [])
