@@ -120,6 +120,13 @@ def cmd_check(args) -> int:
         dt = time.monotonic() - t0
     except (ConfigError, DatasetError) as e:
         return _fail_config(e)
+    from prefetchd.core.hostread import read_host
+    from prefetchd.core.limits import describe
+    from prefetchd.core.sizing import resolve
+
+    host = read_host(cfg.buffer.dir)
+    sizing = resolve(cfg, host)
+    cfg = sizing.cfg  # workers.count and buffer.max_bytes: auto made numbers
     L, B = cfg.loader, cfg.buffer
     sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
     if sampler.batches_per_epoch == 0:
@@ -167,6 +174,10 @@ def cmd_check(args) -> int:
     if V.enabled:
         _check_val_room(cfg, per_batch, need)
     print(f"workers: {cfg.workers.resolved_count()}")
+    print("limits: " + "; ".join(describe(host)))
+    print("sizing: " + "; ".join(sizing.why.values()))
+    for warning in sizing.warnings:
+        print(f"warning: {warning}")
     return _check_deployment(cfg, args)
 
 

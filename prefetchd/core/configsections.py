@@ -126,6 +126,8 @@ class RayConfig:
 
 
 EXECUTORS = ("local", "ray", "mixed")
+# the local workers' CPU priority below the trainers' (executors.priority says what each does)
+PRIORITIES = ("batch", "idle", "nice", "normal")
 
 
 @dataclass(frozen=True)
@@ -138,8 +140,10 @@ class WorkersConfig:
     task_timeout_s: float = 120.0
     executor: str = "local"
     ray: RayConfig | dict = field(default_factory=RayConfig)
+    priority: str = "batch"
 
     def __post_init__(self) -> None:
+        _choice(self.priority, "workers.priority", PRIORITIES)
         _choice(self.executor, "workers.executor", EXECUTORS)
         if isinstance(self.ray, dict):
             known = [f.name for f in dataclasses.fields(RayConfig)]
@@ -158,13 +162,14 @@ class WorkersConfig:
         _float(self.task_timeout_s, "workers.task_timeout_s", 0.1)
 
     def resolved_count(self) -> int:
+        """The number of workers: ``count``, or for ``auto`` what ``core.limits.auto_workers`` makes
+        of this node's affinity mask, cpuset and CPU quota, less ``reserve_cores``."""
         if self.count != "auto":
             return int(self.count)
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or 1
-        return max(1, cores - self.reserve_cores)
+        from prefetchd.core.hostread import read_host
+        from prefetchd.core.limits import auto_workers
+
+        return auto_workers(read_host(), self.reserve_cores)[0]
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ class BufferConfig:
     dir: str = "/run/prefetchd"
     capacity: int = 64
     refill_at: int | None = None
-    max_bytes: int | str = "8GiB"
+    max_bytes: int | str = "auto"  # core.limits.auto_max_bytes: least of the disk and memory limits
     min_free_bytes: int | str = "256MiB"
     group: str | None = None
 
@@ -186,7 +191,8 @@ class BufferConfig:
         if refill > self.capacity:
             raise ConfigError("buffer.refill_at", f"must be <= buffer.capacity ({self.capacity}), got {refill}")
         object.__setattr__(self, "refill_at", refill)
-        object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "buffer.max_bytes"))
+        if self.max_bytes != "auto":
+            object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "buffer.max_bytes"))
         object.__setattr__(self, "min_free_bytes", parse_size(self.min_free_bytes, "buffer.min_free_bytes"))
         if self.group is not None:
             _str(self.group, "buffer.group")

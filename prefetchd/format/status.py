@@ -139,6 +139,8 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"  failed batches {s.get('failed_batches', 0)} (each tried again after a back-off), "
         f"main process CPU {s.get('main_cpu_s') or 0:.1f} s",
     ]
+    if s.get("sizing"):
+        lines.append("  sizing: " + "; ".join(s["sizing"]))
     if s.get("ray"):
         r = s["ray"]
         lines.append(f"  ray: {r.get('state')}; {r.get('in_flight', 0)} batches in flight, {r.get('lost_batches', 0)} lost and remade")
