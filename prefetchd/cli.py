@@ -304,6 +304,10 @@ def cmd_bench(args) -> int:
         from prefetchd.tools.bench.client import run_client_bench
 
         return run_client_bench(args)
+    if args.share:
+        from prefetchd.tools.bench.share import run_share_bench
+
+        return run_share_bench(args)
     if args.train:
         from prefetchd.tools.bench.train import run_train_bench
 
@@ -395,6 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--gpu-share", type=float, default=0.5, help="--train: augment.gpu_share of the hybrid row")
     k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
                    "every measured batch (few cores: its refills would compete with the training)")
+    h = b.add_argument_group("sharing the node (--share); see tools/bench/share.py")
+    h.add_argument("--share", action="store_true", help="a CPU-bound trainer's step beside the busy daemon, and "
+                   "GPU-like trainers' img/s, for each workers.priority, alternated --repeats times")
+    h.add_argument("--share-priorities", default="normal,batch,idle,nice", help="--share: the workers.priority values")
+    h.add_argument("--share-step", choices=("python", "torch"), default="python",
+                   help="--share: the trainer's CPU-bound step (pure Python, or torch with one thread)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

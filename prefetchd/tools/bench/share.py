@@ -1,0 +1,255 @@
+"""``prefetchd bench --share``: does a CPU-bound trainer keep its core while the daemon works?
+
+Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, default
+``normal,batch,idle,nice``; ``normal`` is what every worker ran at before), alternated
+``--repeats`` times so drifting load from other users of the machine falls on every variant alike:
+
+* **CPU-bound step**: a trainer (rank 0, a process at normal priority) times a step of one
+  thread's work (``--share-step python``: a pure-Python loop; ``torch``: a matmul under
+  ``torch.set_num_threads(1)``) and reads one batch between steps, while the daemon (workers =
+  ``auto``) produces flat out for it and for rank 1, which reads batches as fast as it can. Its
+  median step time is divided by the median step time of the same trainer with no daemon running
+  (the ``alone`` run, measured in every round too). Target: <= 1.05.
+* **GPU-like trainers**: ranks 0 and 1 each sleep ``--step-ms`` per step (a step that waits on the
+  GPU) and read ``--batches`` batches; images/s of both together, against the ``normal`` run of
+  the same round. Target: >= 0.97.
+
+Each round prints one line per variant with the 1-minute load average beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+
+from prefetchd.tools.demo import write_config
+from prefetchd.tools.samples import make_image_folder
+
+_STEP_LOOP = 400_000  # about 30 ms of one thread's pure Python on this machine's cores
+
+
+def _python_step() -> float:
+    t = time.perf_counter()
+    s = 0
+    for i in range(_STEP_LOOP):
+        s += i * i
+    return time.perf_counter() - t
+
+
+def _torch_step_fn():
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def step() -> float:
+        t = time.perf_counter()
+        for _ in range(8):
+            (a @ a).sum()
+        return time.perf_counter() - t
+    return step
+
+
+def _trainer(cfg: str | None, rank: int, steps: int, kind: str, start, out) -> None:
+    """Rank ``rank``'s trainer: ``steps`` timed steps of ``kind`` (cpu steps, or ``sleep:MS``), a
+    batch read between steps when ``cfg`` is set. Puts (rank, step times, images, t0, t1)."""
+    step = _torch_step_fn() if kind == "torch" else _python_step
+    if kind.startswith("sleep:"):
+        ms = float(kind.split(":")[1]) / 1000
+
+        def step() -> float:
+            t = time.perf_counter()
+            time.sleep(ms)
+            return time.perf_counter() - t
+    for _ in range(3):  # warm up (and, for torch, its kernels)
+        step()
+    client = None
+    if cfg is not None:
+        from prefetchd_client import PrefetchClient
+
+        client = PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True)
+        it = _endless(client)
+        next(it)  # the daemon is producing: the clock starts with the first batch
+    start.wait()
+    times, images = [], 0
+    t0 = time.monotonic()
+    for _ in range(steps):
+        if kind != "none":
+            times.append(step())
+        if client is not None:
+            _, y = next(it)
+            images += len(y)
+    t1 = time.monotonic()
+    if client is not None:
+        client.close()
+    out.put((rank, times, images, t0, t1))
+
+
+def _endless(client):
+    """Batches epoch after epoch (the daemon's epochs are endless here)."""
+    e = 0
+    while True:
+        yield from client.iter_epoch(e)
+        e += 1
+
+
+def _reader(cfg: str, rank: int, start, stop, out) -> None:
+    """Rank ``rank`` reading batches as fast as it can until ``stop``: keeps the daemon producing."""
+    from prefetchd_client import PrefetchClient
+
+    with PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True) as c:
+        it = _endless(c)
+        next(it)
+        start.wait()
+        n = 0
+        t0 = time.monotonic()
+        while not stop.is_set():
+            _, y = next(it)
+            n += len(y)
+        out.put((rank, [], n, t0, time.monotonic()))
+
+
+def _start_daemon(root: str, work: str, priority: str, batch_size: int, capacity: int) -> tuple[subprocess.Popen, str, str]:
+    run = tempfile.mkdtemp(prefix=f"share-{priority}-", dir=work)
+    buffer = tempfile.mkdtemp(prefix="prefetchd-share-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else run)
+    os.rmdir(buffer)
+    cfg = os.path.join(run, "share.yaml")
+    write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, None, "auto", capacity,
+                 extra={"loader": {"world_size": 2}, "workers": {"priority": priority},
+                        "buffer": {"max_bytes": "auto"}})
+    log = open(os.path.join(run, "daemon.log"), "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc, cfg, buffer
+
+
+def _stop_daemon(proc: subprocess.Popen, buffer: str) -> None:
+    import shutil
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    shutil.rmtree(buffer, ignore_errors=True)
+
+
+def _collect(out, n: int, procs: list) -> dict:
+    import queue
+
+    got = {}
+    deadline = time.monotonic() + 600
+    while len(got) < n:
+        try:
+            rank, times, images, t0, t1 = out.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a trainer of the share bench failed or hung (see above)") from None
+            continue
+        got[rank] = (times, images, t0, t1)
+    return got
+
+
+def cpu_run(root: str, work: str, priority: str | None, steps: int, kind: str, batch_size: int) -> dict:
+    """The CPU-bound trainer's median step: alone (``priority`` None) or beside a busy daemon."""
+    ctx = get_context("fork")
+    start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    if priority is None:
+        p = ctx.Process(target=_trainer, args=(None, 0, steps, kind, start, out))
+        p.start()
+        start.set()
+        got = _collect(out, 1, [p])
+        p.join()
+        return {"step_s": statistics.median(got[0][0])}
+    proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
+    try:
+        procs = [ctx.Process(target=_trainer, args=(cfg, 0, steps, kind, start, out)),
+                 ctx.Process(target=_reader, args=(cfg, 1, start, stop, out))]
+        for p in procs:
+            p.start()
+        start.set()
+        got = _collect(out, 1, procs)
+        stop.set()
+        got.update(_collect(out, 1, procs))
+        for p in procs:
+            p.join(60)
+        times, _, t0, t1 = got[0]
+        _, n1, r0, r1 = got[1]
+        return {"step_s": statistics.median(times), "rank1_img_s": n1 / max(r1 - r0, 1e-9)}
+    finally:
+        _stop_daemon(proc, buffer)
+
+
+def gpu_run(root: str, work: str, priority: str, batches: int, step_ms: float, batch_size: int) -> dict:
+    """Two GPU-like trainers (sleeping steps): images/s of both together."""
+    ctx = get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
+    try:
+        procs = [ctx.Process(target=_trainer, args=(cfg, r, batches, f"sleep:{step_ms}", start, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        start.set()
+        got = _collect(out, 2, procs)
+        for p in procs:
+            p.join(60)
+        images = sum(g[1] for g in got.values())
+        span = max(g[3] for g in got.values()) - min(g[2] for g in got.values())
+        return {"img_s": images / span}
+    finally:
+        _stop_daemon(proc, buffer)
+
+
+def run_share_bench(args) -> int:
+    priorities = [p.strip() for p in args.share_priorities.split(",") if p.strip()]
+    if "normal" not in priorities:
+        priorities.insert(0, "normal")
+    work = tempfile.mkdtemp(prefix="prefetchd-share-")
+    root = os.path.join(work, "data")
+    n = make_image_folder(root, classes=4, per_class=max(1, args.images // 4), seed=0, long_side=args.image_side)
+    batch = args.batch_size or 16
+    print(f"share bench: {n} images (long side {args.image_side}), batches of {batch}, world size 2, workers auto, "
+          f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}")
+    rows: list[dict] = []
+    for rnd in range(args.repeats):
+        order = priorities if rnd % 2 == 0 else priorities[::-1]
+        alone = cpu_run(root, work, None, args.steps, args.share_step, batch)["step_s"]
+        print(f"round {rnd}: alone step {alone * 1e3:.1f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
+        base_img_s = None
+        for pr in order:
+            c = cpu_run(root, work, pr, args.steps, args.share_step, batch)
+            g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch)
+            row = {"round": rnd, "priority": pr, "alone_s": alone, "step_s": c["step_s"], "ratio": c["step_s"] / alone,
+                   "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0]}
+            rows.append(row)
+            print(f"round {rnd}: {pr:>6}: step {c['step_s'] * 1e3:.1f} ms = {row['ratio']:.2f} x alone "
+                  f"(rank 1 got {c['rank1_img_s']:.0f} img/s meanwhile); GPU-like trainers {g['img_s']:.0f} img/s "
+                  f"(load {row['load1']:.2f})", flush=True)
+        base_img_s = next(r["gpu_img_s"] for r in rows if r["round"] == rnd and r["priority"] == "normal")
+        for r in rows:
+            if r["round"] == rnd:
+                r["img_s_vs_normal"] = r["gpu_img_s"] / base_img_s
+    print("summary (median over rounds):")
+    for pr in priorities:
+        mine = [r for r in rows if r["priority"] == pr]
+        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x alone "
+              f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}], "
+              f"GPU-like img/s {statistics.median(r['img_s_vs_normal'] for r in mine):.3f} x normal "
+              f"[{min(r['img_s_vs_normal'] for r in mine):.2f}-{max(r['img_s_vs_normal'] for r in mine):.2f}]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
