@@ -295,3 +295,82 @@ def _rmdir(path: str) -> bool:
     except OSError:
         return False
     return True
+
+
+# --- what the daemon learns as it runs (daemon/autosize.py) -----------------------------------------
+
+
+class _FakePlanner:
+    def __init__(self, limits):
+        self.limits = limits
+        self.set = []
+
+    def set_limits(self, limits):
+        self.limits = limits
+        self.set.append(limits)
+        return [("evicted",)]
+
+
+class _FakeDaemon:
+    def __init__(self, tmp_path, **buffer):
+        from types import SimpleNamespace
+
+        from prefetchd.core.planner import Limits
+
+        raw = C.from_dict({"dataset": {"root": str(tmp_path)}, "loader": {"batch_size": 8, "world_size": 2},
+                           "augment": {"output_size": 64, "scale_min": 72, "scale_max": 120}, "buffer": buffer})
+        self.sizing = resolve(raw, Host(affinity=2, memory_total=64 * GiB, fs_size=64 * GiB))
+        self.cfg = self.sizing.cfg
+        self.ranks = (0, 1)
+        self.sampler = SimpleNamespace(batches_per_epoch=100)
+        B = self.cfg.buffer
+        self.planner = _FakePlanner(Limits(B.capacity, B.refill_at, B.max_bytes, B.min_free_bytes, others=7))
+
+
+def _rec(pos0, pos1, wait0, wait1, util=1.0):
+    return {"worker_utilisation": util, "ranks": {"0": {"position": [0, pos0], "wait_s": wait0},
+                                                   "1": {"position": [0, pos1], "wait_s": wait1}}}
+
+
+def test_pacer_says_which_rank_is_data_bound_and_what_would_help(tmp_path, monkeypatch):
+    from prefetchd.daemon import autosize
+
+    clock = [1000.0]
+    monkeypatch.setattr(autosize.time, "monotonic", lambda: clock[0])
+    d = _FakeDaemon(tmp_path)
+    p = autosize.Pacer(capacity_auto=False, refill_auto=True)
+    assert p.observe(_rec(0, 0, 0.0, 0.0), d) == []
+    clock[0] += 20
+    rec = _rec(20, 20, 12.0, 1.0)
+    assert p.observe(rec, d) == []  # capacity is a number: never changed
+    r0, r1 = rec["ranks"]["0"], rec["ranks"]["1"]
+    assert abs(r0["waited_share"] - 0.6) < 1e-9 and abs(r1["waited_share"] - 0.05) < 1e-9
+    assert r0["would_help"].startswith("more cores for the workers") and "hybrid decode" in r0["would_help"]
+    assert "would_help" not in r1
+    from prefetchd.format.status import format_status
+
+    text = format_status({**rec, "state": "running", "updated": 0}, None)
+    assert "trainers waited, last minute: rank 0 60% (data-bound), rank 1 5%" in text
+    assert "rank 0 is data-bound; would help: more cores" in text
+    assert "busy only 30%" in autosize.advice(0.5, 0.3, "cpu", 224)
+
+
+def test_capacity_auto_follows_the_measured_pace_within_max_bytes(tmp_path, monkeypatch):
+    from prefetchd.daemon import autosize
+
+    clock = [1000.0]
+    monkeypatch.setattr(autosize.time, "monotonic", lambda: clock[0])
+    d = _FakeDaemon(tmp_path, capacity="auto", lead_s=30)
+    assert d.cfg.buffer.capacity == 64 and d.cfg.buffer.refill_at == 48  # before any pace is known
+    p = autosize.Pacer(capacity_auto=True, refill_auto=True)
+    p.observe(_rec(0, 0, 0, 0), d)
+    clock[0] += 20
+    assert p.observe(_rec(100, 80, 0, 0), d) == [("evicted",)]  # 5 batches/s at the fastest: 150
+    assert d.cfg.buffer.capacity == 150 and d.cfg.buffer.refill_at == 112
+    lim = d.planner.set[-1]
+    assert (lim.capacity, lim.refill_at, lim.others) == (150, 112, 7)  # validation's share kept
+    assert d.sizing.why["capacity"] == "capacity 150: 30 s at 5.00 batches/s"
+    clock[0] += 5
+    assert p.observe(_rec(125, 100, 0, 0), d) == []  # retuned at most every 10 s
+    clock[0] += 10
+    assert p.observe(_rec(175, 150, 0, 0), d) == []  # within a tenth: kept

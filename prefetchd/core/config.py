@@ -61,10 +61,14 @@ class Config:
         v = self.validation  # defaults that depend on the other sections
         size = self.augment.output_size
         v = replace(v, batch_size=v.batch_size or self.loader.batch_size,
-                    resize=v.resize or -(-size * 256 // 224), capacity=v.capacity or self.buffer.capacity)
+                    resize=v.resize or -(-size * 256 // 224), capacity=v.capacity or self._train_capacity())
         if v.resize < size:
             raise ConfigError("validation.resize", f"must be >= augment.output_size ({size}), got {v.resize}")
         object.__setattr__(self, "validation", v)
+
+    def _train_capacity(self) -> int:
+        c = self.buffer.capacity
+        return c if isinstance(c, int) else 64  # capacity: auto starts at today's default (core.limits)
 
     def val_augment(self) -> AugmentConfig:
         """The validation stream's augmentation: shorter side to ``validation.resize``, centre crop.

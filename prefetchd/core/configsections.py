@@ -175,21 +175,29 @@ class WorkersConfig:
 @dataclass(frozen=True)
 class BufferConfig:
     dir: str = "/run/prefetchd"
-    capacity: int = 64
+    capacity: int | str = 64  # or "auto": lead_s of consumption (core.limits.auto_capacity)
     refill_at: int | None = None
     max_bytes: int | str = "auto"  # core.limits.auto_max_bytes: least of the disk and memory limits
     min_free_bytes: int | str = "256MiB"
     group: str | None = None
+    lead_s: float = 60.0  # capacity: auto keeps this many seconds of each rank's consumption ready
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dir", _path(self.dir, "buffer.dir"))
-        _int(self.capacity, "buffer.capacity", 1, 1 << 20)
+        _float(self.lead_s, "buffer.lead_s", 1.0, 86400)
         refill = self.refill_at
-        if refill is None:
-            refill = max(1, (self.capacity * 3) // 4)
-        _int(refill, "buffer.refill_at", 1)
-        if refill > self.capacity:
-            raise ConfigError("buffer.refill_at", f"must be <= buffer.capacity ({self.capacity}), got {refill}")
+        if self.capacity == "auto":  # made a number by core.sizing, refill_at with it unless set
+            if refill is not None:
+                _int(refill, "buffer.refill_at", 1)
+        else:
+            if isinstance(self.capacity, str):
+                raise ConfigError("buffer.capacity", f"must be a positive integer or 'auto', got {self.capacity!r}")
+            _int(self.capacity, "buffer.capacity", 1, 1 << 20)
+            if refill is None:
+                refill = max(1, (self.capacity * 3) // 4)
+            _int(refill, "buffer.refill_at", 1)
+            if refill > self.capacity:
+                raise ConfigError("buffer.refill_at", f"must be <= buffer.capacity ({self.capacity}), got {refill}")
         object.__setattr__(self, "refill_at", refill)
         if self.max_bytes != "auto":
             object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "buffer.max_bytes"))
