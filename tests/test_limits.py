@@ -22,6 +22,7 @@ from prefetchd.core.limits import (
     auto_max_bytes,
     auto_workers,
     cpu_bound,
+    over_limits,
     parse_cfs,
     parse_cpu_list,
     parse_cpu_max,
@@ -106,6 +107,14 @@ def test_explicit_numbers_win_and_check_warns_when_they_exceed_a_limit(tmp_path)
                      "max_bytes": "max_bytes 12.0 GiB: buffer.max_bytes in the config"}
     assert any(w.startswith("workers.count 12 exceeds the CPU quota of 4 cores") for w in s.warnings)
     assert any(w.startswith("buffer.max_bytes 12.0 GiB is over half the 16.0 GiB memory limit") for w in s.warnings)
+
+
+def test_check_warns_of_max_bytes_over_half_the_machine_without_a_memory_cgroup():
+    host = Host(affinity=2, memory_total=24 * GiB, fs_size=250 * GiB, fs_type="ext4", fs_mount="/")
+    assert over_limits(host, 2, 8 * GiB) == []
+    (w,) = over_limits(host, 2, 30 * GiB)
+    assert w == ("buffer.max_bytes 30.0 GiB is over half the machine's 24.0 GiB memory: batches in the page cache "
+                 "or on a tmpfs take it from the trainers; 'auto' takes 6.0 GiB")
 
 
 def test_config_keys_refuse_bad_values_naming_the_key(tmp_path):
