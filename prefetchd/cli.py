@@ -405,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--share-priorities", default="normal,batch,idle,nice", help="--share: the workers.priority values")
     h.add_argument("--share-step", choices=("python", "torch"), default="python",
                    help="--share: the trainer's CPU-bound step (pure Python, or torch with one thread)")
+    h.add_argument("--share-cycles", type=int, default=8, help="--share: daemon running/stopped cycles per run")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

@@ -4,12 +4,14 @@ Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, d
 ``normal,batch,idle,nice``; ``normal`` is what every worker ran at before), alternated
 ``--repeats`` times so drifting load from other users of the machine falls on every variant alike:
 
-* **CPU-bound step**: a trainer (rank 0, a process at normal priority) times a step of one
-  thread's work (``--share-step python``: a pure-Python loop; ``torch``: a matmul under
-  ``torch.set_num_threads(1)``) and reads one batch between steps, while the daemon (workers =
-  ``auto``) produces flat out for it and for rank 1, which reads batches as fast as it can. Its
-  median step time is divided by the median step time of the same trainer with no daemon running
-  (the ``alone`` run, measured right before each busy run). Target: <= 1.05.
+* **CPU-bound step** (``toggled_run``): a trainer (a process at normal priority) times steps of
+  one thread's work (``--share-step python``: a pure-Python loop; ``torch``: matmuls under
+  ``torch.set_num_threads(1)``) back to back, while the daemon (workers ``auto``) produces flat
+  out (rank 1 reads batches as fast as it can; rank 0's window is full, so the daemon produces
+  for rank 1). Every 1.5 s the daemon's process group is stopped (SIGSTOP) or continued, for
+  ``--share-cycles`` cycles: the median step with the daemon running over the median step with
+  it stopped, both from the same run, so load from other users of the machine, which drifts over
+  seconds, falls on both alike. Target: <= 1.05.
 * **GPU-like trainers**: ranks 0 and 1 each sleep ``--step-ms`` per step (a step that waits on the
   GPU) and read ``--batches`` batches; images/s of both together, against the ``normal`` run of
   the same round. Target: >= 0.97.
@@ -160,33 +162,63 @@ def _collect(out, n: int, procs: list) -> dict:
     return got
 
 
-def cpu_run(root: str, work: str, priority: str | None, steps: int, kind: str, batch_size: int) -> dict:
-    """The CPU-bound trainer's median step: alone (``priority`` None) or beside a busy daemon."""
+def _stepper(kind: str, stop, out) -> None:
+    """A trainer that only computes: (start, duration) of each step until ``stop``."""
+    step = _torch_step_fn() if kind == "torch" else _python_step
+    for _ in range(3):
+        step()
+    got = []
+    while not stop.is_set():
+        t = time.monotonic()
+        got.append((t, step()))
+    out.put((0, got, 0, 0.0, 0.0))
+
+
+def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, batch_size: int,
+                phase_s: float = 1.5) -> dict:
+    """The trainer's step with the daemon producing flat out (rank 1 reading as fast as it can)
+    against its step with the daemon stopped (SIGSTOP of its process group: workers, loop), the
+    two alternating every ``phase_s`` within one run, so that other users' load, which drifts
+    over seconds, falls on both alike. The first step of each phase is dropped."""
     ctx = get_context("fork")
     start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
-    if priority is None:
-        p = ctx.Process(target=_trainer, args=(None, 0, steps, kind, start, out))
-        p.start()
-        start.set()
-        got = _collect(out, 1, [p])
-        p.join()
-        return {"step_s": statistics.median(got[0][0])}
     proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
+    phases: list[tuple[float, float, bool]] = []  # (from, to, daemon running)
     try:
-        procs = [ctx.Process(target=_trainer, args=(cfg, 0, steps, kind, start, out)),
-                 ctx.Process(target=_reader, args=(cfg, 1, start, stop, out))]
-        for p in procs:
-            p.start()
+        reader = ctx.Process(target=_reader, args=(cfg, 1, start, stop, out))
+        reader.start()
         start.set()
-        got = _collect(out, 1, procs)
+        time.sleep(2.0)  # the reader has its first batch: the daemon is producing
+        tstop = ctx.Event()
+        trainer = ctx.Process(target=_stepper, args=(kind, tstop, out))
+        trainer.start()
+        time.sleep(1.0)
+        for i in range(2 * cycles):
+            running = i % 2 == 0
+            os.killpg(proc.pid, signal.SIGCONT if running else signal.SIGSTOP)
+            t0 = time.monotonic()
+            time.sleep(phase_s)
+            phases.append((t0, time.monotonic(), running))
+        os.killpg(proc.pid, signal.SIGCONT)
+        tstop.set()
+        got = _collect(out, 1, [trainer])
         stop.set()
-        got.update(_collect(out, 1, procs))
-        for p in procs:
-            p.join(60)
-        times, _, t0, t1 = got[0]
+        got.update(_collect(out, 1, [reader]))
+        trainer.join(30)
+        reader.join(30)
+        steps = got[0][0]
+        busy, idle = [], []
+        for a, b, running in phases:
+            mine = [d for t, d in steps if a <= t and t + d <= b][1:]
+            (busy if running else idle).extend(mine)
         _, n1, r0, r1 = got[1]
-        return {"step_s": statistics.median(times), "rank1_img_s": n1 / max(r1 - r0, 1e-9)}
+        return {"busy_s": statistics.median(busy), "idle_s": statistics.median(idle), "busy_n": len(busy),
+                "idle_n": len(idle), "rank1_img_s": n1 / max(r1 - r0, 1e-9)}
     finally:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
         _stop_daemon(proc, buffer)
 
 
@@ -223,16 +255,17 @@ def run_share_bench(args) -> int:
     rows: list[dict] = []
     for rnd in range(args.repeats):
         order = priorities if rnd % 2 == 0 else priorities[::-1]
-        for pr in order:  # each busy run right after its own alone run: drifting load falls on both
-            alone = cpu_run(root, work, None, args.steps, args.share_step, batch)["step_s"]
-            c = cpu_run(root, work, pr, args.steps, args.share_step, batch)
+        for pr in order:
+            c = toggled_run(root, work, pr, args.share_cycles, args.share_step, batch)
             g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch)
-            row = {"round": rnd, "priority": pr, "alone_s": alone, "step_s": c["step_s"], "ratio": c["step_s"] / alone,
+            row = {"round": rnd, "priority": pr, "idle_s": c["idle_s"], "step_s": c["busy_s"],
+                   "ratio": c["busy_s"] / c["idle_s"], "steps": (c["busy_n"], c["idle_n"]),
                    "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0]}
             rows.append(row)
-            print(f"round {rnd}: {pr:>6}: step {c['step_s'] * 1e3:.1f} ms, alone {alone * 1e3:.1f} ms: "
-                  f"{row['ratio']:.2f} x (rank 1 got {c['rank1_img_s']:.0f} img/s meanwhile); GPU-like trainers "
-                  f"{g['img_s']:.0f} img/s (load {row['load1']:.2f})", flush=True)
+            print(f"round {rnd}: {pr:>6}: step {c['busy_s'] * 1e3:.1f} ms daemon busy, {c['idle_s'] * 1e3:.1f} ms "
+                  f"daemon stopped: {row['ratio']:.3f} x ({c['busy_n']}/{c['idle_n']} steps; rank 1 got "
+                  f"{c['rank1_img_s']:.0f} img/s); GPU-like trainers {g['img_s']:.0f} img/s (load {row['load1']:.2f})",
+                  flush=True)
         base_img_s = next(r["gpu_img_s"] for r in rows if r["round"] == rnd and r["priority"] == "normal")
         for r in rows:
             if r["round"] == rnd:
@@ -240,7 +273,7 @@ def run_share_bench(args) -> int:
     print("summary (median over rounds):")
     for pr in priorities:
         mine = [r for r in rows if r["priority"] == pr]
-        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x alone "
+        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x daemon stopped "
               f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}], "
               f"GPU-like img/s {statistics.median(r['img_s_vs_normal'] for r in mine):.3f} x normal "
               f"[{min(r['img_s_vs_normal'] for r in mine):.2f}-{max(r['img_s_vs_normal'] for r in mine):.2f}]")
