@@ -176,9 +176,7 @@ def cmd_check(args) -> int:
     print(f"workers: {cfg.workers.resolved_count()}")
     print("limits: " + "; ".join(describe(host)))
     print("sizing: " + "; ".join(sizing.why.values()))
-    for warning in sizing.warnings:
-        print(f"warning: {warning}")
-    return _check_deployment(cfg, args)
+    return _check_deployment(cfg, args, [f"warning: {w}" for w in sizing.warnings])
 
 
 def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
@@ -214,7 +212,7 @@ def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
               f"validation batch per rank ({format_size(fronts + one * ranks)}): validation will go over it")
 
 
-def _check_deployment(cfg: Config, args) -> int:
+def _check_deployment(cfg: Config, args, sizing: list[str] = ()) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
@@ -226,7 +224,7 @@ def _check_deployment(cfg: Config, args) -> int:
     except ValueError as e:
         print(f"prefetchd: {e}", file=sys.stderr)
         return 2
-    findings = check_deployment(cfg, daemon, trainers)
+    findings = [*sizing, *check_deployment(cfg, daemon, trainers)]
     for line in findings:
         print(line)
     problems = sum(line.startswith("problem:") for line in findings)

@@ -208,7 +208,7 @@ def over_limits(host: Host, workers: int | None, max_bytes: int | None) -> list[
             out.append(f"buffer.max_bytes {fmt_bytes(max_bytes)} is over half the machine's "
                        f"{fmt_bytes(host.memory_total)} memory: batches in the page cache or on a tmpfs take it from "
                        f"the trainers; 'auto' takes {fmt_bytes(auto)}")
-        if host.fs_size is not None and max_bytes > host.fs_size:
+        if host.fs_size is not None and max_bytes > host.fs_size and host.fs_type != "tmpfs":  # tmpfs: deploy's
             out.append(f"buffer.max_bytes {fmt_bytes(max_bytes)} exceeds the buffer filesystem's "
                        f"{fmt_bytes(host.fs_size)} ({host.fs_mount}): the disk, not max_bytes, will bound the ring")
     return out
