@@ -12,8 +12,8 @@
 
 Modules by role: ``loader`` (``PrefetchClient``, the public loader), ``reader`` (the reader thread
 and batch files), ``memory`` (pinned buffers and device copies), ``normalize``, ``gpudecode``
-(compact batches decoded on the GPU), ``common`` (errors, ``BatchInfo``, constants; imports
-nothing of the client).
+(compact batches decoded on the GPU), ``clock`` (waiting time, less the process's own stops),
+``common`` (errors, ``BatchInfo``, constants; imports nothing of the client).
 """
 
 from __future__ import annotations

@@ -375,12 +375,11 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._write_progress(self.epoch, self.batch)
 
     def _next(self, reader: ReadAhead, epoch: int, batch: int):
-        t0 = time.monotonic()
         try:
-            # the reader bounds each of its own waits (file, pinned buffer, directory) by the timeout
-            item = reader.get(2 * self.timeout + 10.0, f"rank {self.rank} epoch {epoch} batch {batch}")
+            # timed from this asking, leaving out a stop of the process: see reader.ReadAhead.get
+            item = reader.get(batch, self.timeout)
         finally:
-            self.wait_s += time.monotonic() - t0
+            self.wait_s += reader.waited  # the time from asking to the batch being there
         images, labels, event, info = item
         self.last_batch = info
         if event is not None:

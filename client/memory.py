@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from .clock import WaitClock
 from .common import _POLL_MAX_S, _POLL_MIN_S, PrefetchTimeout, _Stopped
 
 try:
@@ -89,7 +90,7 @@ class _PinnedPool:
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, timeout: float, stop: threading.Event):
-        deadline = time.monotonic() + timeout
+        clock = WaitClock()  # a stop of the process (SIGSTOP, a debugger) is not the GPU's delay
         delay = _POLL_MIN_S
         while True:
             with self._lock:
@@ -119,8 +120,8 @@ class _PinnedPool:
                     raise
             if stop.is_set():
                 raise _Stopped()
-            if time.monotonic() >= deadline:
-                raise PrefetchTimeout(f"waited {timeout:.1f} s for a pinned buffer's copy to the device to finish; "
+            if clock.tick() >= timeout:
+                raise PrefetchTimeout(f"waited {clock.said(timeout)} for a pinned buffer's copy to the device to finish; "
                                       "is the GPU hung?")
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)

@@ -5,6 +5,12 @@ compact batch, its decode) on a side stream. The trainer's thread only takes the
 queue. Errors in the reader are raised in the trainer's thread, unchanged, when it reaches that
 batch.
 
+Timeouts measure the daemon's lack of progress, never the trainer's own pause: the reader waits
+for a file without a deadline of its own (it may be far ahead of the trainer, or the trainer in
+a breakpoint), and the trainer's timeout runs from its asking for a batch, on a ``WaitClock``
+(``clock``) that leaves out the spells the process was stopped. What that clock counts is also
+what the wait counter (``wait_s``) adds: the time between asking and the batch being there.
+
 ``BatchFiles`` is the client's file side (a mixin of ``PrefetchClient``): where a batch's file is,
 waiting for it with a deadline, reading it into host memory, checking it, converting it to what
 the trainer gets, and saying what the daemon is doing when a wait times out.
@@ -13,6 +19,7 @@ the trainer gets, and saying what the daemon is doing when a wait times out.
 from __future__ import annotations
 
 import grp
+import math
 import os
 import queue
 import threading
@@ -21,8 +28,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefetchd.format import batchfile, jpegbatch, status
+from prefetchd.format import batchfile, jpegbatch, procstate, status
 
+from .clock import WaitClock
 from .common import (
     _JOIN_TIMEOUT_S,
     _POLL_MAX_S,
@@ -51,6 +59,8 @@ class ReadAhead:
 
     def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
         self.epoch = epoch
+        self.waited = 0.0  # what the last get() counted as waiting (its WaitClock's)
+        self._client = client
         self.stop = threading.Event()
         self.opened = start - 1  # the last batch whose file the reader has opened (it is in hand)
         self._q: queue.Queue = queue.Queue(depth)
@@ -62,7 +72,8 @@ class ReadAhead:
         try:
             with client._reader_context():
                 for b in range(start, n):
-                    item = client._load(epoch, b, self.stop, self._opened)
+                    # no deadline here: the trainer's get() times the wait from its asking
+                    item = client._load(epoch, b, self.stop, self._opened, timeout=math.inf)
                     if not self._put(("ok", item)):
                         return
         except _Stopped:
@@ -90,25 +101,38 @@ class ReadAhead:
         daemon may delete the file from then on) or an item (or error) is waiting."""
         return self.opened >= batch or not self._q.empty()
 
-    def get(self, timeout: float, waiting_for: str):
-        """The next item, waiting at most ``timeout`` (the reader bounds its own waits by the
-        same timeout, so this only fires if the reader itself is stuck)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                kind, value = self._q.get(timeout=_QUEUE_POLL_S)
-            except queue.Empty:
-                if self.stop.is_set():
-                    raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
-                                        "close() or a newer iteration of the same client") from None
-                if not self._thread.is_alive() and self._q.empty():
-                    raise PrefetchError(f"the reader thread ended without {waiting_for}") from None
-                if time.monotonic() >= deadline:
-                    raise PrefetchTimeout(f"waited {timeout:.1f} s for the reader thread to deliver {waiting_for}") from None
-                continue
-            if kind == "error":
-                raise value
-            return value
+    def get(self, batch: int, timeout: float):
+        """The next item, batch ``batch`` of the epoch, waiting ``timeout`` seconds of this
+        process's running time from now (a ``WaitClock``: a stop of the process is not counted).
+        Before it gives up, the batch is looked for once more: if the daemon has made it or the
+        reader holds it, the reader gets another ``timeout`` to deliver it. ``waited`` is then
+        what this call counted as waiting."""
+        clock = WaitClock()
+        limit = timeout
+        try:
+            while True:
+                try:
+                    kind, value = self._q.get(timeout=_QUEUE_POLL_S)
+                except queue.Empty:
+                    if self.stop.is_set():
+                        raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
+                                            "close() or a newer iteration of the same client") from None
+                    if not self._thread.is_alive() and self._q.empty():
+                        raise PrefetchError(f"the reader thread ended without rank {self._client.rank} epoch "
+                                            f"{self.epoch} batch {batch}") from None
+                    if clock.tick() >= limit:
+                        there = self.in_hand(batch) or os.path.exists(self._client._path(self.epoch, batch))
+                        if there and limit == timeout:
+                            limit += timeout  # made, or being read: the reader was slow, not the daemon
+                            continue
+                        raise PrefetchTimeout(self._client._timeout_message(self.epoch, batch, clock, limit,
+                                                                            self.in_hand(batch))) from None
+                    continue
+                if kind == "error":
+                    raise value
+                return value
+        finally:
+            self.waited = clock.tick()
 
     def close(self) -> None:
         self.stop.set()
@@ -133,9 +157,11 @@ class BatchFiles:
     def _path(self, epoch: int, batch: int) -> str:
         return os.path.join(self.dir, batchfile.batch_name(self._lane, epoch, batch, self._offset_of(epoch)))
 
-    def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event) -> int:
+    def _open_when_ready(self, epoch: int, batch: int, stop: threading.Event, timeout: float) -> int:
+        """The batch's file, opened once the daemon has published it; waits ``timeout`` seconds
+        of this process's running time (``math.inf``: until ``stop``)."""
         path = self._path(epoch, batch)
-        deadline = time.monotonic() + self.timeout
+        clock = WaitClock()
         delay = _POLL_MIN_S
         retry_at = 0.0
         while True:
@@ -145,14 +171,23 @@ class BatchFiles:
                 pass
             if stop.is_set():
                 raise _Stopped()
-            if time.monotonic() >= deadline:
-                raise PrefetchTimeout(f"waited {self.timeout:.1f} s for rank {self.rank} epoch {epoch} batch {batch} "
-                                      f"({path}); " + self._daemon_state())
+            if clock.tick() >= timeout:
+                raise PrefetchTimeout(self._timeout_message(epoch, batch, clock, timeout, False))
             if self._unsaved is not None and time.monotonic() >= retry_at:  # the daemon makes this
                 self._retry_progress()  # batch once it knows where we are
                 retry_at = time.monotonic() + _PROGRESS_RETRY_S
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL_MAX_S)
+
+    def _timeout_message(self, epoch: int, batch: int, clock: WaitClock, limit: float, in_hand: bool) -> str:
+        """What a trainer that waited ``limit`` seconds for a batch is told: the wait (and the
+        pause of its own it did not count), the batch, and what the daemon is doing."""
+        path = self._path(epoch, batch)
+        if in_hand:
+            return (f"waited {clock.said(limit)} for the reader thread to read rank {self.rank} epoch {epoch} batch "
+                    f"{batch} ({path}), whose file it has open: is the buffer's filesystem or the GPU stuck?")
+        return (f"waited {clock.said(limit)} for rank {self.rank} epoch {epoch} batch {batch} ({path}); "
+                + self._daemon_state())
 
     def _daemon_state(self) -> str:
         denied = self._permission_denied()
@@ -163,6 +198,9 @@ class BatchFiles:
             return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
         s = status.read_json(self.dir, status.STATUS_NAME) or {}
         state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
+        if alive and isinstance(s.get("pid"), int) and procstate.state(s["pid"]) == procstate.STOPPED:
+            state = (f"the daemon (pid {s['pid']}) is alive but stopped, making nothing (SIGSTOP or a debugger; "
+                     f"`kill -CONT {s['pid']}` lets it go on); ")
         if not isinstance(s.get("updated"), (int, float)):
             return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
         age = f"its status is {time.time() - s['updated']:.0f} s old, "
@@ -211,9 +249,10 @@ class BatchFiles:
         arr = np.empty(size, dtype=np.uint8)
         return None, arr
 
-    def _load(self, epoch: int, batch: int, stop: threading.Event, opened=None):
+    def _load(self, epoch: int, batch: int, stop: threading.Event, opened=None, timeout: float | None = None):
+        """Batch ``batch`` of ``epoch``, waited for ``timeout`` seconds (None: the client's)."""
         path = self._path(epoch, batch)
-        fd = self._open_when_ready(epoch, batch, stop)
+        fd = self._open_when_ready(epoch, batch, stop, self.timeout if timeout is None else timeout)
         if opened is not None:
             opened(batch)
         try:

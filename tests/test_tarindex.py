@@ -258,7 +258,7 @@ def test_check_reports_the_skipped_members_also_from_the_cache(tmp_path):
         r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0 and f"dataset: 6 samples, 1 classes ({how} in" in r.stdout, (r.stdout, r.stderr)
-        assert "archive members not indexed (only regular members" in r.stdout, r.stdout
+        assert "archive members or folders not indexed (only regular members" in r.stdout, r.stdout
         assert f"  skipped {root / 'n1.tar'}: link.JPEG (a symbolic link)" in r.stdout, r.stdout
         assert "/abs.JPEG (an absolute path)" in r.stdout, r.stdout
 
@@ -315,17 +315,17 @@ def test_an_archive_cut_or_replaced_after_indexing_makes_the_batch_wait_blaming_
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
     maker.fill(0, np.array([0]))  # the archive is open in the worker from here on
     os.truncate(root, int(index.block[last]) * 512 + 5)
-    with pytest.raises(StorageUnavailable, match="train.tar is not the one indexed .size"):
+    with pytest.raises(StorageUnavailable, match="train.tar changed since it was indexed .*size"):
         maker.fill(0, np.array([last]))
     with open(root + ".new", "wb") as f:  # another file of the same size put in its place (as rsync does)
         f.write(original[::-1])
     os.replace(root + ".new", root)
-    with pytest.raises(StorageUnavailable, match="not the one indexed"):
+    with pytest.raises(StorageUnavailable, match="changed since it was indexed"):
         maker.fill(0, np.array([1]))
     assert not maker.bad
     with open(root, "wb") as f:  # as it was: the batch is made, nothing was quarantined
         f.write(original)
-    index = replace(index, identity=((len(original), os.stat(root).st_ino),))  # (the test cannot restore the inode)
+    index = replace(index, identity=(tarindex.identity_of(os.stat(root)),))  # (the test cannot restore inode, ctime)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
     _, used, _, _, quarantined = maker.fill(0, np.array([last, 1]))
     assert not quarantined and used.tolist() == [last, 1]
@@ -376,8 +376,8 @@ def test_kept_archive_descriptors_are_evicted_least_recently_used_first(tmp_path
 
 
 def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
-    with pytest.raises(DatasetError, match="set validation.devkit"):
-        load_index(imagenet.val_tar, None, EXTS, None, use_cache=False)
+    with pytest.raises(DatasetError, match="validation.root .* set validation.devkit"):
+        load_index(imagenet.val_tar, None, EXTS, None, use_cache=False, section="validation")
 
 
 # --- the cache, check and the daemon ---------------------------------------------------------------------
@@ -389,7 +389,7 @@ def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
     i1, c1 = load_index(root, None, EXTS, cache)
     i2, c2 = load_index(root, None, EXTS, cache)
     assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
-    assert i2.identity == i1.identity == ((os.stat(root).st_size, os.stat(root).st_ino),)
+    assert i2.identity == i1.identity == (tarindex.identity_of(os.stat(root)),)
     st = os.stat(root)
     os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime

@@ -43,7 +43,18 @@ class MatError(ValueError):
 
 def loadmat(data: bytes) -> dict[str, object]:
     """The variables of a MAT v5 file: struct arrays become lists of dicts, cells lists, char
-    arrays str (rows joined by newlines), numeric arrays flat numpy arrays (column-major order)."""
+    arrays str (rows joined by newlines), numeric arrays flat numpy arrays (column-major order).
+    A damaged file raises ``MatError`` (never another exception: a fuzz found IndexError)."""
+    try:
+        return _loadmat(data)
+    except MatError:
+        raise
+    except (IndexError, ValueError, TypeError, KeyError, OverflowError, struct.error, RecursionError,
+            MemoryError, zlib.error) as e:
+        raise MatError(f"the file is damaged ({type(e).__name__}: {str(e)[:80]})") from None
+
+
+def _loadmat(data: bytes) -> dict[str, object]:
     if len(data) < 128 or data[126:128] not in (b"IM", b"MI"):
         raise MatError("not a MATLAB v5 file (no MAT-file header)")
     bo = "<" if data[126:128] == b"IM" else ">"
@@ -92,7 +103,9 @@ def _matrix(body: bytes, bo: str) -> tuple[str, object]:
     t, dims, pos = _element(body, pos, bo)
     shape = tuple(int(d) for d in _numbers(t, dims, bo))
     t, name, pos = _element(body, pos, bo)
-    count = int(np.prod(shape)) if shape else 0
+    count = int(np.prod(shape, dtype=object)) if shape else 0
+    if cls in (_STRUCT, _CELL) and count > len(body) // 8:  # each element takes 8 bytes at least
+        raise MatError(f"variable {name!r}: {count} elements cannot fit in {len(body)} bytes")
     if cls == _STRUCT:
         t, flen, pos = _element(body, pos, bo)
         width = int(_numbers(t, flen, bo)[0])
@@ -186,8 +199,9 @@ def read_devkit(devkit: str) -> tuple[list[str], list[int | None]]:
             raise MatError("no struct array 'synsets'")
         leaves = {_scalar(s["ILSVRC2012_ID"]): str(s["WNID"]).strip()
                   for s in synsets if _scalar(s["num_children"]) == 0}
-    except (MatError, KeyError, ValueError, TypeError) as e:
-        raise DevkitError(f"validation.devkit {devkit}: {META} is not the ImageNet devkit's ({e})") from None
+    except (MatError, KeyError, ValueError, TypeError, IndexError, OverflowError, AttributeError) as e:
+        raise DevkitError(f"validation.devkit {devkit}: {META} is not the ImageNet devkit's ({e}); download "
+                          "ILSVRC2012_devkit_t12.tar.gz again") from None
     wnids = sorted(set(leaves.values()))
     where = {w: i for i, w in enumerate(wnids)}
     labels: list[int | None] = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from prefetchd.core.dataset import DatasetError
+from prefetchd.core.indexbase import DatasetError
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)
@@ -68,7 +68,10 @@ def _header(hdr: bytes, where: str, off: int, last: bytes | None, top: str = "")
 
 def members(fd: int, start: int, end: int, where: str, skipped: list, top: str = "") -> list[tuple[bytes, int, int]]:
     """(normalised name, data offset, size) of every regular member of the tar that occupies
-    ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why)."""
+    ``[start, end)`` of ``fd``; the members that are skipped go to ``skipped`` as (name, why).
+    A tar ends with a zero block (POSIX writes two, Python's ``tarfile`` reads one): one that
+    stops at a member's end without it was cut short there (a download cut at a record boundary),
+    and is an error like one cut inside a member."""
     out = []
     off, last = start, None
     ext: dict = {}  # what extension headers said of the next member: "name", "size", "why" (skip it)
@@ -86,8 +89,13 @@ def members(fd: int, start: int, end: int, where: str, skipped: list, top: str =
                 data += BLOCK
                 if len(ext_block) < BLOCK or data > end or not ext_block[504]:
                     break
+        if kind == b"\0" and name.endswith(b"/"):  # an old-style directory (tarfile and GNU tar read it so)
+            kind = b"5"
         if kind not in _EXTENSIONS:  # the member the extension headers before it describe
             name, size = ext.get("name", name), ext.get("size", size)
+        if kind == b"5" and size:  # tarfile reads a header right after it; we cannot tell which is meant
+            raise DatasetError(f"{where}: the directory member {show(name)} at offset {off - start} claims {size} "
+                               "bytes of data; the archive is corrupt")
         if size > end - data:
             raise DatasetError(f"{where}: member {show(name)} needs {size} bytes at offset {data - start} but its archive "
                                f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
@@ -115,7 +123,9 @@ def members(fd: int, start: int, end: int, where: str, skipped: list, top: str =
     if off < end:
         raise DatasetError(f"{where} is truncated: it ends inside the header after member "
                            f"{show(last) if last is not None else '(none)'} (download it again)")
-    return out
+    raise DatasetError(f"{where} is truncated: it ends after member {show(last) if last is not None else '(none)'} "
+                       "without the end-of-archive blocks, so members after it may be missing (an incomplete "
+                       "download: download it again)")
 
 
 def _extension(fd: int, kind: bytes, name: bytes, data: int, size: int, ext: dict, skipped: list, what: str) -> None:

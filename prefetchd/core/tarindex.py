@@ -1,6 +1,6 @@
 """Datasets read in place from tar archives: ImageNet as downloaded, never extracted.
 
-Layouts (``layout(root, devkit)`` tells them from an ImageFolder, which ``dataset`` scans):
+Layouts (``dataset.choose`` tells them from an ImageFolder and from mixtures it refuses):
 
 * ``tar``: ``root`` is a tar of per-class tars (``ILSVRC2012_img_train.tar``: ``n01440764.tar``,
   ... each holding that class's JPEGs). A class is a top-level ``<name>.tar`` member.
@@ -9,19 +9,29 @@ Layouts (``layout(root, devkit)`` tells them from an ImageFolder, which ``datase
   ``flat-folder``: a folder of them, both labelled through the devkit (``prefetchd.core.devkit``).
 
 **Order.** Classes are sorted by name; a class's images are ordered as ``scan_image_folder``
-walks the extracted folder (a folder's files sorted, then its sub-folders in sorted order, hidden
-folders skipped, extensions matched case-insensitively). The relative paths are those of the
+walks the extracted folder (torchvision's ``ImageFolder`` order: folders by their whole path, then
+file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders skipped,
+extensions matched case-insensitively). The relative paths are those of the
 extracted ImageFolder (``<class>/<member>``), so the index's paths, labels and fingerprint, and
-hence every batch, are byte for byte those of the extracted folder. A flat set is in name order.
+hence every batch, are byte for byte those of the extracted folder, with one exception: hard
+and symbolic links in a class tar are skipped here (warned, listed by ``check``) where extracting
+makes files of them. A flat set is in name order.
 
 **Reading.** The scan reads the tar headers only: one 512-byte ``pread`` per member, the data is
 skipped. A sample is recorded as (archive, block of its data, size); a worker reads it with one
 ``os.pread`` into a new ``bytes`` of that size. Nothing is written or extracted, ever. A worker
 keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fails closes the
-archive so the next try opens it again (a stale NFS handle after a remount), and an archive is
-opened only if its (size, inode) are those it was indexed with: another file at its path (a copy
-put in its place, a cut download) raises ``dataset.StorageChanged``, which the worker treats as
-storage to wait for (``executors.storage``), never as bad samples read at the wrong offsets.
+archive so the next try opens it again (a stale NFS handle after a remount).
+
+**Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
+(device, inode, size, mtime, ctime), taken when it is indexed; every read checks the descriptor
+it reads through against it with one ``fstat`` after the ``pread`` (a write moves mtime before
+it moves bytes, so a match after the read vouches for the bytes read). Another file at its path
+(a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
+``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
+``indexbase.StorageChanged``, which the worker treats as storage to wait for
+(``executors.storage``: one log line, no sample blamed), never as bad samples read at the wrong
+offsets; a restart indexes the archive again (the cache's stamps hold the same identity).
 
 **Unusual and hostile members** each have one outcome:
 
@@ -36,13 +46,17 @@ storage to wait for (``executors.storage``), never as bad samples read at the wr
 * a duplicate name: the last copy is used, as extraction would, with a warning;
 * a one-line error naming the archive and the member: a header that is not a tar header (bad
   checksum: corrupt, compressed or not a tar), an archive that ends inside a header, a member
-  whose data runs past the end of its archive (a truncated download) or of its inner tar, a PAX
-  global header that sets a path or size for every member after it;
+  whose data runs past the end of its archive (a truncated download) or of its inner tar, an
+  archive that ends without its end-of-archive block (cut at a member boundary), a directory
+  member that claims data, a PAX global header that sets a path or size for every member after it;
+* a would-be class tar that holds tars (the train tar left among its class tars) or only
+  ``ILSVRC2012_val_*`` images (the validation tar) is refused, naming it: read as a class, it
+  would shift every label after it;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
-``tarmeta.json``, valid while every archive's (size, mtime, inode) (and the root folder's and the
-devkit's) are unchanged; the scan time is kept for ``prefetchd check``.
+``tarmeta.json``, valid while every archive's identity (and the root folder's and the devkit's)
+are unchanged; the scan time is kept for ``prefetchd check``.
 """
 
 from __future__ import annotations
@@ -50,16 +64,16 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 import time
 from array import array
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
-from prefetchd.core.dataset import (
+from prefetchd.core.indexbase import (
     DatasetError,
     Index,
     StorageChanged,
@@ -73,7 +87,7 @@ from prefetchd.core.tarheaders import BLOCK, members, show, unique
 log = logging.getLogger("prefetchd.dataset")
 
 META = "tarmeta.json"
-_VERSION = 3  # 3: PAX and GNU long-name members indexed; archive identities and skipped members kept
+_VERSION = 4  # 4: identity (dev, inode, size, mtime, ctime); 3: PAX and GNU long names, skipped members kept
 _MAX_OPEN = 64  # archives a worker keeps open (a folder of 1,000 class tars must not exhaust RLIMIT_NOFILE)
 _LAYOUT_WORDS = {"tar": "a tar of per-class tars", "tars": "a folder of per-class tars",
                  "flat-tar": "a flat tar labelled by the devkit", "flat-folder": "a flat folder labelled by the devkit"}
@@ -91,12 +105,14 @@ class TarIndex(Index):
     block: np.ndarray | None = None
     size: np.ndarray | None = None
     scan_s: float = 0.0  # how long the scan that built it took
-    # each archive's (size, inode) when it was indexed, checked whenever it is opened to read (its
-    # offsets hold for that file only); inode 0: not checked (another node's copy); (): no check
-    identity: tuple[tuple[int, int], ...] = ()
-    skipped_what = ("archive member", "archive members")
+    # each archive's (dev, inode, size, mtime_ns, ctime_ns) when it was indexed, checked at every
+    # read (its offsets hold for that file only); a 0 other than the size: that field is not checked
+    # (another node's copy, ``sizes_only``); (): no check
+    identity: tuple[tuple[int, int, int, int, int], ...] = ()
+    skipped_what = ("archive member or folder", "archive members or folders")
     skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
-                    "a flat set's images without a devkit label")
+                    "a flat set's images without a devkit label; beside class tars, lost+found and folders "
+                    "extracted from them")
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
@@ -120,9 +136,12 @@ class TarIndex(Index):
         n = int(self.size[i])
         a = 0 if self.archive_ids is None else int(self.archive_ids[i])
         path = self.archive(i)
-        fd = _open(path, self.identity[a] if self.identity else None)
+        identity = self.identity[a] if self.identity else None
+        fd = _open(path, identity)
         try:
             data = os.pread(fd, n, int(self.block[i]) * BLOCK)
+            if identity is not None:  # after the read: a write that moved these bytes has moved mtime
+                _check(fd, path, identity)
             if len(data) != n:
                 raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
                                          "(it changed since it was indexed)")
@@ -130,6 +149,14 @@ class TarIndex(Index):
             _forget(path)  # a dead descriptor (a stale NFS handle, a remount): the next try opens the file again
             raise
         return data
+
+    def content_stamp(self, i: int) -> str:
+        """Sample ``i``'s archive identity as indexed and its place in it (no stat: an archive changed
+        since is indexed again at the next start, and its stamp then differs)."""
+        if self.block is None or not self.identity:
+            return super().content_stamp(i)
+        a = 0 if self.archive_ids is None else int(self.archive_ids[i])
+        return ":".join(map(str, (*self.identity[a], int(self.block[i]), int(self.size[i]))))
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes, from the index (no stat: the member is not a file)."""
@@ -149,10 +176,35 @@ _fds: dict[str, int] = {}  # in least recently used order
 _fds_pid = 0
 
 
-def _open(path: str, identity: tuple[int, int] | None = None) -> int:
+def identity_of(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """An archive's identity (``TarIndex.identity``): what changes when a byte of it may have moved."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def sizes_only(identity: tuple) -> tuple:
+    """``identity`` with only the sizes checked (another node's copy has its own device, inode and times)."""
+    return tuple((0, 0, ident[2], 0, 0) for ident in identity)
+
+
+_FIELDS = ("device", "inode", "size", "mtime_ns", "ctime_ns")
+
+
+def _check(fd: int, path: str, identity: tuple) -> None:
+    """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``)."""
+    now = identity_of(os.fstat(fd))
+    changed = [f"{name} {was} -> {is_}" for name, was, is_ in zip(_FIELDS, identity, now, strict=True)
+               if was != is_ and (was or name == "size")]
+    if changed:
+        _forget(path)  # the next try opens the path again (the file put back, or another in its place)
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; "
+                             "copied over, rewritten in place or cut): its indexed offsets would read other bytes, so "
+                             "batches from it wait; restart the daemon to index it again")
+
+
+def _open(path: str, identity: tuple | None = None) -> int:
     """A read-only descriptor of ``path``, kept open for the next read (the ``_MAX_OPEN`` most
-    recently used). ``identity``: the (size, inode) it was indexed with; a file that is not that
-    one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
+    recently used). ``identity``: what it was indexed with (``identity_of``); a file that is not
+    that one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
     global _fds_pid
     if _fds_pid != os.getpid():  # a forked child: the parent's descriptors are its own business
         _fds.clear()
@@ -162,14 +214,9 @@ def _open(path: str, identity: tuple[int, int] | None = None) -> int:
         if len(_fds) >= _MAX_OPEN:
             os.close(_fds.pop(next(iter(_fds))))
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        _fds[path] = fd
         if identity is not None:
-            st = os.fstat(fd)
-            size, ino = identity
-            if st.st_size != size or (ino and st.st_ino != ino):
-                os.close(fd)
-                raise StorageChanged(errno.ESTALE, f"the archive {path} is not the one indexed (size {size}, inode "
-                                     f"{ino}; now size {st.st_size}, inode {st.st_ino}): batches wait until it is "
-                                     "back as it was; restart the daemon to index it again")
+            _check(fd, path, identity)  # closes it if it is not the one indexed
     _fds[path] = fd
     return fd
 
@@ -184,11 +231,11 @@ def _forget(path: str) -> None:
             pass
 
 
-def _walk_key(name: bytes) -> tuple[tuple[bytes, ...], bytes]:
-    if b"/" not in name:
-        return (), name
-    *dirs, base = name.split(b"/")
-    return tuple(dirs), base  # a folder's files before its sub-folders, as os.walk yields them
+def _walk_key(name: bytes) -> tuple[str, str]:
+    """The folder scan's (and torchvision's) order: by folder path, then name, compared as ``str``
+    (``os.fsdecode``: non-UTF-8 bytes as surrogates, as ``os.walk`` gives them), not as bytes."""
+    folder, _, base = name.rpartition(b"/")
+    return os.fsdecode(folder), os.fsdecode(base)
 
 
 def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[bytes, int, int]]:
@@ -254,36 +301,9 @@ class _Arrays:
                         block=np.frombuffer(self.block, dtype=np.uint32), size=np.frombuffer(self.size, dtype=np.uint32))
 
 
-def layout(root: str, devkit: str | None) -> str | None:
-    """``tar`` (a tar file: of class tars, or flat), ``tars`` or ``flat-folder``; None for an
-    ImageFolder (or a root that is not there: the folder scan says why)."""
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    if stat.S_ISREG(st.st_mode):
-        return "tar"
-    if not stat.S_ISDIR(st.st_mode):
-        return None
-    try:
-        entries = [e for e in os.scandir(root) if not e.name.startswith(".")]
-    except OSError:
-        return None
-    if any(e.is_dir() for e in entries):
-        return None
-    if any(e.name.lower().endswith(".tar") and e.is_file() for e in entries):
-        return "tars"
-    return "flat-folder" if devkit else None
-
-
 def _identity(path: str) -> list:
-    st = os.stat(path)
-    return [path, st.st_size, st.st_mtime_ns, st.st_ino]
-
-
-def _size_inode(fd: int) -> tuple[int, int]:
-    st = os.fstat(fd)
-    return st.st_size, st.st_ino
+    """A cache stamp: the path and its identity (``identity_of``)."""
+    return [path, *identity_of(os.stat(path))]
 
 
 def _open_archive(path: str, what: str) -> int:
@@ -293,18 +313,50 @@ def _open_archive(path: str, what: str) -> int:
         raise DatasetError(f"{what} {path} cannot be opened: {e.strerror}") from None
 
 
-def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], exts, layout_: str,
-                     archives: tuple[str, ...], notes: list) -> TarIndex:
-    """``tars``: (class, archive number, start, end) in class order."""
+def _not_a_class(found: dict, images: list) -> str | None:
+    """Why a would-be class tar is not one, from its members, or None (it is one)."""
+    if not images and any(n.lower().endswith(b".tar") for n in found):
+        return "a tar of tars (ImageNet's train tar?)"
+    if images and all(dk.val_number(n) is not None for n, _, _ in images):
+        return "a flat set of validation images (ImageNet's validation tar?)"
+    return None
+
+
+def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: int) -> None:
+    shown = "; ".join(f"{name} ({why})" for name, why in others[:5]) + (" ..." if len(others) > 5 else "")
+    devkits = sorted(n for n in os.listdir(root) if "devkit" in n.lower()) if os.path.isdir(root) else []
+    if len(others) == total:
+        raise DatasetError(f"{key} {root} holds no class tars, only {shown}{' and ' + ', '.join(devkits) if devkits else ''}"
+                           f": it looks like ImageNet's download folder; set {key} to the train tar "
+                           "(ILSVRC2012_img_train.tar), and validation.root to the validation tar with validation.devkit "
+                           "the devkit (ILSVRC2012_devkit_t12.tar.gz)")
+    raise DatasetError(f"{key} {root}: {len(others)} of its {total} tars are not class tars: {shown}; each would be "
+                       "read as a class and shift every label after it: move them out of the folder (the train tar "
+                       "left beside its extracted class tars can go)")
+
+
+def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int, int]], exts, layout_: str,
+                     archives: tuple[str, ...], notes: list) -> tuple[TarIndex, dict]:
+    """``tars``: (class, archive number, start, end) in class order; ``opener(arch)``: a context
+    giving the archive's descriptor (a folder's tars are opened one at a time: ``ulimit -n``).
+    Returns the index and each archive's identity (``identity_of``) as read."""
     out = _Arrays()
     out.multi = len(archives) > 1
-    empty = []
+    empty, others, identity = [], [], {}
     classes = [t[0] for t in tars]
     tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
-        images = _images(unique(members(fd_of(arch), start, end, where, skipped), where, skipped), exts, False)
+        with opener(arch) as fd:
+            identity[arch] = identity_of(os.fstat(fd))
+            found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
+                           where, skipped)
+        images = _images(found, exts, False)
+        why = _not_a_class(found, images)
+        if why:
+            others.append((cls + ".tar", why))
+            continue
         _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
@@ -313,18 +365,26 @@ def _scan_class_tars(root: str, fd_of, tars: list[tuple[str, int, int, int]], ex
             empty.append(cls)
         tbar.set_postfix_str(f"{len(out.labels):,} images", refresh=False)
     tbar.close()
+    if others:
+        _refuse_others(root, key, others, len(tars))
     if empty:
         log.warning("%d class tar(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
     if not len(out.labels):
         raise DatasetError(f"{root} holds no images with extensions {', '.join(e.decode() for e in exts)}")
-    return out.index(root, classes, layout_, archives)
+    return out.index(root, classes, layout_, archives), identity
 
 
 def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str,
-          notes: list) -> TarIndex:
+          notes: list, key: str) -> TarIndex:
     if not devkit:
-        raise DatasetError(f"{root} is a flat set of {len(names)} images with no class tars or folders: set "
+        val = sum(dk.val_number(n) is not None for n, _, _ in names)
+        if key.startswith("dataset."):  # the devkit labels the validation set only: no advice to set it here
+            raise DatasetError(f"{key} {root} is a flat set of {len(names)} images with no class tars or folders"
+                               f"{' (ILSVRC2012_val_ names: ImageNet' + chr(39) + 's validation set)' if val else ''}"
+                               f": a train set needs class folders ({key}/<class>/<image>) or class tars; a "
+                               "validation set goes in validation.root, labelled by validation.devkit")
+        raise DatasetError(f"{key} {root} is a flat set of {len(names)} images with no class tars or folders: set "
                            "validation.devkit to label it (ImageNet's validation set), or give per-class tars")
     try:
         wnids, labels = dk.read_devkit(devkit)
@@ -341,6 +401,11 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
     _warn_skipped(root, unlabelled, notes)
     if not len(out.labels):
         raise DatasetError(f"{root} holds no validation images that the devkit {devkit} labels")
+    if len(out.labels) < len(labels):  # a download or extraction cut short, or a subset on purpose
+        short = (f"{root}: {len(out.labels)} validation images of the devkit ground truth's {len(labels)}: the set is "
+                 "incomplete (a cut download or a half-run extraction?); only these are validated")
+        log.warning("%s", short)
+        notes.append(short)
     used = sorted(set(out.labels))  # only the classes present: a train subset may lack the others
     if len(used) < len(wnids):
         table = {old: new for new, old in enumerate(used)}
@@ -350,13 +415,44 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
     return replace(index, block=None, size=None) if layout_ == "flat-folder" else index
 
 
-def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[TarIndex, list]:
-    """Index ``root`` (see the module docstring; ``key``: the config key naming it). Returns the index and the identities (path,
-    size, mtime, inode) that validate a cache of it."""
+def _nested(root: str, key: str, top: dict, exts: tuple[bytes, ...]) -> None:
+    """A tar whose class tars or class folders sit below its top level: say how to use it."""
+    tars = sorted(n for n in top if b"/" in n and n.lower().endswith(b".tar"))
+    if tars:
+        lead = os.fsdecode(tars[0].rpartition(b"/")[0])
+        raise DatasetError(f"{key} {root} holds its class tars under {lead}/ ({', '.join(map(show, tars[:3]))} ...), "
+                           f"not at its top level: extract it (tar xf) and give the folder {lead} (the folder of class "
+                           f"tars) as {key}")
+    nested = sorted(n for n in top if b"/" in n and n.lower().endswith(exts))
+    if nested:
+        raise DatasetError(f"{key} {root} is a tar of image folders ({', '.join(map(show, nested[:3]))} ...), not of "
+                           f"class tars: extract it (tar xf) and give the folder holding the class folders as {key}")
+
+
+@contextmanager
+def _kept_open(fd: int):
+    yield fd
+
+
+@contextmanager
+def _opened(path: str):
+    fd = _open_archive(path, "class tar")
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = "dataset.root",
+         kind: str | None = None, notes: tuple[str, ...] = ()) -> tuple[TarIndex, list]:
+    """Index ``root`` (see the module docstring; ``key``: the config key naming it; ``kind``: what
+    ``dataset.choose`` found, by default "tar" for a file, "tars" for a folder; ``notes``: what it
+    left out of root, kept with the index). Returns the index and the identities (path, then
+    ``identity_of``) that validate a cache of it."""
     exts = tuple(e.lower().encode() for e in extensions)
-    kind = layout(root, devkit)
+    kind = kind or ("tar" if os.path.isfile(root) else "tars")
     stamps = [_identity(root)]
-    notes: list = []  # what was skipped, kept with the index
+    notes_: list = list(notes)  # what was skipped, kept with the index
     if kind == "tar":
         fd = _open_archive(root, key)
         try:
@@ -365,41 +461,46 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
             top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
-            _warn_skipped(root, skipped, notes)
+            _warn_skipped(root, skipped, notes_)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
+            if tars and devkit:
+                raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
+                                   "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
+                                   f"{key}, or remove validation.devkit to use its class tars' labels")
             if tars:
-                index = _scan_class_tars(root, lambda a: fd, tars, exts, "tar", ("",), notes)
+                index, _ = _scan_class_tars(root, key, lambda a: _kept_open(fd), tars, exts, "tar", ("",), notes_)
             else:
-                index = _flat(root, devkit, _images(top, exts, True), "flat-tar", "", notes)
-            index = replace(index, identity=(_size_inode(fd),))
+                flat = _images(top, exts, True)
+                if not flat:
+                    _nested(root, key, top, exts)
+                index = _flat(root, devkit, flat, "flat-tar", "", notes_, key)
+            index = replace(index, identity=(identity_of(os.fstat(fd)),))
         finally:
             os.close(fd)
     elif kind == "tars":
-        names = sorted(e.name for e in os.scandir(root)
-                       if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
+        if devkit:
+            raise DatasetError(f"{key} {root} is a folder of class tars (a train set), but validation.devkit labels a "
+                               f"flat validation set: give the validation tar as {key}, or remove validation.devkit")
+        names = sorted((e.name for e in os.scandir(root)
+                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file()),
+                       key=lambda n: n[:-4])  # by class name: "a b.tar" after "a.tar", as folder "a b" after "a"
         if len(names) > 65535:
             raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
-        fds: list[int] = []
-        try:
-            tars = []
-            for a, name in enumerate(names):
-                fds.append(_open_archive(os.path.join(root, name), "class tar"))
-                tars.append((name[:-4], a, 0, os.fstat(fds[-1]).st_size))
-                stamps.append(_identity(os.path.join(root, name)))
-            index = _scan_class_tars(root, fds.__getitem__, tars, exts, "tars", tuple(names), notes)
-            index = replace(index, identity=tuple(_size_inode(fd) for fd in fds))
-        finally:
-            for fd in fds:
-                os.close(fd)
+        tars = [(name[:-4], a, 0, None) for a, name in enumerate(names)]  # end: the size when opened
+        index, ids = _scan_class_tars(root, key, lambda a: _opened(os.path.join(root, names[a])), tars, exts, "tars",
+                                      tuple(names), notes_)
+        stamps += [[os.path.join(root, name), *ids[a]] for a, name in enumerate(names)]
+        index = replace(index, identity=tuple(ids[a] for a in range(len(names))))
     elif kind == "flat-folder":
-        names = sorted(os.fsencode(e.name) for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
-        index = _flat(root, devkit, [(n, 0, 0) for n in names if n.lower().endswith(exts)], kind, "", notes)
+        names = sorted(e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
+        encoded = [os.fsencode(n) for n in names]  # ordered as str, as the flat tar's members
+        index = _flat(root, devkit, [(n, 0, 0) for n in encoded if n.lower().endswith(exts)], kind, "", notes_, key)
     else:
         raise DatasetError(f"{root} is not an archive layout")  # pragma: no cover - dispatch checks first
     if devkit:
         stamps += [_identity(p) for p in _devkit_files(devkit)]
-    return replace(index, skipped=_kept(notes)), stamps
+    return replace(index, skipped=_kept(notes_)), stamps
 
 
 def _devkit_files(devkit: str) -> list[str]:
@@ -445,8 +546,10 @@ def _save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
 
 
 def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: str | None,
-         use_cache: bool = True, key: str = "dataset.root") -> tuple[TarIndex, bool]:
-    """As ``dataset.load_index`` for the archive layouts: (index, from_cache)."""
+         use_cache: bool = True, key: str = "dataset.root", kind: str | None = None,
+         notes: tuple[str, ...] = ()) -> tuple[TarIndex, bool]:
+    """As ``dataset.load_index`` for the archive layouts: (index, from_cache); ``kind`` and
+    ``notes``: as ``scan``."""
     source = f"{root}|devkit={devkit or ''}"
     cdir = cache_path(cache_dir, source, "archive", extensions)
     if use_cache:
@@ -454,7 +557,7 @@ def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: 
         if cached is not None:
             return cached, True
     t0 = time.monotonic()
-    index, stamps = scan(root, devkit, extensions, key)
+    index, stamps = scan(root, devkit, extensions, key, kind, notes)
     index = replace(index, scan_s=round(time.monotonic() - t0, 3))
     if use_cache:
         try:

@@ -58,6 +58,7 @@ from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
 from prefetchd.daemon.sessions import Sessions
+from prefetchd.daemon.stalls import StallWatch
 from prefetchd.daemon.teardown import close_early, teardown
 from prefetchd.daemon.validation import ValStream
 from prefetchd.daemon.waiting import Waiting
@@ -136,9 +137,11 @@ class Daemon:
         self.fingerprint_hex = stream_fingerprint(cfg, self.index.fingerprint)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
         self.ranks = L.ranks
-        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path)
+        self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path,
+                                        self.index.content_stamp)
         self.quarantine.load()
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
+        self.stalls = StallWatch()  # ranks whose trainer stopped moving (status, metrics, one log line)
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
                                self._estimate)
         self.segments = Segments(self.sampler, self.ranks, self.fingerprint_hex, self.sessions, self.planner)

@@ -4,6 +4,14 @@ The figures are those of ``status.json``: a custom collector turns the daemon's 
 record into metric families at scrape time, so the exporter holds no state of its own and
 never disagrees with ``prefetchd status``. Names follow Prometheus conventions: a
 ``prefetchd_`` prefix, base units (bytes, seconds), ``_total`` for counters, ``rank`` as a label.
+The daemon's own process is described by prometheus-client's standard ``process_*`` metrics
+(CPU seconds, resident memory, open descriptors, start time).
+
+Per rank, beside the counts: ``prefetchd_rank_ready_ratio`` (ready batches over
+``buffer.capacity``, no join needed), ``prefetchd_rank_last_progress_age_seconds`` and
+``_timestamp_seconds`` (the trainer's last progress record), ``prefetchd_rank_stalled`` (1 after
+``stalls.STALL_AFTER_S`` without one) and ``prefetchd_rank_stalled_process{state=running|stopped|gone}``
+(1 for the state of a stalled rank's trainer process; all 0 while the rank moves).
 """
 
 from __future__ import annotations
@@ -12,6 +20,9 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+
+from prefetchd.daemon.stalls import STALL_AFTER_S
+from prefetchd.format import procstate
 
 log = logging.getLogger("prefetchd.metrics")
 
@@ -32,6 +43,8 @@ def families(rec: dict):
     yield counter("prefetchd_produced_images", "Images published in batches since the daemon started",
                   rec.get("produced_images"))
     yield counter("prefetchd_produced_batches", "Batches published since the daemon started", rec.get("produced_batches"))
+    yield counter("prefetchd_consumed_batches", "Batches the trainers read (their positions moved past), all ranks, "
+                  "since the daemon started", rec.get("consumed_batches"))
     yield gauge("prefetchd_production_rate_images_per_second", "Images published per second, last 10 s",
                 rec.get("produced_img_s"))
     yield gauge("prefetchd_consumption_rate_images_per_second", "Images consumed by trainers per second, last 10 s",
@@ -58,6 +71,8 @@ def families(rec: dict):
     yield gauge("prefetchd_worker_utilisation_ratio", "Fraction of worker time spent making batches",
                 rec.get("worker_utilisation"))
     yield gauge("prefetchd_quarantined_samples", "Samples quarantined (unreadable images)", rec.get("quarantined"))
+    yield counter("prefetchd_samples_quarantined", "Samples quarantined (unreadable images), those of earlier runs "
+                  "read at start included: increase() is the new ones", rec.get("quarantined"))
     yield gauge("prefetchd_resident_memory_bytes", "Resident memory of the daemon and its workers", rec.get("rss_bytes"))
     yield gauge("prefetchd_blocked", "1 while the train stream's production waits on max_bytes or free space",
                 1 if rec.get("blocked") else 0)
@@ -84,7 +99,29 @@ def families(rec: dict):
     fallbacks = CounterMetricFamily("prefetchd_trainer_gpu_decode_fallbacks", "Samples of compact batches the "
                                     "rank's GPU decoder failed on, decoded on the trainer's CPU instead (hybrid "
                                     "decode)", labels=["rank"])
+    consumed = CounterMetricFamily("prefetchd_rank_consumed_batches", "Batches the rank's trainer read (its "
+                                   "position moved past) since the daemon started", labels=["rank"])
+    ratio = GaugeMetricFamily("prefetchd_rank_ready_ratio", "Batches ready in the rank's window over "
+                              "buffer.capacity", labels=["rank"])
+    age = GaugeMetricFamily("prefetchd_rank_last_progress_age_seconds", "Seconds since the rank's trainer last "
+                            "wrote its progress (it does per batch read)", labels=["rank"])
+    seen = GaugeMetricFamily("prefetchd_rank_last_progress_timestamp_seconds", "When the rank's trainer last wrote "
+                             "its progress (Unix time)", labels=["rank"])
+    stalled = GaugeMetricFamily("prefetchd_rank_stalled", f"1 while the rank's trainer makes no progress (no record "
+                                f"for {STALL_AFTER_S:g} s, batches left to read)", labels=["rank"])
+    process = GaugeMetricFamily("prefetchd_rank_stalled_process", "1 for the state (running, stopped, gone) of a "
+                                "stalled rank's trainer process; 0 for all while the rank moves",
+                                labels=["rank", "state"])
     for r, rs in sorted(rec.get("ranks", {}).items()):
+        consumed.add_metric([r], rs.get("consumed", 0))
+        ratio.add_metric([r], rs.get("ready_ratio", 0.0))
+        if rs.get("last_progress") is not None:  # a trainer has written to this rank
+            age.add_metric([r], rs.get("last_progress_age_s") or 0.0)
+            seen.add_metric([r], rs["last_progress"])
+        st = rs.get("stalled") or {}
+        stalled.add_metric([r], 1 if st else 0)
+        for state in procstate.STATES:
+            process.add_metric([r, state], 1 if st.get("process") == state else 0)
         echoed.add_metric([r], rs.get("echoed", 0))
         fallbacks.add_metric([r], rs.get("gpu_fallbacks", 0))
         retrying.add_metric([r], rs.get("retrying", 0))
@@ -93,7 +130,8 @@ def families(rec: dict):
         epoch.add_metric([r], rs.get("position", [0, 0])[0])
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
-    yield from (ready, ahead, epoch, batch, wait, echoed, retrying, fallbacks)
+    yield from (ready, ahead, epoch, batch, wait, echoed, retrying, fallbacks, consumed, ratio, age, seen, stalled,
+                process)
     vals = rec.get("val_ranks") or {}
     if vals:  # the validation stream's lanes, apart from train's
         vready = GaugeMetricFamily("prefetchd_val_rank_ready_batches", "Validation batches ready for the rank",
@@ -138,10 +176,11 @@ class MetricsServer:
             return self._rec
 
     def start(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Collector(self._snapshot))
+        ProcessCollector(registry=registry)  # process_*: the daemon's own CPU, memory, descriptors
         try:
             self._server, _ = start_http_server(self.port, addr=self.address, registry=registry)
         except OSError as e:  # the key to change, not only the socket's complaint

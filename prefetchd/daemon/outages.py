@@ -3,13 +3,17 @@
 A batch that meets unreadable storage (``Result.unavailable``: the root gone, an archive not the
 one indexed) starts an outage of its stream's root (the train set's, or the validation set's);
 a batch made from that root ends it. The roots are tracked apart: a validation root that stays
-unreadable while the train batches are made is one outage, said once, not one per retry.
+unreadable while the train batches are made is one outage, said once, not one per retry. An
+archive changed since it was indexed (``StorageChanged``) stays so until the daemon is restarted,
+while batches from the other archives of its root are made: it is said once per archive, and is
+not ended by those batches.
 """
 
 from __future__ import annotations
 
 import logging
 
+from prefetchd.core.indexbase import StorageChanged
 from prefetchd.executors.storage import STORAGE_RETRY_S
 
 log = logging.getLogger("prefetchd")
@@ -18,9 +22,17 @@ log = logging.getLogger("prefetchd")
 class Outages:
     def __init__(self) -> None:
         self._out: dict[str, tuple[float, str]] = {}  # root -> (since, why)
+        self._changed: dict[str, str] = {}  # "the archive PATH" -> why: until a restart
 
     def failed(self, root: str, why: str, now: float) -> None:
         """A batch from ``root`` met unreadable storage (``why``: the worker's one line)."""
+        if StorageChanged.MARK in why:
+            archive = why.partition(StorageChanged.MARK)[0]
+            if archive not in self._changed:
+                log.error("%s: batches that need it are tried again every %.1f s; no sample is quarantined meanwhile",
+                          why, STORAGE_RETRY_S)
+                self._changed[archive] = why
+            return
         if root not in self._out:
             log.error("%s: batches are tried again every %.1f s until it is back; no sample is quarantined "
                       "meanwhile", why, STORAGE_RETRY_S)
@@ -34,4 +46,4 @@ class Outages:
 
     def describe(self) -> str | None:
         """What is unreadable now (each names its root or archive), for the status; None if nothing."""
-        return "; ".join(why for _, why in self._out.values()) or None
+        return "; ".join([why for _, why in self._out.values()] + list(self._changed.values())) or None

@@ -10,6 +10,8 @@ from operator import itemgetter
 
 import psutil
 
+from prefetchd.format.progress import lane
+
 _RATE_WINDOW_S = 10.0
 
 
@@ -20,10 +22,13 @@ def status_record(d) -> dict:
     ranks = {}
     for r in d.ranks:
         rs = d.planner.rank_status(r)
-        seen = d.sessions.last_seen.get(r)
+        seen = _last_seen(d, r)
+        pid = d.sessions.pid.get(r)
         rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
-                  gpu_fallbacks=d.sessions.gpu_fallbacks[r],
-                  last_progress_age_s=None if seen is None else now - seen)
+                  gpu_fallbacks=d.sessions.gpu_fallbacks[r], consumed=d.sessions.consumed[r], pid=pid,
+                  ready_ratio=rs["ready"] / max(1, d.cfg.buffer.capacity),
+                  last_progress_age_s=None if seen is None else now - seen, last_progress=seen,
+                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live))
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0
@@ -46,6 +51,7 @@ def status_record(d) -> dict:
         "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
         "worker_utilisation": min(1.0, d.pool.busy_s() / (up * max(1, d.pool.count))),
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
+        "consumed_batches": sum(d.sessions.consumed.values()),
         "failed_batches": d.failed_batches,
         "produced_img_s": _rate(d._produced, now, d.t_start),
         "consumed_img_s": _rate(d._consumed, now, d.t_start),
@@ -61,6 +67,17 @@ def status_record(d) -> dict:
         "dataset_unreadable": d.outages.describe(),
         "sizing": list(d.sizing.why.values()),  # each auto value and why (core.sizing)
     }
+
+
+def _last_seen(d, r: int) -> float | None:
+    """When rank ``r``'s trainer last wrote a progress record, of its train or validation lane
+    (a trainer in a validation pass moves)."""
+    seen = d.sessions.last_seen.get(r)
+    if d.val:
+        vseen = d.val.sessions.last_seen.get(lane("val", r))
+        if vseen is not None and (seen is None or vseen > seen):
+            return vseen
+    return seen
 
 
 _processes: dict[int, psutil.Process] = {}  # by pid: a Process is made once (it reads /proc to know its process)

@@ -34,6 +34,9 @@ class Sessions:
         self.echoed = {r: 0 for r in ranks}
         self.gpu_fallbacks = {r: 0 for r in ranks}
         self.last_seen: dict[int, float] = {}  # wall-clock time of the last record per rank
+        self.pid: dict[int, int] = {}  # the trainer's pid, from its last record
+        self.live: set[int] = set()  # ranks with a record read since the daemon started
+        self.consumed = {r: 0 for r in ranks}  # batches passed going forward, since the daemon started
         self._warned: dict[int, str] = {}
 
     def apply(self, r: int, p: Progress, now: float, initial: bool = False) -> Move | None:
@@ -41,6 +44,9 @@ class Sessions:
         new = p.epoch * self.bpe + p.batch
         old = self.pos[r]
         self.last_seen[r] = now
+        self.pid[r] = p.pid
+        if not initial:
+            self.live.add(r)
         self.wait_s[r] = p.wait_s
         self.echoed[r] = p.echoed
         self.gpu_fallbacks[r] = p.gpu_fallbacks
@@ -62,4 +68,6 @@ class Sessions:
                      r, *divmod(old, self.bpe), *divmod(new, self.bpe))
         self.pos[r] = new
         e, b = divmod(new, self.bpe)
-        return Move(r, e, b, new - old if new > old and not initial else 0)
+        move = Move(r, e, b, new - old if new > old and not initial else 0)
+        self.consumed[r] += move.consumed
+        return move

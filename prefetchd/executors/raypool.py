@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prefetchd.core.config import RayConfig
-from prefetchd.core.tarindex import TarIndex
+from prefetchd.core.tarindex import TarIndex, sizes_only
 from prefetchd.executors.builders import Packed
 from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, write_temp
@@ -297,7 +297,7 @@ class RayPool:
             mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
                                                     for k in ("archive_ids", "block", "size")})
             # another node's copy has its own inodes: only the sizes are checked there
-            mapped = dataclasses.replace(mapped, identity=tuple((size, 0) for size, _ in mapped.identity))
+            mapped = dataclasses.replace(mapped, identity=sizes_only(mapped.identity))
         val = self._remote_setup(setup.val) if setup.val is not None else None
         return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 

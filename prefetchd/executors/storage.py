@@ -5,8 +5,10 @@ fault. The rule, applied to every failed read:
 
 * the dataset root cannot be read (gone: unmounted or renamed away; not a directory; no
   permission), or an archive the sample is in is not the one indexed (``StorageChanged``:
-  replaced or cut since) -> ``StorageUnavailable``: no sample is blamed, the batch is made
-  again once the storage is back (the daemon retries it every ``STORAGE_RETRY_S`` and says so once);
+  replaced, rewritten in place or cut since; checked after every read, so no bytes of a changed
+  archive reach a batch) -> ``StorageUnavailable``: no sample is blamed, the batch is made
+  again once the storage is back (the daemon retries it every ``STORAGE_RETRY_S`` and says so
+  once; a changed archive is back only when a restart has indexed it again);
 * the read failed with an errno a network filesystem or a flaky disk gives for a moment
   (EIO, ESTALE, a timeout, ...) -> tried again after each pause of ``TRANSIENT_PAUSES_S``;
   only a sample that still fails while the root is readable is the sample's fault;
@@ -26,7 +28,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from prefetchd.core.dataset import StorageChanged
+from prefetchd.core.indexbase import StorageChanged
 
 # errnos a storage hiccup gives for a moment (NFS, Lustre, a flaky disk or network)
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,

@@ -110,6 +110,14 @@ def is_stale(s: dict[str, Any], now: float | None = None) -> bool:
     return (time.time() if now is None else now) - updated > STALE_AFTER_S
 
 
+def describe_stall(st: dict[str, Any]) -> str:
+    """A rank's ``stalled`` record as said: ``no progress for 32 s (since 22:36:17; pid 4242
+    stopped)``, the time local, the trainer's process ``running``, ``stopped`` or ``gone``."""
+    pid = f"pid {st.get('pid')} {st.get('process', '?')}" if st.get("pid") else "no pid"
+    since = time.strftime("%H:%M:%S", time.localtime(st.get("since") or 0))
+    return f"no progress for {st.get('age_s') or 0:.0f} s (since {since}; {pid})"
+
+
 def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -162,7 +170,8 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
                      f"trainer waited {rs.get('wait_s', 0):.1f} s"
                      + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "")
                      + (f"; {rs['gpu_fallbacks']} samples its GPU could not decode, decoded on its CPU"
-                        if rs.get("gpu_fallbacks") else "") + ("; done" if rs.get("done") else ""))
+                        if rs.get("gpu_fallbacks") else "") + ("; done" if rs.get("done") else "")
+                     + (f"; STALLED: {describe_stall(rs['stalled'])}" if rs.get("stalled") else ""))
     shares = [(r, rs) for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
               if rs.get("waited_share") is not None]
     if shares:  # daemon/autosize.py: the share of the last minute each trainer waited for a batch

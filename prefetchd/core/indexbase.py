@@ -1,0 +1,190 @@
+"""The bottom of the dataset index: what every dataset kind shares and the chooser imports.
+
+The errors, the index record (``Index``: every sample's path and label in three numpy arrays), its
+content hash, and the on-disk cache's reader and writer. Each dataset kind (``folderindex``: an
+ImageFolder or a file list; ``tarindex``: archives read in place) builds on this module and never
+on ``dataset``, which chooses among them.
+
+The index is three numpy arrays: a byte blob of the paths relative to the root, an int64 offset
+array and an int32 label array (about 40 bytes per sample for ImageNet, instead of ~150 for a
+list of Python strings). They are saved as ``.npy`` files in the cache directory and opened with
+``mmap_mode='r'``: forked or spawned workers share the page cache instead of copying a list of
+objects page by page, and a restart skips the scan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from prefetchd.format.atomic import write_atomic
+
+CACHE_VERSION = 3  # 3: torchvision's order (folders by whole path); 2: directory symlinks into the root not followed
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used: the message says why and what to do."""
+
+
+class StorageChanged(OSError):
+    """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
+    the storage's state, not the sample's fault (``executors.storage`` waits for it). Its message
+    begins ``"the archive PATH "`` and holds ``MARK``: the daemon says it once per archive."""
+
+    MARK = " changed since it was indexed"
+
+
+@dataclass(frozen=True)
+class Index:
+    root: str
+    classes: tuple[str, ...]
+    blob: np.ndarray  # uint8: concatenated fs-encoded relative paths
+    offsets: np.ndarray  # int64 [n + 1]
+    labels: np.ndarray  # int32 [n]
+    fingerprint: str  # hex: content hash of paths and labels
+    files_dir: str | None = None  # where the .npy files live (for workers to mmap)
+    skipped: tuple[str, ...] = ()  # directories the scan did not index, each with why
+    kind: str = "folder"  # what the root is: "folder" (an ImageFolder) or "list" (dataset.file_list)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def relpath(self, i: int) -> str:
+        return os.fsdecode(self.blob[self.offsets[i]: self.offsets[i + 1]].tobytes())
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.relpath(i))
+
+    def read(self, i: int) -> bytes:
+        """Sample ``i``'s bytes (OSError when it cannot be read; ``executors.storage`` judges it)."""
+        fd = os.open(self.path(i), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return read_all(fd)
+        finally:
+            os.close(fd)
+
+    # what ``skipped`` holds (one, many) and by which rule, for ``prefetchd check``
+    skipped_what = ("directory", "directories")
+    skipped_rule = "directory symlinks into the root are not followed; a directory is indexed once"
+
+    def describe(self) -> str:
+        """What the dataset is, in a few words (``prefetchd check``)."""
+        if self.kind == "list":
+            return f"a file list in {self.root}"
+        return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
+
+    def content_stamp(self, i: int) -> str:
+        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime and inode):
+        a quarantine entry made under another stamp is not held against the new content."""
+        try:
+            st = os.stat(self.path(i))
+        except OSError as e:
+            return f"unreadable:{e.errno}"
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+    def sample_size(self, i: int) -> int:
+        """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
+        try:
+            return os.stat(self.path(i)).st_size
+        except OSError:
+            return 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes
+
+
+def index_fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:
+    """The content hash of an index's paths and labels (``Index.fingerprint``)."""
+    h = xxhash.xxh3_128()
+    for a in (blob, offsets, labels):
+        h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
+    return h.hexdigest()[:16]
+
+
+def build_index(root: str, classes: list[str], rel: list[bytes], labels: list[int]) -> Index:
+    lens = np.fromiter((len(p) for p in rel), dtype=np.int64, count=len(rel))
+    offsets = np.zeros(len(rel) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    blob = np.frombuffer(b"".join(rel), dtype=np.uint8) if rel else np.zeros(0, np.uint8)
+    lab = np.asarray(labels, dtype=np.int32)
+    return Index(root, tuple(classes), blob, offsets, lab, index_fingerprint(blob, offsets, lab))
+
+
+def check_root(root: str, key: str = "dataset.root") -> None:
+    """``root`` (the config key ``key`` names it) is a readable directory, or a DatasetError says why."""
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        raise DatasetError(f"{key} {root} does not exist") from None
+    except PermissionError:
+        raise DatasetError(f"{key} {root} is not readable (permission denied)") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise DatasetError(f"{key} {root} is not a directory")
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise DatasetError(f"{key} {root} is not readable (permission denied)")
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("CACHE_DIRECTORY"):  # systemd's CacheDirectory=
+        return os.environ["CACHE_DIRECTORY"].split(":")[0]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "prefetchd")
+
+
+def cache_path(cache_dir: str | None, source: str, kind: str, extensions: tuple[str, ...]) -> str:
+    """The cache directory of the index of ``source`` (a root, a list, an archive layout: ``kind``)."""
+    key = hashlib.sha256(f"{CACHE_VERSION}|{kind}|{source}|{','.join(extensions)}".encode()).hexdigest()[:16]
+    return os.path.join(cache_dir or default_cache_dir(), "index-" + key)
+
+
+def write_cache(cdir: str, meta_name: str, arrays: dict, meta: dict) -> None:
+    """Write an index's cache in ``cdir``: each array (None: left out) as ``<name>-<fingerprint>.npy``,
+    then ``meta_name`` (``meta`` plus the ``files`` written), each replaced atomically, so a reader
+    sees the old cache or the new one; ``.npy`` files of earlier indexes are removed."""
+    os.makedirs(cdir, mode=0o700, exist_ok=True)
+    files = {}
+    for k, a in arrays.items():
+        if a is not None:
+            files[k] = f"{k}-{meta['fingerprint']}.npy"
+            write_atomic(cdir, files[k], lambda f, a=a: np.save(f, a, allow_pickle=False))
+    write_atomic(cdir, meta_name, lambda f: f.write(json.dumps({**meta, "files": files}).encode()))
+    for name in os.listdir(cdir):
+        if name not in files.values() and name.endswith(".npy"):
+            try:
+                os.unlink(os.path.join(cdir, name))
+            except OSError:
+                pass
+
+
+def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None):
+    """``build(meta, arrays)`` from the cache in ``cdir`` (the arrays memory-mapped), or None: none
+    there, another ``version``, unreadable, or ``stamps_valid(meta["stamps"])`` says the dataset
+    changed since."""
+    try:
+        with open(os.path.join(cdir, meta_name), encoding="utf-8") as f:
+            meta = json.load(f)
+        if meta.get("version") != version or (stamps_valid is not None and not stamps_valid(meta["stamps"])):
+            return None
+        arrays = {k: np.load(os.path.join(cdir, name), mmap_mode="r", allow_pickle=False)
+                  for k, name in meta["files"].items()}
+        return build(meta, arrays)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def read_all(fd: int) -> bytes:
+    """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
+    size = os.fstat(fd).st_size
+    chunks = [os.read(fd, size + 1)] if size else []
+    while True:  # a file that grew since fstat, or one with no size (a pipe, /proc)
+        more = os.read(fd, max(size, 1 << 16))
+        if not more:
+            return b"".join(chunks)
+        chunks.append(more)

@@ -1,0 +1,346 @@
+"""ImageNet's tars at first contact (issue 28): archives rewritten in place, leftovers, mistakes.
+
+Each test is a case a new user meets with the files and habits of real machines; each failed on
+the tree before the fix (wrong pixels or labels without a word, or a traceback)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+from PIL import Image
+
+from prefetchd.core.dataset import load_index
+
+EXTS = (".jpeg", ".jpg", ".png")
+_LEVELS = (30, 128, 225)
+COLOURS = [(r, g, b) for r in _LEVELS for g in _LEVELS for b in _LEVELS]  # 27, far apart
+
+
+def solid_jpeg(colour, size: int = 2400, side: int = 48) -> bytes:
+    """A JPEG of one colour, padded with a comment segment to exactly ``size`` bytes (members of
+    one size: a re-packed archive keeps its size, as the issue's re-packed train tar did)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), colour).save(buf, "JPEG", quality=95)
+    data = buf.getvalue()
+    pad = size - len(data) - 4
+    assert 0 <= pad < 65000, len(data)
+    return data[:2] + b"\xff\xfe" + (pad + 2).to_bytes(2, "big") + bytes(pad) + data[2:]
+
+
+def tar_of(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 1_300_000_000
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def class_tars(root: str, classes: int = 3, per_class: int = 8) -> dict[str, tuple[int, int, int]]:
+    """A folder of class tars; returns each member's colour by its relative path (``n0/n0_3.JPEG``)."""
+    os.makedirs(root)
+    colour_of = {}
+    for c in range(classes):
+        members = []
+        for k in range(per_class):
+            colour = COLOURS[c * per_class + k]
+            members.append((f"n{c}_{k}.JPEG", solid_jpeg(colour)))
+            colour_of[f"n{c}/n{c}_{k}.JPEG"] = colour
+        with open(os.path.join(root, f"n{c}.tar"), "wb") as f:
+            f.write(tar_of(members))
+    return colour_of
+
+
+def _check_colours(x: np.ndarray, indices, index, colour_of) -> None:
+    """Every sample's pixels are its own member's colour (x: N x H x W x 3)."""
+    for img, i in zip(x, indices, strict=True):
+        want = np.array(colour_of[index.relpath(int(i))], float)
+        got = img.reshape(-1, 3).mean(0)
+        assert np.abs(got - want).max() < 25, f"sample {i} ({index.relpath(int(i))}): pixels {got} are not {want}"
+
+
+def test_an_archive_rewritten_in_place_never_yields_another_members_pixels(tmp_path, daemon_factory):
+    """A class tar re-packed in another member order and written over the old one (same size, same
+    inode: ``cp`` over it, ``rsync --inplace``) while training: no batch is made from it (one log
+    line says why and what to do), a restart indexes it again, and every sample is its own member's
+    pixels throughout; no good sample is quarantined."""
+    from prefetchd_client import PrefetchClient, PrefetchTimeout
+
+    root = str(tmp_path / "tars")
+    colour_of = class_tars(root)
+    cfg = small_config(tmp_path, root, loader={"batch_size": 4, "epochs": 4, "shuffle": True},
+                       augment={"output_size": 32, "scale_min": 40, "scale_max": 48})
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    d = daemon_factory(cfg)
+    seen = 0
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as c:  # 60 s for a start under load
+        try:
+            for x, _ in c.iter_epoch(0):
+                _check_colours(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), c.last_batch.indices, index, colour_of)
+                seen += 1
+                if seen == 1:  # the next batches are made after the archive is rewritten
+                    path = os.path.join(root, "n0.tar")
+                    ino, size = os.stat(path).st_ino, os.stat(path).st_size
+                    with open(path, "rb") as f:
+                        old = tarfile.open(fileobj=io.BytesIO(f.read()))
+                        members = [(m.name, old.extractfile(m).read()) for m in old.getmembers()][::-1]
+                    with open(path, "r+b") as f:  # in place: same inode
+                        f.write(tar_of(members))
+                    assert (os.stat(path).st_ino, os.stat(path).st_size) == (ino, size)
+                    c.timeout = 4  # from here on, the batches from the changed archive wait
+        except PrefetchTimeout:
+            pass  # the batches from the changed archive wait
+    wait_until(lambda: "n0.tar changed since it was indexed" in d.log(), 30, "the one line about the changed archive")
+    assert d.log().count("changed since it was indexed") == 1, d.log()
+    assert d.stop() == 0
+    d2 = daemon_factory(cfg)  # a restart indexes it again
+    index2, _ = load_index(root, None, EXTS, None, use_cache=False)
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as c:
+        n = 0
+        for x, _ in c.iter_epoch(1):
+            _check_colours(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), c.last_batch.indices, index2, colour_of)
+            n += 1
+        assert n == 6
+    assert "quarantined sample" not in d.log() + d2.log()
+    assert d2.stop() == 0
+
+
+def test_a_quarantine_line_made_for_other_content_is_not_held_against_the_new(tmp_path):
+    """A sample quarantined in an archive that was then re-packed (its identity, hence the sample's
+    stamp, changed; the index fingerprint did not) is tried again, not kept quarantined."""
+    from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.executors.worker import Quarantined
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=2, per_class=3)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    q = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    q.add(Quarantined(1, index.path(1), "cannot decode"), 0)
+    again = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    again.load()
+    assert set(again.records) == {1}  # the same content: still quarantined
+    path = os.path.join(root, "n0.tar")
+    data = open(path, "rb").read()
+    with open(path, "r+b") as f:
+        f.write(data)  # rewritten in place, same bytes even: mtime and ctime move
+    index2, _ = load_index(root, None, EXTS, None, use_cache=False)
+    assert index2.fingerprint == index.fingerprint
+    fresh = QuarantineLog(str(tmp_path), index2.fingerprint, index2.path, index2.content_stamp)
+    fresh.load()
+    assert not fresh.records
+    with open(os.path.join(str(tmp_path), "quarantine.jsonl")) as f:
+        assert all("stamp" in json.loads(line) for line in f)
+
+
+def test_a_kept_descriptor_of_an_archive_rewritten_in_place_is_not_read_from(tmp_path):
+    """The worker keeps archives open: the same inode rewritten at the same size is caught at the
+    next read (fstat against the indexed identity), not served at the old offsets."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=1, per_class=4)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    assert index.read(0)
+    path = os.path.join(root, "n0.tar")
+    data = open(path, "rb").read()
+    with open(path, "r+b") as f:
+        f.write(data[::-1])
+    with pytest.raises(StorageChanged, match="n0.tar changed since it was indexed .*mtime_ns"):
+        index.read(0)
+
+
+# --- wrong labels: leftovers and mistakes (items 2, 3, 4, 9), said by `prefetchd check` -----------------
+
+
+def _check(tmp_path, root: str, **sections) -> tuple[int, str]:
+    import subprocess
+    import sys
+
+    cfg = small_config(tmp_path, root, loader={"batch_size": 2}, **sections)
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                       text=True, timeout=120)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def imagenet(tmp_path_factory):
+    from imagenet_archives import make_imagenet
+
+    return make_imagenet(str(tmp_path_factory.mktemp("imagenet")), classes=4, per_class=3, val=8)
+
+
+def _copytree(src: str, dest: str) -> str:
+    import shutil
+
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_the_train_tar_left_beside_its_extracted_class_tars_is_refused(imagenet, tmp_path):
+    import shutil
+
+    root = _copytree(imagenet.train_tars, str(tmp_path / "train"))
+    shutil.copy(imagenet.train_tar, root)  # mv ILSVRC2012_img_train.tar train/; cd train; tar xf ...
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "1 of its 5 tars are not class tars: ILSVRC2012_img_train.tar (a tar of tars" in out, out
+    shutil.copy(imagenet.val_tar, os.path.join(root, "ILSVRC2012_img_train.tar"))  # any non-class archive
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "(a flat set of validation images" in out, out
+
+
+def test_the_download_folder_as_dataset_root_is_refused_saying_what_it_holds(imagenet, tmp_path):
+    import shutil
+
+    root = str(tmp_path / "download")
+    os.makedirs(root)
+    for f in (imagenet.train_tar, imagenet.val_tar, imagenet.devkit_tgz):
+        shutil.copy(f, root)
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "looks like ImageNet's download folder" in out and "ILSVRC2012_devkit_t12.tar.gz" in out, out
+    assert len([ln for ln in out.splitlines() if "configuration error" in ln]) == 1, out
+
+
+def test_validation_root_set_to_the_train_tar_with_the_devkit_is_refused(imagenet, tmp_path):
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": imagenet.train_tar, "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 78 and "validation.root" in out and "is a tar of class tars (a train set), but validation.devkit" in out, out
+
+
+def test_lost_found_and_a_class_extracted_beside_its_tar_leave_the_class_tars_as_they_are(imagenet, tmp_path):
+    import shutil
+
+    root = _copytree(imagenet.train_tars, str(tmp_path / "train"))
+    os.makedirs(os.path.join(root, "lost+found"))  # the root of every ext4 data disk
+    w = imagenet.wnids[1]
+    shutil.copytree(os.path.join(imagenet.train_folder, w), os.path.join(root, w))  # a half-run extraction
+    rc, out = _check(tmp_path, root)
+    assert rc == 0 and "dataset: 12 samples, 4 classes" in out and "a folder of per-class tars" in out, out
+    assert "lost+found (a file system's lost+found folder, not a class)" in out, out
+    assert f"{w} (a folder extracted beside its class tar {w}.tar: the tar is read)" in out, out
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    folder, _ = load_index(imagenet.train_folder, None, EXTS, None, use_cache=False)
+    assert index.fingerprint == folder.fingerprint  # the extracted folder's labels and order
+    os.makedirs(os.path.join(root, "stray"))
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "1 folder(s) that are not one of them extracted (stray)" in out, out
+
+
+def test_misleading_advice_is_gone(imagenet, tmp_path):
+    """The val tar as dataset.root is told it is a validation set (the devkit labels no train set);
+    a tar of an ImageFolder, or of class tars under a leading folder, is told to be extracted."""
+    rc, out = _check(tmp_path, imagenet.val_tar)
+    assert rc == 78 and "ImageNet's validation set): a train set needs class folders" in out, out
+    assert "set validation.devkit" not in out, out
+    for name, src, want in (("folder.tar", imagenet.train_folder, "is a tar of image folders"),
+                            ("lead.tar", imagenet.train_tars, "holds its class tars under train_tars/")):
+        path = str(tmp_path / name)
+        with tarfile.open(path, "w") as tf:
+            tf.add(src, arcname=os.path.basename(src))
+        rc, out = _check(tmp_path, path)
+        assert rc == 78 and want in out and "extract it" in out and "flat set of 0" not in out, out
+
+
+# --- a download cut short (item 6) -----------------------------------------------------------------------
+
+
+def _cut_after_member(src: str, dest: str, keep: int) -> None:
+    """``src`` cut right after its ``keep``-th member's data (at a record boundary: no end blocks)."""
+    with tarfile.open(src) as tf:
+        m = tf.getmembers()[keep - 1]
+    end = m.offset_data + -(-m.size // 512) * 512
+    with open(src, "rb") as f, open(dest, "wb") as g:
+        g.write(f.read(end))
+
+
+def test_a_tar_cut_at_a_member_boundary_says_the_download_is_incomplete(imagenet, tmp_path):
+    cut = str(tmp_path / "ILSVRC2012_img_train.tar")
+    _cut_after_member(imagenet.train_tar, cut, 2)
+    rc, out = _check(tmp_path, cut)
+    assert rc == 78 and "without the end-of-archive blocks" in out and "download it again" in out, out
+    val = str(tmp_path / "ILSVRC2012_img_val.tar")
+    _cut_after_member(imagenet.val_tar, val, 4)
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": val, "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 78 and "without the end-of-archive blocks" in out, out
+
+
+def test_a_validation_set_shorter_than_its_ground_truth_is_said(imagenet, tmp_path):
+    import shutil
+
+    val = str(tmp_path / "val")
+    os.makedirs(val)
+    for name in sorted(os.listdir(imagenet.val_folder))[:5]:  # a half-run extraction
+        shutil.copy(os.path.join(imagenet.val_folder, name), val)
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": val, "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 0 and "5 validation images of the devkit ground truth's 8: the set is incomplete" in out, out
+
+
+# --- ulimit -n (item 5) ----------------------------------------------------------------------------------
+
+
+def test_a_folder_of_more_class_tars_than_open_files_allowed_is_indexed(tmp_path):
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "tars")
+    os.makedirs(root)
+    one = tar_of([("a.JPEG", solid_jpeg((30, 30, 30)))])
+    for c in range(150):
+        with open(os.path.join(root, f"n{c:04d}.tar"), "wb") as f:
+            f.write(one)
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
+            "resource.RLIMIT_NOFILE)[1])); from prefetchd.core.dataset import load_index; "
+            f"i, _ = load_index({root!r}, None, ('.jpeg',), None, use_cache=False); print(len(i), len(i.classes))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["150", "150"], r.stderr[-2000:]
+
+
+def test_the_units_raise_the_open_file_limit():
+    here = os.path.join(os.path.dirname(__file__), "..", "systemd")
+    for unit in ("prefetchd.service", "prefetchd@.service"):
+        with open(os.path.join(here, unit)) as f:
+            lines = [ln.strip() for ln in f]
+        assert any(ln.startswith("LimitNOFILE=") for ln in lines), unit
+
+
+# --- a damaged meta.mat (item 8) -------------------------------------------------------------------------
+
+
+def test_a_damaged_meta_mat_is_a_one_line_error_rc_78(imagenet, tmp_path):
+    import shutil
+
+    devkit = _copytree(imagenet.devkit_folder, str(tmp_path / "devkit"))
+    meta = os.path.join(devkit, "ILSVRC2012_devkit_t12", "data", "meta.mat")
+    from imagenet_archives import write_meta_mat
+    from scipy.io import loadmat, savemat
+
+    write_meta_mat(meta, [(3, "n1"), (1, "n2"), (2, "n3")], [(4, "n9", [1, 2])])
+    savemat(meta, {"synsets": loadmat(meta)["synsets"]}, do_compression=False)  # uncompressed, as the issue's
+    data = bytearray(open(meta, "rb").read())
+    assert len(data) == 2096
+    data[1076] = 186  # one byte of an element's size: the fuzz's IndexError
+    open(meta, "wb").write(bytes(data))
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": imagenet.val_tar, "devkit": devkit, "batch_size": 2})
+    assert rc == 78 and "meta.mat is not the ImageNet devkit's" in out, out
+    assert len([ln for ln in out.splitlines() if "configuration error" in ln]) == 1, out
+    shutil.rmtree(devkit)
+
+
+def test_an_imagefolder_without_images_names_the_config_key_not_a_directory_id(tmp_path):
+    from prefetchd.core.dataset import DatasetError
+
+    root = tmp_path / "root"
+    (root / "a" / "sub").mkdir(parents=True)
+    (root / "a" / "notes.txt").write_text("x")
+    with pytest.raises(DatasetError, match=r"^dataset\.root .* holds no images"):
+        load_index(str(root), None, EXTS, None, use_cache=False)
