@@ -96,6 +96,7 @@ def test_explicit_numbers_win_and_check_warns_when_they_exceed_a_limit(tmp_path)
                 fs_size=64 * GiB, fs_type="tmpfs", fs_mount="/dev/shm")
     cfg = C.from_dict({"dataset": {"root": str(tmp_path)}})
     assert cfg.workers.count == "auto" and cfg.buffer.max_bytes == "auto"  # the defaults
+    assert cfg.workers.priority == "idle"  # BENCHMARKS.md, "Sharing the node"
     s = resolve(cfg, host)
     assert s.cfg.workers.count == 4 and s.cfg.buffer.max_bytes == 4 * GiB and not s.warnings
     assert s.why["workers"].startswith("4 workers: the CPU quota of 4 cores")
@@ -118,7 +119,7 @@ def test_check_warns_of_max_bytes_over_half_the_machine_without_a_memory_cgroup(
 
 
 def test_config_keys_refuse_bad_values_naming_the_key(tmp_path):
-    with pytest.raises(C.ConfigError, match=r"^workers.priority must be one of batch, idle, nice, normal"):
+    with pytest.raises(C.ConfigError, match=r"^workers.priority must be one of idle, batch, nice, normal"):
         C.from_dict({"dataset": {"root": str(tmp_path)}, "workers": {"priority": "low"}})
     with pytest.raises(C.ConfigError, match=r"^buffer.max_bytes must be a size"):
         C.from_dict({"dataset": {"root": str(tmp_path)}, "buffer": {"max_bytes": "lots"}})
@@ -383,3 +384,30 @@ def test_capacity_auto_follows_the_measured_pace_within_max_bytes(tmp_path, monk
     assert p.observe(_rec(125, 100, 0, 0), d) == []  # retuned at most every 10 s
     clock[0] += 10
     assert p.observe(_rec(175, 150, 0, 0), d) == []  # within a tenth: kept
+
+
+def test_status_says_the_share_each_trainer_waited_and_capacity_auto_follows_its_pace(tmp_path, image_root,
+                                                                                      daemon_factory):
+    from prefetchd_client import PrefetchClient
+
+    from prefetchd.format.status import format_status
+
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None},
+                       buffer={"capacity": "auto", "refill_at": None, "lead_s": 1})
+    d = daemon_factory(cfg)
+    buf = str(tmp_path / "buffer")
+    st = wait_until(lambda: (s := _status(buf)) and s.get("sizing") and s, 60, "the daemon's status")
+    assert any(w.startswith("capacity 64: no consumption measured yet") for w in st["sizing"]), st["sizing"]
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        e = 0
+        while not (s := _status(buf)) or "waited_share" not in s["ranks"]["0"] or s["capacity"] == 64:
+            for _ in c.iter_epoch(e):
+                pass
+            e += 1
+            assert e < 200, "no waited_share or capacity change in status.json"
+    rs = s["ranks"]["0"]
+    assert 0.0 <= rs["waited_share"] <= 1.0
+    assert any(w.startswith(f"capacity {s['capacity']}: 1 s at ") for w in s["sizing"]), s["sizing"]
+    assert "trainers waited, last minute: rank 0 " in format_status(s, True)
+    assert "buffer: capacity" in d.log()
+    assert d.stop() == 0

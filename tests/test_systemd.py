@@ -496,7 +496,7 @@ def test_workers_run_below_the_trainers_under_the_unit(deployed):
     # the unit's seccomp filter lets a worker lower (never raise) its own priority; the unit's
     # CPUWeight= puts its cgroup below the trainers' (issue 30)
     m = deployed
-    wait_until(lambda: any("workers run at CPU priority: SCHED_BATCH, nice 19" in e.get("MESSAGE", "")
+    wait_until(lambda: any("workers run at CPU priority: SCHED_IDLE" in e.get("MESSAGE", "")
                            for e in journal(m)), 30, "the workers' priority in the journal")
     assert show(m, "CPUWeight") == "10" and show(m, "Nice") == "0"
 

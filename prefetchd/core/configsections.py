@@ -127,7 +127,7 @@ class RayConfig:
 
 EXECUTORS = ("local", "ray", "mixed")
 # the local workers' CPU priority below the trainers' (executors.priority says what each does)
-PRIORITIES = ("batch", "idle", "nice", "normal")
+PRIORITIES = ("idle", "batch", "nice", "normal")
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class WorkersConfig:
     task_timeout_s: float = 120.0
     executor: str = "local"
     ray: RayConfig | dict = field(default_factory=RayConfig)
-    priority: str = "batch"
+    priority: str = "idle"
 
     def __post_init__(self) -> None:
         _choice(self.priority, "workers.priority", PRIORITIES)

@@ -2,11 +2,14 @@
 
 ``workers.priority`` (a worker applies it to itself as it starts, before its first batch):
 
-* ``batch`` (the default): ``SCHED_BATCH`` at nice 19. A worker's share of a core the trainer
-  also wants is about 1.5% (nice 19's weight, 15, against nice 0's 1024), and as a batch task it
-  never preempts the trainer when it wakes. Measured against the others in BENCHMARKS.md
-  ("Sharing the node").
-* ``idle``: ``SCHED_IDLE``: runs only on a core nothing else wants, also below other niced jobs.
+* ``idle`` (the default, chosen by ``prefetchd bench --share``: BENCHMARKS.md, "Sharing the
+  node"): ``SCHED_IDLE``. A worker runs on what no other thread wants: a trainer's thread that
+  wakes preempts it at once, and the scheduler counts a core running only idle tasks as free
+  when it places a waking trainer thread. The price: a worker preempted while it holds a kernel
+  lock a trainer also takes (the ring directory's, for the microseconds of a create) waits for a
+  free core; ``batch`` bounds that wait by a slice.
+* ``batch``: ``SCHED_BATCH`` at nice 19: about 1.5% of a core a nice-0 thread also wants (weight
+  15 against 1,024), never preempting on wake-up.
 * ``nice``: nice 19, the normal policy.
 * ``normal``: as the daemon (before 0.x: every worker competed with the trainers as an equal).
 
