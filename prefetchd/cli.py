@@ -124,6 +124,13 @@ def cmd_check(args) -> int:
         dt = time.monotonic() - t0
     except (ConfigError, DatasetError) as e:
         return _fail_config(e)
+    from prefetchd.core.hostread import read_host
+    from prefetchd.core.limits import describe
+    from prefetchd.core.sizing import resolve
+
+    host = read_host(cfg.buffer.dir)
+    sizing = resolve(cfg, host)
+    cfg = sizing.cfg  # workers.count and buffer.max_bytes: auto made numbers
     L, B = cfg.loader, cfg.buffer
     sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
     if sampler.batches_per_epoch == 0:
@@ -177,7 +184,9 @@ def cmd_check(args) -> int:
     if V.enabled:
         _check_val_room(cfg, per_batch, need)
     print(f"workers: {cfg.workers.resolved_count()}")
-    return _check_deployment(cfg, args)
+    print("limits: " + "; ".join(describe(host)))
+    print("sizing: " + "; ".join(sizing.why.values()))
+    return _check_deployment(cfg, args, [f"warning: {w}" for w in sizing.warnings])
 
 
 def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
@@ -213,7 +222,7 @@ def _check_val_room(cfg: Config, per_batch: int, need: int) -> None:
               f"validation batch per rank ({format_size(fronts + one * ranks)}): validation will go over it")
 
 
-def _check_deployment(cfg: Config, args) -> int:
+def _check_deployment(cfg: Config, args, sizing: list[str] = ()) -> int:
     """One line per problem or warning with users, groups, modes and the RAM disk; exit 1 on a problem."""
     import pwd
 
@@ -226,7 +235,7 @@ def _check_deployment(cfg: Config, args) -> int:
     except ValueError as e:
         print(f"prefetchd: {e}", file=sys.stderr)
         return 2
-    findings = check_deployment(cfg, daemon, trainers)
+    findings = [*sizing, *check_deployment(cfg, daemon, trainers)]
     for line in findings:
         print(line)
     problems = sum(line.startswith("problem:") for line in findings)
@@ -324,6 +333,10 @@ def cmd_bench(args) -> int:
         from prefetchd.tools.bench.client import run_client_bench
 
         return run_client_bench(args)
+    if args.share:
+        from prefetchd.tools.bench.share import run_share_bench
+
+        return run_share_bench(args)
     if args.train:
         from prefetchd.tools.bench.train import run_train_bench
 
@@ -435,6 +448,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--gpu-share", type=float, default=0.5, help="--train: augment.gpu_share of the hybrid row")
     k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
                    "every measured batch (few cores: its refills would compete with the training)")
+    h = b.add_argument_group("sharing the node (--share); see tools/bench/share.py")
+    h.add_argument("--share", action="store_true", help="a CPU-bound trainer's step beside the busy daemon, and "
+                   "GPU-like trainers' img/s, for each workers.priority, alternated --repeats times")
+    h.add_argument("--share-priorities", default="normal,batch,idle,nice", help="--share: the workers.priority values")
+    h.add_argument("--share-step", choices=("python", "torch"), default="python",
+                   help="--share: the trainer's CPU-bound step (pure Python, or torch with one thread)")
+    h.add_argument("--share-cycles", type=int, default=8, help="--share: daemon running/stopped cycles per run")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

@@ -656,7 +656,8 @@ def test_a_deleted_lock_file_does_not_let_a_second_daemon_take_the_buffer(tmp_pa
     assert f"another prefetchd (pid {d.pid}) already serves {buf}" in d2.log()
     assert len(published(buf)) == 4  # its batches are the first daemon's still
     wait_until(lambda: status.lock_pid(buf) == d.pid, 30, "daemon.lock made again by its daemon")
-    assert "was removed or replaced; made it again" in d.log()
+    # the file is made before the line is logged: wait for the line, not only the file
+    wait_until(lambda: "was removed or replaced; made it again" in d.log(), 10, "the line saying so")
     got = collect(cfg)
     ref, _ = reference_batches(cfg)
     assert digest(got) == digest({k: v[:2] for k, v in ref.items()})

@@ -492,6 +492,15 @@ def test_readme_steps_give_a_running_service_with_the_documented_modes(deployed)
     assert r.returncode == 1 and "problem: trainer outsider is not in buffer.group prefetchd" in r.stdout, r.stdout
 
 
+def test_workers_run_below_the_trainers_under_the_unit(deployed):
+    # the unit's seccomp filter lets a worker lower (never raise) its own priority; the unit's
+    # CPUWeight= puts its cgroup below the trainers' (issue 30)
+    m = deployed
+    wait_until(lambda: any("workers run at CPU priority: SCHED_IDLE" in e.get("MESSAGE", "")
+                           for e in journal(m)), 30, "the workers' priority in the journal")
+    assert show(m, "CPUWeight") == "10" and show(m, "Nice") == "0"
+
+
 def test_a_trainer_of_another_user_reads_three_epochs_bit_identical(deployed):
     m = deployed
     cfg = yaml.safe_load(m.run("cat /etc/prefetchd/prefetchd.yaml").stdout)

@@ -46,7 +46,9 @@ from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.sampler import Sampler
+from prefetchd.core.sizing import read_and_resolve
 from prefetchd.core.streamkeys import stream_settings
+from prefetchd.daemon.autosize import Pacer
 from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
@@ -81,7 +83,9 @@ class Daemon:
     segments = WholeEpochs()  # resumed epochs' keys (segments.py); set up with the sampler in _setup
 
     def __init__(self, cfg: Config, notify=None, early_signals: list[int] | None = None, stop_guard=None):
-        self.cfg = cfg
+        self.sizing = read_and_resolve(cfg)  # workers.count, max_bytes, capacity: auto made numbers, and why
+        self.pacer = Pacer(cfg.buffer.capacity == "auto", cfg.buffer.refill_at is None)
+        self.cfg = cfg = self.sizing.cfg
         self.stop_guard = stop_guard  # stopguard.StopGuard, armed by a stop signal
         self._early_signals = early_signals if early_signals is not None else []
         self.notify = notify
@@ -171,8 +175,7 @@ class Daemon:
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
 
-            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake,
-                                  task_timeout_s=W.task_timeout_s)
+            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake, 9999, W.task_timeout_s)
             self.remote.start()
         self.watcher.start()
         log.info("serving ranks %s of world size %d: %d batches of %d per epoch per rank, %s; %d workers, "
@@ -180,6 +183,9 @@ class Daemon:
                  list(self.ranks), L.world_size, self.sampler.batches_per_epoch, self.sampler.batch_len(0),
                  "endless" if L.epochs is None else f"{L.epochs} epochs", self.pool.count, cfg.buffer.capacity,
                  cfg.buffer.refill_at, format_size(cfg.buffer.max_bytes), cfg.buffer.dir)
+        log.info("sizing: %s", "; ".join(self.sizing.why.values()))
+        for warning in self.sizing.warnings:
+            log.warning("%s", warning)
         if self.val:
             v = self.val
             log.info("validation: %d samples, batches of %d, %s batches per pass by rank, capacity %d",
@@ -484,6 +490,8 @@ class Daemon:
 
     def _write_status(self) -> dict:
         rec = self.status_record()
+        for key in self.pacer.observe(rec, self):  # capacity: auto follows the pace; data-bound ranks
+            self.ring.evict(key)
         if self.metrics is not None:
             self.metrics.update(rec)
         try:
@@ -523,18 +531,20 @@ class Daemon:
         except ConfigError as e:
             log.error("reload refused: %s; keeping the running configuration", e)
             new = None
+        loaded, sized = new, read_and_resolve(new) if new is not None else None
+        new = sized.cfg if sized is not None else None
         why = reload_blockers(self.cfg, new) if new is not None else None
         if why:
             log.error("reload refused: %s would change the batch stream or the buffer; restart the daemon "
                       "to apply it", why)
         elif new is not None:
+            self.sizing, self.pacer = sized, Pacer(loaded.buffer.capacity == "auto", loaded.buffer.refill_at is None)
             self._apply_metrics(new.metrics)
             self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
                                validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
-            self.pool.task_timeout_s = new.workers.task_timeout_s
-            if self.remote is not None:
-                self.remote.task_timeout_s = new.workers.task_timeout_s
+            for ex in self._executors():  # the Ray bridge too: one holding a batch longer has hung
+                ex.task_timeout_s = new.workers.task_timeout_s
             self.pool.resize(new.workers.resolved_count())
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper()))
             for key in self.planner.set_limits(_limits(new.buffer)):

@@ -123,6 +123,7 @@ class Pool:
         self._unstartable_since: float | None = None  # the first failed start since the last good one
         self._orphans: list[tuple[int, int]] = []  # (pid, pidfd) of buried workers not reaped yet
         self._fdwait = FdWait()
+        self.priority = ""  # what the workers' priority became (executors.priority), as they said
 
     def start(self) -> None:
         self._replace(force=True)
@@ -219,6 +220,9 @@ class Pool:
                     ready = self._ready_after_recv(ready, w.conn.fileno())
                     if isinstance(msg, tuple) and msg and msg[0] == "ready":
                         w.ready = True
+                        if len(msg) > 3 and msg[3] != self.priority:  # said once, and again if it changes
+                            self.priority = msg[3]
+                            log.info("workers run at CPU priority: %s", msg[3])
                         continue
                     w.tasks.popleft()
                     w.busy_s += now - w.head_since

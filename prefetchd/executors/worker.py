@@ -30,6 +30,7 @@ import numpy as np
 from prefetchd.core import augment, hybrid
 from prefetchd.core.config import Config
 from prefetchd.core.dataset import Index, open_index_files
+from prefetchd.executors import priority
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
 from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 from prefetchd.format import batchfile
@@ -290,8 +291,9 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
     """Entry point of a worker process: serve tasks until the pipe closes or says stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the daemon decides
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    got = priority.apply(setup.config.workers.priority)  # below the trainers: they win a contended core
     maker = BatchMaker(setup, worker_id, current)
-    conn.send(("ready", worker_id, os.getpid()))
+    conn.send(("ready", worker_id, os.getpid(), got))
     while True:
         try:
             task = conn.recv()

@@ -155,6 +155,8 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"  failed batches {s.get('failed_batches', 0)} (each tried again after a back-off), "
         f"main process CPU {s.get('main_cpu_s') or 0:.1f} s",
     ]
+    if s.get("sizing"):
+        lines.append("  sizing: " + "; ".join(s["sizing"]))
     if s.get("ray"):
         r = s["ray"]
         b = r.get("bridge") or {}  # the process that is Ray's driver (executors/raybridge.py)
@@ -180,6 +182,12 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
                      + (f"; {rs['gpu_fallbacks']} samples its GPU could not decode, decoded on its CPU"
                         if rs.get("gpu_fallbacks") else "") + ("; done" if rs.get("done") else "")
                      + (f"; STALLED: {describe_stall(rs['stalled'])}" if rs.get("stalled") else ""))
+    shares = [(r, rs) for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
+              if rs.get("waited_share") is not None]
+    if shares:  # daemon/autosize.py: the share of the last minute each trainer waited for a batch
+        lines.append("  trainers waited, last minute: " + ", ".join(
+            f"rank {r} {rs['waited_share']:.0%}" + (" (data-bound)" if rs.get("would_help") else "") for r, rs in shares))
+        lines += [f"  rank {r} is data-bound; would help: {rs['would_help']}" for r, rs in shares if rs.get("would_help")]
     for r, rs in sorted((s.get("val_ranks") or {}).items(), key=lambda kv: int(kv[0])):
         p, b = rs.get("position", [0, 0])
         lines.append(f"  rank {r} validation: " + (f"reading pass {p} at batch {b} of {rs.get('pass_batches', '?')}; "

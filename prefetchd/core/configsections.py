@@ -1,0 +1,349 @@
+"""Configuration sections: one frozen dataclass per YAML section, each checking its own keys.
+
+``core.config`` assembles them into ``Config``; the defaults here are those ``config.example.yaml``
+documents. Part of the pure core (standard library only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefetchd.core.configvalues import (
+    ConfigError,
+    _bool,
+    _choice,
+    _float,
+    _int,
+    _pair,
+    _path,
+    _str,
+    _unknown,
+    parse_size,
+)
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    root: str | None = None
+    file_list: str | None = None
+    extensions: tuple[str, ...] = (".jpeg", ".jpg", ".png")
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.root is None and self.file_list is None:
+            raise ConfigError("dataset.root", "is required (an ImageFolder, ImageNet's train tar or a folder of class tars), or set dataset.file_list")
+        if self.root is not None and self.file_list is not None:
+            raise ConfigError("dataset.file_list", "and dataset.root are exclusive: set one")
+        for k in ("root", "file_list", "cache_dir"):
+            v = getattr(self, k)
+            if v is not None:
+                object.__setattr__(self, k, _path(v, f"dataset.{k}"))
+        exts = self.extensions
+        if isinstance(exts, str) or not isinstance(exts, (list, tuple)) or not exts:
+            raise ConfigError("dataset.extensions", f"must be a non-empty list such as [.jpeg, .jpg, .png], got {exts!r}")
+        norm = []
+        for e in exts:
+            e = _str(e, "dataset.extensions").lower()
+            norm.append(e if e.startswith(".") else "." + e)
+        object.__setattr__(self, "extensions", tuple(norm))
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    batch_size: int = 256
+    seed: int = 0
+    epochs: int | None = None
+    shuffle: bool = True
+    drop_last: bool = True
+    world_size: int = 1
+    ranks: tuple[int, ...] | str = "all"
+
+    def __post_init__(self) -> None:
+        _int(self.batch_size, "loader.batch_size", 1, 1 << 20)
+        _int(self.seed, "loader.seed", 0, 2**63 - 1)
+        if self.epochs is not None:
+            _int(self.epochs, "loader.epochs", 1)
+        _bool(self.shuffle, "loader.shuffle")
+        _bool(self.drop_last, "loader.drop_last")
+        _int(self.world_size, "loader.world_size", 1, 1 << 16)
+        ranks = self.ranks
+        if ranks == "all":
+            ranks = tuple(range(self.world_size))
+        elif isinstance(ranks, bool) or isinstance(ranks, int):
+            ranks = (ranks,)
+        if not isinstance(ranks, (list, tuple)) or not ranks:
+            raise ConfigError("loader.ranks", f"must be 'all' or a non-empty list of ranks, got {self.ranks!r}")
+        for r in ranks:
+            _int(r, "loader.ranks", 0, self.world_size - 1)
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError("loader.ranks", f"must not repeat a rank, got {list(ranks)}")
+        object.__setattr__(self, "ranks", tuple(sorted(ranks)))
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = "auto"
+    workers: int = 2
+    num_cpus: float = 1.0
+    resources: dict = field(default_factory=dict)
+    path_map: dict = field(default_factory=dict)
+    connect_timeout_s: float = 30.0
+    retry_s: float = 30.0
+    node_ip_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if _str(self.address, "workers.ray.address").strip().lower() == "local":  # its processes outlive a killed bridge
+            raise ConfigError("workers.ray.address", "'local' would start a Ray cluster in the daemon; start one "
+                              "(ray start --head) and give its host:port")
+        if self.node_ip_address is not None:
+            try:
+                ipaddress.ip_address(self.node_ip_address)
+            except ValueError:
+                raise ConfigError("workers.ray.node_ip_address", f"must be an IP address, got {self.node_ip_address!r}") from None
+        _int(self.workers, "workers.ray.workers", 1, 100000)
+        _float(self.num_cpus, "workers.ray.num_cpus", 0.0, 1024)
+        for key, mapping in (("resources", self.resources), ("path_map", self.path_map)):
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"workers.ray.{key}", f"must be a mapping, got {mapping!r}")
+        for k, v in self.resources.items():
+            _float(v, f"workers.ray.resources.{k}", 0.0)
+        for k, v in self.path_map.items():
+            if not (isinstance(k, str) and isinstance(v, str) and os.path.isabs(k) and os.path.isabs(v)):
+                raise ConfigError("workers.ray.path_map", f"maps absolute local prefixes to absolute remote ones, got {k!r}: {v!r}")
+        _float(self.connect_timeout_s, "workers.ray.connect_timeout_s", 0.1, 3600)
+        _float(self.retry_s, "workers.ray.retry_s", 0.0, 86400)
+        object.__setattr__(self, "resources", dict(self.resources))
+        object.__setattr__(self, "path_map", dict(self.path_map))
+
+    def map_path(self, path: str) -> str:
+        """The path a remote worker reads for a local path (longest matching prefix wins)."""
+        for local in sorted(self.path_map, key=len, reverse=True):
+            if path == local or path.startswith(local.rstrip("/") + "/"):
+                return self.path_map[local] + path[len(local.rstrip("/")):]
+        return path
+
+
+EXECUTORS = ("local", "ray", "mixed")
+# the local workers' CPU priority below the trainers' (executors.priority says what each does)
+PRIORITIES = ("idle", "batch", "nice", "normal")
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    count: int | str = "auto"
+    reserve_cores: int = 0
+    max_tasks_in_flight: int = 2
+    # a worker that holds one batch longer than this (a decode hung on a dead NFS server, a
+    # stopped process) is killed and replaced, and the batch made again
+    task_timeout_s: float = 120.0
+    executor: str = "local"
+    ray: RayConfig | dict = field(default_factory=RayConfig)
+    priority: str = "idle"
+
+    def __post_init__(self) -> None:
+        _choice(self.priority, "workers.priority", PRIORITIES)
+        _choice(self.executor, "workers.executor", EXECUTORS)
+        if isinstance(self.ray, dict):
+            known = [f.name for f in dataclasses.fields(RayConfig)]
+            for k in self.ray:
+                if k not in known:
+                    raise _unknown(str(k), known, "workers.ray")
+            object.__setattr__(self, "ray", RayConfig(**self.ray))
+        elif not isinstance(self.ray, RayConfig):
+            raise ConfigError("workers.ray", f"must be a mapping, got {self.ray!r}")
+        if self.count != "auto":
+            if isinstance(self.count, str):
+                raise ConfigError("workers.count", f"must be a positive integer or 'auto', got {self.count!r}")
+            _int(self.count, "workers.count", 1, 1024)
+        _int(self.reserve_cores, "workers.reserve_cores", 0)
+        _int(self.max_tasks_in_flight, "workers.max_tasks_in_flight", 1, 16)
+        _float(self.task_timeout_s, "workers.task_timeout_s", 0.1)
+
+    def resolved_count(self) -> int:
+        """The number of workers: ``count``, or for ``auto`` what ``core.limits.auto_workers`` makes
+        of this node's affinity mask, cpuset and CPU quota, less ``reserve_cores``."""
+        if self.count != "auto":
+            return int(self.count)
+        from prefetchd.core.hostread import read_host
+        from prefetchd.core.limits import auto_workers
+
+        return auto_workers(read_host(), self.reserve_cores)[0]
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    dir: str = "/run/prefetchd"
+    capacity: int | str = 64  # or "auto": lead_s of consumption (core.limits.auto_capacity)
+    refill_at: int | None = None
+    max_bytes: int | str = "auto"  # core.limits.auto_max_bytes: least of the disk and memory limits
+    min_free_bytes: int | str = "256MiB"
+    group: str | None = None
+    lead_s: float = 60.0  # capacity: auto keeps this many seconds of each rank's consumption ready
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dir", _path(self.dir, "buffer.dir"))
+        _float(self.lead_s, "buffer.lead_s", 1.0, 86400)
+        refill = self.refill_at
+        if self.capacity == "auto":  # made a number by core.sizing, refill_at with it unless set
+            if refill is not None:
+                _int(refill, "buffer.refill_at", 1)
+        else:
+            if isinstance(self.capacity, str):
+                raise ConfigError("buffer.capacity", f"must be a positive integer or 'auto', got {self.capacity!r}")
+            _int(self.capacity, "buffer.capacity", 1, 1 << 20)
+            if refill is None:
+                refill = max(1, (self.capacity * 3) // 4)
+            _int(refill, "buffer.refill_at", 1)
+            if refill > self.capacity:
+                raise ConfigError("buffer.refill_at", f"must be <= buffer.capacity ({self.capacity}), got {refill}")
+        object.__setattr__(self, "refill_at", refill)
+        if self.max_bytes != "auto":
+            object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "buffer.max_bytes"))
+        object.__setattr__(self, "min_free_bytes", parse_size(self.min_free_bytes, "buffer.min_free_bytes"))
+        if self.group is not None:
+            _str(self.group, "buffer.group")
+
+
+@dataclass(frozen=True)
+class ProgressConfig:
+    dir: str | None = None
+    poll_interval_s: float = 0.5
+    inotify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dir is not None:
+            object.__setattr__(self, "dir", _path(self.dir, "progress.dir"))
+        _float(self.poll_interval_s, "progress.poll_interval_s", 0.01, 60)
+        _bool(self.inotify, "progress.inotify")
+
+
+AUGMENT_MODES = ("scale", "random_resized_crop", "eval")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
+DECODERS = ("auto", "pillow")
+DECODE_MODES = ("cpu", "hybrid", "gpu")
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    mode: str = "scale"
+    output_size: int = 224
+    scale_min: int = 256
+    scale_max: int = 480
+    rrc_scale: tuple[float, float] = (0.08, 1.0)
+    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    eval_resize: int = 256
+    flip: bool = True
+    brightness: float = 0.0
+    contrast: float = 0.0
+    saturation: float = 0.0
+    lighting: float = 0.0
+    interpolation: str = "bilinear"
+    decoder: str = "auto"
+    decode: str = "cpu"
+    gpu_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice(self.mode, "augment.mode", AUGMENT_MODES)
+        _int(self.output_size, "augment.output_size", 8, 4096)
+        _int(self.scale_min, "augment.scale_min", 1, 1 << 14)
+        _int(self.scale_max, "augment.scale_max", 1, 1 << 14)
+        if self.scale_min > self.scale_max:
+            raise ConfigError("augment.scale_min", f"must be <= augment.scale_max ({self.scale_max}), got {self.scale_min}")
+        if self.mode == "scale" and self.scale_min < self.output_size:
+            raise ConfigError("augment.scale_min", f"must be >= augment.output_size ({self.output_size}) so the crop fits, got {self.scale_min}")
+        object.__setattr__(self, "rrc_scale", _pair(self.rrc_scale, "augment.rrc_scale", 1e-6, 1.0))
+        object.__setattr__(self, "rrc_ratio", _pair(self.rrc_ratio, "augment.rrc_ratio", 1e-3, 1e3))
+        _int(self.eval_resize, "augment.eval_resize", 1, 1 << 14)
+        if self.mode == "eval" and self.eval_resize < self.output_size:
+            raise ConfigError("augment.eval_resize", f"must be >= augment.output_size ({self.output_size}), got {self.eval_resize}")
+        _bool(self.flip, "augment.flip")
+        for k in ("brightness", "contrast", "saturation"):
+            object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
+        object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
+        _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
+        _choice(self.decoder, "augment.decoder", DECODERS)
+        _choice(self.decode, "augment.decode", DECODE_MODES)
+        share = _float(self.gpu_share, "augment.gpu_share", 0.0, 1.0)
+        if share <= 0.0:
+            raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
+        object.__setattr__(self, "gpu_share", share)
+
+    def stream_dict(self) -> dict[str, Any]:
+        """The keys that change the stream's bytes; the decode keys only where they are used, so
+        configs written before they existed keep their fingerprint."""
+        d = dataclasses.asdict(self)
+        if self.decode != "hybrid":
+            d.pop("gpu_share")
+        if self.decode == "cpu":
+            d.pop("decode")
+        return d
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    echo_factor: int = 1
+    prefetch: int = 2
+
+    def __post_init__(self) -> None:
+        _int(self.echo_factor, "client.echo_factor", 1, 16)
+        _int(self.prefetch, "client.prefetch", 1, 64)
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    enabled: bool = False
+    address: str = "127.0.0.1"
+    port: int = 9464
+
+    def __post_init__(self) -> None:
+        _bool(self.enabled, "metrics.enabled")
+        _str(self.address, "metrics.address")
+        try:
+            ipaddress.ip_address(self.address)
+        except ValueError:
+            raise ConfigError("metrics.address", f"must be an IP address such as 127.0.0.1, got {self.address!r}") from None
+        _int(self.port, "metrics.port", 0, 65535)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    level: str = "info"
+
+    def __post_init__(self) -> None:
+        _choice(self.level, "log.level", ("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """The validation stream: the same daemon, eval augmentation, no shuffle, every sample once per
+    pass. ``batch_size``, ``resize``, ``capacity`` default from the other sections (by ``Config``)."""
+
+    enabled: bool = False
+    root: str | None = None
+    file_list: str | None = None
+    devkit: str | None = None  # ImageNet's devkit: labels a flat validation tar or folder
+    batch_size: int | None = None
+    resize: int | None = None
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        _bool(self.enabled, "validation.enabled")
+        for k in ("root", "file_list", "devkit"):
+            v = getattr(self, k)
+            if v is not None:
+                object.__setattr__(self, k, _path(v, f"validation.{k}"))
+        if self.enabled and self.root is None and self.file_list is None:
+            raise ConfigError("validation.root", "is required with validation.enabled (an ImageFolder with the train set's "
+                              "class folders, or the flat validation tar with validation.devkit), or set validation.file_list")
+        if self.root is not None and self.file_list is not None:
+            raise ConfigError("validation.file_list", "and validation.root are exclusive: set one")
+        if self.batch_size is not None:
+            _int(self.batch_size, "validation.batch_size", 1, 1 << 16)
+        if self.resize is not None:
+            _int(self.resize, "validation.resize", 1, 1 << 14)
+        if self.capacity is not None:
+            _int(self.capacity, "validation.capacity", 1, 1 << 20)

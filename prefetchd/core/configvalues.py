@@ -1,0 +1,124 @@
+"""Configuration values: the error every check raises, sizes, and one small validator per kind.
+
+Each validator takes the value and its key path and raises ``ConfigError`` with a one-line message
+naming the key, the bad value and what would be accepted. Part of the pure core (standard library
+only), shared by ``core.configsections`` and ``core.config``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid. ``str(err)`` is a one-line message naming the key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key} {message}" if key else message)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1024, "ki": 1024,
+    "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "mi": 1024**2,
+    "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "gi": 1024**3,
+    "t": 1000**4, "tb": 1000**4, "tib": 1024**4, "ti": 1024**4,
+}
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``8GiB``, ``512MB``, ``1.5G`` or a plain integer number of bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(key, f"must be a size such as 8GiB or 512MB, got {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ConfigError(key, f"must be a positive size, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = (m.group(2) or "").lower() if m else None
+        if m and unit in _SIZE_UNITS:
+            n = int(float(m.group(1)) * _SIZE_UNITS[unit])
+            if n > 0:
+                return n
+    raise ConfigError(key, f"must be a size such as 8GiB, 512MB or a number of bytes, got {value!r}")
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # unreachable
+
+
+# --- small validators: each raises ConfigError naming the key ---------------------------------
+
+
+def _int(v: Any, key: str, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ConfigError(key, f"must be an integer, got {v!r}")
+    if lo is not None and v < lo:
+        what = "a positive integer" if lo == 1 else f"an integer >= {lo}"
+        raise ConfigError(key, f"must be {what}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(key, f"must be an integer <= {hi}, got {v}")
+    return v
+
+
+def _float(v: Any, key: str, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(key, f"must be a number, got {v!r}")
+    if lo is not None and v < lo:
+        raise ConfigError(key, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ConfigError(key, f"must be <= {hi}, got {v}")
+    return float(v)
+
+
+def _bool(v: Any, key: str) -> bool:
+    if not isinstance(v, bool):
+        raise ConfigError(key, f"must be true or false, got {v!r}")
+    return v
+
+
+def _str(v: Any, key: str, allow_empty: bool = False) -> str:
+    if not isinstance(v, str) or (not allow_empty and not v.strip()):
+        raise ConfigError(key, f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def _choice(v: Any, key: str, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        hint = difflib.get_close_matches(str(v), choices, n=1)
+        extra = f" (did you mean {hint[0]!r}?)" if hint else ""
+        raise ConfigError(key, f"must be one of {', '.join(choices)}, got {v!r}{extra}")
+    return v
+
+
+def _pair(v: Any, key: str, lo: float, hi: float) -> tuple[float, float]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ConfigError(key, f"must be a list of two numbers [low, high], got {v!r}")
+    a, b = (_float(x, key, lo, hi) for x in v)
+    if a > b:
+        raise ConfigError(key, f"must be [low, high] with low <= high, got {list(v)}")
+    return (a, b)
+
+
+def _path(v: Any, key: str) -> str:
+    s = _str(v, key)
+    return os.path.abspath(os.path.expanduser(s))
+
+
+def _unknown(key: str, known: list[str], where: str) -> ConfigError:
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    full = f"{where}.{key}" if where else key
+    msg = f"is not a known key (did you mean {(where + '.' if where else '') + hint[0]!r}?)" if hint else (
+        f"is not a known key; known keys here: {', '.join(known)}")
+    return ConfigError(full, msg)

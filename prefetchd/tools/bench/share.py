@@ -1,0 +1,286 @@
+"""``prefetchd bench --share``: does a CPU-bound trainer keep its core while the daemon works?
+
+Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, default
+``normal,batch,idle,nice``; ``normal`` is what every worker ran at before), alternated
+``--repeats`` times so drifting load from other users of the machine falls on every variant alike:
+
+* **CPU-bound step** (``toggled_run``): a trainer (a process at normal priority) times steps of
+  one thread's work (``--share-step python``: a pure-Python loop; ``torch``: matmuls under
+  ``torch.set_num_threads(1)``) back to back, while the daemon (workers ``auto``) produces flat
+  out (rank 1 reads batches as fast as it can; rank 0's window is full, so the daemon produces
+  for rank 1). Every 1.5 s the daemon's process group is stopped (SIGSTOP) or continued, for
+  ``--share-cycles`` cycles: the median step with the daemon running over the median step with
+  it stopped, both from the same run, so load from other users of the machine, which drifts over
+  seconds, falls on both alike. Target: <= 1.05.
+* **GPU-like trainers**: ranks 0 and 1 each sleep ``--step-ms`` per step (a step that waits on the
+  GPU) and read ``--batches`` batches; images/s of both together, against the ``normal`` run of
+  the same round. Target: >= 0.97.
+
+Each round prints one line per variant with the 1-minute load average beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing import get_context
+
+from prefetchd.tools.demo import write_config
+from prefetchd.tools.samples import make_image_folder
+
+_STEP_LOOP = 400_000  # about 30 ms of one thread's pure Python on this machine's cores
+
+
+def _python_step() -> float:
+    t = time.perf_counter()
+    s = 0
+    for i in range(_STEP_LOOP):
+        s += i * i
+    return time.perf_counter() - t
+
+
+def _torch_step_fn():
+    import torch
+
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def step() -> float:
+        t = time.perf_counter()
+        for _ in range(8):
+            (a @ a).sum()
+        return time.perf_counter() - t
+    return step
+
+
+def _trainer(cfg: str | None, rank: int, steps: int, kind: str, start, out) -> None:
+    """Rank ``rank``'s trainer: ``steps`` timed steps of ``kind`` (cpu steps, or ``sleep:MS``), a
+    batch read between steps when ``cfg`` is set. Puts (rank, step times, images, t0, t1)."""
+    step = _torch_step_fn() if kind == "torch" else _python_step
+    if kind.startswith("sleep:"):
+        ms = float(kind.split(":")[1]) / 1000
+
+        def step() -> float:
+            t = time.perf_counter()
+            time.sleep(ms)
+            return time.perf_counter() - t
+    for _ in range(3):  # warm up (and, for torch, its kernels)
+        step()
+    client = None
+    if cfg is not None:
+        from prefetchd_client import PrefetchClient
+
+        client = PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True)
+        it = _endless(client)
+        next(it)  # the daemon is producing: the clock starts with the first batch
+    start.wait()
+    times, images = [], 0
+    t0 = time.monotonic()
+    for _ in range(steps):
+        if kind != "none":
+            times.append(step())
+        if client is not None:
+            _, y = next(it)
+            images += len(y)
+    t1 = time.monotonic()
+    if client is not None:
+        client.close()
+    out.put((rank, times, images, t0, t1))
+
+
+def _endless(client):
+    """Batches epoch after epoch (the daemon's epochs are endless here)."""
+    e = 0
+    while True:
+        yield from client.iter_epoch(e)
+        e += 1
+
+
+def _reader(cfg: str, rank: int, start, stop, out) -> None:
+    """Rank ``rank`` reading batches as fast as it can until ``stop``: keeps the daemon producing."""
+    from prefetchd_client import PrefetchClient
+
+    with PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True) as c:
+        it = _endless(c)
+        next(it)
+        start.wait()
+        n = 0
+        t0 = time.monotonic()
+        while not stop.is_set():
+            _, y = next(it)
+            n += len(y)
+        out.put((rank, [], n, t0, time.monotonic()))
+
+
+def _start_daemon(root: str, work: str, priority: str, batch_size: int, capacity: int) -> tuple[subprocess.Popen, str, str]:
+    run = tempfile.mkdtemp(prefix=f"share-{priority}-", dir=work)
+    buffer = tempfile.mkdtemp(prefix="prefetchd-share-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else run)
+    os.rmdir(buffer)
+    cfg = os.path.join(run, "share.yaml")
+    write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, None, "auto", capacity,
+                 extra={"loader": {"world_size": 2}, "workers": {"priority": priority},
+                        "buffer": {"max_bytes": "auto"}})
+    log = open(os.path.join(run, "daemon.log"), "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    return proc, cfg, buffer
+
+
+def _stop_daemon(proc: subprocess.Popen, buffer: str) -> None:
+    import shutil
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    shutil.rmtree(buffer, ignore_errors=True)
+
+
+def _collect(out, n: int, procs: list) -> dict:
+    import queue
+
+    got = {}
+    deadline = time.monotonic() + 600
+    while len(got) < n:
+        try:
+            rank, times, images, t0, t1 = out.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                raise RuntimeError("a trainer of the share bench failed or hung (see above)") from None
+            continue
+        got[rank] = (times, images, t0, t1)
+    return got
+
+
+def _stepper(kind: str, stop, out) -> None:
+    """A trainer that only computes: (start, duration) of each step until ``stop``."""
+    step = _torch_step_fn() if kind == "torch" else _python_step
+    for _ in range(3):
+        step()
+    got = []
+    while not stop.is_set():
+        t = time.monotonic()
+        got.append((t, step()))
+    out.put((0, got, 0, 0.0, 0.0))
+
+
+def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, batch_size: int,
+                phase_s: float = 1.5) -> dict:
+    """The trainer's step with the daemon producing flat out (rank 1 reading as fast as it can)
+    against its step with the daemon stopped (SIGSTOP of its process group: workers, loop), the
+    two alternating every ``phase_s`` within one run, so that other users' load, which drifts
+    over seconds, falls on both alike. The first step of each phase is dropped."""
+    ctx = get_context("fork")
+    start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
+    phases: list[tuple[float, float, bool]] = []  # (from, to, daemon running)
+    try:
+        reader = ctx.Process(target=_reader, args=(cfg, 1, start, stop, out))
+        reader.start()
+        start.set()
+        time.sleep(2.0)  # the reader has its first batch: the daemon is producing
+        tstop = ctx.Event()
+        trainer = ctx.Process(target=_stepper, args=(kind, tstop, out))
+        trainer.start()
+        time.sleep(1.0)
+        for i in range(2 * cycles):
+            running = i % 2 == 0
+            os.killpg(proc.pid, signal.SIGCONT if running else signal.SIGSTOP)
+            t0 = time.monotonic()
+            time.sleep(phase_s)
+            phases.append((t0, time.monotonic(), running))
+        os.killpg(proc.pid, signal.SIGCONT)
+        tstop.set()
+        got = _collect(out, 1, [trainer])
+        stop.set()
+        got.update(_collect(out, 1, [reader]))
+        trainer.join(30)
+        reader.join(30)
+        steps = got[0][0]
+        busy, idle = [], []
+        for a, b, running in phases:
+            mine = [d for t, d in steps if a <= t and t + d <= b][1:]
+            (busy if running else idle).extend(mine)
+        _, n1, r0, r1 = got[1]
+        return {"busy_s": statistics.median(busy), "idle_s": statistics.median(idle), "busy_n": len(busy),
+                "idle_n": len(idle), "rank1_img_s": n1 / max(r1 - r0, 1e-9)}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        _stop_daemon(proc, buffer)
+
+
+def gpu_run(root: str, work: str, priority: str, batches: int, step_ms: float, batch_size: int) -> dict:
+    """Two GPU-like trainers (sleeping steps): images/s of both together."""
+    ctx = get_context("fork")
+    start, out = ctx.Event(), ctx.Queue()
+    proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
+    try:
+        procs = [ctx.Process(target=_trainer, args=(cfg, r, batches, f"sleep:{step_ms}", start, out)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        start.set()
+        got = _collect(out, 2, procs)
+        for p in procs:
+            p.join(60)
+        images = sum(g[1] for g in got.values())
+        span = max(g[3] for g in got.values()) - min(g[2] for g in got.values())
+        return {"img_s": images / span}
+    finally:
+        _stop_daemon(proc, buffer)
+
+
+def run_share_bench(args) -> int:
+    priorities = [p.strip() for p in args.share_priorities.split(",") if p.strip()]
+    if "normal" not in priorities:
+        priorities.insert(0, "normal")
+    work = tempfile.mkdtemp(prefix="prefetchd-share-")
+    root = os.path.join(work, "data")
+    n = make_image_folder(root, classes=4, per_class=max(1, args.images // 4), seed=0, long_side=args.image_side)
+    batch = args.batch_size or 16
+    print(f"share bench: {n} images (long side {args.image_side}), batches of {batch}, world size 2, workers auto, "
+          f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}")
+    rows: list[dict] = []
+    for rnd in range(args.repeats):
+        order = priorities if rnd % 2 == 0 else priorities[::-1]
+        for pr in order:
+            c = toggled_run(root, work, pr, args.share_cycles, args.share_step, batch)
+            g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch)
+            row = {"round": rnd, "priority": pr, "idle_s": c["idle_s"], "step_s": c["busy_s"],
+                   "ratio": c["busy_s"] / c["idle_s"], "steps": (c["busy_n"], c["idle_n"]),
+                   "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0]}
+            rows.append(row)
+            print(f"round {rnd}: {pr:>6}: step {c['busy_s'] * 1e3:.1f} ms daemon busy, {c['idle_s'] * 1e3:.1f} ms "
+                  f"daemon stopped: {row['ratio']:.3f} x ({c['busy_n']}/{c['idle_n']} steps; rank 1 got "
+                  f"{c['rank1_img_s']:.0f} img/s); GPU-like trainers {g['img_s']:.0f} img/s (load {row['load1']:.2f})",
+                  flush=True)
+        base_img_s = next(r["gpu_img_s"] for r in rows if r["round"] == rnd and r["priority"] == "normal")
+        for r in rows:
+            if r["round"] == rnd:
+                r["img_s_vs_normal"] = r["gpu_img_s"] / base_img_s
+    print("summary (median over rounds):")
+    for pr in priorities:
+        mine = [r for r in rows if r["priority"] == pr]
+        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x daemon stopped "
+              f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}], "
+              f"GPU-like img/s {statistics.median(r['img_s_vs_normal'] for r in mine):.3f} x normal "
+              f"[{min(r['img_s_vs_normal'] for r in mine):.2f}-{max(r['img_s_vs_normal'] for r in mine):.2f}]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    import shutil
+
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
