@@ -43,6 +43,7 @@ import secrets
 import select
 import shutil
 import signal
+import site
 import socket
 import subprocess
 import sys
@@ -51,6 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prefetchd.core import config as _config_module
 from prefetchd.core.config import EX_CONFIG, Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.format import status
@@ -85,6 +87,10 @@ def load(config: str | os.PathLike | None) -> tuple[str, Config]:
         path = os.path.abspath(os.fspath(config_from_env(config)))
     except PrefetchError as e:
         raise DaemonStartError(str(e), 2) from None
+    except OSError as e:  # a relative path, and the current directory was deleted
+        raise DaemonStartError(f"configuration error: cannot find config file {os.fspath(config_from_env(config))} "
+                               f"relative to the current directory ({e.strerror}); give its absolute path",
+                               EX_CONFIG) from None
     try:
         return path, load_config(path)
     except ConfigError as e:
@@ -136,6 +142,36 @@ except (OSError, AttributeError):
     _LIBC = None
 
 
+def _importable_from_root(env: dict) -> None:
+    """The daemon runs in ``/`` (as under systemd: the caller's directory may be deleted,
+    unreadable or an unmount the daemon must not hold); a ``prefetchd`` found only through the
+    caller's directory (a checkout, not installed) is put on its ``PYTHONPATH``."""
+    root = os.path.abspath(os.path.join(os.path.dirname(_config_module.__file__), "..", ".."))
+    if root in set(site.getsitepackages()) | {site.getusersitepackages()}:
+        return  # installed: the interpreter finds it anywhere (a site dir first on PYTHONPATH would shadow the stdlib)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+
+
+@contextlib.contextmanager
+def _ctrl_c_after() -> Iterator[None]:
+    """Hold a SIGINT (Ctrl-C, a notebook's interrupt) that arrives in the block and deliver it
+    to the handler that was there once the block is over (in the main thread; elsewhere no
+    KeyboardInterrupt is raised)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[object] = []
+    old = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(signal.SIGINT, got[0])
+        elif got and old == signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
 class DaemonChild:
     """One ``python -m prefetchd run --config PATH`` child: started, waited for, stopped.
 
@@ -167,13 +203,15 @@ class DaemonChild:
         env = {k: v for k, v in (self._env if self._env is not None else os.environ).items()
                if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")}
         env["NOTIFY_SOCKET"] = "@" + name
-        self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True,
-                                     preexec_fn=_set_pdeathsig if _LIBC is not None else None)
-        self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
-                                       name="prefetchd-serve-log")
-        self._relay.start()
+        _importable_from_root(env)
+        with _ctrl_c_after():  # a Ctrl-C inside Popen would lose the child's pid: the daemon would be left
+            self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True, cwd="/",
+                                         preexec_fn=_set_pdeathsig if _LIBC is not None else None)
+            self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
+                                           name="prefetchd-serve-log")
+            self._relay.start()
 
     def _write(self, line: str) -> None:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import configparser
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -370,3 +371,59 @@ def test_clean_up_removes_only_what_this_start_made(tmp_path, image_root, cfg):
         assert (tmp_path / "buffer" / status.LOCK_NAME).exists()
     finally:
         assert d.stop() == 0
+
+
+def test_a_ctrl_c_as_the_daemon_process_is_made_leaves_no_daemon(tmp_path, cfg, monkeypatch):
+    """A notebook's interrupt that lands inside ``Popen`` (after the fork, before the pid is
+    kept) used to lose the child: the daemon ran on, and the cell run again used it."""
+    import prefetchd_client.child as child
+    from prefetchd_client import serve
+
+    made = []
+    real = subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        p = real(*args, **kwargs)
+        made.append(p.pid)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C lands here; the sleep is where Python raises it
+        for _ in range(20):
+            __import__("time").sleep(0.01)
+        return p
+
+    monkeypatch.setattr(child.subprocess, "Popen", popen_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        with serve(cfg):
+            raise AssertionError("the block ran")
+    assert made
+    _assert_nothing_left(str(tmp_path / "buffer"), made)
+
+
+def test_what_the_command_left_running_is_ended_with_it(tmp_path, cfg):
+    """CMD that starts a background job (its grandchild, a shell's ``&``) and exits: the job is
+    orphaned to launch (a subreaper) and ended, not left running after launch, as under Slurm."""
+    pidfile = tmp_path / "bg"
+    script = f"sleep 300 & echo $! > {pidfile}; (sleep 1 &); sleep 2; exit 5"
+    rc, _, err = _finish(_launch(tmp_path, cfg, "sh", "-c", script))
+    assert rc == 5, err
+    left = int(pidfile.read_text())
+    assert "the command left 1 process(es) running" in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [left])
+
+
+def test_launch_from_a_deleted_directory(tmp_path, cfg):
+    """The daemon runs in / (as under systemd), not in the caller's directory: started from a
+    directory deleted since, it used to fail after 60 s (its forkserver could not start there).
+    A relative config path there is one line and 78, not a traceback."""
+    gone = tmp_path / "gone"
+    for config, want in ((cfg, 0), ("rel.yaml", 78)):
+        gone.mkdir()
+        shutil.copy(cfg, gone / "rel.yaml")
+        p = subprocess.Popen([sys.executable, "-m", "prefetchd", "launch", "--config", config, "--ready-timeout", "50",
+                              "--", "true"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=gone,
+                             start_new_session=True)
+        shutil.rmtree(gone)
+        rc, _, err = _finish(p)
+        assert rc == want, err
+        if want:
+            assert len(err.splitlines()) == 1 and "give its absolute path" in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [])

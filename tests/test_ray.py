@@ -395,3 +395,41 @@ def test_two_daemons_on_a_full_cluster_start_with_what_can_be_placed_and_take_th
     assert wait_until(lambda: not _live_actors(c), 30, "an empty actor table")
     for log in (a.log(), b.log()):
         assert "ActorDiedError" not in log and "SIGTERM" not in log and "Traceback" not in log, log
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_bridge_hung_or_killed_mid_stream_leaves_local_workers_serving_and_a_new_bridge(
+        tmp_path, image_root, daemon_factory, cluster, fault):
+    """The bridge itself (not the head) stopped (SIGSTOP: it holds its batches and says nothing)
+    or SIGKILLed while the trainer reads: its batches are made again, the stream stays identical,
+    a new bridge takes over, and the old one's actors leave the actor table. A stopped bridge
+    used to hold its batches for ever (the trainer timed out)."""
+    import psutil
+
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3}, buffer={"capacity": 2, "refill_at": 2},
+                       workers={"executor": "ray", "task_timeout_s": 5,
+                                "ray": {"address": c.loopback_address, "workers": 2, "retry_s": 2, **LOOP}})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    wait_until(lambda: _ray_status(buf).get("workers") == 2, 120, "both actors up")
+    old = _ray_status(buf)["bridge"]["pid"]
+    got: dict = {}
+    try:
+        _read(cfg, (0, 1, 2), got, at=(0, 1), fault=lambda: os.kill(old, fault))
+        ref, _ = reference_batches(cfg, epochs=3)
+        assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
+        assert d.proc.poll() is None
+        assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+        st = wait_until(lambda: (s := _ray_status(buf)).get("workers") == 2 and s["bridge"]["pid"] != old and s,
+                        120, "a new bridge with both actors")
+        assert st["bridge"]["starts"] >= 2, st
+        assert d.stop() == 0
+        assert wait_until(lambda: not _live_actors(c), 60, "an empty actor table")
+        log = d.log()
+        if fault == signal.SIGSTOP:
+            assert "without an answer (workers.task_timeout_s 5); killed it" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        if psutil.pid_exists(old):
+            os.kill(old, signal.SIGKILL)

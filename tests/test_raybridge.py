@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from prefetchd.core.config import RayConfig
 from prefetchd.executors.raybridge import fits, placement_problem, worker_needs
 
@@ -77,3 +79,14 @@ def test_remote_setup_maps_a_tar_dataset_and_checks_only_sizes_there(tmp_path):
     assert mapped.root == "/cluster/tars" and len(mapped) == len(index) == 4
     sizes = [os.path.getsize(root / f"{c}.tar") for c in ("a", "b")]
     assert sorted(s for ident in mapped.identity for s in ident if s) == sorted(sizes), mapped.identity
+
+
+def test_a_local_ray_cluster_is_refused_with_the_key():
+    """``address: local`` made each bridge start its own Ray cluster; a bridge killed (hung, or
+    stopped while starting) left that cluster's agents and actor processes running, orphaned."""
+    from prefetchd.core.config import ConfigError
+
+    for address in ("local", " Local "):
+        with pytest.raises(ConfigError, match=r"workers.ray.address.*'local' would start a Ray cluster"):
+            RayConfig(address=address)
+    assert RayConfig(address="auto").address == "auto"

@@ -96,7 +96,9 @@ class RayConfig:
     node_ip_address: str | None = None
 
     def __post_init__(self) -> None:
-        _str(self.address, "workers.ray.address")
+        if _str(self.address, "workers.ray.address").strip().lower() == "local":  # its processes outlive a killed bridge
+            raise ConfigError("workers.ray.address", "'local' would start a Ray cluster in the daemon; start one "
+                              "(ray start --head) and give its host:port")
         if self.node_ip_address is not None:
             try:
                 ipaddress.ip_address(self.node_ip_address)

@@ -175,7 +175,7 @@ class Daemon:
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
 
-            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake)
+            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake, 9999, W.task_timeout_s)
             self.remote.start()
         self.watcher.start()
         log.info("serving ranks %s of world size %d: %d batches of %d per epoch per rank, %s; %d workers, "
@@ -543,7 +543,8 @@ class Daemon:
             self.cfg = replace(self.cfg, workers=new.workers, buffer=new.buffer, progress=new.progress, log=new.log,
                                validation=replace(self.cfg.validation, capacity=new.validation.capacity))
             self.pool.max_in_flight = new.workers.max_tasks_in_flight
-            self.pool.task_timeout_s = new.workers.task_timeout_s
+            for ex in self._executors():  # the Ray bridge too: one holding a batch longer has hung
+                ex.task_timeout_s = new.workers.task_timeout_s
             self.pool.resize(new.workers.resolved_count())
             logging.getLogger().setLevel(getattr(logging, new.log.level.upper()))
             for key in self.planner.set_limits(_limits(new.buffer)):

@@ -55,8 +55,9 @@ class RayPool:
     ``results``, ``waitables``, ``stop``), through a bridge process."""
 
     def __init__(self, cfg: RayConfig, setup: WorkerSetup, max_in_flight: int, wake: Callable[[], None],
-                 worker_id: int = 9999):
+                 worker_id: int = 9999, task_timeout_s: float = 120.0):
         self.cfg = cfg
+        self.task_timeout_s = task_timeout_s  # workers.task_timeout_s: a bridge holding a batch longer has hung
         self.setup = setup
         self.max_in_flight = max_in_flight
         self.wake = wake
@@ -237,6 +238,10 @@ class RayPool:
                 gone = True
             if gone or (self._pidfd is not None and helpers.has_exited(self._pidfd)):
                 lost += self._bridge_gone()
+            elif (held := self._held_too_long(now)) is not None:
+                helpers.send_signal(self._proc.pid, self._pidfd, signal.SIGKILL)
+                self._down = (held, True)
+                lost += self._bridge_gone()
             elif not self._inited and now > self._deadline:
                 log.debug("ray: the bridge did not connect in time; killing it")
                 helpers.send_signal(self._proc.pid, self._pidfd, signal.SIGKILL)
@@ -246,6 +251,17 @@ class RayPool:
         elif self._relaunch_at is not None and now >= self._relaunch_at and not self._stopped:
             self._launch()
         return results, lost
+
+    def _held_too_long(self, now: float) -> str | None:
+        """Why the bridge is taken for hung: it has held a batch past ``workers.task_timeout_s``
+        (stopped, or its driver stuck in Ray) and the batches it holds would never come."""
+        if not self._in_flight:
+            return None
+        task, sent = min(self._in_flight.values(), key=lambda v: v[1])
+        if now - sent <= self.task_timeout_s:
+            return None
+        return (f"the Ray bridge (pid {self._proc.pid}) held batch r{task.rank} e{task.epoch} b{task.batch} for "
+                f"{now - sent:.0f} s without an answer (workers.task_timeout_s {self.task_timeout_s:g}); killed it")
 
     def _handle(self, msg: tuple, results: list, lost: list, now: float) -> None:
         kind = msg[0]

@@ -18,11 +18,15 @@
 5. When CMD exits, the daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
    created are removed (``child.Created``), and launch exits with CMD's status (128 + n when
    signal n ended it; 127: CMD not found, 126: not executable).
+6. Launch is a subreaper (``PR_SET_CHILD_SUBREAPER``): what CMD left running when it exited (a
+   background job, a forked helper: orphans that the kernel hands to launch) is ended too
+   (SIGTERM, SIGKILL after 20 s) and said in one line, as a Slurm step or a container would.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -30,6 +34,7 @@ import sys
 import time
 from collections import deque
 
+import psutil
 from prefetchd_client.child import Created, DaemonChild, DaemonStartError, load, running_daemon
 from prefetchd_client.common import CONFIG_ENV
 
@@ -40,6 +45,10 @@ START_LIMIT_BURST = 5  # StartLimitBurst=5
 NO_RESTART = (0, 78)  # Restart=on-failure: not after a clean exit; RestartPreventExitStatus=78
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TICK_S = 0.05  # how often the loop looks at CMD, the daemon and the signals received
+LEFTOVER_STOP_S = 20.0  # what CMD left running gets SIGTERM, then SIGKILL after this (TimeoutStopSec)
+_PR_SET_CHILD_SUBREAPER = 36
+_GRACE_S = 0.5  # a leftover already killed (the daemon's group) has this long to exit before it is said
+_REAP_EVERY_S = 1.0  # how often orphans that exited while CMD runs are reaped (no zombies pile up)
 
 
 def say(text: str) -> None:
@@ -89,6 +98,51 @@ def _from_terminal(signum: int) -> bool:
         return False
 
 
+def _become_subreaper() -> None:
+    """Orphaned descendants (CMD's children once CMD exits) are reparented to launch, not to init."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: what CMD leaves is init's, as without launch
+        pass
+
+
+def end_leftovers(timeout: float = LEFTOVER_STOP_S) -> list[int]:
+    """End launch's remaining children (orphans reparented to it: what CMD left; the daemon's
+    own, killed with it, are only reaped), SIGTERM then SIGKILL after ``timeout``, each reaped;
+    the pids of those that were still running."""
+    ended: list[int] = []
+    for _ in range(8):  # a leftover's own children are orphaned in turn when it ends
+        try:
+            kids = psutil.Process().children()
+        except psutil.Error:
+            break
+        # exited or exiting (the daemon's workers, killed with its process group): reaped, not said
+        _, kids = psutil.wait_procs(kids, _GRACE_S)
+        if not kids:
+            break
+        ended += [k.pid for k in kids]
+        for k in kids:
+            with contextlib.suppress(psutil.Error):
+                k.terminate()
+        _, alive = psutil.wait_procs(kids, timeout)
+        for k in alive:
+            with contextlib.suppress(psutil.Error):
+                k.kill()
+        psutil.wait_procs(alive, 5.0)
+    return ended
+
+
+def reap_orphans(keep: tuple[int | None, ...]) -> None:
+    """Reap the orphans reparented to launch that have exited (not CMD or the daemon: their
+    ``Popen`` objects take their statuses)."""
+    with contextlib.suppress(psutil.Error):
+        for k in psutil.Process().children():
+            if k.pid not in keep:
+                with contextlib.suppress(ChildProcessError, psutil.Error):
+                    if k.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(k.pid, os.WNOHANG)
+
+
 class Launch:
     def __init__(self, config: str | None, cmd: list[str], ready_timeout: float | None):
         self.config = config
@@ -99,6 +153,7 @@ class Launch:
         self.created: Created | None = None
         self.restarts = Restarts()
         self.restart_at: float | None = None
+        self.reap_at = 0.0
         self.stopping = False  # a stop signal came: the daemon may be stopping too (scancel signals every process)
 
     def _record(self, signum, frame) -> None:  # record only; the loop acts
@@ -106,6 +161,7 @@ class Launch:
 
     def run(self) -> int:
         old = {s: signal.signal(s, self._record) for s in FORWARDED}
+        _become_subreaper()
         try:
             return self._run()
         finally:
@@ -114,6 +170,9 @@ class Launch:
                     self.daemon.stop()
                 if self.created is not None:
                     self.created.remove()
+                if left := end_leftovers():
+                    say(f"the command left {len(left)} process(es) running (pids {', '.join(map(str, left))}); "
+                        f"ended them")
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
@@ -159,6 +218,9 @@ class Launch:
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signum)
             self._supervise()
+            if time.monotonic() >= self.reap_at:
+                self.reap_at = time.monotonic() + _REAP_EVERY_S
+                reap_orphans(keep=(proc.pid, self.daemon.pid if self.daemon is not None else None))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_TICK_S)
 
