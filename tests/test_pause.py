@@ -182,7 +182,7 @@ def test_the_wait_clock_leaves_out_the_spells_the_process_did_not_run():
     from prefetchd_client.clock import WaitClock
 
     t = [100.0]
-    c = WaitClock(lambda: t[0])
+    c = WaitClock(lambda: t[0], delay=lambda: 0.0)  # never on a run queue: not a loaded host
     for step in (0.005, 0.05, 30.0, 0.005, 0.5):  # a 30 s SIGSTOP between two polls
         t[0] += step
         c.tick()
