@@ -37,7 +37,7 @@ import numpy as np
 from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.core.streamkeys import differences, stream_settings
-from prefetchd.format import progress, status
+from prefetchd.format import procstate, progress, status
 
 from .common import (
     _PASSING_ERRNOS,
@@ -180,6 +180,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._meta: dict | None = None
         self._progress_lock = threading.Lock()
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._identity = (0, 0, 0)  # (pid, start, pid namespace) said in the progress file
         self._jumps = 0
         self._last_written: tuple[int, int, int] | None = None  # (epoch, batch, offset)
         self._held: object | None = None  # the iteration under way (its token), if any
@@ -465,7 +466,10 @@ class PrefetchClient(LoaderState, BatchFiles):
                 self._jumps += 1  # moved by the trainer, or back, or into another segment: a new session
             self._last_written = where
             fp = self._fingerprint() if self._meta else ""
+            if self._identity[0] != os.getpid():  # who this process is (a fork is another)
+                self._identity = (os.getpid(), *procstate.identity())
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
+                                  pid_start=self._identity[1], pid_ns=self._identity[2],
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
                                   gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,

@@ -29,7 +29,8 @@ def status_record(d) -> dict:
                   gpu_fallbacks=d.sessions.gpu_fallbacks[r], consumed=d.sessions.consumed[r], pid=pid,
                   ready_ratio=rs["ready"] / max(1, d.cfg.buffer.capacity),
                   last_progress_age_s=None if seen is None else now - seen, last_progress=seen,
-                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live))
+                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live,
+                                         d.sessions.pid_identity.get(r, (0, 0))))
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0

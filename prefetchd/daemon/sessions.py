@@ -37,6 +37,7 @@ class Sessions:
         self.gpu_fallbacks = {r: 0 for r in ranks}
         self.last_seen: dict[int, float] = {}  # wall-clock time of the last record per rank
         self.pid: dict[int, int] = {}  # the trainer's pid, from its last record
+        self.pid_identity: dict[int, tuple[int, int]] = {}  # and its (start, pid namespace)
         self.live: set[int] = set()  # ranks with a record read since the daemon started
         self.consumed = {r: 0 for r in ranks}  # batches passed going forward, since the daemon started
         self._warned: dict[int, str] = {}
@@ -48,6 +49,7 @@ class Sessions:
         old = self.pos[r]
         self.last_seen[r] = now
         self.pid[r] = p.pid
+        self.pid_identity[r] = (p.pid_start, p.pid_ns)
         if not initial:
             self.live.add(r)
         self.wait_s[r] = p.wait_s
