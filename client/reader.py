@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefetchd.format import batchfile, jpegbatch, procstate, status
+from prefetchd.format import batchfile, jpegbatch, procstate, progress, status
 
 from .clock import WaitClock
 from .common import (
@@ -193,6 +193,23 @@ class BatchFiles:
         denied = self._permission_denied()
         if denied:
             return denied
+        return self._other_trainer() + self._daemon_said()
+
+    def _other_trainer(self) -> str:
+        """What the trainer is told when another process wrote its rank's progress since it did
+        (two trainers started with the same rank: each moves the daemon away from the other)."""
+        try:
+            p = progress.read(progress.progress_path(self.progress_dir, self._lane))
+        except progress.ProgressError:
+            return ""
+        if p.pid in (0, os.getpid()):
+            return ""
+        state = procstate.state(p.pid, p.pid_start, p.pid_ns)
+        return (f"another process (pid {p.pid}, {state}) wrote rank {self.rank}'s progress after this trainer (pid "
+                f"{os.getpid()}) did: two trainers read rank {self.rank} (started with the same RANK?); give each "
+                "trainer its own rank; ")
+
+    def _daemon_said(self) -> str:
         alive = status.daemon_alive(self.dir)
         if alive is False:
             return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
