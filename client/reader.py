@@ -116,7 +116,9 @@ class ReadAhead:
                 except queue.Empty:
                     if self.stop.is_set():
                         raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
-                                            "close() or a newer iteration of the same client") from None
+                                            "close() or a newer iteration of the same client, or by another "
+                                            f"PrefetchClient of rank {self._client.rank} moving in this "
+                                            "process") from None
                     if not self._thread.is_alive() and self._q.empty():
                         raise PrefetchError(f"the reader thread ended without rank {self._client.rank} epoch "
                                             f"{self.epoch} batch {batch}") from None
