@@ -217,7 +217,8 @@ class BatchFiles:
             return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
         s = status.read_json(self.dir, status.STATUS_NAME) or {}
         state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
-        if alive and isinstance(s.get("pid"), int) and procstate.state(s["pid"]) == procstate.STOPPED:
+        if (alive and isinstance(s.get("pid"), int) and isinstance(s.get("pid_ns", 0), int)
+                and procstate.state(s["pid"], 0, s.get("pid_ns", 0)) == procstate.STOPPED):  # (not its pid 1 in a pod)
             state = (f"the daemon (pid {s['pid']}) is alive but stopped, making nothing (SIGSTOP or a debugger; "
                      f"`kill -CONT {s['pid']}` lets it go on); ")
         if not isinstance(s.get("updated"), (int, float)):

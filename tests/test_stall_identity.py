@@ -8,6 +8,7 @@ another namespace's, never the state of an unrelated process."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -75,3 +76,30 @@ def test_the_daemon_says_a_containers_stalled_trainer_is_unknown_and_a_trainer_s
     assert st["process"] == "unknown", st
     assert "pid 1 in another pid namespace, its state unknown" in d.log() and "pid 1 running" not in d.log()
     assert d.stop() == 0
+
+
+def test_a_trainer_does_not_call_a_daemon_of_another_pid_namespace_stopped_by_its_own_pid(tmp_path, monkeypatch):
+    """The daemon as a pod's sidecar is pid 1 of its own namespace: the trainer's pid 1 is another
+    process, stopped or not; status.json says the daemon's namespace (pid_ns)."""
+    from prefetchd_client import reader
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_until(lambda: procstate.state(child.pid) == "stopped", 5, "stopped")
+
+        class Files(reader.BatchFiles):
+            dir, split, rank, _lane, progress_dir = str(tmp_path), "train", 0, 0, str(tmp_path)
+
+            def _permission_denied(self):
+                return None
+
+        monkeypatch.setattr(reader.status, "daemon_alive", lambda d: True)
+        for ns, stopped in ((procstate.pid_namespace(), True), (procstate.pid_namespace() + 1, False)):
+            rec = {"pid": child.pid, "pid_ns": ns, "updated": time.time(), "ranks": {}}
+            monkeypatch.setattr(reader.status, "read_json", lambda d, name, rec=rec: rec)
+            said = Files()._daemon_state()
+            assert ("alive but stopped" in said) == stopped, said
+    finally:
+        child.kill()
+        child.wait(5)

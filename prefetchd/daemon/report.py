@@ -11,9 +11,11 @@ from operator import itemgetter
 
 import psutil
 
+from prefetchd.format import procstate
 from prefetchd.format.progress import lane
 
 _RATE_WINDOW_S = 10.0
+_PID_NS = procstate.pid_namespace()  # what "pid" means: a trainer in another namespace cannot look it up
 
 
 def status_record(d) -> dict:
@@ -43,7 +45,7 @@ def status_record(d) -> dict:
         except psutil.Error:
             _processes.pop(pid, None)
     return {
-        "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
+        "format": "prefetchd-status", "version": 1, "pid": os.getpid(), "pid_ns": _PID_NS,
         "state": "stopping" if d.stopping else "running", "updated": now, "started": d.t_start,
         "uptime_s": up, "buffer_dir": d.cfg.buffer.dir, "fingerprint": d.fingerprint_hex,
         "capacity": d.cfg.buffer.capacity, "refill_at": d.cfg.buffer.refill_at,
