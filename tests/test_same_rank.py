@@ -13,7 +13,7 @@ import sys
 from conftest import small_config
 
 from prefetchd.daemon.sessions import Sessions
-from prefetchd.format.progress import Progress
+from prefetchd.format.progress import VAL_LANE, Progress
 
 _TRAINER = """
 import json, sys, time
@@ -71,3 +71,14 @@ def test_sessions_say_two_live_trainers_of_a_rank_once_and_a_restarted_trainer_n
     said = [r.getMessage() for r in caplog.records if "two trainers" in r.getMessage()]
     assert said == [f"rank 0: two trainers write its progress, pids {os.getpid()} and {other.pid}, both alive: two "
                     "trainers started with the same rank? give each its own rank (RANK)"], said
+    s = Sessions([VAL_LANE], 8, "fp")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with caplog.at_level("WARNING", logger="prefetchd"):
+            s.apply(VAL_LANE, Progress(VAL_LANE, 0, 1, "fp", pid=other.pid, session="d.0"), 1.0)
+            s.apply(VAL_LANE, Progress(VAL_LANE, 0, 2, "fp", pid=os.getpid(), session="e.0"), 2.0)
+    finally:
+        other.kill()
+        other.wait(5)
+    assert caplog.records[-1].getMessage().startswith(f"rank 0 (validation): two trainers write its progress, pids "
+                                                      f"{other.pid} and {os.getpid()}")

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from prefetchd.format import procstate
-from prefetchd.format.progress import Progress
+from prefetchd.format.progress import Progress, split_lane
 
 log = logging.getLogger("prefetchd")
 
@@ -52,8 +52,10 @@ class Sessions:
             return
         if procstate.state(old, *self.pid_identity.get(r, (0, 0))) in (procstate.RUNNING, procstate.STOPPED):
             self._pairs[r] = frozenset((old, p.pid))
-            log.warning("rank %d: two trainers write its progress, pids %d and %d, both alive: two trainers "
-                        "started with the same rank? give each its own rank (RANK)", r, old, p.pid)
+            stream, rank = split_lane(r)
+            log.warning("rank %d%s: two trainers write its progress, pids %d and %d, both alive: two trainers "
+                        "started with the same rank? give each its own rank (RANK)", rank,
+                        " (validation)" if stream == "val" else "", old, p.pid)
 
     def apply(self, r: int, p: Progress, now: float, initial: bool = False, jump: bool = False) -> Move | None:
         """The move a record asks for, or None when it is ignored or moves nothing. ``jump``: the
