@@ -103,3 +103,24 @@ def test_a_trainer_does_not_call_a_daemon_of_another_pid_namespace_stopped_by_it
     finally:
         child.kill()
         child.wait(5)
+
+
+def test_a_process_proc_hides_is_unknown_not_gone(monkeypatch):
+    """/proc mounted hidepid=2 (hardened hosts, some clusters): a trainer of another user has no
+    /proc/<pid> for the daemon's user, yet it runs (kill(pid, 0) says EPERM)."""
+    real_open = open
+
+    def hidden(path, *a, **k):
+        if str(path).startswith(("/proc/4242/", "/proc/4243/")):
+            raise FileNotFoundError(path)
+        return real_open(path, *a, **k)
+
+    def kill(pid, sig):
+        if pid == 4242:
+            raise PermissionError(1, "Operation not permitted")
+        raise ProcessLookupError(3, "No such process")
+
+    monkeypatch.setattr("builtins.open", hidden)
+    monkeypatch.setattr(procstate.os, "kill", kill)
+    assert procstate.state(4242) == "unknown"
+    assert procstate.state(4243) == "gone"

@@ -5,7 +5,8 @@ makes nothing, and what the daemon says of a trainer that reads nothing.
 suspended by Slurm or a shell's Ctrl-Z) and ``t`` (held by a debugger or strace) are
 ``"stopped"``; ``Z``, ``X`` and no such process are ``"gone"``; everything else (running,
 sleeping, waiting on a disk) is ``"running"``. Without ``/proc`` it falls back to ``kill(pid, 0)``,
-which tells ``"running"`` from ``"gone"`` only. Standard library only; never blocks.
+which tells ``"running"`` from ``"gone"`` only; a process ``/proc`` hides (``hidepid=2``: another
+user's) is ``"unknown"``. Standard library only; never blocks.
 
 A pid is not a process: once a trainer exits, its pid may be given to another process, and a
 pid seen from another pid namespace (a trainer in a container or a Kubernetes pod's other
@@ -48,7 +49,11 @@ def state(pid: int, start: int = 0, ns: int = 0) -> str:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read(4096)
     except FileNotFoundError:
-        return GONE if os.path.isdir("/proc/self") else _by_signal(pid)
+        if not os.path.isdir("/proc/self"):
+            return _by_signal(pid)
+        # no such process, or one /proc hides from this user (mounted hidepid=2, as hardened hosts
+        # and clusters do: a trainer of another user): the signal tells which, not its state
+        return UNKNOWN if _by_signal(pid) == RUNNING else GONE
     except OSError:
         return _by_signal(pid)
     letter = parse_stat(data)
