@@ -8,7 +8,14 @@ thread, a C call holding the GIL for seconds). Such a step is the trainer's own 
 daemon's lack of progress: it counts neither toward a timeout nor as waiting for data (``frozen``
 keeps it, for the message). A suspended machine stops the monotonic clock itself.
 
-Pure: the clock function is a parameter (tests pass one that jumps).
+A long step is not always a pause: on a host so loaded that the polling thread waits for a CPU
+for seconds, every step may be long, and leaving them all out would let a dead daemon hang the
+trainer for ever. So the part of a long step that the polling thread spent runnable, waiting on
+the scheduler's run queue (Linux's ``/proc/thread-self/schedstat``, its second field), counts as
+waited: a stopped process is on no run queue, a starved one is. Where that file cannot be read,
+a long step is a pause as above.
+
+Pure: the clock and run-queue functions are parameters (tests pass ones that jump).
 """
 
 from __future__ import annotations
@@ -17,15 +24,30 @@ import time
 from collections.abc import Callable
 
 STOPPED_STEP_S = 1.0  # a step of a poll loop longer than this: the process was not running
+_DELAY_EVERY_S = 0.1  # the run-queue baseline is read at most this often (not at every fast poll)
+
+
+def run_queue_delay() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU, or None."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read(128).split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class WaitClock:
     """Seconds waited since it was made (``waited``), less the spells the process did not run
-    (``frozen``). Tick it at least every ``STOPPED_STEP_S`` while waiting."""
+    (``frozen``). Tick it at least every ``STOPPED_STEP_S`` while waiting, in one thread (the
+    run-queue delay read is the ticking thread's)."""
 
-    def __init__(self, now: Callable[[], float] = time.monotonic):
+    def __init__(self, now: Callable[[], float] = time.monotonic,
+                 delay: Callable[[], float | None] = run_queue_delay):
         self._now = now
+        self._delay = delay
         self._last = now()
+        self._base: float | None = None  # the run-queue delay when last read, and when
+        self._base_at = -float("inf")
         self.waited = 0.0
         self.frozen = 0.0
 
@@ -34,9 +56,16 @@ class WaitClock:
         t = self._now()
         step, self._last = t - self._last, t
         if step > STOPPED_STEP_S:
-            self.frozen += step
+            d = self._delay() if self._base is not None else None
+            starved = min(step, max(0.0, d - self._base)) if d is not None else 0.0
+            self.waited += starved  # runnable, waiting for a CPU: the host is loaded, not paused
+            self.frozen += step - starved
+            self._base_at = t if d is not None else -float("inf")  # else read a baseline below
+            self._base = d
         elif step > 0:
             self.waited += step
+        if t - self._base_at >= _DELAY_EVERY_S:  # first read at the first tick: the fast path reads nothing
+            self._base, self._base_at = self._delay(), t
         return self.waited
 
     def said(self, limit: float | None = None) -> str:

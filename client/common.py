@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,3 +63,24 @@ class PrefetchTimeout(PrefetchError, TimeoutError):
 
 class _Stopped(Exception):
     """The reader was told to stop (seek, close, a new iteration)."""
+
+
+# The client of each lane (progress directory, lane) that moved it last in this process. A loader
+# left behind (Ctrl-C in a notebook: the traceback keeps it and its suspended for alive) while a
+# new one of the same rank reads must not report its position: its reader thread, still reading
+# ahead, and its for's clean-up, when the garbage collector gets to it, would move the daemon's
+# rank back to it, away from the batches the new loader waits for.
+_OWNERS: dict[tuple[str, int], weakref.ref] = {}
+_OWNERS_LOCK = threading.Lock()
+
+
+def _take_lane(key: tuple[str, int], client) -> None:
+    with _OWNERS_LOCK:
+        _OWNERS[key] = weakref.ref(client)
+
+
+def _owns_lane(key: tuple[str, int], client) -> bool:
+    with _OWNERS_LOCK:
+        ref = _OWNERS.get(key)
+    owner = ref() if ref is not None else None
+    return owner is None or owner is client

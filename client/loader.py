@@ -37,7 +37,7 @@ import numpy as np
 from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.core.streamkeys import differences, stream_settings
-from prefetchd.format import progress, status
+from prefetchd.format import procstate, progress, status
 
 from .common import (
     _PASSING_ERRNOS,
@@ -45,7 +45,9 @@ from .common import (
     BatchInfo,
     PrefetchError,
     PrefetchTimeout,
+    _owns_lane,
     _Stopped,
+    _take_lane,
     config_from_env,
 )
 from .memory import CudaTransfer, _PinnedPool
@@ -180,6 +182,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._meta: dict | None = None
         self._progress_lock = threading.Lock()
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self._identity = (0, 0, 0)  # (pid, start, pid namespace) said in the progress file
         self._jumps = 0
         self._last_written: tuple[int, int, int] | None = None  # (epoch, batch, offset)
         self._held: object | None = None  # the iteration under way (its token), if any
@@ -388,16 +391,16 @@ class PrefetchClient(LoaderState, BatchFiles):
             if mine:
                 self._held = None
             if val and mine:  # done or left early: the pass is over, the daemon deletes what it made
-                self._end_pass()
+                self._end_pass(take=False)
         if not val:
-            self._write_progress(self.epoch, self.batch)
+            self._write_progress(self.epoch, self.batch, take=False)
 
-    def _end_pass(self) -> None:
+    def _end_pass(self, take: bool = True) -> None:
         """A val pass ended or was abandoned: the next ``for`` is the next pass; the daemon stops."""
         if self.batch:
             self.epoch, self.batch = self.epoch + 1, 0
         self._reading = False
-        self._write_progress(self.epoch, self.batch)
+        self._write_progress(self.epoch, self.batch, take=take)
 
     def _next(self, reader: ReadAhead, epoch: int, batch: int):
         try:
@@ -450,14 +453,25 @@ class PrefetchClient(LoaderState, BatchFiles):
     # --- progress ----------------------------------------------------------------------------------
 
     def _write_progress(self, epoch: int, batch: int, reader: threading.Event | None = None,
-                        jump: bool = False) -> None:
+                        jump: bool = False, take: bool = True) -> None:
         """Tell the daemon where this rank is. ``jump``: the trainer moved the position (``seek``,
         ``set_epoch``, ``load_state_dict``), a new session, which the daemon honours whichever way
         it goes: the client cannot tell backwards from forwards in the daemon's terms (a resumed
-        epoch's segment sits after its epoch's own batches there), so it never has to."""
+        epoch's segment sits after its epoch's own batches there), so it never has to. The trainer's
+        moves (``take``) make this client its lane's in this process; a reader's report (``reader``)
+        or a clean-up (``take=False``) of a client another one has taken the lane from says nothing
+        (and that reader stops)."""
         with self._progress_lock:
             if reader is not None and reader.is_set():
                 raise _Stopped()  # a stopped reader's report would undo the seek that stopped it
+            lane = (self.progress_dir, self._lane)
+            if reader is None and take:
+                _take_lane(lane, self)
+            elif not _owns_lane(lane, self):
+                if reader is not None:
+                    reader.set()
+                    raise _Stopped()
+                return
             where = (epoch, batch, self._offset_of(epoch))
             last = self._last_written
             if jump or (last is not None and (epoch < last[0] or epoch == last[0] and (
@@ -465,7 +479,10 @@ class PrefetchClient(LoaderState, BatchFiles):
                 self._jumps += 1  # moved by the trainer, or back, or into another segment: a new session
             self._last_written = where
             fp = self._fingerprint() if self._meta else ""
+            if self._identity[0] != os.getpid():  # who this process is (a fork is another)
+                self._identity = (os.getpid(), *procstate.identity())
             p = progress.Progress(rank=self._lane, epoch=epoch, batch=batch, fingerprint=fp, pid=os.getpid(),
+                                  pid_start=self._identity[1], pid_ns=self._identity[2],
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
                                   gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,
@@ -524,7 +541,7 @@ class PrefetchClient(LoaderState, BatchFiles):
             self._pool.close()
         if self._reading and self.split == "val":  # closed mid-pass: the daemon stops making it
             try:
-                self._end_pass()
+                self._end_pass(take=False)
             except Exception:
                 pass
 

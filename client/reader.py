@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefetchd.format import batchfile, jpegbatch, procstate, status
+from prefetchd.format import batchfile, jpegbatch, procstate, progress, status
 
 from .clock import WaitClock
 from .common import (
@@ -116,7 +116,9 @@ class ReadAhead:
                 except queue.Empty:
                     if self.stop.is_set():
                         raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
-                                            "close() or a newer iteration of the same client") from None
+                                            "close() or a newer iteration of the same client, or by another "
+                                            f"PrefetchClient of rank {self._client.rank} moving in this "
+                                            "process") from None
                     if not self._thread.is_alive() and self._q.empty():
                         raise PrefetchError(f"the reader thread ended without rank {self._client.rank} epoch "
                                             f"{self.epoch} batch {batch}") from None
@@ -193,12 +195,30 @@ class BatchFiles:
         denied = self._permission_denied()
         if denied:
             return denied
+        return self._other_trainer() + self._daemon_said()
+
+    def _other_trainer(self) -> str:
+        """What the trainer is told when another process wrote its rank's progress since it did
+        (two trainers started with the same rank: each moves the daemon away from the other)."""
+        try:
+            p = progress.read(progress.progress_path(self.progress_dir, self._lane))
+        except progress.ProgressError:
+            return ""
+        if p.pid in (0, os.getpid()):
+            return ""
+        state = procstate.state(p.pid, p.pid_start, p.pid_ns)
+        return (f"another process (pid {p.pid}, {state}) wrote rank {self.rank}'s progress after this trainer (pid "
+                f"{os.getpid()}) did: two trainers read rank {self.rank} (started with the same RANK?); give each "
+                "trainer its own rank; ")
+
+    def _daemon_said(self) -> str:
         alive = status.daemon_alive(self.dir)
         if alive is False:
             return f"no daemon holds {os.path.join(self.dir, status.LOCK_NAME)}: is prefetchd running with this config?"
         s = status.read_json(self.dir, status.STATUS_NAME) or {}
         state = f"the daemon (pid {s.get('pid', '?')}) is {'alive' if alive else 'in an unknown state'}; "
-        if alive and isinstance(s.get("pid"), int) and procstate.state(s["pid"]) == procstate.STOPPED:
+        if (alive and isinstance(s.get("pid"), int) and isinstance(s.get("pid_ns", 0), int)
+                and procstate.state(s["pid"], 0, s.get("pid_ns", 0)) == procstate.STOPPED):  # (not its pid 1 in a pod)
             state = (f"the daemon (pid {s['pid']}) is alive but stopped, making nothing (SIGSTOP or a debugger; "
                      f"`kill -CONT {s['pid']}` lets it go on); ")
         if not isinstance(s.get("updated"), (int, float)):

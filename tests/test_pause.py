@@ -182,7 +182,7 @@ def test_the_wait_clock_leaves_out_the_spells_the_process_did_not_run():
     from prefetchd_client.clock import WaitClock
 
     t = [100.0]
-    c = WaitClock(lambda: t[0])
+    c = WaitClock(lambda: t[0], delay=lambda: 0.0)  # never on a run queue: not a loaded host
     for step in (0.005, 0.05, 30.0, 0.005, 0.5):  # a 30 s SIGSTOP between two polls
         t[0] += step
         c.tick()
@@ -294,7 +294,15 @@ def test_stall_watch_says_each_change_once_and_leaves_idle_or_done_ranks_alone(c
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(30)
-    w = StallWatch(after_s=30)
+    w = StallWatch(after_s=30, clock=lambda: mono[0])
+    mono = [0.0]
+    check = w.check
+
+    def check_at(rank, now, *args):  # the monotonic clock moves with the wall clock here
+        mono[0] = now
+        return check(rank, now, *args)
+
+    w.check = check_at
     me = os.getpid()
     with caplog.at_level("INFO", logger="prefetchd"):
         assert w.check(0, 100.0, 90.0, me, False, True) is None

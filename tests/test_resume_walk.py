@@ -25,10 +25,11 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from conftest import small_config
+from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchError
 
 from prefetchd.core.sampler import Sampler
+from prefetchd.format import status
 
 N = 48  # conftest's image_root
 SEED = 7  # small_config's loader.seed
@@ -123,6 +124,7 @@ class Walk:
         self.daemon = None
         self.loaders: list[PrefetchClient] = []
         self.iters: dict[int, object] = {}
+        self.abandoned: list = []  # fors left suspended by a Ctrl-C, closed by a later "gc" move
         self.saved: list[Saved] = []
         self.pixels: dict[tuple[int, int], str] = {}
         self.log: list[str] = []
@@ -141,6 +143,7 @@ class Walk:
     def open(self, geo: Geo) -> None:
         self.close()
         self.daemon = self.start(self.config(geo))
+        self.wait_up()
         self.loaders = [PrefetchClient(self.config(geo), rank=r, timeout=TIMEOUT_S, as_numpy=True)
                         for r in range(geo.world)]
         self.model = Model(geo)
@@ -213,10 +216,21 @@ class Walk:
         assert str(e.value).strip(), f"refused without a message: {why}"
         assert (ld.epoch, ld.batch, ld.state_dict()["offset"]) == before, f"a refused state moved the loader: {why}"
 
+    def collect(self) -> None:
+        for it in self.abandoned:
+            it.close()
+        self.abandoned.clear()
+
     def restart(self) -> None:
         self.iters.clear()
         assert self.daemon.stop() == 0
         self.daemon = self.start(self.config(self.model.geo))  # the trainers go on as they are
+        self.wait_up()
+
+    def wait_up(self) -> None:
+        """Until the daemon holds the buffer: the loaders may read on from batches an earlier one left,
+        and a daemon stopped before its signal handlers are set dies of the signal."""
+        wait_until(lambda: status.daemon_alive(str(self.tmp / "buffer")), 60, "the daemon up")
 
     def regeo(self, geo: Geo, how: str) -> None:
         """The job restarts at another world and batch size and resumes its last step."""
@@ -246,7 +260,8 @@ class Walk:
         rng, m = self.rng, self.model
         W = m.geo.world
         moves = {"next": 30, "next3": 12, "break": 6, "save": 10, "seek": 8, "set_epoch": 8, "load": 10,
-                 "refuse": 6, "restart": 2, "regeo": 3, "wrong_then_right": 3}
+                 "refuse": 6, "restart": 2, "regeo": 3, "wrong_then_right": 3, "ctrl_c": 3, "gc": 2,
+                 "load_load_seek": 3}
         names = [k for k in moves if k not in OMIT]
         move = rng.choices(names, [moves[k] for k in names])[0]
         r = rng.randrange(W)
@@ -287,6 +302,21 @@ class Walk:
                     pass
             self.note(f"load {how} of {st.geo} {[s.pos for s in group]} (model {m.pos})")
             self.load(how, group)
+        elif move == "ctrl_c":  # a KeyboardInterrupt in the loop's body: the for is not closed, a new one starts
+            self.note(f"Ctrl-C r{r}: its for left suspended")
+            it = self.iters.pop(r, None)
+            if it is not None:
+                self.abandoned.append(it)
+        elif move == "gc":  # the collector finalizes the interrupted fors (of this job's loaders or an earlier one's)
+            self.note(f"the collector closes {len(self.abandoned)} interrupted fors")
+            self.collect()
+        elif move == "load_load_seek" and self.saved:  # two loads and a seek, no batch read in between
+            a, b = (self.saved[rng.randrange(len(self.saved))] for _ in range(2))
+            e, bb = rng.randrange(EPOCHS), rng.randrange(m.end_of(0) + 1)
+            self.note(f"load rank0 of {a.geo} {a.pos}, then of {b.geo} {b.pos}, then seek({e}, {bb})")
+            self.load("rank0", [a])
+            self.load("rank0", [b])
+            self.seek(e, min(bb, self.model.end_of(0)))
         elif move == "refuse" and self.saved:
             st = self.saved[rng.randrange(len(self.saved))]
             why, bad = rng.choice(self.bad_states(st))
@@ -333,4 +363,7 @@ def test_a_random_walk_of_the_trainers_moves_reads_what_the_model_says(tmp_path,
         tail = "\n  ".join(walk.log[-25:])
         raise AssertionError(f"after {len(walk.log)} moves (seed {WALK_SEED}), the last:\n  {tail}\n{e}") from e
     finally:
-        walk.close()
+        try:
+            walk.close()
+        finally:
+            walk.collect()

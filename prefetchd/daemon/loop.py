@@ -368,7 +368,7 @@ class Daemon:
                     self.ring.evict(key)
         if consumed := self.segments.apply({r: p for r, p in changed.items() if r < VAL_LANE}, now, initial,
                                            lambda key: self.ring.evict(key)):
-            self.consumed_rate.add(now, consumed * self.sampler.batch_len(0))  # not batch_size: drop_last: false
+            self.consumed_rate.add(consumed * self.sampler.batch_len(0))  # not batch_size: drop_last: false
 
     # --- making batches ---------------------------------------------------------------------------
 
@@ -464,7 +464,7 @@ class Daemon:
         self._last_activity = time.monotonic()
         self.produced_batches += 1
         self.produced_images += res.samples
-        self.produced_rate.add(now, res.samples)
+        self.produced_rate.add(res.samples)
         if self.first_batch_at is None:
             self.first_batch_at = now
             log.info("first batch published %.2f s after start", now - self.t_start)

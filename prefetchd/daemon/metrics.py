@@ -10,7 +10,7 @@ The daemon's own process is described by prometheus-client's standard ``process_
 Per rank, beside the counts: ``prefetchd_rank_ready_ratio`` (ready batches over
 ``buffer.capacity``, no join needed), ``prefetchd_rank_last_progress_age_seconds`` and
 ``_timestamp_seconds`` (the trainer's last progress record), ``prefetchd_rank_stalled`` (1 after
-``stalls.STALL_AFTER_S`` without one) and ``prefetchd_rank_stalled_process{state=running|stopped|gone}``
+``stalls.STALL_AFTER_S`` without one) and ``prefetchd_rank_stalled_process{state=running|stopped|gone|unknown}``
 (1 for the state of a stalled rank's trainer process; all 0 while the rank moves).
 """
 
@@ -109,7 +109,7 @@ def families(rec: dict):
                              "its progress (Unix time)", labels=["rank"])
     stalled = GaugeMetricFamily("prefetchd_rank_stalled", f"1 while the rank's trainer makes no progress (no record "
                                 f"for {STALL_AFTER_S:g} s, batches left to read)", labels=["rank"])
-    process = GaugeMetricFamily("prefetchd_rank_stalled_process", "1 for the state (running, stopped, gone) of a "
+    process = GaugeMetricFamily("prefetchd_rank_stalled_process", "1 for the state (running, stopped, gone, unknown) of a "
                                 "stalled rank's trainer process; 0 for all while the rank moves",
                                 labels=["rank", "state"])
     for r, rs in sorted(rec.get("ranks", {}).items()):

@@ -11,9 +11,11 @@ from operator import itemgetter
 
 import psutil
 
+from prefetchd.format import procstate
 from prefetchd.format.progress import lane
 
 _RATE_WINDOW_S = 10.0
+_PID_NS = procstate.pid_namespace()  # what "pid" means: a trainer in another namespace cannot look it up
 
 
 def status_record(d) -> dict:
@@ -28,8 +30,9 @@ def status_record(d) -> dict:
         rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
                   gpu_fallbacks=d.sessions.gpu_fallbacks[r], consumed=d.sessions.consumed[r], pid=pid,
                   ready_ratio=rs["ready"] / max(1, d.cfg.buffer.capacity),
-                  last_progress_age_s=None if seen is None else now - seen, last_progress=seen,
-                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live))
+                  last_progress_age_s=d.stalls.age(r, now, seen), last_progress=seen,
+                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live,
+                                         d.sessions.pid_identity.get(r, (0, 0))))
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0
@@ -42,7 +45,7 @@ def status_record(d) -> dict:
         except psutil.Error:
             _processes.pop(pid, None)
     return {
-        "format": "prefetchd-status", "version": 1, "pid": os.getpid(),
+        "format": "prefetchd-status", "version": 1, "pid": os.getpid(), "pid_ns": _PID_NS,
         "state": "stopping" if d.stopping else "running", "updated": now, "started": d.t_start,
         "uptime_s": up, "buffer_dir": d.cfg.buffer.dir, "fingerprint": d.fingerprint_hex,
         "capacity": d.cfg.buffer.capacity, "refill_at": d.cfg.buffer.refill_at,
@@ -56,8 +59,8 @@ def status_record(d) -> dict:
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
         "consumed_batches": sum(d.sessions.consumed.values()),
         "failed_batches": d.failed_batches,
-        "produced_img_s": d.produced_rate.per_s(now, d.t_start),
-        "consumed_img_s": d.consumed_rate.per_s(now, d.t_start),
+        "produced_img_s": d.produced_rate.per_s(),
+        "consumed_img_s": d.consumed_rate.per_s(),
         "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
         "bytes_used": d.ring.bytes_used, "max_bytes": d.cfg.buffer.max_bytes,
         "fs_free": d.ring.free_bytes(), "quarantined": len(d.quarantine),
@@ -96,22 +99,28 @@ def _process(pid: int) -> psutil.Process:
 
 
 class RateWindow:
-    """Images made (or consumed) in the last ``_RATE_WINDOW_S``: the loop adds, the status reads."""
+    """Images made (or consumed) in the last ``_RATE_WINDOW_S``: the loop adds, the status reads.
+    Timed on the monotonic clock (``clock``), so a step of the wall clock (NTP, ``date -s``)
+    neither empties the window nor keeps a backlog of "future" entries in it for as long as the
+    step (a step back of an hour: an hour of batches summed at every status record)."""
 
-    def __init__(self):
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._start = clock()
         self._dq: deque = deque()  # (time, images)
 
-    def add(self, t: float, images: int) -> None:
-        self._dq.append((t, images))
+    def add(self, images: int) -> None:
+        self._dq.append((self._clock(), images))
 
-    def per_s(self, now: float, t_start: float) -> float | None:
+    def per_s(self) -> float | None:
         """Images per second over the window (shorter while the daemon is younger than it)."""
+        now = self._clock()
         dq = self._dq
         while dq and dq[0][0] < now - _RATE_WINDOW_S:
             dq.popleft()
         if not dq:
             return 0.0
-        span = min(_RATE_WINDOW_S, now - t_start)
+        span = min(_RATE_WINDOW_S, now - self._start)
         return sum(map(itemgetter(1), dq)) / span if span > 0 else None  # (a deque of 10 s of batches: summed in C)
 
 

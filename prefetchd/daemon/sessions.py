@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from prefetchd.format.progress import Progress
+from prefetchd.format import procstate
+from prefetchd.format.progress import Progress, split_lane
 
 log = logging.getLogger("prefetchd")
 
@@ -37,9 +38,24 @@ class Sessions:
         self.gpu_fallbacks = {r: 0 for r in ranks}
         self.last_seen: dict[int, float] = {}  # wall-clock time of the last record per rank
         self.pid: dict[int, int] = {}  # the trainer's pid, from its last record
+        self.pid_identity: dict[int, tuple[int, int]] = {}  # and its (start, pid namespace)
         self.live: set[int] = set()  # ranks with a record read since the daemon started
         self.consumed = {r: 0 for r in ranks}  # batches passed going forward, since the daemon started
         self._warned: dict[int, str] = {}
+        self._pairs: dict[int, frozenset] = {}  # rank -> the two trainers' pids last said to share it
+
+    def _two_trainers(self, r: int, p: Progress) -> None:
+        """Say once (per pair) that two live trainers write rank ``r``'s progress: each moves the
+        rank's position away from the other's, and one of them waits for batches made for the other."""
+        old = self.pid.get(r)
+        if not old or not p.pid or old == p.pid or self._pairs.get(r) == {old, p.pid}:
+            return
+        if procstate.state(old, *self.pid_identity.get(r, (0, 0))) in (procstate.RUNNING, procstate.STOPPED):
+            self._pairs[r] = frozenset((old, p.pid))
+            stream, rank = split_lane(r)
+            log.warning("rank %d%s: two trainers write its progress, pids %d and %d, both alive: two trainers "
+                        "started with the same rank? give each its own rank (RANK)", rank,
+                        " (validation)" if stream == "val" else "", old, p.pid)
 
     def apply(self, r: int, p: Progress, now: float, initial: bool = False, jump: bool = False) -> Move | None:
         """The move a record asks for, or None when it is ignored or moves nothing. ``jump``: the
@@ -47,7 +63,10 @@ class Sessions:
         new = p.epoch * self.bpe + p.batch
         old = self.pos[r]
         self.last_seen[r] = now
+        if not initial and r in self.live:
+            self._two_trainers(r, p)
         self.pid[r] = p.pid
+        self.pid_identity[r] = (p.pid_start, p.pid_ns)
         if not initial:
             self.live.add(r)
         self.wait_s[r] = p.wait_s

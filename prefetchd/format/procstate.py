@@ -5,34 +5,62 @@ makes nothing, and what the daemon says of a trainer that reads nothing.
 suspended by Slurm or a shell's Ctrl-Z) and ``t`` (held by a debugger or strace) are
 ``"stopped"``; ``Z``, ``X`` and no such process are ``"gone"``; everything else (running,
 sleeping, waiting on a disk) is ``"running"``. Without ``/proc`` it falls back to ``kill(pid, 0)``,
-which tells ``"running"`` from ``"gone"`` only. Standard library only; never blocks.
+which tells ``"running"`` from ``"gone"`` only; a process ``/proc`` hides (``hidepid=2``: another
+user's) is ``"unknown"``. Standard library only; never blocks.
 
-A pid seen from another pid namespace (a trainer in a container, the daemon outside) may name
-another process or none: the answer describes the pid as this process sees it.
+A pid is not a process: once a trainer exits, its pid may be given to another process, and a
+pid seen from another pid namespace (a trainer in a container or a Kubernetes pod's other
+container, the daemon outside) names another process or none (a container's pid 1 is the host's
+init). So the trainer says who it is (``identity()``: its start time and its pid namespace) and
+``state(pid, start, ns)`` answers ``"unknown"`` for a pid of another namespace, and ``"gone"``
+for a pid whose process started at another time (the trainer's pid reused).
 """
 
 from __future__ import annotations
 
 import os
 
-RUNNING, STOPPED, GONE = "running", "stopped", "gone"
-STATES = (RUNNING, STOPPED, GONE)
+RUNNING, STOPPED, GONE, UNKNOWN = "running", "stopped", "gone", "unknown"
+STATES = (RUNNING, STOPPED, GONE, UNKNOWN)
 
 
-def state(pid: int) -> str:
-    """``"running"``, ``"stopped"`` or ``"gone"`` (see the module docstring)."""
+def identity() -> tuple[int, int]:
+    """This process's ``(start, ns)``: its start time (``/proc/self/stat``'s field 22, clock ticks
+    after boot) and its pid namespace (the inode of ``/proc/self/ns/pid``); 0 for one unknown."""
+    return _start(os.getpid()), pid_namespace()
+
+
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace, or 0 where it cannot be read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def state(pid: int, start: int = 0, ns: int = 0) -> str:
+    """``"running"``, ``"stopped"``, ``"gone"`` or ``"unknown"`` (see the module docstring). ``start``
+    and ``ns`` (0: not known) are the process's ``identity()`` as it said it."""
     if not isinstance(pid, int) or pid <= 0:
         return GONE
+    if ns and pid_namespace() not in (0, ns):
+        return UNKNOWN  # its pid means nothing here
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read(4096)
     except FileNotFoundError:
-        return GONE if os.path.isdir("/proc/self") else _by_signal(pid)
+        if not os.path.isdir("/proc/self"):
+            return _by_signal(pid)
+        # no such process, or one /proc hides from this user (mounted hidepid=2, as hardened hosts
+        # and clusters do: a trainer of another user): the signal tells which, not its state
+        return UNKNOWN if _by_signal(pid) == RUNNING else GONE
     except OSError:
         return _by_signal(pid)
     letter = parse_stat(data)
     if letter is None:
         return _by_signal(pid)
+    if start and parse_start(data) not in (None, start):
+        return GONE  # another process took its pid
     if letter in "Tt":
         return STOPPED
     return GONE if letter in "ZXx" else RUNNING
@@ -45,6 +73,23 @@ def parse_stat(data: bytes) -> str | None:
     if end < 0 or len(data) < end + 3:
         return None
     return data[end + 2: end + 3].decode("ascii", "replace")
+
+
+def parse_start(data: bytes) -> int | None:
+    """The start time (field 22) of a ``/proc/<pid>/stat`` line, or None."""
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(fields[19])  # the fields after the name start at field 3 (the state)
+    except (IndexError, ValueError):
+        return None
+
+
+def _start(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return parse_start(f.read(4096)) or 0
+    except OSError:
+        return 0
 
 
 def _by_signal(pid: int) -> str:

@@ -10,6 +10,9 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "rank": 0, "epoch": 3, "batch": 17,      # the next batch the trainer will read
      "fingerprint": "9f2c...",                # stream fingerprint the trainer expects
      "pid": 4242, "time": 1790000000.0,       # writer and wall-clock time of the write
+     "pid_start": 428201, "pid_ns": 4026531836,  # the writer's start time (clock ticks after boot)
+                                              # and pid namespace (format.procstate.identity):
+                                              # its pid reused or of another namespace is told
      "wait_s": 1.25, "batches": 1234,         # trainer's total wait and batches read so far
      "session": "4242-9f1c2a7b.3",            # changes at every move of the trainer's (a jump)
      "echoed": 0,                             # batches served again (data echoing, opt-in)
@@ -39,7 +42,7 @@ Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the 
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
 whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
-``pid``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
+``pid``, ``pid_start``, ``pid_ns``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
 non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
 not named here are ignored; the optional ones may be left out. Only a regular file is read: a
 FIFO, a symlink, a directory or a socket at a progress file's name is refused the same way,
@@ -112,6 +115,8 @@ class Progress:
     reading: bool = True
     gpu_fallbacks: int = 0
     offset: int = 0  # the first sample of the segment of ``epoch`` this rank reads (0: the whole epoch)
+    pid_start: int = 0  # the writer's procstate.identity() (0: not said)
+    pid_ns: int = 0
 
     @property
     def position(self) -> tuple[int, int]:
@@ -166,7 +171,7 @@ def decode(data: bytes) -> Progress:
         if k not in d:
             raise ProgressError(f"missing field {k!r}")
         vals[k] = _int(d, k, _U32)
-    for k in ("pid", "batches", "echoed", "gpu_fallbacks", "offset"):
+    for k in ("pid", "pid_start", "pid_ns", "batches", "echoed", "gpu_fallbacks", "offset"):
         if k in d:
             vals[k] = _int(d, k, _I64)
     for k in ("time", "wait_s"):

@@ -120,8 +120,11 @@ def is_stale(s: dict[str, Any], now: float | None = None) -> bool:
 
 def describe_stall(st: dict[str, Any]) -> str:
     """A rank's ``stalled`` record as said: ``no progress for 32 s (since 22:36:17; pid 4242
-    stopped)``, the time local, the trainer's process ``running``, ``stopped`` or ``gone``."""
+    stopped)``, the time local, the trainer's process ``running``, ``stopped``, ``gone`` or
+    ``unknown`` (another pid namespace: said so)."""
     pid = f"pid {st.get('pid')} {st.get('process', '?')}" if st.get("pid") else "no pid"
+    if st.get("process") == "unknown":
+        pid = f"pid {st.get('pid')} in another pid namespace, its state unknown"
     since = time.strftime("%H:%M:%S", time.localtime(st.get("since") or 0))
     return f"no progress for {st.get('age_s') or 0:.0f} s (since {since}; {pid})"
 

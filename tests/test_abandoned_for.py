@@ -1,0 +1,66 @@
+"""Ctrl-C in a notebook, then the cell run again (FIRST-CONTACT's habits): the interrupted ``for``
+is not closed (the traceback keeps its frame, so its generator and its loader, alive), and a new
+loader of the same rank is made in the same process. The old loader's reader thread, still
+reading ahead, and the old generator's clean-up, run when the garbage collector gets to it, must
+not report the old loader's position: the daemon would move the rank back there, away from the
+batches the new loader waits for, and the trainer would time out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from conftest import small_config
+from prefetchd_client import PrefetchClient
+from prefetchd_client.common import _Stopped
+
+from prefetchd.format import progress
+
+
+def test_an_interrupted_loader_in_the_same_process_does_not_move_the_rank_back(tmp_path, image_root,
+                                                                               daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3})
+    d = daemon_factory(cfg)
+    old = PrefetchClient(cfg, timeout=5, as_numpy=True)
+    it = iter(old)
+    for _ in range(2):
+        next(it)  # KeyboardInterrupt in the loop's body: `it` is left suspended, its reader reading ahead
+    with PrefetchClient(cfg, timeout=5, as_numpy=True) as new:  # the cell run again: a new loader
+        new.seek(1, 0)
+        got = []
+        for i, _ in enumerate(new):
+            got.append((new.last_batch.epoch, new.last_batch.batch))
+            if i == 1:  # the new reader waits for a batch the daemon is about to make...
+                os.killpg(d.pid, signal.SIGSTOP)
+                try:
+                    threading.Event().wait(1.0)
+                    it.close()  # ...when the garbage collector finalizes the old generator
+                    threading.Event().wait(0.3)
+                finally:
+                    os.killpg(d.pid, signal.SIGCONT)
+        assert got == [(1, b) for b in range(8)], got
+    old.close()
+    assert "jumped back" not in d.log(), d.log()
+    assert d.stop() == 0
+
+
+def test_a_loader_another_took_the_rank_from_reports_nothing_until_it_moves_again(tmp_path, image_root,
+                                                                                 daemon_factory):
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=30, as_numpy=True) as old, PrefetchClient(cfg, timeout=30, as_numpy=True) as new:
+        old.seek(0, 2)
+        new.seek(1, 0)  # the new loader moves last: the rank is its
+        path = progress.progress_path(new.progress_dir, 0)
+        mine = progress.read(path)
+        stop = threading.Event()
+        with pytest.raises(_Stopped):
+            old._write_progress(0, 5, reader=stop)  # the old reader's report of a batch read ahead
+        assert stop.is_set()  # and that reader stops
+        old._write_progress(0, 2, take=False)  # the old for's clean-up, when the collector gets to it
+        assert progress.read(path) == mine
+        old.seek(0, 3)  # the old loader used again: it moves, the rank is its
+        assert progress.read(path).position == (0, 3)
+    assert d.stop() == 0
