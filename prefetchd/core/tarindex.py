@@ -24,7 +24,8 @@ keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fail
 archive so the next try opens it again (a stale NFS handle after a remount).
 
 **Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
-(device, inode, size, mtime, ctime), taken when it is indexed; every read checks the descriptor
+(device, inode, size, mtime, ctime), taken before its headers are read (one that changes while
+they are read is refused: a copy still writing it); every read checks the descriptor
 it reads through against it with one ``fstat`` after the ``pread`` (a write moves mtime before
 it moves bytes, so a match after the read vouches for the bytes read). Another file at its path
 (a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
@@ -306,6 +307,18 @@ def _identity(path: str) -> list:
     return [path, *identity_of(os.stat(path))]
 
 
+def _unchanged(fd: int, where: str, identity: tuple) -> None:
+    """The archive open as ``fd`` is still as it was (``identity``) when its scan began: one
+    changed while its headers were read (a copy or ``rsync --inplace`` still writing it) would
+    give offsets of one file under the identity of another, so reads would pass their check and
+    return other members' bytes."""
+    now = identity_of(os.fstat(fd))
+    if now != identity:
+        changed = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(_FIELDS, identity, now, strict=True) if a != b)
+        raise DatasetError(f"{where} changed while it was being indexed ({changed}): is a copy or download still "
+                           "writing it? start again once it is complete")
+
+
 def _open_archive(path: str, what: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -336,22 +349,24 @@ def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: in
 
 
 def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int, int]], exts, layout_: str,
-                     archives: tuple[str, ...], notes: list) -> tuple[TarIndex, dict]:
+                     archives: tuple[str, ...], notes: list, identity: dict | None = None) -> tuple[TarIndex, dict]:
     """``tars``: (class, archive number, start, end) in class order; ``opener(arch)``: a context
     giving the archive's descriptor (a folder's tars are opened one at a time: ``ulimit -n``).
     Returns the index and each archive's identity (``identity_of``) as read."""
     out = _Arrays()
     out.multi = len(archives) > 1
-    empty, others, identity = [], [], {}
+    empty, others, identity = [], [], dict(identity or {})  # identity: archives already open, as they were then
     classes = [t[0] for t in tars]
     tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
         with opener(arch) as fd:
-            identity[arch] = identity_of(os.fstat(fd))
+            if arch not in identity:
+                identity[arch] = identity_of(os.fstat(fd))
             found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
                            where, skipped)
+            _unchanged(fd, where, identity[arch])
         images = _images(found, exts, False)
         why = _not_a_class(found, images)
         if why:
@@ -456,6 +471,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
     if kind == "tar":
         fd = _open_archive(root, key)
         try:
+            ident = identity_of(os.fstat(fd))  # before the headers are read: the offsets are this file's
             skipped: list = []
             if os.fstat(fd).st_size < 2 * BLOCK:  # not even a header and an end-of-archive block
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
@@ -469,13 +485,15 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                                    "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
                                    f"{key}, or remove validation.devkit to use its class tars' labels")
             if tars:
-                index, _ = _scan_class_tars(root, key, lambda a: _kept_open(fd), tars, exts, "tar", ("",), notes_)
+                index, _ = _scan_class_tars(root, key, lambda a: _kept_open(fd), tars, exts, "tar", ("",), notes_,
+                                            {0: ident})
             else:
                 flat = _images(top, exts, True)
                 if not flat:
                     _nested(root, key, top, exts)
                 index = _flat(root, devkit, flat, "flat-tar", "", notes_, key)
-            index = replace(index, identity=(identity_of(os.fstat(fd)),))
+            _unchanged(fd, root, ident)
+            index = replace(index, identity=(ident,))
         finally:
             os.close(fd)
     elif kind == "tars":
