@@ -344,3 +344,23 @@ def test_an_imagefolder_without_images_names_the_config_key_not_a_directory_id(t
     (root / "a" / "notes.txt").write_text("x")
     with pytest.raises(DatasetError, match=r"^dataset\.root .* holds no images"):
         load_index(str(root), None, EXTS, None, use_cache=False)
+
+
+def test_imagenets_test_tar_or_any_of_its_files_beside_class_tars_is_refused(imagenet, tmp_path):
+    """The download page's third tar (ILSVRC2012_img_test_v10102019.tar: test/ILSVRC2012_test_*.JPEG,
+    no labels) beside the class tars was read as a class sorted first: every label shifted by one,
+    check rc 0 without a word. So was any ILSVRC2012_* download tar holding images."""
+    root = _copytree(imagenet.train_tars, str(tmp_path / "train"))
+    test = [(f"test/ILSVRC2012_test_{k:08d}.JPEG", solid_jpeg((k, 0, 0))) for k in range(1, 4)]
+    with open(os.path.join(root, "ILSVRC2012_img_test_v10102019.tar"), "wb") as f:
+        f.write(tar_of(test))
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "ILSVRC2012_img_test_v10102019.tar (a set of unlabelled test images" in out, out
+    os.rename(os.path.join(root, "ILSVRC2012_img_test_v10102019.tar"), os.path.join(root, "ILSVRC2012_img_x.tar"))
+    with open(os.path.join(root, "ILSVRC2012_img_x.tar"), "wb") as f:
+        f.write(tar_of([("a.JPEG", solid_jpeg((1, 2, 3)))]))
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "ILSVRC2012_img_x.tar (named as one of ImageNet's download files" in out, out
+    os.unlink(os.path.join(root, "ILSVRC2012_img_x.tar"))
+    rc, out = _check(tmp_path, root)
+    assert rc == 0, out

@@ -25,9 +25,8 @@ archive so the next try opens it again (a stale NFS handle after a remount).
 
 **Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
 (device, inode, size, mtime, ctime), taken before its headers are read (one that changes while
-they are read is refused: a copy still writing it); every read checks the descriptor
-it reads through against it with one ``fstat`` after the ``pread`` (a write moves mtime before
-it moves bytes, so a match after the read vouches for the bytes read). Another file at its path
+they are read is refused: a copy still writing it); every read checks its descriptor against it
+with one ``fstat`` after the ``pread`` (a write moves mtime before it moves bytes). Another file at its path
 (a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
 ``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
 ``indexbase.StorageChanged``, which the worker treats as storage to wait for
@@ -50,9 +49,10 @@ offsets; a restart indexes the archive again (the cache's stamps hold the same i
   whose data runs past the end of its archive (a truncated download) or of its inner tar, an
   archive that ends without its end-of-archive block (cut at a member boundary), a directory
   member that claims data, a PAX global header that sets a path or size for every member after it;
-* a would-be class tar that holds tars (the train tar left among its class tars) or only
-  ``ILSVRC2012_val_*`` images (the validation tar) is refused, naming it: read as a class, it
-  would shift every label after it;
+* a would-be class tar that holds tars (the train tar left among its class tars), only
+  ``ILSVRC2012_val_*`` or ``_test_*`` images (the validation or test tar), or is named as one of
+  ImageNet's files (``ILSVRC2012_*``), is refused, naming it: as a class, it would shift every
+  label after it (any other stray tar is not told from a class);
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -65,9 +65,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import time
 from array import array
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -308,10 +309,8 @@ def _identity(path: str) -> list:
 
 
 def _unchanged(fd: int, where: str, identity: tuple) -> None:
-    """The archive open as ``fd`` is still as it was (``identity``) when its scan began: one
-    changed while its headers were read (a copy or ``rsync --inplace`` still writing it) would
-    give offsets of one file under the identity of another, so reads would pass their check and
-    return other members' bytes."""
+    """The archive ``fd`` is as it was (``identity``) when its scan began: else (a copy still writing
+    it) its offsets, of another file, would pass every read's check and read other members."""
     now = identity_of(os.fstat(fd))
     if now != identity:
         changed = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(_FIELDS, identity, now, strict=True) if a != b)
@@ -326,12 +325,20 @@ def _open_archive(path: str, what: str) -> int:
         raise DatasetError(f"{what} {path} cannot be opened: {e.strerror}") from None
 
 
-def _not_a_class(found: dict, images: list) -> str | None:
-    """Why a would-be class tar is not one, from its members, or None (it is one)."""
+_DOWNLOAD = re.compile(r"ILSVRC\d{4}_")  # ImageNet's own files (ILSVRC2012_img_test_v10102019.tar): no class
+_TEST_NAME = re.compile(rb"ILSVRC\d{4}_test_\d+\.[A-Za-z]+$")
+
+
+def _not_a_class(cls: str, found: dict, images: list) -> str | None:
+    """Why a would-be class tar (``cls``.tar) is not one, from its name and members, or None (it is one)."""
     if not images and any(n.lower().endswith(b".tar") for n in found):
         return "a tar of tars (ImageNet's train tar?)"
     if images and all(dk.val_number(n) is not None for n, _, _ in images):
         return "a flat set of validation images (ImageNet's validation tar?)"
+    if images and all(_TEST_NAME.search(n) for n, _, _ in images):
+        return "a set of unlabelled test images (ImageNet's test tar?)"
+    if _DOWNLOAD.match(cls):
+        return "named as one of ImageNet's download files, not as a class"
     return None
 
 
@@ -368,7 +375,7 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
                            where, skipped)
             _unchanged(fd, where, identity[arch])
         images = _images(found, exts, False)
-        why = _not_a_class(found, images)
+        why = _not_a_class(cls, found, images)
         if why:
             others.append((cls + ".tar", why))
             continue
@@ -445,11 +452,6 @@ def _nested(root: str, key: str, top: dict, exts: tuple[bytes, ...]) -> None:
 
 
 @contextmanager
-def _kept_open(fd: int):
-    yield fd
-
-
-@contextmanager
 def _opened(path: str):
     fd = _open_archive(path, "class tar")
     try:
@@ -485,7 +487,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                                    "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
                                    f"{key}, or remove validation.devkit to use its class tars' labels")
             if tars:
-                index, _ = _scan_class_tars(root, key, lambda a: _kept_open(fd), tars, exts, "tar", ("",), notes_,
+                index, _ = _scan_class_tars(root, key, lambda a: nullcontext(fd), tars, exts, "tar", ("",), notes_,
                                             {0: ident})
             else:
                 flat = _images(top, exts, True)
