@@ -364,3 +364,25 @@ def test_imagenets_test_tar_or_any_of_its_files_beside_class_tars_is_refused(ima
     os.unlink(os.path.join(root, "ILSVRC2012_img_x.tar"))
     rc, out = _check(tmp_path, root)
     assert rc == 0, out
+
+
+def test_the_devkit_as_a_root_is_named_as_the_devkit(imagenet, tmp_path):
+    """The devkit (a .tar.gz) as dataset.root was told "it is gzip-compressed: decompress it first",
+    and once decompressed, or its folder, "a flat set of 0 images" or "holds no images": advice
+    that leads nowhere. It is named as the devkit, with the keys to set."""
+    import gzip
+    import shutil
+
+    tgz = shutil.copy(imagenet.devkit_tgz, str(tmp_path))
+    with open(tgz, "ab") as f:  # as large as the real one (2.5 MB): past the "too short for a tar" check
+        f.write(bytes(4096))
+    plain = str(tmp_path / "ILSVRC2012_devkit_t12.tar")
+    with gzip.open(imagenet.devkit_tgz) as src, open(plain, "wb") as dst:
+        dst.write(src.read())
+    for root in (tgz, plain, imagenet.devkit_folder):
+        rc, out = _check(tmp_path, root)
+        assert rc == 78 and f"dataset.root {root} is ImageNet's devkit" in out, out
+        assert "set validation.devkit to it, and dataset.root to the train tar" in out, out
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": imagenet.devkit_folder, "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 78 and "validation.root to the validation tar (ILSVRC2012_img_val.tar)" in out, out

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from prefetchd.core import devkit as devkit_
 from prefetchd.core import folderindex, tarindex
 from prefetchd.core.classlike import refuse_unless_classlike
 from prefetchd.core.folderindex import scan_file_list, scan_image_folder
@@ -66,6 +67,11 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
         st = os.stat(root)
     except OSError:
         st = None
+    if st is not None and devkit_.is_devkit(root):  # its gzip or its lone meta.mat gave advice that misled
+        also = ("dataset.root to the train tar (ILSVRC2012_img_train.tar)" if section == "dataset"
+                else "validation.root to the validation tar (ILSVRC2012_img_val.tar)")
+        raise DatasetError(f"{key} {root} is ImageNet's devkit, which holds no images: it labels the validation set; "
+                           f"set validation.devkit to it, and {also}")
     if st is not None and stat.S_ISREG(st.st_mode):
         return "tar", ()
     check_root(root, key)  # missing, unreadable or not a directory: that is the mistake, said first

@@ -214,6 +214,16 @@ def read_devkit(devkit: str) -> tuple[list[str], list[int | None]]:
     return wnids, labels
 
 
+def is_devkit(path: str) -> bool:
+    """Is ``path`` ImageNet's devkit (``ILSVRC2012_devkit_t12.tar.gz``, or the folder it extracts
+    to: ``data/meta.mat`` in it or one level down), a wrong value for a dataset's root?"""
+    if os.path.isdir(path):
+        return any(os.path.isfile(os.path.join(path, *sub, META)) for sub in [()] + [
+            (e.name,) for e in os.scandir(path) if e.is_dir() and not e.name.startswith(".")][:20])
+    name = os.path.basename(path).lower()
+    return "devkit" in name and name.endswith((".tar.gz", ".tgz", ".tar"))
+
+
 def val_number(name: bytes) -> int | None:
     """k of ``.../ILSVRC2012_val_{k:08d}.JPEG``, or None."""
     m = VAL_NAME.search(name)
