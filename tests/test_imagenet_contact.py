@@ -386,3 +386,36 @@ def test_the_devkit_as_a_root_is_named_as_the_devkit(imagenet, tmp_path):
     rc, out = _check(tmp_path, imagenet.train_tar, validation={
         "enabled": True, "root": imagenet.devkit_folder, "devkit": imagenet.devkit_tgz, "batch_size": 2})
     assert rc == 78 and "validation.root to the validation tar (ILSVRC2012_img_val.tar)" in out, out
+
+
+_APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # what a Mac's ._x.JPEG holds
+
+
+def test_macos_appledouble_files_are_not_samples_in_a_folder_or_a_tar(imagenet, tmp_path):
+    """A Mac's tar (bsdtar) writes ./._x.JPEG beside every file with extended attributes (every
+    downloaded file has com.apple.quarantine), and a copy from a Mac to a FAT or SMB disk leaves
+    ._x.JPEG files: each was indexed as an image, so half the samples were quarantined one warning
+    at a time and replaced, and a flat validation tar's ._ILSVRC2012_val_* took its image's label
+    a second time. Skipped in all three, the folder and its tars still index alike."""
+    folder, tars = tmp_path / "folder", tmp_path / "tars"
+    for c in range(2):
+        os.makedirs(folder / f"n{c}")
+        members = []
+        for k in range(3):
+            jpeg = solid_jpeg(COLOURS[c * 3 + k])
+            (folder / f"n{c}" / f"x{k}.JPEG").write_bytes(jpeg)
+            (folder / f"n{c}" / f"._x{k}.JPEG").write_bytes(_APPLEDOUBLE)
+            members += [(f"./._x{k}.JPEG", _APPLEDOUBLE), (f"./x{k}.JPEG", jpeg)]
+        os.makedirs(tars, exist_ok=True)
+        (tars / f"n{c}.tar").write_bytes(tar_of(members))
+    a, _ = load_index(str(folder), None, EXTS, None, use_cache=False)
+    b, _ = load_index(str(tars), None, EXTS, None, use_cache=False)
+    assert [a.relpath(i) for i in range(len(a))] == [f"n{c}/x{k}.JPEG" for c in range(2) for k in range(3)]
+    assert a.fingerprint == b.fingerprint
+    assert any("._x0.JPEG (a macOS AppleDouble file" in s for s in b.skipped), b.skipped
+    val = tmp_path / "val.tar"
+    with tarfile.open(imagenet.val_tar) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+    val.write_bytes(tar_of([(f"._{n}", _APPLEDOUBLE) for n, _ in members] + members))
+    v, _ = load_index(str(val), None, EXTS, None, use_cache=False, devkit=imagenet.devkit_tgz, section="validation")
+    assert len(v) == len(members) == 8 and not any(v.relpath(i).startswith("._") for i in range(len(v)))

@@ -3,7 +3,8 @@
 * an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
   among the sorted class names, and a class's images are in torchvision's ``ImageFolder`` order
   (``sorted(os.walk(class_dir))``: folders by their whole path, then names, all compared as
-  ``str``, non-UTF-8 bytes as surrogates); hidden folders are skipped;
+  ``str``, non-UTF-8 bytes as surrogates); hidden folders and ``._*`` files (macOS AppleDouble
+  metadata, which torchvision would read and fail to decode) are skipped;
   extensions are matched case-insensitively. Directory symlinks, by one rule that never indexes
   an image twice or under another class's label: one whose target lies inside the root (a loop
   to an ancestor, a link to another class) is not followed, its images are indexed where they
@@ -56,6 +57,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     real_root = os.path.realpath(root)
     seen: set[tuple[int, int]] = set()  # every directory indexed, whichever class reached it
     skipped: list[str] = []
+    apple = 0  # ._<image> files: macOS AppleDouble metadata (a copy from a Mac to a FAT or SMB disk), not images
     # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
     classes_bar = bar(classes, desc=f"scanning {root}", unit="class", leave=False)
     for label, cls in enumerate(classes_bar):
@@ -82,7 +84,9 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
                     keep.append(d)
             dirnames[:] = keep
             groups.append((dirpath, [os.fsencode(os.path.relpath(os.path.join(dirpath, name), root))
-                                     for name in sorted(filenames) if name.lower().endswith(exts)]))
+                                     for name in sorted(filenames) if name.lower().endswith(exts)
+                                     and not name.startswith("._")]))  # a Mac's AppleDouble metadata
+            apple += sum(name.startswith("._") and name.lower().endswith(exts) for name in filenames)
         # torchvision's order: `for root, _, fnames in sorted(os.walk(class_dir)): for f in sorted(fnames)`,
         # folders by their whole path as str (so "a-b" before "a/b"), names as str (surrogateescape)
         for _, images in sorted(groups):
@@ -98,6 +102,8 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if apple:
+        log.warning("%d ._* file(s) not indexed: macOS AppleDouble metadata (a copy from a Mac), not images", apple)
     if skipped:
         log.warning("%d director%s not indexed (directory symlinks into dataset.root are not followed, a "
                     "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",

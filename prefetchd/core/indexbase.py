@@ -25,7 +25,7 @@ import xxhash
 
 from prefetchd.format.atomic import write_atomic
 
-CACHE_VERSION = 3  # 3: torchvision's order (folders by whole path); 2: directory symlinks into the root not followed
+CACHE_VERSION = 4  # 4: ._* AppleDouble files skipped; 3: torchvision's order (folders by whole path); 2: directory symlinks into the root not followed
 
 
 class DatasetError(ValueError):

@@ -10,8 +10,8 @@ Layouts (``dataset.choose`` tells them from an ImageFolder and from mixtures it 
 
 **Order.** Classes are sorted by name; a class's images are ordered as ``scan_image_folder``
 walks the extracted folder (torchvision's ``ImageFolder`` order: folders by their whole path, then
-file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders skipped,
-extensions matched case-insensitively). The relative paths are those of the
+file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders and ``._*``
+files skipped, extensions matched case-insensitively). The relative paths are those of the
 extracted ImageFolder (``<class>/<member>``), so the index's paths, labels and fingerprint, and
 hence every batch, are byte for byte those of the extracted folder, with one exception: hard
 and symbolic links in a class tar are skipped here (warned, listed by ``check``) where extracting
@@ -240,10 +240,13 @@ def _walk_key(name: bytes) -> tuple[str, str]:
     return os.fsdecode(folder), os.fsdecode(base)
 
 
-def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[bytes, int, int]]:
+def _images(members: dict, exts: tuple[bytes, ...], flat: bool, skipped: list) -> list[tuple[bytes, int, int]]:
     keep = []
     for name, (pos, size) in members.items():
         if not name.lower().endswith(exts):
+            continue
+        if name.rpartition(b"/")[2].startswith(b"._"):  # a Mac's tar writes one beside each file with xattrs
+            skipped.append((name, "a macOS AppleDouble file (._*: metadata, not an image)"))
             continue
         if b"/" in name and (flat or any(d.startswith(b".") for d in name.split(b"/")[:-1])):
             continue
@@ -374,7 +377,7 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
             found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
                            where, skipped)
             _unchanged(fd, where, identity[arch])
-        images = _images(found, exts, False)
+        images = _images(found, exts, False, skipped)
         why = _not_a_class(cls, found, images)
         if why:
             others.append((cls + ".tar", why))
@@ -479,18 +482,18 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
             top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
-            _warn_skipped(root, skipped, notes_)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
             if tars and devkit:
                 raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
                                    "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
                                    f"{key}, or remove validation.devkit to use its class tars' labels")
+            flat = [] if tars else _images(top, exts, True, skipped)
+            _warn_skipped(root, skipped, notes_)
             if tars:
                 index, _ = _scan_class_tars(root, key, lambda a: nullcontext(fd), tars, exts, "tar", ("",), notes_,
                                             {0: ident})
             else:
-                flat = _images(top, exts, True)
                 if not flat:
                     _nested(root, key, top, exts)
                 index = _flat(root, devkit, flat, "flat-tar", "", notes_, key)
