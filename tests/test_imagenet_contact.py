@@ -9,6 +9,7 @@ import io
 import json
 import os
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -419,3 +420,33 @@ def test_macos_appledouble_files_are_not_samples_in_a_folder_or_a_tar(imagenet, 
     val.write_bytes(tar_of([(f"._{n}", _APPLEDOUBLE) for n, _ in members] + members))
     v, _ = load_index(str(val), None, EXTS, None, use_cache=False, devkit=imagenet.devkit_tgz, section="validation")
     assert len(v) == len(members) == 8 and not any(v.relpath(i).startswith("._") for i in range(len(v)))
+
+
+def test_a_file_restored_in_place_with_its_old_times_is_tried_again(tmp_path):
+    """A bit-rotted JPEG (same size) quarantined, then restored from a backup in place with its old
+    mtime (``cp -p``, ``rsync --inplace -t``, ``touch -r``): size, inode and mtime as before, so
+    the stamp (size:mtime:inode) held the good file quarantined for good. ctime moves."""
+    from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.executors.worker import Quarantined
+
+    root = tmp_path / "folder"
+    os.makedirs(root / "a")
+    os.makedirs(root / "b")
+    for c in "ab":
+        for k in range(2):
+            (root / c / f"{k}.JPEG").write_bytes(solid_jpeg(COLOURS[k]))
+    index, _ = load_index(str(root), None, EXTS, None, use_cache=False)
+    path = index.path(0)
+    good, st = open(path, "rb").read(), os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 64)  # bit rot, same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    q = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    q.add(Quarantined(0, path, "cannot decode"), 0)
+    time.sleep(0.05)  # past the kernel's coarse clock tick: a restore is a human's later act
+    with open(path, "r+b") as f:  # restored in place, its old mtime put back
+        f.write(good)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    again.load()
+    assert not again.records

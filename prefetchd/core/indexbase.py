@@ -80,13 +80,14 @@ class Index:
         return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
 
     def content_stamp(self, i: int) -> str:
-        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime and inode):
+        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime, inode and
+        ctime: a file restored in place from a backup, ``cp -p``, has its old size, inode and mtime):
         a quarantine entry made under another stamp is not held against the new content."""
         try:
             st = os.stat(self.path(i))
         except OSError as e:
             return f"unreadable:{e.errno}"
-        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
