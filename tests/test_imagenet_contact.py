@@ -450,3 +450,53 @@ def test_a_file_restored_in_place_with_its_old_times_is_tried_again(tmp_path):
     again = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
     again.load()
     assert not again.records
+
+
+def _load(root: str, section: str = "dataset"):
+    from prefetchd.core.dataset import DatasetError
+
+    try:
+        return load_index(root, None, EXTS, None, use_cache=False, section=section)[0]
+    except DatasetError as e:
+        return str(e)
+
+
+def test_imagenet_files_among_class_folders_are_refused_and_val_in_class_folders_or_tars_is_taken(imagenet, tmp_path):
+    """The usual recipe run without its first rm (the find loop extracts ILSVRC2012_img_train.tar
+    too, into ILSVRC2012_img_train/ of class tars) gave a class of no images sorted first, every
+    label shifted, rc 0 and a warning; the flat val folder left in train/ was a class of its own.
+    Per-class validation tars (val/<wnid>/ILSVRC2012_val_* packed per class) were refused as
+    "ImageNet's download folder". Class tars n1.tar and n1.TAR were two classes of one name. The
+    train tar left beside the folders it was extracted to refused the ImageFolder as a mixture."""
+    import shutil
+
+    root = _copytree(imagenet.train_folder, str(tmp_path / "a"))
+    shutil.copytree(imagenet.train_tars, os.path.join(root, "ILSVRC2012_img_train"))
+    assert "the folder ILSVRC2012_img_train is not a class: a tar of tars" in _load(root)
+    root = _copytree(imagenet.train_folder, str(tmp_path / "b"))
+    shutil.copytree(imagenet.val_folder, os.path.join(root, "val"))
+    assert "1 of its 5 folders are not classes: val (a flat set of validation images" in _load(root)
+    valprep, valtars = tmp_path / "valprep", tmp_path / "valtars"
+    for name in sorted(os.listdir(imagenet.val_folder)):
+        w = os.path.join(valprep, _wnid(imagenet, name))
+        os.makedirs(w, exist_ok=True)
+        shutil.copy(os.path.join(imagenet.val_folder, name), w)
+    os.makedirs(valtars)
+    for w in sorted(os.listdir(valprep)):
+        with open(valtars / f"{w}.tar", "wb") as f:
+            f.write(tar_of([(n, (valprep / w / n).read_bytes()) for n in sorted(os.listdir(valprep / w))]))
+    a, b = _load(str(valprep), "validation"), _load(str(valtars), "validation")
+    assert not isinstance(a, str) and not isinstance(b, str), (a, b)
+    assert a.fingerprint == b.fingerprint and len(a) == 8
+    twins = _copytree(imagenet.train_tars, str(tmp_path / "twins"))
+    first = sorted(os.listdir(twins))[0]
+    shutil.copy(os.path.join(twins, first), os.path.join(twins, first[:-4] + ".TAR"))
+    assert f"more than one tar of the class {first[:-4]}" in _load(twins)
+    left = _copytree(imagenet.train_folder, str(tmp_path / "left"))
+    shutil.copy(imagenet.train_tar, left)  # tar xf ILSVRC2012_img_train.tar, no rm
+    index = _load(left)
+    assert not isinstance(index, str) and index.fingerprint == _load(imagenet.train_folder).fingerprint, index
+
+
+def _wnid(imagenet, name: str) -> str:
+    return imagenet.val_wnid[name]

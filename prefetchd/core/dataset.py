@@ -82,6 +82,11 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
         images = any(e.name.lower().endswith(extensions) and e.is_file() for e in entries)
     except OSError as e:
         raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+    download = sorted(t for t in tars if devkit_.DOWNLOAD.match(t))
+    if download and dirs and len(download) == len(tars):  # ImageNet's tar left beside the folders extracted from it
+        log.warning("%s: not read: %s (ImageNet's download tar%s, not class tars); the folders are an ImageFolder",
+                    root, ", ".join(download), "s" if len(download) > 1 else "")
+        tars = set()
     if tars:
         stems = {t[:-4] for t in tars}
         leftovers = sorted(d for d in dirs if d in _LEFTOVERS)

@@ -214,6 +214,33 @@ def read_devkit(devkit: str) -> tuple[list[str], list[int | None]]:
     return wnids, labels
 
 
+DOWNLOAD = re.compile(r"ILSVRC\d{4}_")  # ImageNet's own files (ILSVRC2012_img_test_v10102019.tar): no class
+_TEST_NAME = re.compile(rb"ILSVRC\d{4}_test_\d+\.[A-Za-z]+$")
+
+
+def not_a_class(cls: str, members, images: list[bytes]) -> str | None:
+    """Why a would-be class (``cls``: a class tar's or folder's name; its member or file names;
+    its image names) is one of ImageNet's own files rather than a class, or None. Read as a
+    class, it would shift every label after it."""
+    if not images and any(n.lower().endswith(b".tar") for n in members):
+        return "a tar of tars (ImageNet's train tar?)"
+    if DOWNLOAD.match(cls):
+        return unlabelled(images) or "named as one of ImageNet's download files, not as a class"
+    return None
+
+
+def unlabelled(images: list[bytes]) -> str | None:
+    """Why a would-be class whose images are all ImageNet validation or test images may be the
+    validation or test set left among the classes, or None. Judged against its siblings: where
+    every class is so, they are a validation set in class folders (ImageNet's val after
+    ``valprep.sh``: ``val/<wnid>/ILSVRC2012_val_*.JPEG``), not strays."""
+    if images and all(val_number(n) is not None for n in images):
+        return "a flat set of validation images (ImageNet's validation tar?)"
+    if images and all(_TEST_NAME.search(n) for n in images):
+        return "a set of unlabelled test images (ImageNet's test tar?)"
+    return None
+
+
 def is_devkit(path: str) -> bool:
     """Is ``path`` ImageNet's devkit (``ILSVRC2012_devkit_t12.tar.gz``, or the folder it extracts
     to: ``data/meta.mat`` in it or one level down), a wrong value for a dataset's root?"""

@@ -24,6 +24,7 @@ import logging
 import os
 from dataclasses import replace
 
+from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
 from prefetchd.core.indexbase import (
     CACHE_VERSION,
@@ -57,12 +58,13 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     real_root = os.path.realpath(root)
     seen: set[tuple[int, int]] = set()  # every directory indexed, whichever class reached it
     skipped: list[str] = []
+    strays: list[str] = []  # folders of ImageNet's validation or test images among classes
     apple = 0  # ._<image> files: macOS AppleDouble metadata (a copy from a Mac to a FAT or SMB disk), not images
     # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
     classes_bar = bar(classes, desc=f"scanning {root}", unit="class", leave=False)
     for label, cls in enumerate(classes_bar):
         top = os.path.join(root, cls)
-        found = 0
+        found, tars = 0, []
         groups: list[tuple[str, list[bytes]]] = []  # (folder, its images): ordered by folder path below
         why = _not_followed(top, real_root)
         for dirpath, dirnames, filenames in [] if why else os.walk(top, followlinks=True, onerror=_walk_error):
@@ -87,6 +89,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
                                      for name in sorted(filenames) if name.lower().endswith(exts)
                                      and not name.startswith("._")]))  # a Mac's AppleDouble metadata
             apple += sum(name.startswith("._") and name.lower().endswith(exts) for name in filenames)
+            tars += [os.fsencode(name) for name in filenames if name.lower().endswith(".tar")]
         # torchvision's order: `for root, _, fnames in sorted(os.walk(class_dir)): for f in sorted(fnames)`,
         # folders by their whole path as str (so "a-b" before "a/b"), names as str (surrogateescape)
         for _, images in sorted(groups):
@@ -95,10 +98,21 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
             found += len(images)
         if why:
             skipped.append(f"{cls} {why}")
+        names = [p for _, images in groups for p in images]
+        not_class = dk.not_a_class(cls, tars, names)
+        if not_class:  # the train tar extracted into a folder among its classes (the usual recipe without its rm)
+            raise DatasetError(f"{key} {root}: the folder {cls} is not a class: {not_class}; read as one, it "
+                               "would shift every label after it: move it out of the folder")
+        if dk.unlabelled(names):  # a stray only beside real classes (not in ImageNet's val in class folders)
+            strays.append(f"{cls} ({dk.unlabelled(names)})")
         if not found:
             empty.append(cls)
         classes_bar.set_postfix_str(f"{len(rel):,} images", refresh=False)
     classes_bar.close()
+    if 0 < len(strays) < len(classes):
+        raise DatasetError(f"{key} {root}: {len(strays)} of its {len(classes)} folders are not classes: "
+                           f"{'; '.join(strays[:5])}; each would be read as a class and shift every label after it: "
+                           "move them out of the folder")
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))

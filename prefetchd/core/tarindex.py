@@ -50,9 +50,11 @@ offsets; a restart indexes the archive again (the cache's stamps hold the same i
   archive that ends without its end-of-archive block (cut at a member boundary), a directory
   member that claims data, a PAX global header that sets a path or size for every member after it;
 * a would-be class tar that holds tars (the train tar left among its class tars), only
-  ``ILSVRC2012_val_*`` or ``_test_*`` images (the validation or test tar), or is named as one of
+  ``ILSVRC2012_val_*`` or ``_test_*`` images beside class tars that do not (the validation or
+  test tar; where all do, they are a validation set packed per class), or is named as one of
   ImageNet's files (``ILSVRC2012_*``), is refused, naming it: as a class, it would shift every
-  label after it (any other stray tar is not told from a class);
+  label after it (``devkit.not_a_class``; any other stray tar is not told from a class); two
+  tars of one class name (``n1.tar``, ``n1.TAR``) are refused;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -65,9 +67,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import time
 from array import array
+from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
@@ -328,23 +330,6 @@ def _open_archive(path: str, what: str) -> int:
         raise DatasetError(f"{what} {path} cannot be opened: {e.strerror}") from None
 
 
-_DOWNLOAD = re.compile(r"ILSVRC\d{4}_")  # ImageNet's own files (ILSVRC2012_img_test_v10102019.tar): no class
-_TEST_NAME = re.compile(rb"ILSVRC\d{4}_test_\d+\.[A-Za-z]+$")
-
-
-def _not_a_class(cls: str, found: dict, images: list) -> str | None:
-    """Why a would-be class tar (``cls``.tar) is not one, from its name and members, or None (it is one)."""
-    if not images and any(n.lower().endswith(b".tar") for n in found):
-        return "a tar of tars (ImageNet's train tar?)"
-    if images and all(dk.val_number(n) is not None for n, _, _ in images):
-        return "a flat set of validation images (ImageNet's validation tar?)"
-    if images and all(_TEST_NAME.search(n) for n, _, _ in images):
-        return "a set of unlabelled test images (ImageNet's test tar?)"
-    if _DOWNLOAD.match(cls):
-        return "named as one of ImageNet's download files, not as a class"
-    return None
-
-
 def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: int) -> None:
     shown = "; ".join(f"{name} ({why})" for name, why in others[:5]) + (" ..." if len(others) > 5 else "")
     devkits = sorted(n for n in os.listdir(root) if "devkit" in n.lower()) if os.path.isdir(root) else []
@@ -363,9 +348,13 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
     """``tars``: (class, archive number, start, end) in class order; ``opener(arch)``: a context
     giving the archive's descriptor (a folder's tars are opened one at a time: ``ulimit -n``).
     Returns the index and each archive's identity (``identity_of``) as read."""
+    twins = sorted({c for c, n in Counter(t[0] for t in tars).items() if n > 1})
+    if twins:  # n1.tar and n1.TAR: extracted, one folder
+        raise DatasetError(f"{key} {root} holds more than one tar of the class {twins[0]} (names that differ in "
+                           "the case of .tar only): extracted, they would be one class folder; keep one of them")
     out = _Arrays()
     out.multi = len(archives) > 1
-    empty, others, identity = [], [], dict(identity or {})  # identity: archives already open, as they were then
+    empty, others, strays, identity = [], [], [], dict(identity or {})  # identity: archives already open, as they were then
     classes = [t[0] for t in tars]
     tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
     for label, (cls, arch, start, end) in enumerate(tbar):
@@ -378,10 +367,13 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
                            where, skipped)
             _unchanged(fd, where, identity[arch])
         images = _images(found, exts, False, skipped)
-        why = _not_a_class(cls, found, images)
+        why = dk.not_a_class(cls, found, [n for n, _, _ in images])
         if why:
             others.append((cls + ".tar", why))
             continue
+        why = dk.unlabelled([n for n, _, _ in images])
+        if why:  # a stray only beside real classes: per-class validation tars are all so
+            strays.append((cls + ".tar", why))
         _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
@@ -390,6 +382,8 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
             empty.append(cls)
         tbar.set_postfix_str(f"{len(out.labels):,} images", refresh=False)
     tbar.close()
+    if others or len(strays) < len(tars):
+        others += strays
     if others:
         _refuse_others(root, key, others, len(tars))
     if empty:
