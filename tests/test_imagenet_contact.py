@@ -157,6 +157,20 @@ def test_a_kept_descriptor_of_an_archive_rewritten_in_place_is_not_read_from(tmp
         index.read(0)
 
 
+def test_an_archive_whose_ctime_alone_moved_is_said_so(tmp_path):
+    """A chmod, chown or hard link moves ctime alone, as a rewrite with its mtime put back (``touch
+    -r``) does: both wait, and the line says which changes it cannot tell apart, not "copied over"."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=1, per_class=2)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    time.sleep(0.05)  # past the kernel's coarse clock tick
+    os.chmod(os.path.join(root, "n0.tar"), 0o640)
+    with pytest.raises(StorageChanged, match=r"\(ctime_ns \d+ -> \d+; its ctime alone: a chmod, chown or hard link"):
+        index.read(0)
+
+
 # --- wrong labels: leftovers and mistakes (items 2, 3, 4, 9), said by `prefetchd check` -----------------
 
 

@@ -200,9 +200,11 @@ def _check(fd: int, path: str, identity: tuple) -> None:
                if was != is_ and (was or name == "size")]
     if changed:
         _forget(path)  # the next try opens the path again (the file put back, or another in its place)
-        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; "
-                             "copied over, rewritten in place or cut): its indexed offsets would read other bytes, so "
-                             "batches from it wait; restart the daemon to index it again")
+        how = ("its ctime alone: a chmod, chown or hard link, or a rewrite with its mtime put back, which cannot be "
+               "told apart" if changed[0].startswith("ctime") else "copied over, rewritten in place or cut")
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; {how}): "
+                             "its indexed offsets may read other bytes, so batches from it wait; restart the daemon "
+                             "to index it again")
 
 
 def _open(path: str, identity: tuple | None = None) -> int:
