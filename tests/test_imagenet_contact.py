@@ -514,3 +514,26 @@ def test_imagenet_files_among_class_folders_are_refused_and_val_in_class_folders
 
 def _wnid(imagenet, name: str) -> str:
     return imagenet.val_wnid[name]
+
+
+def test_a_sighup_rescan_says_an_archive_rewritten_in_place_is_waited_on_not_unchanged(tmp_path):
+    """The daemon's batches from an archive rewritten in place wait ("restart the daemon"); a
+    SIGHUP rescan found the same samples (same names, same labels) and said "unchanged": the
+    archives whose identity moved are named, and the restart they need."""
+    import logging
+
+    from prefetchd.daemon.rescan import _verdict
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=2, per_class=2)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    path = os.path.join(root, "n1.tar")
+    data = open(path, "rb").read()
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(data)
+    level, line = _verdict(index, lambda: False, lambda: load_index(root, None, EXTS, None, use_cache=False)[0])
+    assert level == logging.WARNING and "the same 4 samples, but 1 archive(s) changed" in line, line
+    assert path in line and "restart the daemon" in line, line
+    level, line = _verdict(index, lambda: False, lambda: index)
+    assert level == logging.INFO and "unchanged, 4 samples" in line
