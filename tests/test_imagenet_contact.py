@@ -510,6 +510,10 @@ def test_imagenet_files_among_class_folders_are_refused_and_val_in_class_folders
     shutil.copy(imagenet.train_tar, left)  # tar xf ILSVRC2012_img_train.tar, no rm
     index = _load(left)
     assert not isinstance(index, str) and index.fingerprint == _load(imagenet.train_folder).fingerprint, index
+    disk = tmp_path / "disk"  # a data disk's root: lost+found is no class folder to keep the tar beside
+    os.makedirs(disk / "lost+found")
+    shutil.copy(imagenet.train_tar, disk)
+    assert "it looks like ImageNet's download folder" in _load(str(disk))
 
 
 def _wnid(imagenet, name: str) -> str:

@@ -83,7 +83,7 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
     except OSError as e:
         raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
     download = sorted(t for t in tars if devkit_.DOWNLOAD.match(t))
-    if download and dirs and len(download) == len(tars):  # ImageNet's tar left beside the folders extracted from it
+    if download and dirs - set(_LEFTOVERS) and len(download) == len(tars):  # ImageNet's tar left beside the folders extracted from it
         log.warning("%s: not read: %s (ImageNet's download tar%s, not class tars); the folders are an ImageFolder",
                     root, ", ".join(download), "s" if len(download) > 1 else "")
         tars = set()
