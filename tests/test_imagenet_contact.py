@@ -541,3 +541,24 @@ def test_a_sighup_rescan_says_an_archive_rewritten_in_place_is_waited_on_not_unc
     assert path in line and "restart the daemon" in line, line
     level, line = _verdict(index, lambda: False, lambda: index)
     assert level == logging.INFO and "unchanged, 4 samples" in line
+
+
+def test_a_mac_zips_macosx_folder_is_not_class_0(tmp_path):
+    """Unzipping a zip made on a Mac leaves __MACOSX/<class>/._<image> beside the classes: it sorted
+    first, so as a class (of ._ files, or of none once those are skipped) it took label 0 and
+    shifted every label after it, rc 0 (torchvision's ImageFolder does the same, then fails to
+    decode). It is skipped, and said; beside class tars it is a leftover, not a mixture."""
+    root = tmp_path / "unzipped"
+    for c in ("cats", "dogs"):
+        os.makedirs(root / c)
+        os.makedirs(root / "__MACOSX" / c)
+        (root / c / "1.jpg").write_bytes(solid_jpeg(COLOURS[0]))
+        (root / "__MACOSX" / c / "._1.jpg").write_bytes(_APPLEDOUBLE)
+    index = _load(str(root))
+    assert not isinstance(index, str) and index.classes == ("cats", "dogs"), index
+    assert any("__MACOSX (a Mac zip's metadata folder" in s for s in index.skipped), index.skipped
+    tars = tmp_path / "tars"
+    class_tars(str(tars), classes=2, per_class=2)
+    os.makedirs(tars / "__MACOSX")
+    index = _load(str(tars))
+    assert not isinstance(index, str) and index.classes == ("n0", "n1"), index

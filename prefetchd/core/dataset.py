@@ -46,7 +46,8 @@ __all__ = ["DatasetError", "Index", "StorageChanged", "cache_path", "default_cac
 log = logging.getLogger("prefetchd.dataset")
 
 
-_LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class"}
+_LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class",
+              folderindex.MACOSX: "a Mac zip's metadata folder, not a class"}
 
 
 def choose(root: str | None, file_list: str | None, devkit: str | None, extensions: tuple[str, ...],

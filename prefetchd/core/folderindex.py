@@ -3,8 +3,8 @@
 * an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
   among the sorted class names, and a class's images are in torchvision's ``ImageFolder`` order
   (``sorted(os.walk(class_dir))``: folders by their whole path, then names, all compared as
-  ``str``, non-UTF-8 bytes as surrogates); hidden folders and ``._*`` files (macOS AppleDouble
-  metadata, which torchvision would read and fail to decode) are skipped;
+  ``str``, non-UTF-8 bytes as surrogates); hidden folders, ``._*`` files (macOS AppleDouble
+  metadata, which torchvision would read and fail to decode) and a root's ``__MACOSX`` are skipped;
   extensions are matched case-insensitively. Directory symlinks, by one rule that never indexes
   an image twice or under another class's label: one whose target lies inside the root (a loop
   to an ancestor, a link to another class) is not followed, its images are indexed where they
@@ -40,6 +40,7 @@ from prefetchd.core.indexbase import (
 log = logging.getLogger("prefetchd.dataset")
 
 META = "meta.json"
+MACOSX = "__MACOSX"  # what unzipping a Mac's zip leaves: ._* copies of the tree; as a class, label 0, all shifted
 
 
 def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[
@@ -49,7 +50,9 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     check_root(root, key)
     exts = tuple(e.lower() for e in extensions)
     stamps: list[tuple[str, int]] = [(root, os.stat(root).st_mtime_ns)]
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
+    entries = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith(".")]
+    classes = sorted(n for n in entries if n != MACOSX)
+    skipped: list[str] = [f"{MACOSX} (a Mac zip's metadata folder, not a class)"] if MACOSX in entries else []
     if not classes:
         raise DatasetError(f"{key} {root} has no class folders (expected root/<class>/<image>)")
     rel: list[bytes] = []
@@ -57,7 +60,6 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     empty: list[str] = []
     real_root = os.path.realpath(root)
     seen: set[tuple[int, int]] = set()  # every directory indexed, whichever class reached it
-    skipped: list[str] = []
     strays: list[str] = []  # folders of ImageNet's validation or test images among classes
     apple = 0  # ._<image> files: macOS AppleDouble metadata (a copy from a Mac to a FAT or SMB disk), not images
     # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
@@ -120,7 +122,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
         log.warning("%d ._* file(s) not indexed: macOS AppleDouble metadata (a copy from a Mac), not images", apple)
     if skipped:
         log.warning("%d director%s not indexed (directory symlinks into dataset.root are not followed, a "
-                    "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
+                    "directory is indexed once, __MACOSX is no class): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
                     "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if not rel:
         raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")

@@ -71,7 +71,8 @@ class Index:
 
     # what ``skipped`` holds (one, many) and by which rule, for ``prefetchd check``
     skipped_what = ("directory", "directories")
-    skipped_rule = "directory symlinks into the root are not followed; a directory is indexed once"
+    skipped_rule = ("directory symlinks into the root are not followed; a directory is indexed once; a Mac zip's "
+                    "__MACOSX is no class")
 
     def describe(self) -> str:
         """What the dataset is, in a few words (``prefetchd check``)."""
