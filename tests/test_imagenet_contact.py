@@ -401,6 +401,14 @@ def test_the_devkit_as_a_root_is_named_as_the_devkit(imagenet, tmp_path):
     rc, out = _check(tmp_path, imagenet.train_tar, validation={
         "enabled": True, "root": imagenet.devkit_folder, "devkit": imagenet.devkit_tgz, "batch_size": 2})
     assert rc == 78 and "validation.root to the validation tar (ILSVRC2012_img_val.tar)" in out, out
+    download = tmp_path / "download"  # the devkit extracted beside the tars: the download folder, not a devkit
+    os.makedirs(download)
+    for f in (imagenet.train_tar, imagenet.val_tar):
+        shutil.copy(f, download)
+    inner = os.listdir(imagenet.devkit_folder)[0]
+    shutil.copytree(os.path.join(imagenet.devkit_folder, inner), download / inner)
+    rc, out = _check(tmp_path, str(download))
+    assert rc == 78 and "it looks like ImageNet's download folder" in out, out
 
 
 _APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # what a Mac's ._x.JPEG holds

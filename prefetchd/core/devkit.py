@@ -243,10 +243,12 @@ def unlabelled(images: list[bytes]) -> str | None:
 
 def is_devkit(path: str) -> bool:
     """Is ``path`` ImageNet's devkit (``ILSVRC2012_devkit_t12.tar.gz``, or the folder it extracts
-    to: ``data/meta.mat`` in it or one level down), a wrong value for a dataset's root?"""
+    to: ``data/meta.mat`` in it, or in its only entry), a wrong value for a dataset's root? (The
+    download folder, which holds the extracted devkit beside the tars, is not.)"""
     if os.path.isdir(path):
-        return any(os.path.isfile(os.path.join(path, *sub, META)) for sub in [()] + [
-            (e.name,) for e in os.scandir(path) if e.is_dir() and not e.name.startswith(".")][:20])
+        entries = [e.name for e in os.scandir(path) if not e.name.startswith(".")]
+        return any(os.path.isfile(os.path.join(path, *sub, META)) for sub in [()] + [(e,) for e in entries[:1]
+                                                                                     if len(entries) == 1])
     name = os.path.basename(path).lower()
     return "devkit" in name and name.endswith((".tar.gz", ".tgz", ".tar"))
 
