@@ -494,7 +494,8 @@ def test_imagenet_files_among_class_folders_are_refused_and_val_in_class_folders
 
     root = _copytree(imagenet.train_folder, str(tmp_path / "a"))
     shutil.copytree(imagenet.train_tars, os.path.join(root, "ILSVRC2012_img_train"))
-    assert "the folder ILSVRC2012_img_train is not a class: a tar of tars" in _load(root)
+    assert "the folder ILSVRC2012_img_train is not a class: no images, only 4 tar file(s) (ImageNet's train tar" in _load(
+        root)
     root = _copytree(imagenet.train_folder, str(tmp_path / "b"))
     shutil.copytree(imagenet.val_folder, os.path.join(root, "val"))
     assert "1 of its 5 folders are not classes: val (a flat set of validation images" in _load(root)
