@@ -102,7 +102,7 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
             skipped.append(f"{cls} {why}")
         names = [p for _, images in groups for p in images]
         not_class = dk.not_a_class(cls, tars, names)
-        if not_class and not names:  # tars, no images: not only the train tar's case
+        if not_class and tars and not names:  # tars, no images: not only the train tar's case
             not_class = f"no images, only {len(tars)} tar file(s) (ImageNet's train tar extracted into it, or a class tar not extracted?)"
         if not_class:  # the train tar extracted into a folder among its classes (the usual recipe without its rm)
             raise DatasetError(f"{key} {root}: the folder {cls} is not a class: {not_class}; read as one, it "
