@@ -120,7 +120,7 @@ def cmd_check(args) -> int:
         cfg = _load(args.config)
         t0 = time.monotonic()
         index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
-                                   cfg.dataset.cache_dir)
+                                   cfg.dataset.cache_dir, one_class=cfg.dataset.one_class)
         dt = time.monotonic() - t0
     except (ConfigError, DatasetError) as e:
         return _fail_config(e)

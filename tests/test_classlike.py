@@ -49,7 +49,7 @@ def test_splits_are_refused_naming_the_split_meant():
 def test_one_folder_of_every_image_is_refused():
     nested = judge("/d", "dataset.root", ["photos"], [40], ["cat", "dog", "eel", "fox"])
     assert "holds one folder, photos/, so all 40 images would be one class with label 0" in nested
-    assert "(cat, dog, eel, ...)" in nested and nested.endswith("set dataset.root: /d/photos")
+    assert "(cat, dog, eel, ...)" in nested and "set dataset.root: /d/photos; if one class is meant" in nested
     flat = judge("/d", "dataset.root", ["photos"], [1])
     assert "holds one folder, photos/, with all 1 image: every label would be 0" in flat
     assert "one folder per class" in flat and "dataset.file_list" in flat
@@ -122,3 +122,36 @@ def test_check_prints_the_first_classes_and_the_smallest_and_largest(tmp_path, i
     line = next(x for x in r.stdout.splitlines() if x.startswith("classes: "))
     assert line.startswith(f"classes: 4 classes: {', '.join(classes)}; smallest {classes[2]} (5 images), "
                            f"largest {classes[0]} (12 images)"), line
+
+
+def test_one_class_on_purpose_is_taken_with_dataset_one_class():
+    """A generative or self-supervised model's unlabelled images, root/<folder>/<image> (PyTorch's
+    DCGAN tutorial: data/celeba/img_align_celeba/*.jpg, "ImageFolder requires there to be
+    subdirectories"; FFHQ's images1024x1024/00000/...): refused without a word of a way through
+    but a file list; the refusal names dataset.one_class, and that key takes one class."""
+    flat = judge("/data/celeba", "dataset.root", ["img_align_celeba"], [202599])
+    assert flat.endswith("set dataset.one_class: true"), flat
+    nested = judge("/data/ffhq", "dataset.root", ["images1024x1024"], [70000], ["00000", "01000"])
+    assert nested.endswith("set dataset.one_class: true"), nested
+    assert judge("/d", "dataset.root", ["img_align_celeba"], [9], one_class=True) is None
+    assert judge("/d", "dataset.root", ["images"], [9], ["a", "b"], one_class=True) is None
+    assert judge("/d", "dataset.root", ["train", "val"], [9, 9], one_class=True)  # two splits: still refused
+    assert "one_class" not in judge("/d", "dataset.root", ["train", "val"], [9, 9])
+    assert "one_class" not in judge("/d", "validation.root", ["val"], [9])
+
+
+def test_check_takes_one_class_folder_with_dataset_one_class(tmp_path, image_root):
+    root = tmp_path / "celeba"
+    pics = root / "img_align_celeba"
+    pics.mkdir(parents=True)
+    for c in os.listdir(image_root):
+        for f in os.listdir(os.path.join(image_root, c)):
+            shutil.copy(os.path.join(image_root, c, f), pics / f"{c}-{f}")
+    r = _cli("check", small_config(tmp_path, str(root)))
+    assert r.returncode == 78 and r.stderr.strip().endswith("set dataset.one_class: true"), (r.stdout, r.stderr)
+    r = _cli("check", small_config(tmp_path, str(root), dataset={"one_class": True}))
+    assert r.returncode == 0 and "1 class: img_align_celeba" in r.stdout, (r.stdout, r.stderr)
+    with pytest.raises(DatasetError):
+        load_index(str(root), None, (".jpeg",), str(tmp_path / "cache"))
+    index, _ = load_index(str(root), None, (".jpeg",), str(tmp_path / "cache"), one_class=True)
+    assert index.classes == ("img_align_celeba",) and len(index) == 48

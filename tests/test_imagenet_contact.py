@@ -9,6 +9,7 @@ import io
 import json
 import os
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -153,6 +154,20 @@ def test_a_kept_descriptor_of_an_archive_rewritten_in_place_is_not_read_from(tmp
     with open(path, "r+b") as f:
         f.write(data[::-1])
     with pytest.raises(StorageChanged, match="n0.tar changed since it was indexed .*mtime_ns"):
+        index.read(0)
+
+
+def test_an_archive_whose_ctime_alone_moved_is_said_so(tmp_path):
+    """A chmod, chown or hard link moves ctime alone, as a rewrite with its mtime put back (``touch
+    -r``) does: both wait, and the line says which changes it cannot tell apart, not "copied over"."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=1, per_class=2)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    time.sleep(0.05)  # past the kernel's coarse clock tick
+    os.chmod(os.path.join(root, "n0.tar"), 0o640)
+    with pytest.raises(StorageChanged, match=r"\(ctime_ns \d+ -> \d+; its ctime alone: a chmod, chown or hard link"):
         index.read(0)
 
 
@@ -344,3 +359,215 @@ def test_an_imagefolder_without_images_names_the_config_key_not_a_directory_id(t
     (root / "a" / "notes.txt").write_text("x")
     with pytest.raises(DatasetError, match=r"^dataset\.root .* holds no images"):
         load_index(str(root), None, EXTS, None, use_cache=False)
+
+
+def test_imagenets_test_tar_or_any_of_its_files_beside_class_tars_is_refused(imagenet, tmp_path):
+    """The download page's third tar (ILSVRC2012_img_test_v10102019.tar: test/ILSVRC2012_test_*.JPEG,
+    no labels) beside the class tars was read as a class sorted first: every label shifted by one,
+    check rc 0 without a word. So was any ILSVRC2012_* download tar holding images."""
+    root = _copytree(imagenet.train_tars, str(tmp_path / "train"))
+    test = [(f"test/ILSVRC2012_test_{k:08d}.JPEG", solid_jpeg((k, 0, 0))) for k in range(1, 4)]
+    with open(os.path.join(root, "ILSVRC2012_img_test_v10102019.tar"), "wb") as f:
+        f.write(tar_of(test))
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "ILSVRC2012_img_test_v10102019.tar (a set of unlabelled test images" in out, out
+    os.rename(os.path.join(root, "ILSVRC2012_img_test_v10102019.tar"), os.path.join(root, "ILSVRC2012_img_x.tar"))
+    with open(os.path.join(root, "ILSVRC2012_img_x.tar"), "wb") as f:
+        f.write(tar_of([("a.JPEG", solid_jpeg((1, 2, 3)))]))
+    rc, out = _check(tmp_path, root)
+    assert rc == 78 and "ILSVRC2012_img_x.tar (named as one of ImageNet's download files" in out, out
+    os.unlink(os.path.join(root, "ILSVRC2012_img_x.tar"))
+    rc, out = _check(tmp_path, root)
+    assert rc == 0, out
+
+
+def test_the_devkit_as_a_root_is_named_as_the_devkit(imagenet, tmp_path):
+    """The devkit (a .tar.gz) as dataset.root was told "it is gzip-compressed: decompress it first",
+    and once decompressed, or its folder, "a flat set of 0 images" or "holds no images": advice
+    that leads nowhere. It is named as the devkit, with the keys to set."""
+    import gzip
+    import shutil
+
+    tgz = shutil.copy(imagenet.devkit_tgz, str(tmp_path))
+    with open(tgz, "ab") as f:  # as large as the real one (2.5 MB): past the "too short for a tar" check
+        f.write(bytes(4096))
+    plain = str(tmp_path / "ILSVRC2012_devkit_t12.tar")
+    with gzip.open(imagenet.devkit_tgz) as src, open(plain, "wb") as dst:
+        dst.write(src.read())
+    for root in (tgz, plain, imagenet.devkit_folder):
+        rc, out = _check(tmp_path, root)
+        assert rc == 78 and f"dataset.root {root} is ImageNet's devkit" in out, out
+        assert "set validation.devkit to it, and dataset.root to the train tar" in out, out
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={
+        "enabled": True, "root": imagenet.devkit_folder, "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 78 and "validation.root to the validation tar (ILSVRC2012_img_val.tar)" in out, out
+    download = tmp_path / "download"  # the devkit extracted beside the tars: the download folder, not a devkit
+    os.makedirs(download)
+    for f in (imagenet.train_tar, imagenet.val_tar):
+        shutil.copy(f, download)
+    inner = os.listdir(imagenet.devkit_folder)[0]
+    shutil.copytree(os.path.join(imagenet.devkit_folder, inner), download / inner)
+    rc, out = _check(tmp_path, str(download))
+    assert rc == 78 and "it looks like ImageNet's download folder" in out, out
+
+
+_APPLEDOUBLE = b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        " + bytes(64)  # what a Mac's ._x.JPEG holds
+
+
+def test_macos_appledouble_files_are_not_samples_in_a_folder_or_a_tar(imagenet, tmp_path):
+    """A Mac's tar (bsdtar) writes ./._x.JPEG beside every file with extended attributes (every
+    downloaded file has com.apple.quarantine), and a copy from a Mac to a FAT or SMB disk leaves
+    ._x.JPEG files: each was indexed as an image, so half the samples were quarantined one warning
+    at a time and replaced, and a flat validation tar's ._ILSVRC2012_val_* took its image's label
+    a second time. Skipped in all three, the folder and its tars still index alike."""
+    folder, tars = tmp_path / "folder", tmp_path / "tars"
+    for c in range(2):
+        os.makedirs(folder / f"n{c}")
+        members = []
+        for k in range(3):
+            jpeg = solid_jpeg(COLOURS[c * 3 + k])
+            (folder / f"n{c}" / f"x{k}.JPEG").write_bytes(jpeg)
+            (folder / f"n{c}" / f"._x{k}.JPEG").write_bytes(_APPLEDOUBLE)
+            members += [(f"./._x{k}.JPEG", _APPLEDOUBLE), (f"./x{k}.JPEG", jpeg)]
+        os.makedirs(tars, exist_ok=True)
+        (tars / f"n{c}.tar").write_bytes(tar_of(members))
+    a, _ = load_index(str(folder), None, EXTS, None, use_cache=False)
+    b, _ = load_index(str(tars), None, EXTS, None, use_cache=False)
+    assert [a.relpath(i) for i in range(len(a))] == [f"n{c}/x{k}.JPEG" for c in range(2) for k in range(3)]
+    assert a.fingerprint == b.fingerprint
+    assert any("._x0.JPEG (a macOS AppleDouble file" in s for s in b.skipped), b.skipped
+    val = tmp_path / "val.tar"
+    with tarfile.open(imagenet.val_tar) as tf:
+        members = [(m.name, tf.extractfile(m).read()) for m in tf if m.isfile()]
+    val.write_bytes(tar_of([(f"._{n}", _APPLEDOUBLE) for n, _ in members] + members))
+    v, _ = load_index(str(val), None, EXTS, None, use_cache=False, devkit=imagenet.devkit_tgz, section="validation")
+    assert len(v) == len(members) == 8 and not any(v.relpath(i).startswith("._") for i in range(len(v)))
+
+
+def test_a_file_restored_in_place_with_its_old_times_is_tried_again(tmp_path):
+    """A bit-rotted JPEG (same size) quarantined, then restored from a backup in place with its old
+    mtime (``cp -p``, ``rsync --inplace -t``, ``touch -r``): size, inode and mtime as before, so
+    the stamp (size:mtime:inode) held the good file quarantined for good. ctime moves."""
+    from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.executors.worker import Quarantined
+
+    root = tmp_path / "folder"
+    os.makedirs(root / "a")
+    os.makedirs(root / "b")
+    for c in "ab":
+        for k in range(2):
+            (root / c / f"{k}.JPEG").write_bytes(solid_jpeg(COLOURS[k]))
+    index, _ = load_index(str(root), None, EXTS, None, use_cache=False)
+    path = index.path(0)
+    good, st = open(path, "rb").read(), os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * 64)  # bit rot, same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    q = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    q.add(Quarantined(0, path, "cannot decode"), 0)
+    time.sleep(0.05)  # past the kernel's coarse clock tick: a restore is a human's later act
+    with open(path, "r+b") as f:  # restored in place, its old mtime put back
+        f.write(good)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    again = QuarantineLog(str(tmp_path), index.fingerprint, index.path, index.content_stamp)
+    again.load()
+    assert not again.records
+
+
+def _load(root: str, section: str = "dataset"):
+    from prefetchd.core.dataset import DatasetError
+
+    try:
+        return load_index(root, None, EXTS, None, use_cache=False, section=section)[0]
+    except DatasetError as e:
+        return str(e)
+
+
+def test_imagenet_files_among_class_folders_are_refused_and_val_in_class_folders_or_tars_is_taken(imagenet, tmp_path):
+    """The usual recipe run without its first rm (the find loop extracts ILSVRC2012_img_train.tar
+    too, into ILSVRC2012_img_train/ of class tars) gave a class of no images sorted first, every
+    label shifted, rc 0 and a warning; the flat val folder left in train/ was a class of its own.
+    Per-class validation tars (val/<wnid>/ILSVRC2012_val_* packed per class) were refused as
+    "ImageNet's download folder". Class tars n1.tar and n1.TAR were two classes of one name. The
+    train tar left beside the folders it was extracted to refused the ImageFolder as a mixture."""
+    import shutil
+
+    root = _copytree(imagenet.train_folder, str(tmp_path / "a"))
+    shutil.copytree(imagenet.train_tars, os.path.join(root, "ILSVRC2012_img_train"))
+    assert "the folder ILSVRC2012_img_train is not a class: no images, only 4 tar file(s) (ImageNet's train tar" in _load(
+        root)
+    root = _copytree(imagenet.train_folder, str(tmp_path / "b"))
+    shutil.copytree(imagenet.val_folder, os.path.join(root, "val"))
+    assert "1 of its 5 folders are not classes: val (a flat set of validation images" in _load(root)
+    valprep, valtars = tmp_path / "valprep", tmp_path / "valtars"
+    for name in sorted(os.listdir(imagenet.val_folder)):
+        w = os.path.join(valprep, _wnid(imagenet, name))
+        os.makedirs(w, exist_ok=True)
+        shutil.copy(os.path.join(imagenet.val_folder, name), w)
+    os.makedirs(valtars)
+    for w in sorted(os.listdir(valprep)):
+        with open(valtars / f"{w}.tar", "wb") as f:
+            f.write(tar_of([(n, (valprep / w / n).read_bytes()) for n in sorted(os.listdir(valprep / w))]))
+    a, b = _load(str(valprep), "validation"), _load(str(valtars), "validation")
+    assert not isinstance(a, str) and not isinstance(b, str), (a, b)
+    assert a.fingerprint == b.fingerprint and len(a) == 8
+    twins = _copytree(imagenet.train_tars, str(tmp_path / "twins"))
+    first = sorted(os.listdir(twins))[0]
+    shutil.copy(os.path.join(twins, first), os.path.join(twins, first[:-4] + ".TAR"))
+    assert f"more than one tar of the class {first[:-4]}" in _load(twins)
+    left = _copytree(imagenet.train_folder, str(tmp_path / "left"))
+    shutil.copy(imagenet.train_tar, left)  # tar xf ILSVRC2012_img_train.tar, no rm
+    index = _load(left)
+    assert not isinstance(index, str) and index.fingerprint == _load(imagenet.train_folder).fingerprint, index
+    disk = tmp_path / "disk"  # a data disk's root: lost+found is no class folder to keep the tar beside
+    os.makedirs(disk / "lost+found")
+    shutil.copy(imagenet.train_tar, disk)
+    assert "it looks like ImageNet's download folder" in _load(str(disk))
+
+
+def _wnid(imagenet, name: str) -> str:
+    return imagenet.val_wnid[name]
+
+
+def test_a_sighup_rescan_says_an_archive_rewritten_in_place_is_waited_on_not_unchanged(tmp_path):
+    """The daemon's batches from an archive rewritten in place wait ("restart the daemon"); a
+    SIGHUP rescan found the same samples (same names, same labels) and said "unchanged": the
+    archives whose identity moved are named, and the restart they need."""
+    import logging
+
+    from prefetchd.daemon.rescan import _verdict
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=2, per_class=2)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    path = os.path.join(root, "n1.tar")
+    data = open(path, "rb").read()
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(data)
+    level, line = _verdict(index, lambda: False, lambda: load_index(root, None, EXTS, None, use_cache=False)[0])
+    assert level == logging.WARNING and "the same 4 samples, but 1 archive(s) changed" in line, line
+    assert path in line and "restart the daemon" in line, line
+    level, line = _verdict(index, lambda: False, lambda: index)
+    assert level == logging.INFO and "unchanged, 4 samples" in line
+
+
+def test_a_mac_zips_macosx_folder_is_not_class_0(tmp_path):
+    """Unzipping a zip made on a Mac leaves __MACOSX/<class>/._<image> beside the classes: it sorted
+    first, so as a class (of ._ files, or of none once those are skipped) it took label 0 and
+    shifted every label after it, rc 0 (torchvision's ImageFolder does the same, then fails to
+    decode). It is skipped, and said; beside class tars it is a leftover, not a mixture."""
+    root = tmp_path / "unzipped"
+    for c in ("cats", "dogs"):
+        os.makedirs(root / c)
+        os.makedirs(root / "__MACOSX" / c)
+        (root / c / "1.jpg").write_bytes(solid_jpeg(COLOURS[0]))
+        (root / "__MACOSX" / c / "._1.jpg").write_bytes(_APPLEDOUBLE)
+    index = _load(str(root))
+    assert not isinstance(index, str) and index.classes == ("cats", "dogs"), index
+    assert any("__MACOSX (a Mac zip's metadata folder" in s for s in index.skipped), index.skipped
+    tars = tmp_path / "tars"
+    class_tars(str(tars), classes=2, per_class=2)
+    os.makedirs(tars / "__MACOSX")
+    index = _load(str(tars))
+    assert not isinstance(index, str) and index.classes == ("n0", "n1"), index

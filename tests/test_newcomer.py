@@ -269,3 +269,25 @@ def test_check_that_cannot_act_as_the_daemon_user_judges_by_the_mode_bits(tmp_pa
     assert problems == [f"problem: buffer.dir {buf} does not exist and nobody cannot create it in {closed_parent} "
                         f"(root:root 0755): `prefetchd run` as nobody would fail; the unit's RuntimeDirectory= must "
                         f"make it (README), or make it yourself"], problems
+
+
+@needs_root
+def test_check_says_when_it_could_not_act_as_the_daemons_user(tmp_path, image_root, closed_parent, monkeypatch):
+    """Where root cannot take another uid (a container without CAP_SETUID/CAP_SETGID: setgroups
+    fails EPERM), the trial's child died before trying anything, the parent read no findings and
+    returned none: check said "no problems" though neither the trial nor the mode bits (skipped
+    for a process that can act as the user) judged the directory, and `run` as nobody fails."""
+    from prefetchd.core.config import load
+    from prefetchd.tools.deploy import Account, try_dirs
+
+    def no_setgroups(groups):
+        raise PermissionError(1, "Operation not permitted")
+
+    buf = os.path.join(closed_parent, "buffer")
+    cfg = load(small_config(tmp_path, image_root, buffer={"dir": buf}))
+    monkeypatch.setattr(os, "setgroups", no_setgroups)  # the forked child inherits it
+    found = try_dirs(cfg, Account.lookup("nobody"))
+    assert len(found) == 1 and f"buffer.dir {buf}: check could not try it as nobody (PermissionError" in found[0], found
+    assert "run `prefetchd check` as nobody" in found[0]
+    monkeypatch.undo()
+    assert "nobody cannot create" in try_dirs(cfg, Account.lookup("nobody"))[0]

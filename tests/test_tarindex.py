@@ -456,3 +456,41 @@ def test_a_train_subset_gets_validation_labels_for_the_classes_it_has(tmp_path):
     train, _ = load_index(subset, None, EXTS, None, use_cache=False)
     with pytest.raises(DatasetError, match=sorted(used)[0]):
         val_labels(load_index(net.val_tar, None, EXTS, None, use_cache=False, devkit=net.devkit_tgz)[0], train)
+
+
+@pytest.mark.parametrize("kind", ["tar", "tars"])
+def test_an_archive_rewritten_while_it_is_indexed_is_refused_not_read_at_old_offsets(tmp_path, monkeypatch, kind):
+    """A train tar re-packed in place (same size, inode; classes in another order) between its
+    top-level headers and its class tars' headers: the identity taken after the scan vouched for
+    offsets of the old file, so every read passed its check and gave n2's pixels under n1's label."""
+    def train(order):
+        return tar_bytes([(f"{c}.tar", tar_bytes([(f"{c}_{i}.JPEG", c.encode() * (500 + i)) for i in range(3)]))
+                          for c in order])
+
+    old, new = train(["n1", "n2"]), train(["n2", "n1"])
+    assert len(old) == len(new)
+    if kind == "tar":
+        root = path = str(tmp_path / "train.tar")
+        open(path, "wb").write(old)
+    else:
+        root, path = str(tmp_path / "tars"), str(tmp_path / "tars" / "n1.tar")
+        os.mkdir(root)
+        old, new = (tar_bytes([(f"n1_{i}.JPEG", c * (500 + i)) for i in order]) for c, order in
+                    ((b"n1", (0, 1, 2)), (b"xx", (2, 1, 0))))
+        open(path, "wb").write(old)  # a class tar re-packed as its headers are read
+    real, calls = tarindex.members, []
+
+    def members(fd, *args, **kwargs):
+        out = real(fd, *args, **kwargs)
+        if not calls:
+            with open(path, "r+b") as f:  # cp over it: same inode, same size
+                os.utime(path, ns=(1, 1))  # mtime moved at least once; ctime moves anyway
+                f.write(new)
+        calls.append(1)
+        return out
+
+    monkeypatch.setattr(tarindex, "members", members)
+    with pytest.raises(DatasetError, match="changed while it was being indexed.*start again once it is complete"):
+        index, _ = tarindex.scan(root, None, EXTS, kind=kind)
+        for i in range(len(index)):  # before the fix: no StorageChanged, other members' bytes
+            assert index.read(i)[:2] == index.relpath(i)[:2].encode(), (index.relpath(i), index.read(i)[:2])

@@ -14,7 +14,9 @@ Not class-like:
   ``root/val`` for ``validation.root``;
 * one class folder only (``dataset.root`` an ImageFolder): every label would be 0. Its images in sub-folders
   (``root/x/<sub>/<image>``): ``root/x`` was probably meant; all in one folder: there are no
-  class folders at all.
+  class folders at all. Unless ``dataset.one_class`` says one class is meant: a generative or
+  self-supervised model's unlabelled images (torchvision's ImageFolder reads them so, from
+  ``root/<folder>/<image>``); the refusal names that key.
 
 File lists (``dataset.file_list``) are not judged: their labels are the user's own.
 """
@@ -35,15 +37,20 @@ _VAL_FIRST = ("val", "validation", "valid", "dev", "test", "testing")
 
 
 def judge(root: str, key: str, classes: Sequence[str], counts: Sequence[int],
-          sub_folders: Sequence[str] = (), folder: bool = True) -> str | None:
+          sub_folders: Sequence[str] = (), folder: bool = True, one_class: bool = False) -> str | None:
     """Why the classes ``classes`` (``counts[i]`` images each) found under ``root`` (the config
     key ``key`` names it: ``dataset.root`` or ``validation.root``) are not class-like, in one line
     that says what to set; None when they are. ``sub_folders``: for a single class, the names of
     the sub-folders its images lie in (empty: its images lie in it directly). ``folder``: the
-    classes are an ImageFolder's folders (False: class archives, where one class is judged fine)."""
+    classes are an ImageFolder's folders (False: class archives, where one class is judged fine).
+    ``one_class``: ``dataset.one_class``, one class folder is meant (a generative or self-supervised
+    model, whose labels are unused: ``root/<folder>/<image>`` is how torchvision's ImageFolder
+    reads a folder of unlabelled images), so one class is fine."""
     names = [str(c) for c in classes]
-    if not names:
+    if not names or (one_class and len(names) == 1):
         return None
+    opt_in = ("; if one class is meant (labels unused: a generative or self-supervised model), set "
+             "dataset.one_class: true") if len(names) == 1 and key.startswith("dataset") else ""
     root_s = root.rstrip(os.sep) or root
     one = len(names) == 1 and folder and not key.startswith("validation")
     if all(n.lower() in SPLIT_NAMES for n in names) and not (one and not sub_folders):  # images/ of flat images: below
@@ -60,10 +67,10 @@ def judge(root: str, key: str, classes: Sequence[str], counts: Sequence[int],
             subs = ", ".join(sub_folders[:3]) + (", ..." if len(sub_folders) > 3 else "")
             return (f"{key} {root_s} holds one folder, {only}/, so all {plural(n, 'image')} would be one class "
                     f"with label 0; its images lie in sub-folders ({subs}), probably the classes: "
-                    f"set {key}: {os.path.join(root_s, only)}")
+                    f"set {key}: {os.path.join(root_s, only)}{opt_in}")
         return (f"{key} {root_s} holds one folder, {only}/, with all {plural(n, 'image')}: every label would be 0; "
                 f"an ImageFolder needs one folder per class ({key}/<class>/<image>): put each class's images in "
-                f"a folder of its own under {root_s}, or list them with their labels in dataset.file_list")
+                f"a folder of its own under {root_s}, or list them with their labels in dataset.file_list{opt_in}")
     return None
 
 
@@ -103,12 +110,12 @@ def refuse_unless_classlike(load):
     ``judge`` finds not class-like raises DatasetError with its line."""
 
     @functools.wraps(load)
-    def wrapper(root, file_list, *args, section: str = "dataset", **kwargs):
+    def wrapper(root, file_list, *args, section: str = "dataset", one_class: bool = False, **kwargs):
         index, cached = load(root, file_list, *args, section=section, **kwargs)
         if file_list is None and getattr(index, "kind", "folder") != "list" and len(index.classes) <= len(SPLIT_NAMES):
             folder = getattr(index, "layout", None) is None  # archives (tarindex.TarIndex) have a layout
             subs = _sub_folders(index) if folder and len(index.classes) == 1 else []
-            problem = judge(index.root, f"{section}.root", index.classes, class_counts(index), subs, folder)
+            problem = judge(index.root, f"{section}.root", index.classes, class_counts(index), subs, folder, one_class)
             if problem:
                 raise DatasetError(problem)
         return index, cached

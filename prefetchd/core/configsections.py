@@ -32,8 +32,10 @@ class DatasetConfig:
     file_list: str | None = None
     extensions: tuple[str, ...] = (".jpeg", ".jpg", ".png")
     cache_dir: str | None = None
+    one_class: bool = False  # an ImageFolder of one class folder on purpose (labels unused): not refused
 
     def __post_init__(self) -> None:
+        _bool(self.one_class, "dataset.one_class")
         if self.root is None and self.file_list is None:
             raise ConfigError("dataset.root", "is required (an ImageFolder, ImageNet's train tar or a folder of class tars), or set dataset.file_list")
         if self.root is not None and self.file_list is not None:

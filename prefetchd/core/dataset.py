@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from prefetchd.core import devkit as devkit_
 from prefetchd.core import folderindex, tarindex
 from prefetchd.core.classlike import refuse_unless_classlike
 from prefetchd.core.folderindex import scan_file_list, scan_image_folder
@@ -45,7 +46,9 @@ __all__ = ["DatasetError", "Index", "StorageChanged", "cache_path", "default_cac
 log = logging.getLogger("prefetchd.dataset")
 
 
-_LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class"}
+_LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class",
+              folderindex.MACOSX: "a Mac zip's metadata folder, not a class"}
+_DEVKIT_NOTE = "ImageNet's devkit extracted, not a class"
 
 
 def choose(root: str | None, file_list: str | None, devkit: str | None, extensions: tuple[str, ...],
@@ -66,6 +69,11 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
         st = os.stat(root)
     except OSError:
         st = None
+    if st is not None and devkit_.is_devkit(root):  # its gzip or its lone meta.mat gave advice that misled
+        also = ("dataset.root to the train tar (ILSVRC2012_img_train.tar)" if section == "dataset"
+                else "validation.root to the validation tar (ILSVRC2012_img_val.tar)")
+        raise DatasetError(f"{key} {root} is ImageNet's devkit, which holds no images: it labels the validation set; "
+                           f"set validation.devkit to it, and {also}")
     if st is not None and stat.S_ISREG(st.st_mode):
         return "tar", ()
     check_root(root, key)  # missing, unreadable or not a directory: that is the mistake, said first
@@ -76,9 +84,15 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
         images = any(e.name.lower().endswith(extensions) and e.is_file() for e in entries)
     except OSError as e:
         raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+    devkits = {d for d in dirs if devkit_.DOWNLOAD.match(d) and devkit_.is_devkit(os.path.join(root, d))}
+    download = sorted(t for t in tars if devkit_.DOWNLOAD.match(t))
+    if download and dirs - set(_LEFTOVERS) - devkits and len(download) == len(tars):  # left beside its extracted classes
+        log.warning("%s: not read: %s (ImageNet's download tar%s, not class tars); the folders are an ImageFolder",
+                    root, ", ".join(download), "s" if len(download) > 1 else "")
+        tars = set()
     if tars:
         stems = {t[:-4] for t in tars}
-        leftovers = sorted(d for d in dirs if d in _LEFTOVERS)
+        leftovers = sorted(d for d in dirs if d in _LEFTOVERS or d in devkits)
         twins = sorted(d for d in dirs if d in stems)
         others = sorted(dirs - set(leftovers) - set(twins))
         if others:
@@ -87,7 +101,7 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
                                f"of them extracted ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}): "
                                "one kind of dataset per root; move the folders out, or extract every class tar "
                                "and move the tars out")
-        notes = [f"{d} ({_LEFTOVERS[d]})" for d in leftovers]
+        notes = [f"{d} ({_LEFTOVERS.get(d, _DEVKIT_NOTE)})" for d in leftovers]
         notes += [f"{d} (a folder extracted beside its class tar {d}.tar: the tar is read)" for d in twins]
         if notes:
             log.warning("%s: not read: %s", root, "; ".join(notes[:5]) + (" ..." if len(notes) > 5 else ""))

@@ -214,6 +214,45 @@ def read_devkit(devkit: str) -> tuple[list[str], list[int | None]]:
     return wnids, labels
 
 
+DOWNLOAD = re.compile(r"ILSVRC\d{4}_")  # ImageNet's own files (ILSVRC2012_img_test_v10102019.tar): no class
+_TEST_NAME = re.compile(rb"ILSVRC\d{4}_test_\d+\.[A-Za-z]+$")
+
+
+def not_a_class(cls: str, members, images: list[bytes]) -> str | None:
+    """Why a would-be class (``cls``: a class tar's or folder's name; its member or file names;
+    its image names) is one of ImageNet's own files rather than a class, or None. Read as a
+    class, it would shift every label after it."""
+    if not images and any(n.lower().endswith(b".tar") for n in members):
+        return "a tar of tars (ImageNet's train tar?)"
+    if DOWNLOAD.match(cls):
+        return unlabelled(images) or "named as one of ImageNet's download files, not as a class"
+    return None
+
+
+def unlabelled(images: list[bytes]) -> str | None:
+    """Why a would-be class whose images are all ImageNet validation or test images may be the
+    validation or test set left among the classes, or None. Judged against its siblings: where
+    every class is so, they are a validation set in class folders (ImageNet's val after
+    ``valprep.sh``: ``val/<wnid>/ILSVRC2012_val_*.JPEG``), not strays."""
+    if images and all(val_number(n) is not None for n in images):
+        return "a flat set of validation images (ImageNet's validation tar?)"
+    if images and all(_TEST_NAME.search(n) for n in images):
+        return "a set of unlabelled test images (ImageNet's test tar?)"
+    return None
+
+
+def is_devkit(path: str) -> bool:
+    """Is ``path`` ImageNet's devkit (``ILSVRC2012_devkit_t12.tar.gz``, or the folder it extracts
+    to: ``data/meta.mat`` in it, or in its only entry), a wrong value for a dataset's root? (The
+    download folder, which holds the extracted devkit beside the tars, is not.)"""
+    if os.path.isdir(path):
+        entries = [e.name for e in os.scandir(path) if not e.name.startswith(".")]
+        return any(os.path.isfile(os.path.join(path, *sub, META)) for sub in [()] + [(e,) for e in entries[:1]
+                                                                                     if len(entries) == 1])
+    name = os.path.basename(path).lower()
+    return "devkit" in name and name.endswith((".tar.gz", ".tgz", ".tar"))
+
+
 def val_number(name: bytes) -> int | None:
     """k of ``.../ILSVRC2012_val_{k:08d}.JPEG``, or None."""
     m = VAL_NAME.search(name)

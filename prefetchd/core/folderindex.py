@@ -3,7 +3,8 @@
 * an ImageFolder, ``root/<class>/.../<image>``: labels are the index of the class folder's name
   among the sorted class names, and a class's images are in torchvision's ``ImageFolder`` order
   (``sorted(os.walk(class_dir))``: folders by their whole path, then names, all compared as
-  ``str``, non-UTF-8 bytes as surrogates); hidden folders are skipped;
+  ``str``, non-UTF-8 bytes as surrogates); hidden folders, ``._*`` files (macOS AppleDouble
+  metadata, which torchvision would read and fail to decode) and a root's ``__MACOSX`` are skipped;
   extensions are matched case-insensitively. Directory symlinks, by one rule that never indexes
   an image twice or under another class's label: one whose target lies inside the root (a loop
   to an ancestor, a link to another class) is not followed, its images are indexed where they
@@ -23,6 +24,7 @@ import logging
 import os
 from dataclasses import replace
 
+from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
 from prefetchd.core.indexbase import (
     CACHE_VERSION,
@@ -38,6 +40,7 @@ from prefetchd.core.indexbase import (
 log = logging.getLogger("prefetchd.dataset")
 
 META = "meta.json"
+MACOSX = "__MACOSX"  # what unzipping a Mac's zip leaves: ._* copies of the tree; as a class, label 0, all shifted
 
 
 def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "dataset.root") -> tuple[
@@ -47,7 +50,9 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     check_root(root, key)
     exts = tuple(e.lower() for e in extensions)
     stamps: list[tuple[str, int]] = [(root, os.stat(root).st_mtime_ns)]
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith("."))
+    entries = [e.name for e in os.scandir(root) if e.is_dir(follow_symlinks=True) and not e.name.startswith(".")]
+    classes = sorted(n for n in entries if n != MACOSX)
+    skipped: list[str] = [f"{MACOSX} (a Mac zip's metadata folder, not a class)"] if MACOSX in entries else []
     if not classes:
         raise DatasetError(f"{key} {root} has no class folders (expected root/<class>/<image>)")
     rel: list[bytes] = []
@@ -55,12 +60,13 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
     empty: list[str] = []
     real_root = os.path.realpath(root)
     seen: set[tuple[int, int]] = set()  # every directory indexed, whichever class reached it
-    skipped: list[str] = []
+    strays: list[str] = []  # folders of ImageNet's validation or test images among classes
+    apple = 0  # ._<image> files: macOS AppleDouble metadata (a copy from a Mac to a FAT or SMB disk), not images
     # a bar on a terminal only (prefetchd check, run in the foreground): a cold scan of a large tree is slow
     classes_bar = bar(classes, desc=f"scanning {root}", unit="class", leave=False)
     for label, cls in enumerate(classes_bar):
         top = os.path.join(root, cls)
-        found = 0
+        found, tars = 0, []
         groups: list[tuple[str, list[bytes]]] = []  # (folder, its images): ordered by folder path below
         why = _not_followed(top, real_root)
         for dirpath, dirnames, filenames in [] if why else os.walk(top, followlinks=True, onerror=_walk_error):
@@ -82,7 +88,10 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
                     keep.append(d)
             dirnames[:] = keep
             groups.append((dirpath, [os.fsencode(os.path.relpath(os.path.join(dirpath, name), root))
-                                     for name in sorted(filenames) if name.lower().endswith(exts)]))
+                                     for name in sorted(filenames) if name.lower().endswith(exts)
+                                     and not name.startswith("._")]))  # a Mac's AppleDouble metadata
+            apple += sum(name.startswith("._") and name.lower().endswith(exts) for name in filenames)
+            tars += [os.fsencode(name) for name in filenames if name.lower().endswith(".tar")]
         # torchvision's order: `for root, _, fnames in sorted(os.walk(class_dir)): for f in sorted(fnames)`,
         # folders by their whole path as str (so "a-b" before "a/b"), names as str (surrogateescape)
         for _, images in sorted(groups):
@@ -91,16 +100,31 @@ def scan_image_folder(root: str, extensions: tuple[str, ...], key: str = "datase
             found += len(images)
         if why:
             skipped.append(f"{cls} {why}")
+        names = [p for _, images in groups for p in images]
+        not_class = dk.not_a_class(cls, tars, names)
+        if not_class and tars and not names:  # tars, no images: not only the train tar's case
+            not_class = f"no images, only {len(tars)} tar file(s) (ImageNet's train tar extracted into it, or a class tar not extracted?)"
+        if not_class:  # the train tar extracted into a folder among its classes (the usual recipe without its rm)
+            raise DatasetError(f"{key} {root}: the folder {cls} is not a class: {not_class}; read as one, it "
+                               "would shift every label after it: move it out of the folder")
+        if dk.unlabelled(names):  # a stray only beside real classes (not in ImageNet's val in class folders)
+            strays.append(f"{cls} ({dk.unlabelled(names)})")
         if not found:
             empty.append(cls)
         classes_bar.set_postfix_str(f"{len(rel):,} images", refresh=False)
     classes_bar.close()
+    if 0 < len(strays) < len(classes):
+        raise DatasetError(f"{key} {root}: {len(strays)} of its {len(classes)} folders are not classes: "
+                           f"{'; '.join(strays[:5])}; each would be read as a class and shift every label after it: "
+                           "move them out of the folder")
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if apple:
+        log.warning("%d ._* file(s) not indexed: macOS AppleDouble metadata (a copy from a Mac), not images", apple)
     if skipped:
         log.warning("%d director%s not indexed (directory symlinks into dataset.root are not followed, a "
-                    "directory is indexed once): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
+                    "directory is indexed once, __MACOSX is no class): %s", len(skipped), "y" if len(skipped) == 1 else "ies",
                     "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if not rel:
         raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")

@@ -25,7 +25,7 @@ import xxhash
 
 from prefetchd.format.atomic import write_atomic
 
-CACHE_VERSION = 3  # 3: torchvision's order (folders by whole path); 2: directory symlinks into the root not followed
+CACHE_VERSION = 4  # 4: ._* AppleDouble files skipped; 3: torchvision's order (folders by whole path); 2: directory symlinks into the root not followed
 
 
 class DatasetError(ValueError):
@@ -71,7 +71,8 @@ class Index:
 
     # what ``skipped`` holds (one, many) and by which rule, for ``prefetchd check``
     skipped_what = ("directory", "directories")
-    skipped_rule = "directory symlinks into the root are not followed; a directory is indexed once"
+    skipped_rule = ("directory symlinks into the root are not followed; a directory is indexed once; a Mac zip's "
+                    "__MACOSX is no class")
 
     def describe(self) -> str:
         """What the dataset is, in a few words (``prefetchd check``)."""
@@ -80,13 +81,14 @@ class Index:
         return f"{os.path.basename(self.root.rstrip(os.sep)) or self.root}, an ImageFolder"
 
     def content_stamp(self, i: int) -> str:
-        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime and inode):
+        """What sample ``i``'s bytes are now, in a few characters (its file's size, mtime, inode and
+        ctime: a file restored in place from a backup, ``cp -p``, has its old size, inode and mtime):
         a quarantine entry made under another stamp is not held against the new content."""
         try:
             st = os.stat(self.path(i))
         except OSError as e:
             return f"unreadable:{e.errno}"
-        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+        return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""

@@ -10,8 +10,8 @@ Layouts (``dataset.choose`` tells them from an ImageFolder and from mixtures it 
 
 **Order.** Classes are sorted by name; a class's images are ordered as ``scan_image_folder``
 walks the extracted folder (torchvision's ``ImageFolder`` order: folders by their whole path, then
-file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders skipped,
-extensions matched case-insensitively). The relative paths are those of the
+file names, compared as ``str`` with non-UTF-8 bytes as surrogates; hidden folders and ``._*``
+files skipped, extensions matched case-insensitively). The relative paths are those of the
 extracted ImageFolder (``<class>/<member>``), so the index's paths, labels and fingerprint, and
 hence every batch, are byte for byte those of the extracted folder, with one exception: hard
 and symbolic links in a class tar are skipped here (warned, listed by ``check``) where extracting
@@ -24,9 +24,9 @@ keeps its archives open (the most recently used ``_MAX_OPEN``); a read that fail
 archive so the next try opens it again (a stale NFS handle after a remount).
 
 **Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
-(device, inode, size, mtime, ctime), taken when it is indexed; every read checks the descriptor
-it reads through against it with one ``fstat`` after the ``pread`` (a write moves mtime before
-it moves bytes, so a match after the read vouches for the bytes read). Another file at its path
+(device, inode, size, mtime, ctime), taken before its headers are read (one that changes while
+they are read is refused: a copy still writing it); every read checks its descriptor against it
+with one ``fstat`` after the ``pread`` (a write moves mtime before it moves bytes). Another file at its path
 (a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
 ``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
 ``indexbase.StorageChanged``, which the worker treats as storage to wait for
@@ -49,9 +49,12 @@ offsets; a restart indexes the archive again (the cache's stamps hold the same i
   whose data runs past the end of its archive (a truncated download) or of its inner tar, an
   archive that ends without its end-of-archive block (cut at a member boundary), a directory
   member that claims data, a PAX global header that sets a path or size for every member after it;
-* a would-be class tar that holds tars (the train tar left among its class tars) or only
-  ``ILSVRC2012_val_*`` images (the validation tar) is refused, naming it: read as a class, it
-  would shift every label after it;
+* a would-be class tar that holds tars (the train tar left among its class tars), only
+  ``ILSVRC2012_val_*`` or ``_test_*`` images beside class tars that do not (the validation or
+  test tar; where all do, they are a validation set packed per class), or is named as one of
+  ImageNet's files (``ILSVRC2012_*``), is refused, naming it: as a class, it would shift every
+  label after it (``devkit.not_a_class``; any other stray tar is not told from a class); two
+  tars of one class name (``n1.tar``, ``n1.TAR``) are refused;
 * directories and non-image members are ignored, as the folder scan ignores them.
 
 **Cache.** As the folder index's (``dataset``): ``.npy`` files opened with ``mmap_mode='r'`` plus
@@ -66,7 +69,8 @@ import logging
 import os
 import time
 from array import array
-from contextlib import contextmanager
+from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -196,9 +200,11 @@ def _check(fd: int, path: str, identity: tuple) -> None:
                if was != is_ and (was or name == "size")]
     if changed:
         _forget(path)  # the next try opens the path again (the file put back, or another in its place)
-        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; "
-                             "copied over, rewritten in place or cut): its indexed offsets would read other bytes, so "
-                             "batches from it wait; restart the daemon to index it again")
+        how = ("its ctime alone: a chmod, chown or hard link, or a rewrite with its mtime put back, which cannot be "
+               "told apart" if changed[0].startswith("ctime") else "copied over, rewritten in place or cut")
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; {how}): "
+                             "its indexed offsets may read other bytes, so batches from it wait; restart the daemon "
+                             "to index it again")
 
 
 def _open(path: str, identity: tuple | None = None) -> int:
@@ -238,10 +244,13 @@ def _walk_key(name: bytes) -> tuple[str, str]:
     return os.fsdecode(folder), os.fsdecode(base)
 
 
-def _images(members: dict, exts: tuple[bytes, ...], flat: bool) -> list[tuple[bytes, int, int]]:
+def _images(members: dict, exts: tuple[bytes, ...], flat: bool, skipped: list) -> list[tuple[bytes, int, int]]:
     keep = []
     for name, (pos, size) in members.items():
         if not name.lower().endswith(exts):
+            continue
+        if name.rpartition(b"/")[2].startswith(b"._"):  # a Mac's tar writes one beside each file with xattrs
+            skipped.append((name, "a macOS AppleDouble file (._*: metadata, not an image)"))
             continue
         if b"/" in name and (flat or any(d.startswith(b".") for d in name.split(b"/")[:-1])):
             continue
@@ -306,20 +315,21 @@ def _identity(path: str) -> list:
     return [path, *identity_of(os.stat(path))]
 
 
+def _unchanged(fd: int, where: str, identity: tuple) -> None:
+    """The archive ``fd`` is as it was (``identity``) when its scan began: else (a copy still writing
+    it) its offsets, of another file, would pass every read's check and read other members."""
+    now = identity_of(os.fstat(fd))
+    if now != identity:
+        changed = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(_FIELDS, identity, now, strict=True) if a != b)
+        raise DatasetError(f"{where} changed while it was being indexed ({changed}): is a copy or download still "
+                           "writing it? start again once it is complete")
+
+
 def _open_archive(path: str, what: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise DatasetError(f"{what} {path} cannot be opened: {e.strerror}") from None
-
-
-def _not_a_class(found: dict, images: list) -> str | None:
-    """Why a would-be class tar is not one, from its members, or None (it is one)."""
-    if not images and any(n.lower().endswith(b".tar") for n in found):
-        return "a tar of tars (ImageNet's train tar?)"
-    if images and all(dk.val_number(n) is not None for n, _, _ in images):
-        return "a flat set of validation images (ImageNet's validation tar?)"
-    return None
 
 
 def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: int) -> None:
@@ -336,27 +346,36 @@ def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: in
 
 
 def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int, int]], exts, layout_: str,
-                     archives: tuple[str, ...], notes: list) -> tuple[TarIndex, dict]:
+                     archives: tuple[str, ...], notes: list, identity: dict | None = None) -> tuple[TarIndex, dict]:
     """``tars``: (class, archive number, start, end) in class order; ``opener(arch)``: a context
     giving the archive's descriptor (a folder's tars are opened one at a time: ``ulimit -n``).
     Returns the index and each archive's identity (``identity_of``) as read."""
+    twins = sorted({c for c, n in Counter(t[0] for t in tars).items() if n > 1})
+    if twins:  # n1.tar and n1.TAR: extracted, one folder
+        raise DatasetError(f"{key} {root} holds more than one tar of the class {twins[0]} (names that differ in "
+                           "the case of .tar only): extracted, they would be one class folder; keep one of them")
     out = _Arrays()
     out.multi = len(archives) > 1
-    empty, others, identity = [], [], {}
+    empty, others, strays, identity = [], [], [], dict(identity or {})  # identity: archives already open, as they were then
     classes = [t[0] for t in tars]
     tbar = bar(tars, desc=f"indexing {root}", unit="class", leave=False)
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
         with opener(arch) as fd:
-            identity[arch] = identity_of(os.fstat(fd))
+            if arch not in identity:
+                identity[arch] = identity_of(os.fstat(fd))
             found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
                            where, skipped)
-        images = _images(found, exts, False)
-        why = _not_a_class(found, images)
+            _unchanged(fd, where, identity[arch])
+        images = _images(found, exts, False, skipped)
+        why = dk.not_a_class(cls, found, [n for n, _, _ in images])
         if why:
             others.append((cls + ".tar", why))
             continue
+        why = dk.unlabelled([n for n, _, _ in images])
+        if why:  # a stray only beside real classes: per-class validation tars are all so
+            strays.append((cls + ".tar", why))
         _warn_skipped(where, skipped, notes)
         prefix = os.fsencode(cls) + b"/"
         for name, pos, size in images:
@@ -365,6 +384,8 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
             empty.append(cls)
         tbar.set_postfix_str(f"{len(out.labels):,} images", refresh=False)
     tbar.close()
+    if others or len(strays) < len(tars):
+        others += strays
     if others:
         _refuse_others(root, key, others, len(tars))
     if empty:
@@ -430,11 +451,6 @@ def _nested(root: str, key: str, top: dict, exts: tuple[bytes, ...]) -> None:
 
 
 @contextmanager
-def _kept_open(fd: int):
-    yield fd
-
-
-@contextmanager
 def _opened(path: str):
     fd = _open_archive(path, "class tar")
     try:
@@ -456,26 +472,29 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
     if kind == "tar":
         fd = _open_archive(root, key)
         try:
+            ident = identity_of(os.fstat(fd))  # before the headers are read: the offsets are this file's
             skipped: list = []
             if os.fstat(fd).st_size < 2 * BLOCK:  # not even a header and an end-of-archive block
                 raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
                                    f"({os.fstat(fd).st_size} bytes)")
             top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
-            _warn_skipped(root, skipped, notes_)
             tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
                           if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
             if tars and devkit:
                 raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
                                    "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
                                    f"{key}, or remove validation.devkit to use its class tars' labels")
+            flat = [] if tars else _images(top, exts, True, skipped)
+            _warn_skipped(root, skipped, notes_)
             if tars:
-                index, _ = _scan_class_tars(root, key, lambda a: _kept_open(fd), tars, exts, "tar", ("",), notes_)
+                index, _ = _scan_class_tars(root, key, lambda a: nullcontext(fd), tars, exts, "tar", ("",), notes_,
+                                            {0: ident})
             else:
-                flat = _images(top, exts, True)
                 if not flat:
                     _nested(root, key, top, exts)
                 index = _flat(root, devkit, flat, "flat-tar", "", notes_, key)
-            index = replace(index, identity=(identity_of(os.fstat(fd)),))
+            _unchanged(fd, root, ident)
+            index = replace(index, identity=(ident,))
         finally:
             os.close(fd)
     elif kind == "tars":

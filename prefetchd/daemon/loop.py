@@ -202,7 +202,7 @@ class Daemon:
 
         def scan():
             try:
-                box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir)
+                box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
                 if V.enabled:
                     box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
                                             section="validation")
@@ -571,7 +571,7 @@ class Daemon:
             D, index = self.cfg.dataset, self.index
             self._rescan = Rescan(index, lambda: unchanged_since_scan(index.files_dir, index.fingerprint),
                                   lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
-                                                     use_cache=False)[0], self._wake)
+                                                     use_cache=False, one_class=D.one_class)[0], self._wake)
 
     def _finish_rescan(self) -> None:
         if self._rescan is not None and self._rescan.done():

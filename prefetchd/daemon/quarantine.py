@@ -3,8 +3,8 @@
 ``quarantine.jsonl`` in the buffer directory holds one JSON object per line (``index``,
 ``path``, ``reason``, ``epoch``, ``time``, ``dataset``, ``stamp``); lines of another dataset, or
 that cannot be parsed, are skipped. ``stamp`` is what the sample's bytes were when it was
-quarantined (``Index.content_stamp``: its archive's identity and place, or its file's size, mtime
-and inode): a line whose stamp is not the sample's now (an archive rewritten and indexed again, a
+quarantined (``Index.content_stamp``: its archive's identity and place, or its file's size, mtime,
+inode and ctime): a line whose stamp is not the sample's now (an archive rewritten and indexed again, a
 file replaced) is dropped at load, so a sample is not held quarantined for content it no longer
 has; it is tried again. Each sample is recorded and warned about once. A sample that was
 being decoded when its worker died twice is quarantined too (its worker's death, not a write or

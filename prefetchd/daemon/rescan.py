@@ -6,13 +6,15 @@ scanned again. Only a dataset that may have changed is scanned and compared, on 
 thread, never the loop's. The running stream keeps the index it started with: its batches are
 a function of it, and trainers check the stream's fingerprint. A sample gone since is found
 unreadable when a batch reaches it and replaced, as any unreadable one; samples added are
-served after a restart (a new stream). Workers never look at the dataset to start
-(``executors.pool.Pool._worker_setup``).
+served after a restart (a new stream). Archives rewritten in place with the same members are
+named, not called unchanged: their batches wait for a restart. Workers never look at the
+dataset to start (``executors.pool.Pool._worker_setup``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -53,6 +55,13 @@ def _verdict(current, unchanged: Callable[[], bool], scan: Callable[[], object])
                               "hold: not scanned again)")
     new = scan()  # no cache write: the daemon's workers map the cache files of the running index
     if new.fingerprint == current.fingerprint:
+        moved = changed_archives(current, new)
+        if moved:  # same members, other bytes possible: the workers' reads of them wait (tarindex._check)
+            return logging.WARNING, (
+                f"dataset rescan (SIGHUP): the same {len(new)} samples, but {len(moved)} archive(s) changed since "
+                f"this daemon indexed them ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}: rewritten in "
+                "place, copied over, or their mode, owner or links changed): batches from them wait; restart the "
+                "daemon to index them again")
         return logging.INFO, f"dataset rescan (SIGHUP): unchanged, {len(new)} samples"
     added, gone = dataset_diff(current, new)
     return logging.WARNING, (
@@ -60,6 +69,16 @@ def _verdict(current, unchanged: Callable[[], bool], scan: Callable[[], object])
         f"gone, {len(new.classes)} classes now): this stream keeps the index it started with ({len(current)} "
         "samples); gone samples are replaced as batches reach them; restart the daemon to serve the new index "
         "(a new stream)")
+
+
+def changed_archives(old, new) -> list[str]:
+    """The archives (a tar index's, by path) whose identity differs between two indexes of the same
+    samples; [] for other kinds."""
+    ids_old, ids_new = getattr(old, "identity", ()), getattr(new, "identity", ())
+    if not ids_old or len(ids_old) != len(ids_new) or old.archives != new.archives:
+        return []
+    return [os.path.join(old.root, a) if a else old.root
+            for a, x, y in zip(old.archives, ids_old, ids_new, strict=True) if tuple(x) != tuple(y)]
 
 
 def dataset_diff(old, new) -> tuple[int, int]:

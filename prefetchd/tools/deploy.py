@@ -247,18 +247,24 @@ def try_dirs(cfg: Config, daemon: Account, gid: int | None = None) -> list[str]:
             if not (found and cfg.progress_dir.startswith(cfg.buffer.dir.rstrip(os.sep) + os.sep)):  # said once
                 found += _try_dir(cfg.progress_dir, "progress.dir", daemon.name, lock=False)
             os.write(w, json.dumps(found).encode())
-        except BaseException:
+        except BaseException as e:  # said by the parent: nothing was tried (the mode bits were not judged either)
             code = 1
+            os.write(w, f"{type(e).__name__}: {e}".encode(errors="replace")[:2000])
         finally:
             os._exit(code)
     os.close(w)
     with os.fdopen(r, "rb") as f:
         data = f.read()
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
     try:
-        return list(json.loads(data))
+        if os.waitstatus_to_exitcode(status) == 0:
+            return list(json.loads(data))
     except ValueError:
-        return []
+        pass
+    why = data.decode(errors="replace").strip() or f"its trial process ended with status {status}"
+    return [f"buffer.dir {cfg.buffer.dir}: check could not try it as {daemon.name} ({why}), so whether `prefetchd "
+            f"run` as {daemon.name} can create, write and lock it is not known: run `prefetchd check` as "
+            f"{daemon.name} to try it"]
 
 
 def _try_dir(path: str, key: str, user: str, lock: bool) -> list[str]:

@@ -29,7 +29,8 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     from prefetchd.core.sampler import Sampler
     from prefetchd.executors.worker import BatchMaker, WorkerSetup
 
-    index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir,
+                          one_class=cfg.dataset.one_class)
     L = cfg.loader
     sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
     maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None if index.files_dir else index, 0, cfg.buffer.dir))
@@ -41,7 +42,8 @@ def class_names(cfg: Config) -> tuple[str, ...]:
     from prefetchd.core.dataset import load_index
 
     try:
-        index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir)
+        index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir,
+                              one_class=cfg.dataset.one_class)
         return index.classes
     except Exception:  # labels alone are still worth showing
         return ()
