@@ -164,7 +164,7 @@ def cmd_check(args) -> int:
 
         try:
             val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit,
-                                section="validation")
+                                section="validation", one_class=cfg.dataset.one_class)
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)

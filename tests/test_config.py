@@ -166,3 +166,16 @@ def test_validation_is_decoded_on_the_cpu_under_hybrid_decode():
     assert hybrid.on_gpu(cfg.augment, 0, 0)  # train batches go to the GPU
     v = cfg.val_augment()
     assert v.decode == "cpu" and not any(hybrid.on_gpu(v, 0, b) for b in range(8))
+
+
+def test_reload_refuses_what_only_a_start_applies_to_the_workers():
+    """workers.priority is set by each worker as it starts and the executor picks the pool: a SIGHUP
+    that changed them said "reloaded" while the workers kept the old ones."""
+    from prefetchd.core.config import reload_blockers
+
+    base = {"dataset": {"root": "/d"}}
+    old = C.from_dict(base)
+    assert reload_blockers(old, C.from_dict({**base, "workers": {"count": 3, "task_timeout_s": 9}})) is None
+    for change in ({"priority": "normal"}, {"executor": "mixed"}, {"ray": {"workers": 5}}):
+        new = C.from_dict({**base, "workers": change})
+        assert reload_blockers(old, new) == "workers.priority/executor/ray", change

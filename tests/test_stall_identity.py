@@ -124,3 +124,14 @@ def test_a_process_proc_hides_is_unknown_not_gone(monkeypatch):
     monkeypatch.setattr(procstate.os, "kill", kill)
     assert procstate.state(4242) == "unknown"
     assert procstate.state(4243) == "gone"
+
+
+def test_a_pid_no_process_can_have_is_gone_and_kills_nothing():
+    """A hostile progress file's pid beyond any pid_t (2**31 and up: os.kill raised OverflowError,
+    which escaped the loop's status write and the two-trainers check and ended the daemon)."""
+    for pid in (2**31, 2**62, procstate.PID_MAX_LIMIT + 1):
+        assert procstate.state(pid) == "gone"
+        assert procstate.state(pid, 5, procstate.pid_namespace()) == "gone"
+    assert procstate._by_signal(2**31) == "gone"
+    w = StallWatch(after_s=30.0)
+    assert w.check(0, 1000.0, 10.0, 2**62, False, True, (0, 0))["process"] == "gone"

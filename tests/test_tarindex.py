@@ -494,3 +494,23 @@ def test_an_archive_rewritten_while_it_is_indexed_is_refused_not_read_at_old_off
         index, _ = tarindex.scan(root, None, EXTS, kind=kind)
         for i in range(len(index)):  # before the fix: no StorageChanged, other members' bytes
             assert index.read(i)[:2] == index.relpath(i)[:2].encode(), (index.relpath(i), index.read(i)[:2])
+
+
+def test_an_archive_on_a_remounted_share_is_the_same_archive_but_a_rewritten_one_is_not(tmp_path):
+    """NFS gives a mount a new device number at a remount: the file (inode, size, times) is the
+    one indexed and reads on; a changed inode, size or time is another file's bytes and raises."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    path = tmp_path / "a.tar"
+    path.write_bytes(b"x" * 1024)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        ident = tarindex.identity_of(os.fstat(fd))
+        tarindex._check(fd, str(path), (ident[0] + 1, *ident[1:]))  # another device number: same file
+        for i in (1, 2, 3, 4):  # inode, size, mtime, ctime
+            other = list(ident)
+            other[i] += 1
+            with pytest.raises(StorageChanged):
+                tarindex._check(fd, str(path), tuple(other))
+    finally:
+        os.close(fd)

@@ -192,6 +192,9 @@ def reload_blockers(old: Config, new: Config) -> str | None:
         return "loader.ranks/epochs"
     if replace(new.validation, capacity=None) != replace(old.validation, capacity=None):
         return "validation.enabled/root/file_list/devkit/batch_size/resize"
+    W, V = new.workers, old.workers  # set when the workers and the Ray bridge start, not after
+    if (W.priority, W.executor, W.ray) != (V.priority, V.executor, V.ray):
+        return "workers.priority/executor/ray"
     if new.buffer.dir != old.buffer.dir or new.buffer.group != old.buffer.group:
         return "buffer.dir/group"
     if new.progress.dir != old.progress.dir:

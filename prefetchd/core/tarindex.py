@@ -26,7 +26,8 @@ archive so the next try opens it again (a stale NFS handle after a remount).
 **Identity.** An archive's offsets hold for the file that was indexed only. Its identity is
 (device, inode, size, mtime, ctime), taken before its headers are read (one that changes while
 they are read is refused: a copy still writing it); every read checks its descriptor against it
-with one ``fstat`` after the ``pread`` (a write moves mtime before it moves bytes). Another file at its path
+with one ``fstat`` after the ``pread`` (a write moves mtime before it moves bytes), all but the
+device, which an NFS remount may change for the same file. Another file at its path
 (a copy put in its place, a cut download) and the same file rewritten in place (``cp`` over it,
 ``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
 ``indexbase.StorageChanged``, which the worker treats as storage to wait for
@@ -196,8 +197,10 @@ _FIELDS = ("device", "inode", "size", "mtime_ns", "ctime_ns")
 def _check(fd: int, path: str, identity: tuple) -> None:
     """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``)."""
     now = identity_of(os.fstat(fd))
+    # not the device: NFS and other anonymous-device mounts get a new one at a remount, where the
+    # file (inode, size, times) is the same; the index cache's stamps still compare it
     changed = [f"{name} {was} -> {is_}" for name, was, is_ in zip(_FIELDS, identity, now, strict=True)
-               if was != is_ and (was or name == "size")]
+               if was != is_ and (was or name == "size") and name != "device"]
     if changed:
         _forget(path)  # the next try opens the path again (the file put back, or another in its place)
         how = ("its ctime alone: a chmod, chown or hard link, or a rewrite with its mtime put back, which cannot be "

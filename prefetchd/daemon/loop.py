@@ -205,7 +205,7 @@ class Daemon:
                 box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
                 if V.enabled:
                     box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
-                                            section="validation")
+                                            section="validation", one_class=cfg.one_class)
             except BaseException as e:  # handed to the main thread
                 box["error"] = e
             self._wake()

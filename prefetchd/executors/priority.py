@@ -13,9 +13,9 @@
 * ``nice``: nice 19, the normal policy.
 * ``normal``: as the daemon (before 0.x: every worker competed with the trainers as an equal).
 
-A worker that may not change its priority (a seccomp filter, as the shipped systemd unit's
-``SystemCallFilter=~@resources``, whose ``Nice=``/``CPUWeight=`` do the same for the whole
-unit) keeps the one it inherited; ``apply`` says what it got.
+A worker that may not change its priority (a seccomp filter such as ``SystemCallFilter=~@resources``
+without the ``setpriority sched_setscheduler`` the shipped units allow again, or a container
+without the capability) keeps the one it inherited; ``apply`` says what it got.
 """
 
 from __future__ import annotations

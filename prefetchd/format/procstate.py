@@ -38,11 +38,14 @@ def pid_namespace() -> int:
         return 0
 
 
+PID_MAX_LIMIT = 4 * 1024 * 1024  # Linux's ceiling on /proc/sys/kernel/pid_max (include/linux/threads.h)
+
+
 def state(pid: int, start: int = 0, ns: int = 0) -> str:
     """``"running"``, ``"stopped"``, ``"gone"`` or ``"unknown"`` (see the module docstring). ``start``
     and ``ns`` (0: not known) are the process's ``identity()`` as it said it."""
-    if not isinstance(pid, int) or pid <= 0:
-        return GONE
+    if not isinstance(pid, int) or pid <= 0 or pid > PID_MAX_LIMIT:
+        return GONE  # no process can have it (a hostile progress file may say 2**62)
     if ns and pid_namespace() not in (0, ns):
         return UNKNOWN  # its pid means nothing here
     try:
@@ -95,7 +98,7 @@ def _start(pid: int) -> int:
 def _by_signal(pid: int) -> str:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: beyond a pid_t
         return GONE
     except OSError:  # EPERM: it exists, another user's
         return RUNNING
