@@ -201,11 +201,11 @@ def test_a_stop_between_parse_and_report_gives_the_pinned_buffer_back(tmp_path, 
         write = c._write_progress
         stops = []
 
-        def stop_at_report(epoch, batch, reader=None):
+        def stop_at_report(epoch, batch, reader=None, **kw):
             if reader is not None and len(stops) < prefetch + 2:
                 stops.append((epoch, batch))
                 reader.set()  # as seek() from the trainer's thread would, just here
-            return write(epoch, batch, reader=reader)
+            return write(epoch, batch, reader=reader, **kw)
 
         c._write_progress = stop_at_report
         for _ in range(prefetch + 2):
