@@ -27,6 +27,17 @@ def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "c
         time.sleep(interval)
 
 
+def rmdir_gone(path: str) -> bool:
+    """Remove the empty directory ``path`` (a test's cgroup); True once it is gone."""
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def image_root(tmp_path_factory) -> str:
     """4 classes x 12 photo-like JPEGs, small (long side 160) so tests decode fast."""

@@ -12,7 +12,7 @@ import time
 import uuid
 
 import pytest
-from conftest import DaemonProc, small_config, wait_until
+from conftest import DaemonProc, rmdir_gone, small_config, wait_until
 
 from prefetchd.core import config as C
 from prefetchd.core.hostread import read_host
@@ -295,17 +295,7 @@ def test_auto_makes_one_worker_in_a_one_core_quota_and_says_so(tmp_path, image_r
         assert d.stop() == 0
     finally:
         d.kill_group()
-        wait_until(lambda: _rmdir(cgroup), 10, "the test cgroup removed")
-
-
-def _rmdir(path: str) -> bool:
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
+        wait_until(lambda: rmdir_gone(cgroup), 10, "the test cgroup removed")
 
 
 # --- what the daemon learns as it runs (daemon/autosize.py) -----------------------------------------

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 import yaml
-from conftest import wait_until
+from conftest import rmdir_gone, wait_until
 
 from prefetchd.tools.samples import make_image_folder
 
@@ -127,14 +127,4 @@ def test_eight_ranks_at_default_sizing_fit_a_2gib_memory_cgroup_with_a_tmpfs_buf
             pass
         log.close()
         shutil.rmtree(buffer, ignore_errors=True)
-        wait_until(lambda: _rmdir(cgroup), 20, "the test cgroup removed")
-
-
-def _rmdir(path: str) -> bool:
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
+        wait_until(lambda: rmdir_gone(cgroup), 20, "the test cgroup removed")

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from prefetchd.core.configvalues import format_size as fmt_bytes
+
 MEMORY_SHARE = 0.25
 MIN_CAPACITY = 4
 START_CAPACITY = 64  # capacity: auto before any consumption is measured (today's default)
@@ -53,14 +55,6 @@ class Host:
     fs_size: int | None = None  # the buffer filesystem's size
     fs_type: str | None = None  # its type (tmpfs, ext4, ...)
     fs_mount: str | None = None  # its mount point
-
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # unreachable
 
 
 # --- parsing what the kernel writes ------------------------------------------------------------
