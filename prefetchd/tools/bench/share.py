@@ -11,7 +11,9 @@ Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, d
   for rank 1). Every 1.5 s the daemon's process group is stopped (SIGSTOP) or continued, for
   ``--share-cycles`` cycles: the median step with the daemon running over the median step with
   it stopped, both from the same run, so load from other users of the machine, which drifts over
-  seconds, falls on both alike. Target: <= 1.05.
+  seconds, falls on both alike. Target: <= 1.05. Beside it, the share of those steps' time the
+  trainer was runnable while another task held its CPU (its schedstat run-queue delay): what the
+  scheduler took from it, as against what caches or memory bandwidth would.
 * **GPU-like trainers**: ranks 0 and 1 each sleep ``--step-ms`` per step (a step that waits on the
   GPU) and read ``--batches`` batches; images/s of both together, against the ``normal`` run of
   the same round. Target: >= 0.97.
@@ -163,14 +165,20 @@ def _collect(out, n: int, procs: list) -> dict:
 
 
 def _stepper(kind: str, stop, out) -> None:
-    """A trainer that only computes: (start, duration) of each step until ``stop``."""
+    """A trainer that only computes: (start, duration, seconds runnable but waiting for a CPU) of
+    each step until ``stop`` (the wait from the kernel's schedstat; 0 where it cannot be read)."""
+    from prefetchd_client.clock import run_queue_delay
+
     step = _torch_step_fn() if kind == "torch" else _python_step
     for _ in range(3):
         step()
     got = []
     while not stop.is_set():
+        d0 = run_queue_delay()
         t = time.monotonic()
-        got.append((t, step()))
+        d = step()
+        d1 = run_queue_delay()
+        got.append((t, d, d1 - d0 if d0 is not None and d1 is not None else 0.0))
     out.put((0, got, 0, 0.0, 0.0))
 
 
@@ -209,11 +217,14 @@ def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, bat
         steps = got[0][0]
         busy, idle = [], []
         for a, b, running in phases:
-            mine = [d for t, d in steps if a <= t and t + d <= b][1:]
+            mine = [(d, w) for t, d, w in steps if a <= t and t + d <= b][1:]
             (busy if running else idle).extend(mine)
         _, n1, r0, r1 = got[1]
-        return {"busy_s": statistics.median(busy), "idle_s": statistics.median(idle), "busy_n": len(busy),
-                "idle_n": len(idle), "rank1_img_s": n1 / max(r1 - r0, 1e-9)}
+        return {"busy_s": statistics.median(d for d, _ in busy), "idle_s": statistics.median(d for d, _ in idle),
+                "busy_n": len(busy), "idle_n": len(idle), "rank1_img_s": n1 / max(r1 - r0, 1e-9),
+                # the share of the steps' time the trainer was runnable but another task had its CPU
+                "busy_wait": sum(w for _, w in busy) / sum(d for d, _ in busy),
+                "idle_wait": sum(w for _, w in idle) / sum(d for d, _ in idle)}
     finally:
         try:
             os.killpg(proc.pid, signal.SIGCONT)
@@ -260,10 +271,12 @@ def run_share_bench(args) -> int:
             g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch)
             row = {"round": rnd, "priority": pr, "idle_s": c["idle_s"], "step_s": c["busy_s"],
                    "ratio": c["busy_s"] / c["idle_s"], "steps": (c["busy_n"], c["idle_n"]),
-                   "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0]}
+                   "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0],
+                   "cpu_wait": (c["busy_wait"], c["idle_wait"])}
             rows.append(row)
             print(f"round {rnd}: {pr:>6}: step {c['busy_s'] * 1e3:.1f} ms daemon busy, {c['idle_s'] * 1e3:.1f} ms "
-                  f"daemon stopped: {row['ratio']:.3f} x ({c['busy_n']}/{c['idle_n']} steps; rank 1 got "
+                  f"daemon stopped: {row['ratio']:.3f} x ({c['busy_n']}/{c['idle_n']} steps; waiting for a CPU "
+                  f"{c['busy_wait']:.1%} / {c['idle_wait']:.1%} of them; rank 1 got "
                   f"{c['rank1_img_s']:.0f} img/s); GPU-like trainers {g['img_s']:.0f} img/s (load {row['load1']:.2f})",
                   flush=True)
         base_img_s = next(r["gpu_img_s"] for r in rows if r["round"] == rnd and r["priority"] == "normal")
