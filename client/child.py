@@ -26,7 +26,9 @@ The rules, shared with ``prefetchd launch``:
   directories it created are removed, batches and all; in a directory that existed before, only
   ``daemon.lock`` is removed. It runs in a session of its own (a Ctrl-C at the terminal is the
   trainer's, not the daemon's: it is stopped after the trainer), and it is sent SIGTERM by the
-  kernel if the process that started it dies (``PR_SET_PDEATHSIG``).
+  kernel when the thread that started it ends (``PR_SET_PDEATHSIG``, which the daemon asks for
+  itself, told the trainer's pid in ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork
+  and exec in a threaded trainer).
 
 Imports nothing of the daemon: it runs ``python -m prefetchd run`` (the interpreter running
 this), like any user would.
@@ -35,7 +37,6 @@ this), like any user would.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import re
@@ -55,7 +56,7 @@ from dataclasses import dataclass
 from prefetchd.core import config as _config_module
 from prefetchd.core.config import EX_CONFIG, Config, ConfigError
 from prefetchd.core.config import load as load_config
-from prefetchd.format import status
+from prefetchd.format import procstate, status
 
 from .common import CONFIG_ENV, PrefetchError, config_from_env
 
@@ -65,7 +66,6 @@ _STOP_TIMEOUT_S = 20.0  # systemd/prefetchd.service's TimeoutStopSec
 _READY_TIMEOUT_S = 600.0  # the index of a large tar is scanned before the first batch: minutes, not hours
 _TICK_S = 0.05  # how often a wait looks at the child and at its caller's stop flag
 _HELD_LINES = 2000  # log lines held back until ready (a start that logs more keeps the last ones)
-_PR_SET_PDEATHSIG = 1
 _LOG_PREFIX = re.compile(r"^(<\d>)?(\d\d:\d\d:\d\d \w+ )?")
 # the meta.json keys that must equal the config's for a running daemon to serve this config
 _SAME = (("batch_size", "loader.batch_size"), ("world_size", "loader.world_size"), ("ranks", "loader.ranks"),
@@ -131,17 +131,6 @@ def _missing_top(path: str) -> str | None:
     return top
 
 
-def _set_pdeathsig() -> None:  # in the child between fork and exec: one system call, no Python objects made
-    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-    _LIBC.prctl  # noqa: B018 (Linux only: elsewhere the child lives on if its parent dies)
-except (OSError, AttributeError):
-    _LIBC = None
-
-
 def _importable_from_root(env: dict) -> None:
     """The daemon runs in ``/`` (as under systemd: the caller's directory may be deleted,
     unreadable or an unmount the daemon must not hold); a ``prefetchd`` found only through the
@@ -203,12 +192,12 @@ class DaemonChild:
         env = {k: v for k, v in (self._env if self._env is not None else os.environ).items()
                if k not in ("WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")}
         env["NOTIFY_SOCKET"] = "@" + name
+        env[procstate.PARENT_ENV] = str(os.getpid())  # it asks for SIGTERM when this thread ends (not a preexec_fn)
         _importable_from_root(env)
         with _ctrl_c_after():  # a Ctrl-C inside Popen would lose the child's pid: the daemon would be left
             self.proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", self.config_path],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                         env=env, start_new_session=True, cwd="/",
-                                         preexec_fn=_set_pdeathsig if _LIBC is not None else None)
+                                         env=env, start_new_session=True, cwd="/")
             self._relay = threading.Thread(target=self._read_log, args=(self.proc.stdout,), daemon=True,
                                            name="prefetchd-serve-log")
             self._relay.start()

@@ -60,6 +60,11 @@ def cmd_run(args) -> int:
     early: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: early.append(signum))
+    from prefetchd.format import procstate
+
+    parent = os.environ.pop(procstate.PARENT_ENV, "")  # started by a trainer's serve(): go when it goes
+    if parent.isdigit():
+        procstate.die_with_parent(int(parent), signal.SIGTERM)
     from prefetchd.core.dataset import DatasetError
     from prefetchd.daemon.ring import BufferBusy, RingError
 

@@ -282,6 +282,36 @@ def test_ctrl_c_in_the_block_stops_the_daemon_and_the_cell_runs_again(tmp_path, 
     _assert_nothing_left(str(tmp_path / "buffer"), [first, served.pid])
 
 
+def test_a_trainer_killed_with_sigkill_takes_its_served_daemon_with_it(tmp_path, cfg):
+    """A threaded trainer (the client's threads, torch's) killed outright runs no clean-up: the
+    daemon it started goes all the same, sent SIGTERM by the kernel (asked for by the daemon
+    itself: no ``preexec_fn`` runs in the threaded parent)."""
+    out = tmp_path / "pid"
+    script = _script(tmp_path, "trainer.py", textwrap.dedent(f"""
+        import os, threading, time
+        from prefetchd_client import serve
+        for _ in range(4):  # a trainer has threads when it starts the daemon
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        with serve({cfg!r}) as served:
+            open({str(out)!r}, "w").write(str(served.pid))
+            time.sleep(600)
+    """))
+    p = subprocess.Popen([sys.executable, script], start_new_session=True)
+    try:
+        wait_until(lambda: out.exists() and out.read_text(), 60, "the daemon started by serve()")
+        pid = int(out.read_text())
+        assert psutil.Process(pid).environ().get("PREFETCHD_DIE_WITH_PARENT") == str(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(10)
+        wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 30,
+                   "the daemon of a trainer killed with SIGKILL to exit")
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_serve_refuses_a_bad_start_in_one_line(tmp_path, image_root):
     from prefetchd_client import DaemonStartError, serve
 

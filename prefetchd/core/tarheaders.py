@@ -191,3 +191,27 @@ def unique(members: list, where: str, skipped: list) -> dict[bytes, tuple[int, i
             skipped.append((name, "a duplicate name: the last copy is used, as extraction would"))
         found[name] = (pos, size)
     return found
+
+
+def walk_key(name: bytes) -> tuple[str, str]:
+    """The folder scan's (and torchvision's) order: by folder path, then name, compared as ``str``
+    (``os.fsdecode``: non-UTF-8 bytes as surrogates, as ``os.walk`` gives them), not as bytes."""
+    folder, _, base = name.rpartition(b"/")
+    return os.fsdecode(folder), os.fsdecode(base)
+
+
+def image_members(members: dict, exts: tuple[bytes, ...], flat: bool, skipped: list) -> list[tuple[bytes, int, int]]:
+    """The members (``unique``'s) that are samples, in ``walk_key`` order: images by extension, not
+    macOS ``._*`` files (noted in ``skipped``), and of a flat set only the top level's."""
+    keep = []
+    for name, (pos, size) in members.items():
+        if not name.lower().endswith(exts):
+            continue
+        if name.rpartition(b"/")[2].startswith(b"._"):  # a Mac's tar writes one beside each file with xattrs
+            skipped.append((name, "a macOS AppleDouble file (._*: metadata, not an image)"))
+            continue
+        if b"/" in name and (flat or any(d.startswith(b".") for d in name.split(b"/")[:-1])):
+            continue
+        keep.append((name, pos, size))
+    keep.sort(key=lambda m: walk_key(m[0]))
+    return keep

@@ -32,7 +32,9 @@ device, which an NFS remount may change for the same file. Another file at its p
 ``rsync --inplace``, ``tar --delete``, at the same size and inode too) raise
 ``indexbase.StorageChanged``, which the worker treats as storage to wait for
 (``executors.storage``: one log line, no sample blamed), never as bad samples read at the wrong
-offsets; a restart indexes the archive again (the cache's stamps hold the same identity).
+offsets; a restart indexes the archive again (the cache's stamps hold the same identity). An
+archive whose ctime alone moved (a chmod, a chown, a hard link, or a rewrite with its mtime put
+back) is first checked member by member (``tarrecheck``): with every sample in place, it is read on.
 
 **Unusual and hostile members** each have one outcome:
 
@@ -77,6 +79,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from prefetchd.core import devkit as dk
+from prefetchd.core import tarrecheck
 from prefetchd.core.bars import bar
 from prefetchd.core.indexbase import (
     DatasetError,
@@ -87,7 +90,7 @@ from prefetchd.core.indexbase import (
     read_cache,
     write_cache,
 )
-from prefetchd.core.tarheaders import BLOCK, members, show, unique
+from prefetchd.core.tarheaders import BLOCK, image_members, members, show, unique
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -142,11 +145,12 @@ class TarIndex(Index):
         a = 0 if self.archive_ids is None else int(self.archive_ids[i])
         path = self.archive(i)
         identity = self.identity[a] if self.identity else None
-        fd = _open(path, identity)
+        recheck = (identity, lambda fd: tarrecheck.misplaced(fd, self, a)) if identity is not None else None
+        fd = _open(path, identity, recheck)
         try:
             data = os.pread(fd, n, int(self.block[i]) * BLOCK)
             if identity is not None:  # after the read: a write that moved these bytes has moved mtime
-                _check(fd, path, identity)
+                _check(fd, path, identity, recheck)
             if len(data) != n:
                 raise OSError(errno.EIO, f"the archive ends {n - len(data)} bytes short of this member "
                                          "(it changed since it was indexed)")
@@ -194,23 +198,37 @@ def sizes_only(identity: tuple) -> tuple:
 _FIELDS = ("device", "inode", "size", "mtime_ns", "ctime_ns")
 
 
-def _check(fd: int, path: str, identity: tuple) -> None:
-    """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``)."""
+def _check(fd: int, path: str, identity: tuple, recheck=None) -> None:
+    """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``).
+    ``recheck``: (the identity indexed, a function of ``fd`` saying why a sample moved or None);
+    with it, a change of ctime alone whose samples are all in place is accepted (``tarrecheck``)."""
+    if recheck is not None:
+        identity = tarrecheck.current(path, recheck[0])
     now = identity_of(os.fstat(fd))
     # not the device: NFS and other anonymous-device mounts get a new one at a remount, where the
     # file (inode, size, times) is the same; the index cache's stamps still compare it
     changed = [f"{name} {was} -> {is_}" for name, was, is_ in zip(_FIELDS, identity, now, strict=True)
                if was != is_ and (was or name == "size") and name != "device"]
+    why = None
+    if changed and recheck is not None and len(changed) == 1 and changed[0].startswith("ctime"):
+        why = recheck[1](fd)
+        if why is None:  # a chmod, chown or link: every member where it was
+            tarrecheck.accept(path, recheck[0], now)
+            log.info("the archive %s changed its ctime alone (mode, owner or links); every sample's header is "
+                     "where it was indexed: reading on", path)
+            return
     if changed:
         _forget(path)  # the next try opens the path again (the file put back, or another in its place)
-        how = ("its ctime alone: a chmod, chown or hard link, or a rewrite with its mtime put back, which cannot be "
+        how = ("its ctime alone, and its members moved: a rewrite with its mtime put back" if why else
+               "its ctime alone: a chmod, chown or hard link, or a rewrite with its mtime put back, which cannot be "
                "told apart" if changed[0].startswith("ctime") else "copied over, rewritten in place or cut")
+        how += f" ({why})" if why else ""
         raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)}; {how}): "
                              "its indexed offsets may read other bytes, so batches from it wait; restart the daemon "
                              "to index it again")
 
 
-def _open(path: str, identity: tuple | None = None) -> int:
+def _open(path: str, identity: tuple | None = None, recheck=None) -> int:
     """A read-only descriptor of ``path``, kept open for the next read (the ``_MAX_OPEN`` most
     recently used). ``identity``: what it was indexed with (``identity_of``); a file that is not
     that one raises ``StorageChanged`` (its offsets would read the wrong bytes)."""
@@ -225,7 +243,7 @@ def _open(path: str, identity: tuple | None = None) -> int:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         _fds[path] = fd
         if identity is not None:
-            _check(fd, path, identity)  # closes it if it is not the one indexed
+            _check(fd, path, identity, recheck)  # closes it if it is not the one indexed
     _fds[path] = fd
     return fd
 
@@ -238,28 +256,6 @@ def _forget(path: str) -> None:
             os.close(fd)
         except OSError:
             pass
-
-
-def _walk_key(name: bytes) -> tuple[str, str]:
-    """The folder scan's (and torchvision's) order: by folder path, then name, compared as ``str``
-    (``os.fsdecode``: non-UTF-8 bytes as surrogates, as ``os.walk`` gives them), not as bytes."""
-    folder, _, base = name.rpartition(b"/")
-    return os.fsdecode(folder), os.fsdecode(base)
-
-
-def _images(members: dict, exts: tuple[bytes, ...], flat: bool, skipped: list) -> list[tuple[bytes, int, int]]:
-    keep = []
-    for name, (pos, size) in members.items():
-        if not name.lower().endswith(exts):
-            continue
-        if name.rpartition(b"/")[2].startswith(b"._"):  # a Mac's tar writes one beside each file with xattrs
-            skipped.append((name, "a macOS AppleDouble file (._*: metadata, not an image)"))
-            continue
-        if b"/" in name and (flat or any(d.startswith(b".") for d in name.split(b"/")[:-1])):
-            continue
-        keep.append((name, pos, size))
-    keep.sort(key=lambda m: _walk_key(m[0]))
-    return keep
 
 
 _MAX_NOTES = 1000  # skipped members kept with the index (for check); more are counted
@@ -371,7 +367,7 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
             found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
                            where, skipped)
             _unchanged(fd, where, identity[arch])
-        images = _images(found, exts, False, skipped)
+        images = image_members(found, exts, False, skipped)
         why = dk.not_a_class(cls, found, [n for n, _, _ in images])
         if why:
             others.append((cls + ".tar", why))
@@ -487,7 +483,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
                 raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
                                    "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
                                    f"{key}, or remove validation.devkit to use its class tars' labels")
-            flat = [] if tars else _images(top, exts, True, skipped)
+            flat = [] if tars else image_members(top, exts, True, skipped)
             _warn_skipped(root, skipped, notes_)
             if tars:
                 index, _ = _scan_class_tars(root, key, lambda a: nullcontext(fd), tars, exts, "tar", ("",), notes_,

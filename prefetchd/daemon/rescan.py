@@ -7,7 +7,8 @@ thread, never the loop's. The running stream keeps the index it started with: it
 a function of it, and trainers check the stream's fingerprint. A sample gone since is found
 unreadable when a batch reaches it and replaced, as any unreadable one; samples added are
 served after a restart (a new stream). Archives rewritten in place with the same members are
-named, not called unchanged: their batches wait for a restart. Workers never look at the
+named, not called unchanged: their batches wait for a restart (unless only
+the ctime moved and every member is where it was: ``core.tarrecheck``). Workers never look at the
 dataset to start (``executors.pool.Pool._worker_setup``).
 """
 
@@ -60,8 +61,9 @@ def _verdict(current, unchanged: Callable[[], bool], scan: Callable[[], object])
             return logging.WARNING, (
                 f"dataset rescan (SIGHUP): the same {len(new)} samples, but {len(moved)} archive(s) changed since "
                 f"this daemon indexed them ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}: rewritten in "
-                "place, copied over, or their mode, owner or links changed): batches from them wait; restart the "
-                "daemon to index them again")
+                "place, copied over, or their mode, owner or links changed): batches from an archive whose ctime "
+                "alone changed are made if every member's header is where it was indexed, the others wait; restart "
+                "the daemon to index them again")
         return logging.INFO, f"dataset rescan (SIGHUP): unchanged, {len(new)} samples"
     added, gone = dataset_diff(current, new)
     return logging.WARNING, (

@@ -30,7 +30,6 @@ first (pending ones too), so nothing of the daemon's stays in the cluster's acto
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import math
@@ -49,12 +48,12 @@ from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
 from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import Result, Task, WorkerSetup, write_temp
+from prefetchd.format import procstate
 from prefetchd.format.batchfile import BatchMeta, segment_fingerprint
 from prefetchd.format.progress import VAL_LANE
 
 _WAIT_S = 0.1
 _MAX_FAILURES = 3  # consecutive lost batches: an actor that keeps failing is dropped
-_PR_SET_PDEATHSIG = 1
 _HEALTH_EVERY_S = 1.0  # the head's GCS port is probed this often...
 _GCS_LOST_S = 2.0  # ...and a head that has not answered for this long is lost: the bridge exits
 _WHERE_EVERY_S = 5.0  # ready actors say where they run this often: one restarted elsewhere is seen
@@ -443,19 +442,9 @@ def _first_line(e: BaseException) -> str:
     return text[0] if text else ""
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the daemon exits, however it exits (the driver's actors then go with it)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # pragma: no cover - Linux has it
-        pass
-    if os.getppid() != parent:  # it exited before the line above
-        os._exit(0)
-
-
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
-    _die_with_parent(parent)
+    procstate.die_with_parent(parent, signal.SIGKILL)  # the daemon gone, however: the actors go with us
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the daemon's: it stops us
     conn = Connection(fd)
     try:
