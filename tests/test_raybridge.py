@@ -81,6 +81,53 @@ def test_remote_setup_maps_a_tar_dataset_and_checks_only_sizes_there(tmp_path):
     assert sorted(s for ident in mapped.identity for s in ident if s) == sorted(sizes), mapped.identity
 
 
+def test_another_nodes_copy_repacked_at_the_same_size_is_never_read_at_the_indexed_offsets(tmp_path):
+    """An actor's node has its own copy of the class tars (path_map), checked by size only: a copy
+    re-packed in another order at the same size read other members' bytes under the indexed
+    labels. Now each copy is vouched for member by member when first opened: a good copy reads
+    on (and is then held to its own identity), the re-packed one waits (StorageChanged)."""
+    import io
+    import shutil
+    import tarfile
+
+    from prefetchd.core.dataset import load_index
+    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.executors.raybridge import remote_setup
+    from prefetchd.executors.worker import WorkerSetup
+
+    root, copy = tmp_path / "tars", tmp_path / "node2"
+    root.mkdir()
+    for cls in ("a", "b"):
+        with tarfile.open(root / f"{cls}.tar", "w") as tf:
+            for i in range(3):
+                data = bytes([65 + i]) * 700  # members of one size, told apart by their bytes
+                info = tarfile.TarInfo(f"{cls}_{i}.jpg")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    index, _ = load_index(str(root), None, (".jpg",), None, use_cache=False)
+    shutil.copytree(root, copy)
+    with tarfile.open(root / "b.tar") as old, tarfile.open(copy / "b.tar", "w") as new:
+        for m in reversed(old.getmembers()):  # another order, the same size
+            new.addfile(m, old.extractfile(m))
+    assert os.path.getsize(copy / "b.tar") == os.path.getsize(root / "b.tar")
+    mapped = remote_setup(WorkerSetup(None, None, index, 0, str(tmp_path / "buf")),
+                          RayConfig(path_map={str(root): str(copy)})).index
+    for i in range(len(mapped)):
+        if mapped.relpath(i).startswith("a/"):
+            assert mapped.read(i) == index.read(i)
+        else:
+            with pytest.raises(StorageChanged, match=r"node2/b.tar changed since it was indexed \(this node's copy is "
+                                                     r"not the one indexed: the header before the data of b_0.jpg"):
+                mapped.read(i)
+    os.chmod(copy / "a.tar", 0o640)  # vouched for: a ctime change there is checked again, and reads on
+    assert [mapped.read(i) for i in range(len(mapped)) if mapped.relpath(i).startswith("a/")] == \
+        [index.read(i) for i in range(len(index)) if index.relpath(i).startswith("a/")]
+    with open(copy / "a.tar", "r+b") as f:  # rewritten in place: mtime moves, held to its own identity
+        f.write(open(root / "a.tar", "rb").read())
+    with pytest.raises(StorageChanged, match="mtime_ns"):
+        mapped.read(0)
+
+
 def test_a_local_ray_cluster_is_refused_with_the_key():
     """``address: local`` made each bridge start its own Ray cluster; a bridge killed (hung, or
     stopped while starting) left that cluster's agents and actor processes running, orphaned."""

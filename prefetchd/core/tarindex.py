@@ -202,9 +202,11 @@ def _check(fd: int, path: str, identity: tuple, recheck=None) -> None:
     """Raise ``StorageChanged`` unless the file open as ``fd`` is the one indexed (``identity``).
     ``recheck``: (the identity indexed, a function of ``fd`` saying why a sample moved or None);
     with it, a change of ctime alone whose samples are all in place is accepted (``tarrecheck``)."""
+    now = identity_of(os.fstat(fd))
     if recheck is not None:
         identity = tarrecheck.current(path, recheck[0])
-    now = identity_of(os.fstat(fd))
+        if tarrecheck.unverified_copy(identity):  # another node's copy (sizes_only): vouched for once
+            return tarrecheck.vouch_copy(fd, path, recheck, now)
     # not the device: NFS and other anonymous-device mounts get a new one at a remount, where the
     # file (inode, size, times) is the same; the index cache's stamps still compare it
     changed = [f"{name} {was} -> {is_}" for name, was, is_ in zip(_FIELDS, identity, now, strict=True)

@@ -12,16 +12,26 @@ ImageNet class tar, 1.28 M (seconds) for the train set as one tar.
 Anything else (a header that is not one, another name or size, a member whose name the header
 holds only in part because it is over 100 bytes, of which the first 90 must match) is not vouched
 for: the archive's batches wait as for any change.
+
+**Another node's copy** (a Ray actor's, ``tarindex.sizes_only``: its device, inode and times are
+its own, only the size was known) is checked the same way when a process first opens it
+(``vouch_copy``): a copy re-packed in another order at the same size would otherwise be read at
+the indexed offsets, other members' pixels under the indexed labels. Vouched for, it is then held
+to its own full identity, as the daemon's node holds the indexed one.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 
 import numpy as np
 
-from prefetchd.core.indexbase import DatasetError
+from prefetchd.core.indexbase import DatasetError, StorageChanged
 from prefetchd.core.tarheaders import _REGULAR, BLOCK, _header, show
+
+log = logging.getLogger("prefetchd.dataset")
 
 _accepted: dict[tuple[str, tuple], tuple] = {}  # (path, identity indexed) -> the identity vouched for since
 
@@ -33,6 +43,24 @@ def current(path: str, indexed: tuple) -> tuple:
 
 def accept(path: str, indexed: tuple, now: tuple) -> None:
     _accepted[(path, indexed)] = now
+
+
+def unverified_copy(identity: tuple) -> bool:
+    """An identity with its inode and ctime unknown: another node's copy not vouched for yet."""
+    return identity[1] == 0 and identity[4] == 0
+
+
+def vouch_copy(fd: int, path: str, recheck: tuple, now: tuple) -> None:
+    """Accept this node's copy ``path`` (open as ``fd``, its identity ``now``) if its size is the
+    indexed one and every sample is in place (``recheck``: as ``tarindex._check`` has it); else
+    raise ``StorageChanged``: its batches wait."""
+    indexed, misplaced_in = recheck
+    why = f"{now[2]} bytes, not {indexed[2]}" if now[2] != indexed[2] else misplaced_in(fd)
+    if why is not None:
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} (this node's copy is not the one "
+                             f"indexed: {why}): batches from it wait; make this node's copy the same")
+    accept(path, indexed, now)
+    log.info("the archive %s on this node: every sample's header is where the index has it: reading it", path)
 
 
 def misplaced(fd: int, index, archive: int) -> str | None:

@@ -144,7 +144,8 @@ def remote_setup(setup: WorkerSetup, cfg: RayConfig) -> WorkerSetup:
     if isinstance(mapped, TarIndex):  # the archives are under root: path_map maps them with it
         mapped = dataclasses.replace(mapped, **{k: None if getattr(mapped, k) is None else getattr(mapped, k).copy()
                                                 for k in ("archive_ids", "block", "size")})
-        # another node's copy has its own device, inodes and times: only the sizes are checked there
+        # another node's copy has its own device, inodes and times: its size is known, and each sample is
+        # checked in place when a process first opens it (tarrecheck.vouch_copy)
         mapped = dataclasses.replace(mapped, identity=tarindex.sizes_only(mapped.identity))
     val = remote_setup(setup.val, cfg) if setup.val is not None else None
     return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
