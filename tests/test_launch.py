@@ -121,6 +121,25 @@ def test_launch_forwards_signals_and_exits_128_plus_the_signal(tmp_path, cfg, si
     _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
 
 
+def test_a_second_stop_signal_kills_a_command_that_ignores_the_first(tmp_path, cfg):
+    """A command that ignores SIGTERM (or takes its time on it) kept launch waiting for ever: a
+    second SIGTERM or Ctrl-C now kills it (one line), and the daemon goes as after any command."""
+    out = str(tmp_path / "waiter")
+    stubborn = WAITER.replace("signal.signal(signal.SIGHUP,", "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                              "signal.signal(signal.SIGHUP,")
+    p = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "w.py", stubborn), out)
+    wait_until(lambda: os.path.exists(out) and open(out).read(), 60, "the command to run")
+    daemon_pid = int(open(out).read())
+    p.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(1.5)  # ignored: launch waits, as it should for a command saving its checkpoint
+    p.send_signal(signal.SIGTERM)
+    rc, _, err = _finish(p, 30)
+    assert rc == 128 + signal.SIGKILL, err
+    assert "a second stop signal (SIGTERM): killing the command (pid " in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
 def test_a_daemon_killed_while_the_command_runs_is_restarted_and_the_command_reads_on(tmp_path, cfg):
     out = str(tmp_path / "seen.json")
     p = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "t.py", TRAINER), "0", out, env={"KILL_AT": "5"})

@@ -10,7 +10,10 @@
    (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
 3. CMD runs with ``PREFETCHD_CONFIG`` set to the config's absolute path (the client takes it when
    given no path), in launch's process group, so a terminal's Ctrl-C reaches it directly (and is
-   not sent twice); SIGINT, SIGTERM and SIGHUP sent to launch are forwarded to CMD.
+   not sent twice); SIGINT, SIGTERM and SIGHUP sent to launch are forwarded to CMD. A second
+   SIGINT or SIGTERM (a second Ctrl-C) kills CMD (SIGKILL): one that ignores or outlasts the
+   first is not waited for forever, and one saving a checkpoint is given all the time it needs
+   until then (a Slurm step or a pod has its own kill deadline).
 4. While CMD runs, a daemon that dies is started again as ``systemd/prefetchd.service`` would
    (``Restart=on-failure``, ``RestartSec=2``, at most ``StartLimitBurst=5`` starts in
    ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
@@ -213,6 +216,11 @@ class Launch:
                 return rc if rc >= 0 else 128 - rc
             while self.pending:
                 signum = self.pending.pop(0)
+                if signum in (signal.SIGTERM, signal.SIGINT) and self.stopping:  # a command that ignores the first
+                    say(f"a second stop signal ({signal.Signals(signum).name}): killing the command (pid {proc.pid})")
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    continue
                 self.stopping |= signum in (signal.SIGTERM, signal.SIGINT)
                 if not _from_terminal(signum):
                     with contextlib.suppress(ProcessLookupError):
