@@ -82,3 +82,20 @@ def test_sessions_say_two_live_trainers_of_a_rank_once_and_a_restarted_trainer_n
         other.wait(5)
     assert caplog.records[-1].getMessage().startswith(f"rank 0 (validation): two trainers write its progress, pids "
                                                       f"{other.pid} and {os.getpid()}")
+
+
+def test_a_validation_lane_is_named_as_its_trainer_knows_it_in_every_sessions_line(caplog):
+    """The lines about a lane's progress name "rank N (validation)", not the lane number (2^24 + N)
+    that no trainer knows."""
+    import os
+
+    s = Sessions([VAL_LANE + 3], 8, "fp")
+    with caplog.at_level("INFO", logger="prefetchd"):
+        s.apply(VAL_LANE + 3, Progress(VAL_LANE + 3, 0, 5, "fp", pid=os.getpid(), session="a.0"), 1.0)
+        s.apply(VAL_LANE + 3, Progress(VAL_LANE + 3, 0, 2, "fp", pid=os.getpid(), session="a.0"), 2.0)  # back, same session
+        s.apply(VAL_LANE + 3, Progress(VAL_LANE + 3, 0, 1, "other", pid=os.getpid(), session="b.0"), 3.0)  # back: a resume
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("rank 3 (validation)'s progress went back from epoch 0 batch 5") for m in said), said
+    assert any(m.startswith("rank 3 (validation)'s trainer expects stream other") for m in said), said
+    assert any(m.startswith("rank 3 (validation) jumped back from epoch 0 batch 5 to epoch 0 batch 1") for m in said), said
+    assert not any(str(VAL_LANE) in m for m in said), said

@@ -52,10 +52,8 @@ class Sessions:
             return
         if procstate.state(old, *self.pid_identity.get(r, (0, 0))) in (procstate.RUNNING, procstate.STOPPED):
             self._pairs[r] = frozenset((old, p.pid))
-            stream, rank = split_lane(r)
-            log.warning("rank %d%s: two trainers write its progress, pids %d and %d, both alive: two trainers "
-                        "started with the same rank? give each its own rank (RANK)", rank,
-                        " (validation)" if stream == "val" else "", old, p.pid)
+            log.warning("%s: two trainers write its progress, pids %d and %d, both alive: two trainers "
+                        "started with the same rank? give each its own rank (RANK)", _who(r), old, p.pid)
 
     def apply(self, r: int, p: Progress, now: float, initial: bool = False, jump: bool = False) -> Move | None:
         """The move a record asks for, or None when it is ignored or moves nothing. ``jump``: the
@@ -74,22 +72,28 @@ class Sessions:
         self.gpu_fallbacks[r] = p.gpu_fallbacks
         if new < old and not initial and not jump and p.session and p.session == self.session.get(r):
             if self._warned.get(r) != p.session:
-                log.warning("rank %d's progress went back from epoch %d batch %d to epoch %d batch %d within one "
+                log.warning("%s's progress went back from epoch %d batch %d to epoch %d batch %d within one "
                             "trainer session; ignoring it and keeping the last good position",
-                            r, *divmod(old, self.bpe), *divmod(new, self.bpe))
+                            _who(r), *divmod(old, self.bpe), *divmod(new, self.bpe))
                 self._warned[r] = p.session
             return None
         self.session[r] = p.session
         if p.fingerprint and p.fingerprint != self.fingerprint and not initial:
-            log.warning("rank %d's trainer expects stream %s but this daemon makes %s (a config differs)",
-                        r, p.fingerprint, self.fingerprint)
+            log.warning("%s's trainer expects stream %s but this daemon makes %s (a config differs)",
+                        _who(r), p.fingerprint, self.fingerprint)
         if new == old:
             return None
         if new < old and not initial:
-            log.info("rank %d jumped back from epoch %d batch %d to epoch %d batch %d (a resume?)",
-                     r, *divmod(old, self.bpe), *divmod(new, self.bpe))
+            log.info("%s jumped back from epoch %d batch %d to epoch %d batch %d (a resume?)",
+                     _who(r), *divmod(old, self.bpe), *divmod(new, self.bpe))
         self.pos[r] = new
         e, b = divmod(new, self.bpe)
         move = Move(r, e, b, new - old if new > old and not initial else 0)
         self.consumed[r] += move.consumed
         return move
+
+
+def _who(lane: int) -> str:
+    """A lane as its trainer knows it: "rank 3", or "rank 3 (validation)" for a validation lane."""
+    stream, rank = split_lane(lane)
+    return f"rank {rank}" + (" (validation)" if stream == "val" else "")
