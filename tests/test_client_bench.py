@@ -134,3 +134,20 @@ def test_loader_backlog_counts_a_dataloaders_finished_batches():
         assert loader_backlog(dl) in (2, 3)
     finally:
         dl._iterator._shutdown_workers()
+
+
+def test_the_dataloader_peer_runs_over_a_root_with_a_corrupt_file(tmp_path):
+    """``bench --root ... --peer`` on a user's data with one file Pillow cannot decode: the daemon
+    quarantines it and the decode-only limit skips it; the DataLoader peer took it down with a
+    traceback. Its dataset now moves on to the next file, as a user's robust dataset would."""
+    pytest.importorskip("torch")
+    root = tmp_path / "data"
+    for c in range(2):
+        (root / f"c{c}").mkdir(parents=True)
+        for k in range(12):
+            Image.new("RGB", (64, 48), (40 * k, 20 * c, 90)).save(root / f"c{c}" / f"{k}.jpg", quality=90)
+    (root / "c0" / "bad.jpg").write_bytes(b"\xff\xd8\xff\xe0 not a jpeg at all")
+    out = _bench("--root", str(root), "--peer", "--workers", "1", "--batch-size", "4", "--epochs", "1",
+                 "--output-size", "32", "--buffer-parent", str(tmp_path))
+    assert "DataLoader peer" in out and "daemon/peer" in out, out
+    assert "skipped 1 file Pillow cannot decode" in out, out

@@ -252,14 +252,24 @@ class _PeerDataset:
     def __len__(self):
         return len(self.paths)
 
+    def _decodable(self, i: int, Image):
+        """Sample ``i``, or the next file Pillow can decode (a user's dataset skips a corrupt file
+        so, and the daemon replaces it): one bad JPEG must not end the peer's run."""
+        for k in range(len(self.paths)):
+            try:
+                with open(self.paths[(i + k) % len(self.paths)], "rb") as f:
+                    return Image.open(f).convert("RGB")
+            except Exception:  # noqa: BLE001 - whatever Pillow raises for a bad file (OSError, a bomb, ...)
+                continue
+        raise ValueError(f"none of the {len(self.paths)} files could be decoded")
+
     def __getitem__(self, i):
         import random
 
         import torch
         from PIL import Image, ImageEnhance
 
-        with open(self.paths[i], "rb") as f:
-            im = Image.open(f).convert("RGB")
+        im = self._decodable(i, Image)
         w, h = im.size
         if self.mode == "random_resized_crop":
             from prefetchd.core.augment import Draws, crop_for
