@@ -228,6 +228,42 @@ def test_an_archive_rewritten_with_its_mtime_put_back_and_members_moved_waits(tm
         index.read(0)
 
 
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_alike_in_their_first_100_bytes_swapped_with_the_mtime_put_back_wait(tmp_path, fmt):
+    """Two members of one size whose long names differ only past their first 100 bytes (all the
+    member's own header holds; the rest is in the GNU long-name or PAX header before it), swapped by
+    a rewrite in place that puts the mtime back: the check reads the whole name, so no sample is
+    served with the other's pixels. On the tree before, a 90-byte prefix vouched for them."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = tmp_path / "tars"
+    root.mkdir()
+    members = [(f"{'d' * 60}/{'x' * 70}_{k}.JPEG", solid_jpeg(COLOURS[k])) for k in range(2)]
+
+    def write(order):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+            for name, data in order:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 1_300_000_000
+                tf.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    path = root / "n0.tar"
+    path.write_bytes(write(members))
+    index, _ = load_index(str(root), None, EXTS, None, use_cache=False)
+    assert len(index) == 2
+    first = index.read(0)
+    st = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(write(members[::-1]))  # same size, the two swapped
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(StorageChanged, match="its members moved"):
+        assert index.read(0) == first, "sample 0 read with the other member's pixels"
+
+
 def test_a_chmod_of_a_class_tar_while_training_keeps_its_batches_coming(tmp_path, daemon_factory):
     """The daemon (its workers keep the archives open) reads on after a ``chmod`` of a class tar in
     the middle of an epoch: every batch of two epochs comes, each sample its own member's pixels."""
