@@ -264,6 +264,41 @@ def test_long_names_alike_in_their_first_100_bytes_swapped_with_the_mtime_put_ba
         assert index.read(0) == first, "sample 0 read with the other member's pixels"
 
 
+def test_an_archive_found_with_its_members_moved_is_not_checked_again_at_every_try(tmp_path):
+    """A batch that waits is tried again every half second, and the check of a train tar reads all
+    its headers (about 1 s per 200,000 members): an archive found with its members moved is not
+    checked again until it changes again. On the tree before, every try checked it again."""
+    from prefetchd.core import tarrecheck
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=1, per_class=3)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    path = os.path.join(root, "n0.tar")
+    st = os.stat(path)
+    with tarfile.open(path) as old:
+        members = [(m.name, old.extractfile(m).read()) for m in old.getmembers()]
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(tar_of([members[1], members[0], members[2]]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    checks = []
+    real = tarrecheck.misplaced
+    try:
+        tarrecheck.misplaced = lambda *a: checks.append(a[2]) or real(*a)
+        for i in [0, 1, 2, 0, 1, 2]:
+            with pytest.raises(StorageChanged, match="its members moved"):
+                index.read(i)
+        assert checks == [0], checks
+        time.sleep(0.05)
+        os.chmod(path, 0o640)  # changed again: checked again
+        with pytest.raises(StorageChanged, match="its members moved"):
+            index.read(0)
+        assert checks == [0, 0], checks
+    finally:
+        tarrecheck.misplaced = real
+
+
 def test_a_chmod_of_a_class_tar_while_training_keeps_its_batches_coming(tmp_path, daemon_factory):
     """The daemon (its workers keep the archives open) reads on after a ``chmod`` of a class tar in
     the middle of an epoch: every batch of two epochs comes, each sample its own member's pixels."""

@@ -28,6 +28,7 @@ from prefetchd.core.tarheaders import _REGULAR, BLOCK, _header, _pax_records, sh
 
 _LOOK_BACK = 16  # data blocks of a long-name or PAX header looked for before a member's header (8 KiB)
 _accepted: dict[tuple[str, tuple], tuple] = {}  # (path, identity indexed) -> the identity vouched for since
+_refused: dict[tuple[str, tuple], tuple[tuple, str]] = {}  # (path, identity indexed) -> (identity refused, why)
 
 
 def current(path: str, indexed: tuple) -> tuple:
@@ -37,6 +38,21 @@ def current(path: str, indexed: tuple) -> tuple:
 
 def accept(path: str, indexed: tuple, now: tuple) -> None:
     _accepted[(path, indexed)] = now
+
+
+def judged(path: str, indexed: tuple, now: tuple, check) -> str | None:
+    """``check()`` (``misplaced``) for ``path`` as it is now (``now``), once per identity: a yes is
+    ``accept``ed, a no kept, since a batch that waits is tried again every half second and the
+    check of a train tar reads every header (seconds a try, in every worker)."""
+    refused = _refused.get((path, indexed))
+    if refused is not None and refused[0] == now:
+        return refused[1]
+    why = check()
+    if why is None:
+        accept(path, indexed, now)
+    else:
+        _refused[(path, indexed)] = (now, why)
+    return why
 
 
 def misplaced(fd: int, index, archive: int) -> str | None:
