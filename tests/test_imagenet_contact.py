@@ -299,6 +299,36 @@ def test_an_archive_found_with_its_members_moved_is_not_checked_again_at_every_t
         tarrecheck.misplaced = real
 
 
+def test_class_tars_of_one_size_swapped_in_a_train_tar_with_the_mtime_put_back_wait(tmp_path):
+    """A tar of class tars whose members have the same names in every class (``0.JPEG``, ...) and one
+    size: two class tars swapped in place, the mtime put back. Each member's header is in place
+    with its name and size, but under the other class: the check finds each sample outside the
+    class tar it was indexed in, so no sample is served under the other class's label. On the tree
+    before, they were served so."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    classes = [(f"n{c}.tar", tar_of([(f"{k}.JPEG", solid_jpeg(COLOURS[c * 2 + k])) for k in range(2)]))
+               for c in range(2)]
+    path = str(tmp_path / "train.tar")
+    with open(path, "wb") as f:
+        f.write(tar_of(classes))
+    index, _ = load_index(path, None, EXTS, None, use_cache=False)
+    assert index.layout == "tar" and len(index) == 4
+    before = [index.read(i) for i in range(4)]
+    time.sleep(0.05)
+    os.chmod(path, 0o640)  # each sample in its class tar: read on
+    assert [index.read(i) for i in range(4)] == before
+    first = before[0]
+    st = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(tar_of(classes[::-1]))  # same size, n1.tar first
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(StorageChanged, match="its members moved"):
+        assert index.read(0) == first, "sample 0 read with the other class's pixels"
+
+
 def test_a_chmod_of_a_class_tar_while_training_keeps_its_batches_coming(tmp_path, daemon_factory):
     """The daemon (its workers keep the archives open) reads on after a ``chmod`` of a class tar in
     the middle of an epoch: every batch of two epochs comes, each sample its own member's pixels."""

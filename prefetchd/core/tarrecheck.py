@@ -24,7 +24,7 @@ import os
 import numpy as np
 
 from prefetchd.core.indexbase import DatasetError
-from prefetchd.core.tarheaders import _REGULAR, BLOCK, _header, _pax_records, show
+from prefetchd.core.tarheaders import _REGULAR, BLOCK, _header, _pax_records, members, show, unique
 
 _LOOK_BACK = 16  # data blocks of a long-name or PAX header looked for before a member's header (8 KiB)
 _accepted: dict[tuple[str, tuple], tuple] = {}  # (path, identity indexed) -> the identity vouched for since
@@ -61,12 +61,19 @@ def misplaced(fd: int, index, archive: int) -> str | None:
     ids = index.archive_ids
     chosen = np.arange(len(index)) if ids is None else np.flatnonzero(ids == archive)
     inner = index.layout in ("tar", "tars")  # relpath is "<class>/<member>"; a flat tar's is the member
+    within = _class_tars(fd) if index.layout == "tar" else None
+    if isinstance(within, str):
+        return within
     for i in chosen:
         data = int(index.block[i]) * BLOCK
         hdr = os.pread(fd, BLOCK, data - BLOCK)
         want = os.fsencode(index.relpath(int(i)))
         if inner:
-            want = want.partition(b"/")[2]
+            cls, _, want = want.partition(b"/")
+            if within is not None:
+                start, end = within.get(cls, (0, 0))
+                if not start <= data - BLOCK < data + int(index.size[i]) <= end:
+                    return f"{show(want)} is not inside {show(cls)}.tar, the class tar it was indexed in"
         if len(hdr) < BLOCK:
             return f"the header of {show(want)} is past the archive's end"
         try:
@@ -80,6 +87,17 @@ def misplaced(fd: int, index, archive: int) -> str | None:
             if whole is None or _normal(whole) != want:
                 return f"the header before the data of {show(want)} names {show(whole or name)}"
     return None
+
+
+def _class_tars(fd: int) -> dict[bytes, tuple[int, int]] | str:
+    """A tar of class tars' class tars: class -> (data start, end), one header read a class tar
+    (members of one name in each class, all of one size, would pass for those of a class tar
+    swapped with another of its size); why not, when its headers are no tar's now."""
+    try:
+        top = unique(members(fd, 0, os.fstat(fd).st_size, "", []), "", [])
+    except DatasetError:
+        return "its class tars' headers are no longer a tar's"
+    return {n[:-4]: (p, p + s) for n, (p, s) in top.items() if n.lower().endswith(b".tar") and b"/" not in n}
 
 
 def _normal(name: bytes) -> bytes:
