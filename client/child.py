@@ -388,7 +388,9 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
     leaving the block (an exception and Ctrl-C too) the daemon is stopped and what it created is
     removed. A daemon already serving the buffer is used as it is (and left running). Raises
     ``DaemonStartError`` (its ``exit_code``: 78 for the configuration, else 1) with a one-line
-    message when the daemon cannot start. See the module's docstring for the rules."""
+    message when the daemon cannot start. The daemon is stopped by the kernel when the thread that
+    entered this ends: enter it in one that lives as long as the daemon should (the main thread).
+    See the module's docstring for the rules."""
     path, cfg = load(config)
     pid = running_daemon(cfg)
     if pid is not None:

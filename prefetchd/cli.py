@@ -10,6 +10,7 @@ n), or 78 / 1 when the daemon cannot start, before the command runs (``prefetchd
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -63,8 +64,16 @@ def cmd_run(args) -> int:
     from prefetchd.format import procstate
 
     parent = os.environ.pop(procstate.PARENT_ENV, "")  # started by a trainer's serve(): go when it goes
-    if parent.isdigit():
-        procstate.die_with_parent(int(parent), signal.SIGTERM)
+    if parent:
+        why = (f"is not a pid ({parent!r})" if not parent.isascii() or not parent.isdigit() else None if
+               procstate.die_with_parent(int(parent), signal.SIGTERM) else
+               f"names pid {parent}, which is not this daemon's parent (pid {os.getppid()}): the trainer that "
+               "started it has gone, or it was set by hand")
+        if why is not None:
+            with contextlib.suppress(OSError):  # the pipe of a trainer gone
+                print(f"prefetchd: {procstate.PARENT_ENV} {why}; it is set by the client's serve() for the daemon "
+                      "it starts: unset it to start a daemon by hand", file=sys.stderr, flush=True)
+            return EX_CONFIG
     from prefetchd.core.dataset import DatasetError
     from prefetchd.daemon.ring import BufferBusy, RingError
 

@@ -228,6 +228,107 @@ def test_an_archive_rewritten_with_its_mtime_put_back_and_members_moved_waits(tm
         index.read(0)
 
 
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT])
+def test_long_names_alike_in_their_first_100_bytes_swapped_with_the_mtime_put_back_wait(tmp_path, fmt):
+    """Two members of one size whose long names differ only past their first 100 bytes (all the
+    member's own header holds; the rest is in the GNU long-name or PAX header before it), swapped by
+    a rewrite in place that puts the mtime back: the check reads the whole name, so no sample is
+    served with the other's pixels. On the tree before, a 90-byte prefix vouched for them."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = tmp_path / "tars"
+    root.mkdir()
+    members = [(f"{'d' * 60}/{'x' * 70}_{k}.JPEG", solid_jpeg(COLOURS[k])) for k in range(2)]
+
+    def write(order):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as tf:
+            for name, data in order:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 1_300_000_000
+                tf.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+    path = root / "n0.tar"
+    path.write_bytes(write(members))
+    index, _ = load_index(str(root), None, EXTS, None, use_cache=False)
+    assert len(index) == 2
+    first = index.read(0)
+    st = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(write(members[::-1]))  # same size, the two swapped
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(StorageChanged, match="its members moved"):
+        assert index.read(0) == first, "sample 0 read with the other member's pixels"
+
+
+def test_an_archive_found_with_its_members_moved_is_not_checked_again_at_every_try(tmp_path):
+    """A batch that waits is tried again every half second, and the check of a train tar reads all
+    its headers (about 1 s per 200,000 members): an archive found with its members moved is not
+    checked again until it changes again. On the tree before, every try checked it again."""
+    from prefetchd.core import tarrecheck
+    from prefetchd.core.indexbase import StorageChanged
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=1, per_class=3)
+    index, _ = load_index(root, None, EXTS, None, use_cache=False)
+    path = os.path.join(root, "n0.tar")
+    st = os.stat(path)
+    with tarfile.open(path) as old:
+        members = [(m.name, old.extractfile(m).read()) for m in old.getmembers()]
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(tar_of([members[1], members[0], members[2]]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    checks = []
+    real = tarrecheck.misplaced
+    try:
+        tarrecheck.misplaced = lambda *a: checks.append(a[2]) or real(*a)
+        for i in [0, 1, 2, 0, 1, 2]:
+            with pytest.raises(StorageChanged, match="its members moved"):
+                index.read(i)
+        assert checks == [0], checks
+        time.sleep(0.05)
+        os.chmod(path, 0o640)  # changed again: checked again
+        with pytest.raises(StorageChanged, match="its members moved"):
+            index.read(0)
+        assert checks == [0, 0], checks
+    finally:
+        tarrecheck.misplaced = real
+
+
+def test_class_tars_of_one_size_swapped_in_a_train_tar_with_the_mtime_put_back_wait(tmp_path):
+    """A tar of class tars whose members have the same names in every class (``0.JPEG``, ...) and one
+    size: two class tars swapped in place, the mtime put back. Each member's header is in place
+    with its name and size, but under the other class: the check finds each sample outside the
+    class tar it was indexed in, so no sample is served under the other class's label. On the tree
+    before, they were served so."""
+    from prefetchd.core.indexbase import StorageChanged
+
+    classes = [(f"n{c}.tar", tar_of([(f"{k}.JPEG", solid_jpeg(COLOURS[c * 2 + k])) for k in range(2)]))
+               for c in range(2)]
+    path = str(tmp_path / "train.tar")
+    with open(path, "wb") as f:
+        f.write(tar_of(classes))
+    index, _ = load_index(path, None, EXTS, None, use_cache=False)
+    assert index.layout == "tar" and len(index) == 4
+    before = [index.read(i) for i in range(4)]
+    time.sleep(0.05)
+    os.chmod(path, 0o640)  # each sample in its class tar: read on
+    assert [index.read(i) for i in range(4)] == before
+    first = before[0]
+    st = os.stat(path)
+    time.sleep(0.05)
+    with open(path, "r+b") as f:
+        f.write(tar_of(classes[::-1]))  # same size, n1.tar first
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (os.stat(path).st_size, os.stat(path).st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    with pytest.raises(StorageChanged, match="its members moved"):
+        assert index.read(0) == first, "sample 0 read with the other class's pixels"
+
+
 def test_a_chmod_of_a_class_tar_while_training_keeps_its_batches_coming(tmp_path, daemon_factory):
     """The daemon (its workers keep the archives open) reads on after a ``chmod`` of a class tar in
     the middle of an epoch: every batch of two epochs comes, each sample its own member's pixels."""

@@ -476,3 +476,19 @@ def test_launch_from_a_deleted_directory(tmp_path, cfg):
         if want:
             assert len(err.splitlines()) == 1 and "give its absolute path" in err, err
     _assert_nothing_left(str(tmp_path / "buffer"), [])
+
+
+@pytest.mark.parametrize("value", ["1", "abc"])
+def test_a_daemon_started_by_hand_with_the_parent_variable_set_says_why_it_will_not_run(tmp_path, cfg, value):
+    """PREFETCHD_DIE_WITH_PARENT is serve()'s, naming the trainer that starts the daemon: one set by
+    hand (or naming another process than the daemon's parent) is said in one line, exit 78. On the
+    tree before, a pid not the parent's exited 0 without a word, and a non-number was ignored."""
+    d = DaemonProc(cfg, str(tmp_path / "daemon.log"), env={"PREFETCHD_DIE_WITH_PARENT": value})
+    try:
+        rc = d.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        d.kill_group()
+    assert rc == 78, (rc, d.log())
+    assert "PREFETCHD_DIE_WITH_PARENT" in d.log() and "unset it" in d.log(), d.log()

@@ -213,9 +213,8 @@ def _check(fd: int, path: str, identity: tuple, recheck=None) -> None:
                if was != is_ and (was or name == "size") and name != "device"]
     why = None
     if changed and recheck is not None and len(changed) == 1 and changed[0].startswith("ctime"):
-        why = recheck[1](fd)
+        why = tarrecheck.judged(path, recheck[0], now, lambda: recheck[1](fd))
         if why is None:  # a chmod, chown or link: every member where it was
-            tarrecheck.accept(path, recheck[0], now)
             log.info("the archive %s changed its ctime alone (mode, owner or links); every sample's header is "
                      "where it was indexed: reading on", path)
             return

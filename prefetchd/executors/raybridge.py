@@ -445,7 +445,8 @@ def _first_line(e: BaseException) -> str:
 
 def main(argv: list[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
-    procstate.die_with_parent(parent, signal.SIGKILL)  # the daemon gone, however: the actors go with us
+    if not procstate.die_with_parent(parent, signal.SIGKILL):  # the daemon gone, however: the actors go with us
+        os._exit(0)  # it has gone already
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the daemon's: it stops us
     conn = Connection(fd)
     try:

@@ -110,15 +110,14 @@ _PR_SET_PDEATHSIG = 1
 PARENT_ENV = "PREFETCHD_DIE_WITH_PARENT"  # a daemon started by a trainer (``serve()``): its parent's pid
 
 
-def die_with_parent(parent: int, sig: int) -> None:
+def die_with_parent(parent: int, sig: int) -> bool:
     """Ask the kernel for ``sig`` when the thread that started this process ends (Linux's
-    ``PR_SET_PDEATHSIG``), and exit now if ``parent`` has already gone (it ended before the call:
-    this process was handed to another parent). Called by the child itself, first thing: a
-    ``preexec_fn`` doing this runs Python between fork and exec, which is unsafe in a threaded
-    parent (a trainer is one)."""
+    ``PR_SET_PDEATHSIG``); False if ``parent`` is not this process's parent (it ended before the
+    call and this process was handed to another, or another process started it: the caller says
+    so and exits). Called by the child itself, first thing: a ``preexec_fn`` doing this runs Python
+    between fork and exec, which is unsafe in a threaded parent (a trainer is one)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
     except (OSError, AttributeError):  # pragma: no cover - not Linux: the child may outlive its parent
-        return
-    if os.getppid() != parent:
-        os._exit(0)
+        return True
+    return os.getppid() == parent
