@@ -469,6 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--share-step", choices=("python", "torch"), default="python",
                    help="--share: the trainer's CPU-bound step (pure Python, or torch with one thread)")
     h.add_argument("--share-cycles", type=int, default=8, help="--share: daemon running/stopped cycles per run")
+    h.add_argument("--share-pin", action="store_true", help="--share: bind the CPU-bound trainer to the first CPU and "
+                   "rank 1 to the second, as a job that gives each rank its own cores (the daemon is not bound)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

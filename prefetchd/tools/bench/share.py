@@ -18,7 +18,10 @@ Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, d
   GPU) and read ``--batches`` batches; images/s of both together, against the ``normal`` run of
   the same round. Target: >= 0.97.
 
-Each round prints one line per variant with the 1-minute load average beside it.
+``--share-pin`` binds the CPU-bound trainer to the first CPU and rank 1 to the second (the GPU-like
+ranks too), as a job that gives each rank its own cores does (Slurm's ``--cpu-bind``, ``taskset``);
+the daemon is not bound. Each round prints one line per variant with the 1-minute load average
+beside it.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def _torch_step_fn():
     return step
 
 
-def _trainer(cfg: str | None, rank: int, steps: int, kind: str, start, out) -> None:
+def _trainer(cfg: str | None, rank: int, steps: int, kind: str, start, out, cpu: int | None = None) -> None:
     """Rank ``rank``'s trainer: ``steps`` timed steps of ``kind`` (cpu steps, or ``sleep:MS``), a
     batch read between steps when ``cfg`` is set. Puts (rank, step times, images, t0, t1)."""
+    _pin(cpu)
     step = _torch_step_fn() if kind == "torch" else _python_step
     if kind.startswith("sleep:"):
         ms = float(kind.split(":")[1]) / 1000
@@ -104,10 +108,17 @@ def _endless(client):
         e += 1
 
 
-def _reader(cfg: str, rank: int, start, stop, out) -> None:
+def _pin(cpu: int | None) -> None:
+    """Bind this process to the ``cpu``-th CPU it may use (``--share-pin``), as a job binds its ranks."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[cpu]})
+
+
+def _reader(cfg: str, rank: int, start, stop, out, cpu: int | None = None) -> None:
     """Rank ``rank`` reading batches as fast as it can until ``stop``: keeps the daemon producing."""
     from prefetchd_client import PrefetchClient
 
+    _pin(cpu)
     with PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True) as c:
         it = _endless(c)
         next(it)
@@ -164,11 +175,12 @@ def _collect(out, n: int, procs: list) -> dict:
     return got
 
 
-def _stepper(kind: str, stop, out) -> None:
+def _stepper(kind: str, stop, out, cpu: int | None = None) -> None:
     """A trainer that only computes: (start, duration, seconds runnable but waiting for a CPU) of
     each step until ``stop`` (the wait from the kernel's schedstat; 0 where it cannot be read)."""
     from prefetchd_client.clock import run_queue_delay
 
+    _pin(cpu)
     step = _torch_step_fn() if kind == "torch" else _python_step
     for _ in range(3):
         step()
@@ -183,7 +195,7 @@ def _stepper(kind: str, stop, out) -> None:
 
 
 def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, batch_size: int,
-                phase_s: float = 1.5) -> dict:
+                phase_s: float = 1.5, pin: bool = False) -> dict:
     """The trainer's step with the daemon producing flat out (rank 1 reading as fast as it can)
     against its step with the daemon stopped (SIGSTOP of its process group: workers, loop), the
     two alternating every ``phase_s`` within one run, so that other users' load, which drifts
@@ -193,12 +205,12 @@ def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, bat
     proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
     phases: list[tuple[float, float, bool]] = []  # (from, to, daemon running)
     try:
-        reader = ctx.Process(target=_reader, args=(cfg, 1, start, stop, out))
+        reader = ctx.Process(target=_reader, args=(cfg, 1, start, stop, out, 1 if pin else None))
         reader.start()
         start.set()
         time.sleep(2.0)  # the reader has its first batch: the daemon is producing
         tstop = ctx.Event()
-        trainer = ctx.Process(target=_stepper, args=(kind, tstop, out))
+        trainer = ctx.Process(target=_stepper, args=(kind, tstop, out, 0 if pin else None))
         trainer.start()
         time.sleep(1.0)
         for i in range(2 * cycles):
@@ -233,13 +245,15 @@ def toggled_run(root: str, work: str, priority: str, cycles: int, kind: str, bat
         _stop_daemon(proc, buffer)
 
 
-def gpu_run(root: str, work: str, priority: str, batches: int, step_ms: float, batch_size: int) -> dict:
+def gpu_run(root: str, work: str, priority: str, batches: int, step_ms: float, batch_size: int,
+            pin: bool = False) -> dict:
     """Two GPU-like trainers (sleeping steps): images/s of both together."""
     ctx = get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     proc, cfg, buffer = _start_daemon(root, work, priority, batch_size, 8)
     try:
-        procs = [ctx.Process(target=_trainer, args=(cfg, r, batches, f"sleep:{step_ms}", start, out)) for r in (0, 1)]
+        procs = [ctx.Process(target=_trainer, args=(cfg, r, batches, f"sleep:{step_ms}", start, out, r if pin else None))
+                 for r in (0, 1)]
         for p in procs:
             p.start()
         start.set()
@@ -257,18 +271,22 @@ def run_share_bench(args) -> int:
     priorities = [p.strip() for p in args.share_priorities.split(",") if p.strip()]
     if "normal" not in priorities:
         priorities.insert(0, "normal")
+    if args.share_pin and len(os.sched_getaffinity(0)) < 2:
+        print("prefetchd bench: --share-pin binds two ranks to a CPU each: this process may use only one", file=sys.stderr)
+        return 2
     work = tempfile.mkdtemp(prefix="prefetchd-share-")
     root = os.path.join(work, "data")
     n = make_image_folder(root, classes=4, per_class=max(1, args.images // 4), seed=0, long_side=args.image_side)
     batch = args.batch_size or 16
     print(f"share bench: {n} images (long side {args.image_side}), batches of {batch}, world size 2, workers auto, "
-          f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}")
+          f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}"
+          + ("; the trainer bound to the first CPU, rank 1 to the second" if args.share_pin else ""))
     rows: list[dict] = []
     for rnd in range(args.repeats):
         order = priorities if rnd % 2 == 0 else priorities[::-1]
         for pr in order:
-            c = toggled_run(root, work, pr, args.share_cycles, args.share_step, batch)
-            g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch)
+            c = toggled_run(root, work, pr, args.share_cycles, args.share_step, batch, pin=args.share_pin)
+            g = gpu_run(root, work, pr, args.batches or 60, args.step_ms, batch, pin=args.share_pin)
             row = {"round": rnd, "priority": pr, "idle_s": c["idle_s"], "step_s": c["busy_s"],
                    "ratio": c["busy_s"] / c["idle_s"], "steps": (c["busy_n"], c["idle_n"]),
                    "rank1_img_s": c["rank1_img_s"], "gpu_img_s": g["img_s"], "load1": os.getloadavg()[0],
