@@ -151,3 +151,29 @@ def test_the_dataloader_peer_runs_over_a_root_with_a_corrupt_file(tmp_path):
                  "--output-size", "32", "--buffer-parent", str(tmp_path))
     assert "DataLoader peer" in out and "daemon/peer" in out, out
     assert "skipped 1 file Pillow cannot decode" in out, out
+
+
+def test_share_bench_runs_each_priority_with_ranks_bound_and_says_the_trainers_cpu_wait():
+    """``bench --share`` end to end, small: each variant's line has the step ratio and the share of
+    the trainer's time it waited for a CPU; ``--share-pin`` binds the ranks (two CPUs here)."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("--share-pin needs two CPUs")
+    out = _bench("--share", "--share-pin", "--share-priorities", "idle", "--repeats", "1", "--share-cycles", "1",
+                 "--images", "64", "--image-side", "64", "--batches", "4", "--step-ms", "1", "-q")
+    assert "the trainer bound to the first CPU, rank 1 to the second" in out, out
+    for pr in ("normal", "idle"):
+        assert re.search(rf"round 0: +{pr}: step .* x \(\d+/\d+ steps; waiting for a CPU [\d.]+% / [\d.]+% of them",
+                         out), out
+        assert re.search(rf"^ +{pr}: step [\d.]+ x daemon stopped", out, re.M), out
+
+
+def test_share_bench_says_in_one_line_why_its_daemon_did_not_start():
+    """A corpus too small for a batch a rank: the daemon exits 78 at once; the bench waited 300 s
+    for it and then raised, and now says the daemon's own line and exits 1."""
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "bench", "--share", "--share-priorities", "idle",
+                        "--repeats", "1", "--share-cycles", "1", "--images", "16", "--image-side", "64", "-q"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("prefetchd bench: the share bench's daemon did not start "
+                                                        "(exit status 78): "), r.stderr
+    assert "larger than a rank's share of the dataset" in r.stderr and "Traceback" not in r.stderr, r.stderr

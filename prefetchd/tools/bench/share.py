@@ -139,10 +139,18 @@ def _start_daemon(root: str, work: str, priority: str, batch_size: int, capacity
     write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, None, "auto", capacity,
                  extra={"loader": {"world_size": 2}, "workers": {"priority": priority},
                         "buffer": {"max_bytes": "auto"}})
-    log = open(os.path.join(run, "daemon.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    log.close()
+    log_path = os.path.join(run, "daemon.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(os.path.join(buffer, "meta.json")):  # up, or say why not (the trainers would wait)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_daemon(proc, buffer)
+            with open(log_path, errors="replace") as f:
+                last = (f.read().strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the share bench's daemon did not start (exit status {proc.returncode}): {last}")
+        time.sleep(0.05)
     return proc, cfg, buffer
 
 
@@ -281,6 +289,30 @@ def run_share_bench(args) -> int:
     print(f"share bench: {n} images (long side {args.image_side}), batches of {batch}, world size 2, workers auto, "
           f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}"
           + ("; the trainer bound to the first CPU, rank 1 to the second" if args.share_pin else ""))
+    try:
+        rows = _rounds(args, priorities, root, work, batch)
+    except RuntimeError as e:  # the daemon did not start, a trainer failed: one line
+        print(f"prefetchd bench: {e}", file=sys.stderr)
+        return 1
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    print("summary (median over rounds):")
+    for pr in priorities:
+        mine = [r for r in rows if r["priority"] == pr]
+        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x daemon stopped "
+              f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}], "
+              f"GPU-like img/s {statistics.median(r['img_s_vs_normal'] for r in mine):.3f} x normal "
+              f"[{min(r['img_s_vs_normal'] for r in mine):.2f}-{max(r['img_s_vs_normal'] for r in mine):.2f}]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _rounds(args, priorities: list[str], root: str, work: str, batch: int) -> list[dict]:
+    """``--repeats`` rounds, each variant's two figures (its line printed as it ends)."""
     rows: list[dict] = []
     for rnd in range(args.repeats):
         order = priorities if rnd % 2 == 0 else priorities[::-1]
@@ -301,17 +333,4 @@ def run_share_bench(args) -> int:
         for r in rows:
             if r["round"] == rnd:
                 r["img_s_vs_normal"] = r["gpu_img_s"] / base_img_s
-    print("summary (median over rounds):")
-    for pr in priorities:
-        mine = [r for r in rows if r["priority"] == pr]
-        print(f"  {pr:>6}: step {statistics.median(r['ratio'] for r in mine):.3f} x daemon stopped "
-              f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}], "
-              f"GPU-like img/s {statistics.median(r['img_s_vs_normal'] for r in mine):.3f} x normal "
-              f"[{min(r['img_s_vs_normal'] for r in mine):.2f}-{max(r['img_s_vs_normal'] for r in mine):.2f}]")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    import shutil
-
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return rows
