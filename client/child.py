@@ -14,7 +14,8 @@ The rules, shared with ``prefetchd launch``:
   said so in one log line, when it serves what the config asks (``meta.json``'s batch size,
   world size, ranks, output size, epochs and stream fingerprint equal the config's); it is
   neither stopped nor restarted. One serving something else is an error (exit status 1): two configs cannot share
-  one ``buffer.dir``.
+  one ``buffer.dir``. The user holds it (``users.Guest``) while it uses it, and the launch or
+  block that started it waits for its users to end before stopping it (``users``).
 * **Ready** is the daemon's own ``READY=1`` (systemd's notify protocol, on a private socket in
   the abstract namespace: no file): every rank has a batch ready. Waiting is bounded
   (``timeout``); a daemon that exits first is an error of one line, its own error line, with its
@@ -58,6 +59,7 @@ from prefetchd.core.config import EX_CONFIG, Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.format import procstate, status
 
+from . import users
 from .common import CONFIG_ENV, PrefetchError, config_from_env
 
 _log = logging.getLogger("prefetchd_client.child")
@@ -392,21 +394,55 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
     entered this ends: enter it in one that lives as long as the daemon should (the main thread).
     See the module's docstring for the rules."""
     path, cfg = load(config)
-    pid = running_daemon(cfg)
-    if pid is not None:
+    pid, guest = join_running(cfg)
+    if guest is not None:
         _log.warning("prefetchd: using the daemon already serving %s (pid %s)", cfg.buffer.dir, pid)
-        with _config_env(path):
-            yield Served(path, pid, True)
+        try:
+            with _config_env(path):
+                yield Served(path, pid, True)
+        finally:
+            guest.close()
         return
     created = Created.before_start(cfg)
     child = DaemonChild(path, sink=sink)
+    hold = users.OwnerHold(None)
     try:
         child.start()
         child.wait_ready(timeout)
         with _config_env(path):
-            yield Served(path, child.pid, False, child)
+            try:
+                yield Served(path, child.pid, False, child)
+            except KeyboardInterrupt:  # Ctrl-C: stopped now, guests or not
+                raise
+            except BaseException:  # the trainer failed: another job's trainers still read on
+                hold = _wait_for_guests(cfg, child)
+                raise
+            hold = _wait_for_guests(cfg, child)
     finally:
         try:
             child.stop()
         finally:
-            created.remove()
+            try:
+                created.remove()
+            finally:
+                hold.release()
+
+
+def _wait_for_guests(cfg: Config, child: DaemonChild) -> users.OwnerHold:
+    """serve()'s wait, before it stops the daemon it started, for the guests using it (a
+    second Ctrl-C ends it)."""
+    if child.poll() is not None:
+        return users.OwnerHold(None)
+    return users.wait_for_guests(cfg.progress_dir, child.pid, lambda line: _log.warning("prefetchd: %s", line),
+                                 lambda: False)
+
+
+def join_running(cfg: Config) -> tuple[int | None, users.Guest | None]:
+    """The daemon already serving ``cfg``'s buffer and this process's hold on it as a guest
+    (``users.Guest``), or (None, None) when none serves there (the caller starts one). Raises
+    ``DaemonStartError`` as ``running_daemon``."""
+    pid = running_daemon(cfg)
+    if pid is None:
+        return None, None
+    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid)
+    return (pid, guest) if guest is not None else (None, None)

@@ -468,9 +468,17 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--share-priorities", default="normal,batch,idle,nice", help="--share: the workers.priority values")
     h.add_argument("--share-step", choices=("python", "torch"), default="python",
                    help="--share: the trainer's CPU-bound step (pure Python, or torch with one thread)")
-    h.add_argument("--share-cycles", type=int, default=8, help="--share: daemon running/stopped cycles per run")
+    h.add_argument("--share-cycles", type=int, default=30, help="--share: daemon running/stopped cycles per run")
+    h.add_argument("--share-phase-s", type=float, default=0.5, metavar="S",
+                   help="--share: seconds the daemon runs, then is stopped, in each cycle")
     h.add_argument("--share-pin", action="store_true", help="--share: bind the CPU-bound trainer to the first CPU and "
                    "rank 1 to the second, as a job that gives each rank its own cores (the daemon is not bound)")
+    h.add_argument("--share-refill", type=int, default=0, metavar="BATCHES", help="--share: rank 1 reads at 1.2 x "
+                   "the daemon's rate from a ring first filled this deep a rank (refilling ahead of a trainer, "
+                   "as after a restart), so it reads alike with the daemon running or stopped; 0 (default): "
+                   "it waits at the head of the ring for each batch")
+    h.add_argument("--share-only", choices=("step", "gpu"), help="--share: only the CPU-bound step, or only the "
+                   "GPU-like trainers' img/s (more rounds in the same time)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

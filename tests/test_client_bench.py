@@ -162,9 +162,41 @@ def test_share_bench_runs_each_priority_with_ranks_bound_and_says_the_trainers_c
                  "--images", "64", "--image-side", "64", "--batches", "4", "--step-ms", "1", "-q")
     assert "the trainer bound to the first CPU, rank 1 to the second" in out, out
     for pr in ("normal", "idle"):
-        assert re.search(rf"round 0: +{pr}: step .* x \(\d+/\d+ steps; waiting for a CPU [\d.]+% / [\d.]+% of them",
+        assert re.search(rf"round 0: +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pairs "
+                         rf"\(median .* x; mean [\d.]+ x; \d+/\d+ steps; waiting for a CPU [\d.]+% / [\d.]+% of them",
                          out), out
-        assert re.search(rf"^ +{pr}: step [\d.]+ x daemon stopped", out, re.M), out
+        assert re.search(rf"^ +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pairs \(median "
+                         rf"step [\d.]+ x", out, re.M), out
+
+
+def test_share_bench_refill_reads_rank_1_paced_from_a_filled_ring_and_says_what_was_left():
+    """``--share-refill``: rank 1 reads paced from a ring first filled that deep; its line gives
+    its pace, its time in ``next()`` and the batches left (or that it ran dry)."""
+    out = _bench("--share", "--share-only", "step", "--share-refill", "12", "--share-priorities", "idle",
+                 "--repeats", "1", "--share-cycles", "1", "--images", "64", "--image-side", "64", "-q")
+    for pr in ("normal", "idle"):
+        assert re.search(rf"round 0: +{pr}: step .* rank 1 got \d+ img/s at [\d.]+ batches/s, in next\(\) "
+                         rf"[\d.]+% of its time, \d+ left in its ring", out), out
+    assert "GPU-like" not in out.split("summary")[0], out  # --share-only step
+
+
+def test_share_bench_gpu_only_gives_the_rounds_geometric_mean_and_its_interval():
+    out = _bench("--share", "--share-only", "gpu", "--share-priorities", "idle", "--repeats", "2",
+                 "--images", "64", "--image-side", "64", "--batches", "4", "--step-ms", "1", "-q")
+    assert "daemon stopped" not in out, out
+    assert re.search(r"^ +idle: GPU-like img/s [\d.]+ x normal \[.*\], geometric mean ([\d.]+) "
+                     r"\[([\d.]+)-([\d.]+)\] over 2$", out, re.M), out
+
+
+def test_the_paired_interval_is_the_geometric_mean_and_a_bootstrap_of_it():
+    from prefetchd.tools.bench.share import paired_interval
+
+    assert paired_interval([1.0, 1.0, 1.0]) == (1.0, 1.0, 1.0)
+    g, lo, hi = paired_interval([0.9, 1.0, 1.1, 1.2])
+    assert g == pytest.approx((0.9 * 1.0 * 1.1 * 1.2) ** 0.25)
+    assert 0.9 < lo < g < hi < 1.2
+    g2, lo2, hi2 = paired_interval([0.9, 1.0, 1.1, 1.2] * 4)  # more rounds alike: a narrower interval
+    assert g2 == pytest.approx(g) and lo < lo2 < g2 < hi2 < hi
 
 
 def test_share_bench_says_in_one_line_why_its_daemon_did_not_start():
@@ -177,3 +209,12 @@ def test_share_bench_says_in_one_line_why_its_daemon_did_not_start():
     assert r.stderr.strip().splitlines()[-1].startswith("prefetchd bench: the share bench's daemon did not start "
                                                         "(exit status 78): "), r.stderr
     assert "larger than a rank's share of the dataset" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_each_running_phase_is_paired_with_the_stopped_phases_either_side_of_it():
+    from prefetchd.tools.bench.share import _paired_ratios
+
+    # running, stopped, running, stopped, running (no whole step in it), stopped
+    assert _paired_ratios([10.0, 8.0, 12.0, 4.0, None, 6.0]) == [10.0 / 8.0, 12.0 / 6.0]
+    assert _paired_ratios([10.0, None, 9.0]) == []  # no stopped phase beside either
+    assert _paired_ratios([]) == []

@@ -5,6 +5,7 @@ trainer, starts that fail in one line, and nothing left behind after any of them
 from __future__ import annotations
 
 import configparser
+import json
 import os
 import pathlib
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -55,6 +57,22 @@ WAITER = textwrap.dedent("""
     while True:
         time.sleep(0.05)
 """)
+
+# CMD that says it started (argv[1] + ".started"), waits for argv[1] to appear, then reads an
+# epoch through the client and writes the batches it saw to argv[2]
+LATE = textwrap.dedent("""
+    import json, os, sys, time
+    open(sys.argv[1] + ".started", "w").close()
+    while not os.path.exists(sys.argv[1]):
+        time.sleep(0.05)
+    from prefetchd_client import PrefetchClient
+    with PrefetchClient(as_numpy=True, timeout=60) as loader:
+        seen = [[loader.last_batch.epoch, loader.last_batch.batch] for _ in loader]
+    json.dump(seen, open(sys.argv[2], "w"))
+""")
+
+# CMD that waits for argv[1] to appear, then exits 0
+UNTIL = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
 
 
 def _launch(tmp_path, config: str | None, *cmd: str, env: dict | None = None) -> subprocess.Popen:
@@ -492,3 +510,86 @@ def test_a_daemon_started_by_hand_with_the_parent_variable_set_says_why_it_will_
         d.kill_group()
     assert rc == 78, (rc, d.log())
     assert "PREFETCHD_DIE_WITH_PARENT" in d.log() and "unset it" in d.log(), d.log()
+
+
+def _command_ended(launch_pid: int, daemon_pid: int) -> bool:
+    """The launch's command has exited and been reaped: the daemon is its only child left."""
+    return [c.pid for c in psutil.Process(launch_pid).children()] == [daemon_pid]
+
+
+@pytest.mark.parametrize("how", ["the guest ends", "a stop signal"])
+def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path, cfg, how):
+    """Two launches of one config: the second uses the first's daemon. The first's command ends
+    first: the first launch says who still uses the daemon and waits, the daemon serving on, and
+    the second's trainer reads its epoch; when the second ends (or a stop signal comes) the first
+    stops the daemon and leaves nothing. It was stopped at once, and the second's trainer timed out."""
+    buf = str(tmp_path / "buffer")
+    a_done, go, seen = tmp_path / "a-done", tmp_path / "go", tmp_path / "seen.json"
+    first = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    second = None
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the first launch's daemon")
+        daemon = status.lock_pid(buf)
+        second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", LATE), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
+        a_done.touch()
+        wait_until(lambda: _command_ended(first.pid, daemon), 30, "the first launch's command to end")
+        if how == "a stop signal":
+            first.send_signal(signal.SIGTERM)
+            rc, _, err = _finish(first)
+            assert rc == 0, err  # its command's status
+            assert not psutil.pid_exists(daemon) or psutil.Process(daemon).status() == psutil.STATUS_ZOMBIE
+            return
+        go.touch()  # the second's trainer reads now, after the first's command ended
+        rc2, _, err2 = _finish(second)
+        assert rc2 == 0, err2
+        assert f"using the daemon already serving {buf} (pid {daemon}); it is left running, and the launch that " \
+               f"started it waits for this one to end before stopping it" in err2, err2
+        assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+        rc, _, err = _finish(first)
+        assert rc == 0, err
+        assert f"the daemon (pid {daemon}) is still used by pid {second.pid} (" in err, err
+        assert err.count("is still used by") == 1, err
+        _assert_nothing_left(buf, [daemon])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_itself(tmp_path, cfg, caplog):
+    """serve() in both roles: as the starter its block's end waits for a launch that found its
+    daemon (and says so in one log line); as a guest of a launch's daemon it holds it, and the
+    launch stops the daemon only when the block ends."""
+    from prefetchd_client import serve
+
+    buf = str(tmp_path / "buffer")
+    go, seen = tmp_path / "go", tmp_path / "seen.json"
+    with serve(cfg) as served:
+        guest = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", LATE), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the launch's command")
+        threading.Timer(0.5, go.touch).start()
+    # the block ended only after the launch did
+    assert guest.poll() == 0 and json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+    assert any(f"is still used by pid {guest.pid} (" in r.getMessage() for r in caplog.records), caplog.text
+    _assert_nothing_left(buf, [served.pid])
+
+    a_done = tmp_path / "a-done"
+    owner = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the launch's daemon")
+        daemon = status.lock_pid(buf)
+        with serve(cfg) as served:
+            assert served.reused and served.pid == daemon
+            a_done.touch()
+            wait_until(lambda: _command_ended(owner.pid, daemon), 30, "the launch's command to end")
+            assert owner.poll() is None and status.daemon_alive(buf) is True
+            assert _read_epoch() == [(0, b) for b in range(8)]
+        rc, _, err = _finish(owner)
+        assert rc == 0 and f"is still used by pid {os.getpid()} (" in err, err
+        _assert_nothing_left(buf, [daemon])
+    finally:
+        if owner.poll() is None:
+            os.killpg(owner.pid, signal.SIGKILL)

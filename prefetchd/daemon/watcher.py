@@ -107,7 +107,8 @@ class ProgressWatcher:
         """Mark a served lane's name dirty (True), or count a change to anything else."""
         r = progress_fmt.parse_progress_name(name)
         if r is None or r not in self._stamps:
-            if not (name.startswith(".progress-") and name.endswith(".tmp")) and name:  # a client's temp file is ours
+            # a client's temp file, and the users lock of launches sharing the daemon, are ours
+            if not (name.startswith(".progress-") and name.endswith(".tmp")) and name and name != progress_fmt.USERS_NAME:
                 self._strays += 1
                 self._stray_name = name
                 self._stray_last = time.monotonic()

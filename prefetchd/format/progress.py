@@ -82,6 +82,9 @@ _I64 = 1 << 63
 _MAX_STR = 128
 VAL_LANE = 1 << 24  # lane of rank r's validation stream: VAL_LANE + r (train: r itself)
 STREAMS = ("train", "val")
+# Beside the progress files: the lock a launch or serve() that uses a daemon another one started
+# holds while it does (prefetchd_client.users); the daemon's watcher does not count it as a stray.
+USERS_NAME = ".users.lock"
 
 
 def lane(stream: str, rank: int) -> int:

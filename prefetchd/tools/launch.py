@@ -4,7 +4,8 @@
 
 1. The config is read (``--config``, else ``$PREFETCHD_CONFIG``); an error is one line, exit 78.
 2. A daemon already serving ``buffer.dir`` for this config is used (said in one line) and left
-   as it is; one serving another stream there is one line, exit 1. Otherwise the daemon is
+   as it is, held (``prefetchd_client.users``) until launch exits; one serving another stream
+   there is one line, exit 1. Otherwise the daemon is
    started (``python -m prefetchd run``, ``prefetchd_client.child.DaemonChild``) and waited for
    until its ``READY=1`` (every rank has a batch ready); a daemon that exits first is one line
    (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
@@ -18,7 +19,9 @@
    (``Restart=on-failure``, ``RestartSec=2``, at most ``StartLimitBurst=5`` starts in
    ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
    in the ring, so the trainers wait at most a start's time.
-5. When CMD exits, the daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
+5. When CMD exits, launch waits while another launch (or ``serve()``) holds the daemon it started
+   (one line names them; a stop signal, or one before CMD exited, ends or skips the wait), then the
+   daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
    created are removed (``child.Created``), and launch exits with CMD's status (128 + n when
    signal n ended it; 127: CMD not found, 126: not executable).
 6. Launch is a subreaper (``PR_SET_CHILD_SUBREAPER``): what CMD left running when it exited (a
@@ -38,7 +41,8 @@ import time
 from collections import deque
 
 import psutil
-from prefetchd_client.child import Created, DaemonChild, DaemonStartError, load, running_daemon
+from prefetchd_client import users
+from prefetchd_client.child import Created, DaemonChild, DaemonStartError, join_running, load
 from prefetchd_client.common import CONFIG_ENV
 
 # systemd/prefetchd.service's back-off (tests/test_launch.py reads the unit and compares)
@@ -154,6 +158,8 @@ class Launch:
         self.pending: list[int] = []
         self.daemon: DaemonChild | None = None
         self.created: Created | None = None
+        self.guest: users.Guest | None = None  # the hold on a daemon another launch started
+        self.cfg = None
         self.restarts = Restarts()
         self.restart_at: float | None = None
         self.reap_at = 0.0
@@ -168,11 +174,19 @@ class Launch:
         try:
             return self._run()
         finally:
+            hold = users.OwnerHold(None)
             try:
-                if self.daemon is not None:
-                    self.daemon.stop()
-                if self.created is not None:
-                    self.created.remove()
+                if self.guest is not None:
+                    self.guest.close()
+                if self.daemon is not None and self.daemon.poll() is None and not self.stopping:
+                    hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._stop_signal)
+                try:
+                    if self.daemon is not None:
+                        self.daemon.stop()
+                    if self.created is not None:
+                        self.created.remove()
+                finally:
+                    hold.release()  # a launch waiting to use the daemon finds it gone, and starts its own
                 if left := end_leftovers():
                     say(f"the command left {len(left)} process(es) running (pids {', '.join(map(str, left))}); "
                         f"ended them")
@@ -183,12 +197,14 @@ class Launch:
     def _run(self) -> int:
         try:
             path, cfg = load(self.config)
-            pid = running_daemon(cfg)
+            pid, self.guest = join_running(cfg)
         except DaemonStartError as e:
             say(str(e))
             return e.exit_code
+        self.cfg = cfg
         if pid is not None:
-            say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}); it is left running")
+            say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}); it is left running, and the "
+                f"launch that started it waits for this one to end before stopping it")
         else:
             self.created = Created.before_start(cfg)
             self.daemon = DaemonChild(path)
@@ -231,6 +247,12 @@ class Launch:
                 reap_orphans(keep=(proc.pid, self.daemon.pid if self.daemon is not None else None))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_TICK_S)
+
+    def _stop_signal(self) -> bool:
+        """A SIGINT or SIGTERM came (the wait for guests ends at it)."""
+        got = any(s in (signal.SIGINT, signal.SIGTERM) for s in self.pending)
+        self.pending.clear()
+        return got
 
     def _supervise(self) -> None:
         """Notice a daemon that died and start it again as the service would."""

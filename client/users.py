@@ -1,0 +1,144 @@
+"""Who else uses a daemon that ``prefetchd launch`` or ``serve()`` started: the users file.
+
+A launch (or ``serve()``) that finds a daemon already serving its ``buffer.dir`` uses it as a
+*guest*; before, the launch that started it stopped it when its own command ended, and the
+guest's trainers waited for batches until their timeout: a lost run. Now each guest holds a
+shared ``flock`` on ``USERS_NAME`` in the progress directory (the directory every trainer of the
+daemon can write) for as long as it uses the daemon, and the one that started it, once its
+command has ended, takes the lock exclusively before it stops the daemon: it waits while a guest
+holds it, naming the guests' pids in one line, and a stop signal (Ctrl-C, ``scancel``'s SIGTERM)
+ends the wait at once. It keeps the exclusive lock until the daemon is stopped and its
+directories removed, so a guest arriving meanwhile waits for that, finds no daemon, and starts
+its own.
+
+The lock is the kernel's: a guest that dies releases it, and nothing is left to clean up. Only
+read access is needed (``flock`` works on a descriptor opened read-only), so a file made by one
+trainer's user serves another's. A name that is not a regular file (a FIFO, a symlink, planted
+by another user of a shared directory) is never waited on: the guest goes without the hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+
+from prefetchd.format.progress import USERS_NAME
+
+_log = logging.getLogger("prefetchd_client")
+_WAIT_TICK_S = 0.2
+
+
+def users_path(progress_dir: str) -> str:
+    return os.path.join(progress_dir, USERS_NAME)
+
+
+def _open(progress_dir: str) -> int | None:
+    """The users file, opened read-only (made when missing); None when it cannot be (no such
+    directory, no permission, not a regular file)."""
+    try:
+        fd = os.open(users_path(progress_dir),
+                     os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        _log.debug("prefetchd: cannot open %s: %s", users_path(progress_dir), e)
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+class Guest:
+    """A guest's hold on a daemon it did not start (a shared lock on the users file)."""
+
+    def __init__(self, fd: int):
+        self._fd: int | None = fd
+
+    @classmethod
+    def join(cls, progress_dir: str, still_serving: Callable[[], bool]) -> Guest | None:
+        """Hold the daemon as a guest, then check it still serves (``still_serving``): a hold
+        taken while the one that started it was stopping it comes after the stop, and finds no
+        daemon. None, holding nothing, when it no longer serves; a hold on nothing (the file
+        could not be opened) when it does but cannot be held."""
+        fd = _open(progress_dir)
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a stop holds it exclusively
+        if not still_serving():
+            if fd is not None:
+                os.close(fd)
+            return None
+        return cls(fd if fd is not None else -1)
+
+    def close(self) -> None:
+        if self._fd is not None and self._fd >= 0:
+            os.close(self._fd)
+        self._fd = None
+
+
+def holders(fd: int) -> list[int]:
+    """Pids holding a lock on ``fd``'s file, other than this process (``/proc/locks``)."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    with contextlib.suppress(OSError), open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            if "->" in parts:  # a waiter, not a holder
+                continue
+            if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key:
+                with contextlib.suppress(ValueError):
+                    if (pid := int(parts[4])) not in (os.getpid(), 0):
+                        pids.append(pid)
+    return sorted(set(pids))
+
+
+def _describe(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return str(pid)
+    return f"{pid} ({cmd[:60]}{'...' if len(cmd) > 60 else ''})" if cmd else str(pid)
+
+
+class OwnerHold:
+    """The exclusive hold the daemon's starter takes before stopping it (``wait_for_guests``)."""
+
+    def __init__(self, fd: int | None):
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[str], object],
+                    stop: Callable[[], bool]) -> OwnerHold:
+    """Before stopping the daemon this process started: wait until no guest holds it, saying once
+    who does; ``stop()`` true ends the wait (a stop signal). Returns the hold to release once the
+    daemon is stopped and its directories removed (holding nothing when the file cannot be
+    opened, or the wait was ended)."""
+    fd = _open(progress_dir)
+    if fd is None:
+        return OwnerHold(None)
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return OwnerHold(fd)
+        except BlockingIOError:
+            pass
+        if not said:
+            who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
+            say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting for "
+                f"that to end before stopping the daemon (a stop signal stops it now)")
+            said = True
+        if stop():
+            os.close(fd)
+            return OwnerHold(None)
+        time.sleep(_WAIT_TICK_S)

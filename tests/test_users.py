@@ -1,0 +1,111 @@
+"""The users file (``prefetchd_client.users``): a guest's shared hold, the starter's wait for it,
+and what a hostile or missing file does (nothing waits on it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+from conftest import wait_until
+from prefetchd_client import users
+
+from prefetchd.format.progress import USERS_NAME
+
+# A guest in another process: holds the users file shared until its stdin closes
+GUEST = textwrap.dedent("""
+    import sys
+    from prefetchd_client import users
+    g = users.Guest.join(sys.argv[1], lambda: True)
+    print("held", flush=True)
+    sys.stdin.read()
+    g.close()
+""")
+
+
+def _guest(directory) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", GUEST, str(directory)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_the_starter_waits_for_a_guest_naming_it_once_and_holds_the_file_until_released(tmp_path):
+    g = _guest(tmp_path)
+    said: list[str] = []
+    got: list[users.OwnerHold] = []
+    t = threading.Thread(target=lambda: got.append(users.wait_for_guests(str(tmp_path), 42, said.append, lambda: False)))
+    t.start()
+    wait_until(lambda: said, 10, "the line naming the guest")
+    assert t.is_alive(), "it did not wait"
+    assert said[0].startswith(f"the daemon (pid 42) is still used by pid {g.pid} ("), said
+    assert "waiting for that to end before stopping the daemon (a stop signal stops it now)" in said[0]
+    g.stdin.close()
+    assert g.wait(10) == 0
+    t.join(10)
+    assert not t.is_alive() and len(said) == 1, said
+    # held exclusively now: a guest arriving waits until the release, then finds no daemon
+    serving = [True]
+    late: list[object] = []
+    lt = threading.Thread(target=lambda: late.append(users.Guest.join(str(tmp_path), lambda: serving[0])))
+    lt.start()
+    lt.join(0.3)
+    assert lt.is_alive(), "a guest got in while the starter held the file"
+    serving[0] = False
+    got[0].release()
+    lt.join(10)
+    assert late == [None]
+
+
+def test_no_guest_no_wait_and_a_stop_ends_a_wait(tmp_path):
+    said: list[str] = []
+    hold = users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False)
+    assert said == [] and os.path.isfile(tmp_path / USERS_NAME)
+    hold.release()
+    g = _guest(tmp_path)
+    try:
+        hold = users.wait_for_guests(str(tmp_path), 1, said.append, lambda: True)  # a stop signal came
+        assert len(said) == 1 and str(g.pid) in said[0]
+        hold.release()
+    finally:
+        g.stdin.close()
+        g.wait(10)
+
+
+def test_a_guest_that_dies_is_not_waited_for(tmp_path):
+    g = _guest(tmp_path)
+    g.kill()
+    g.wait(10)
+    said: list[str] = []
+    users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False).release()
+    assert said == []
+
+
+def test_a_guest_of_a_daemon_gone_meanwhile_holds_nothing(tmp_path):
+    assert users.Guest.join(str(tmp_path), lambda: False) is None
+    said: list[str] = []
+    users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False).release()  # nothing left held
+    assert said == []
+
+
+def test_a_fifo_or_a_symlink_at_the_name_is_never_waited_on(tmp_path):
+    os.mkfifo(tmp_path / USERS_NAME)
+    g = users.Guest.join(str(tmp_path), lambda: True)  # no hold, but it does not block either
+    assert g is not None
+    g.close()
+    users.wait_for_guests(str(tmp_path), 1, lambda line: None, lambda: False).release()
+    os.unlink(tmp_path / USERS_NAME)
+    (tmp_path / "target").write_text("")
+    os.symlink(tmp_path / "target", tmp_path / USERS_NAME)
+    assert users.Guest.join(str(tmp_path), lambda: True) is not None
+
+
+def test_a_directory_that_is_not_there_holds_nothing_and_waits_for_nothing(tmp_path):
+    missing = str(tmp_path / "no" / "such")
+    g = users.Guest.join(missing, lambda: True)
+    assert g is not None
+    g.close()
+    users.wait_for_guests(missing, 1, lambda line: None, lambda: False).release()
+    assert not os.path.exists(missing)
