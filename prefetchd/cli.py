@@ -477,8 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the daemon's rate from a ring first filled this deep a rank (refilling ahead of a trainer, "
                    "as after a restart), so it reads alike with the daemon running or stopped; 0 (default): "
                    "it waits at the head of the ring for each batch")
-    h.add_argument("--share-only", choices=("step", "gpu"), help="--share: only the CPU-bound step, or only the "
-                   "GPU-like trainers' img/s (more rounds in the same time)")
+    h.add_argument("--share-only", choices=("step", "gpu", "gpu-paired"), help="--share: only the CPU-bound step, "
+                   "or only the GPU-like trainers' img/s (more rounds in the same time); gpu-paired: one daemon whose "
+                   "workers are switched between idle and normal every --share-phase-s, the GPU-like img/s of each "
+                   "idle phase against the normal ones beside it (root only)")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bars (none are drawn off a terminal either)")
     b.set_defaults(fn=cmd_bench)
     return p

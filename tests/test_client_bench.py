@@ -218,3 +218,42 @@ def test_each_running_phase_is_paired_with_the_stopped_phases_either_side_of_it(
     assert _paired_ratios([10.0, 8.0, 12.0, 4.0, None, 6.0]) == [10.0 / 8.0, 12.0 / 6.0]
     assert _paired_ratios([10.0, None, 9.0]) == []  # no stopped phase beside either
     assert _paired_ratios([]) == []
+
+
+def test_share_bench_gpu_paired_switches_the_workers_phase_by_phase_and_pools_the_pairs():
+    if os.geteuid() != 0:
+        pytest.skip("switching a thread out of SCHED_IDLE needs root")
+    out = _bench("--share", "--share-only", "gpu-paired", "--repeats", "2", "--share-cycles", "2", "--share-phase-s",
+                 "0.5", "--images", "64", "--image-side", "64", "--step-ms", "1", "-q")
+    assert len(re.findall(r"^round \d: GPU-like img/s, workers idle against normal phase by phase: [\d.]+ x "
+                          r"\[[\d.]+-[\d.]+\] over 2 pairs", out, re.M)) == 2, out
+    assert re.search(r"^summary: GPU-like img/s, workers idle against normal: [\d.]+ x \[[\d.]+-[\d.]+\] \(geometric "
+                     r"mean of 4 phase pairs", out, re.M), out
+
+
+def test_the_workers_policy_reaches_every_thread_of_every_child_and_not_the_parent():
+    if os.geteuid() != 0:
+        pytest.skip("switching a thread out of SCHED_IDLE needs root")
+    import subprocess
+    import sys
+
+    from prefetchd.tools.bench.share import _set_workers_policy
+
+    # a parent whose child runs two threads, as a daemon and its worker
+    code = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', "
+            "'import threading, time; threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+            "print(1, flush=True); time.sleep(60)'], stdout=subprocess.PIPE); c.stdout.readline(); "
+            "print(c.pid, flush=True); time.sleep(60)")
+    parent = subprocess.Popen([sys.executable, "-c", "import time; " + code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        tids = [int(t) for t in os.listdir(f"/proc/{child}/task")]
+        assert len(tids) == 2
+        for policy in (os.SCHED_IDLE, os.SCHED_OTHER, os.SCHED_IDLE):
+            _set_workers_policy(parent.pid, policy)
+            assert [os.sched_getscheduler(t) for t in tids] == [policy, policy]
+            assert os.sched_getscheduler(parent.pid) == os.SCHED_OTHER
+    finally:
+        os.kill(child, 9)
+        parent.kill()
+        parent.wait(10)

@@ -22,7 +22,10 @@ Issue 30's two figures, for each ``workers.priority`` (``--share-priorities``, d
   the same round. Target: >= 0.97. The summary gives, beside the median, the geometric mean of
   the rounds' ratios with a 95 % bootstrap interval: one round moves by more than 3 %, so only
   its lower end at or above 0.97 shows the target met. ``--share-only gpu`` runs just this figure
-  (``step``, just the other), so many rounds fit in a few minutes.
+  (``step``, just the other), so many rounds fit in a few minutes. ``--share-only gpu-paired``
+  (root only) pairs it in time instead, as the step is: one daemon, the two trainers reading
+  throughout, its workers switched between SCHED_IDLE and normal every ``--share-phase-s``; each
+  idle phase's images/s over the normal phases beside it (``gpu_paired_run``).
 
 ``--share-pin`` binds the CPU-bound trainer to the first CPU and rank 1 to the second (the GPU-like
 ranks too), as a job that gives each rank its own cores does (Slurm's ``--cpu-bind``, ``taskset``);
@@ -342,6 +345,79 @@ def gpu_run(root: str, work: str, priority: str, batches: int, step_ms: float, b
         _stop_daemon(proc, buffer)
 
 
+def _gpu_reader(cfg: str, rank: int, step_s: float, start, stop, out, cpu: int | None = None) -> None:
+    """A GPU-like trainer for ``gpu_paired_run``: sleeps ``step_s`` a step and reads a batch, until
+    ``stop``. Puts (rank, [(arrival time, images) of each batch], 0, 0.0, 0.0)."""
+    from prefetchd_client import PrefetchClient
+
+    _pin(cpu)
+    with PrefetchClient(cfg, rank=rank, timeout=300, as_numpy=True) as c:
+        it = _endless(c)
+        next(it)
+        start.wait()
+        got = []
+        while not stop.is_set():
+            time.sleep(step_s)
+            _, y = next(it)
+            got.append((time.monotonic(), len(y)))
+    out.put((rank, got, 0, 0.0, 0.0))
+
+
+def _set_workers_policy(daemon_pid: int, policy: int) -> None:
+    """Every thread of the daemon's child processes (its workers) to ``policy`` (nice 0): the
+    daemon's own process keeps its priority, as it does under either setting."""
+    import psutil
+
+    for p in psutil.Process(daemon_pid).children(recursive=True):
+        try:
+            tids = os.listdir(f"/proc/{p.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            except OSError:  # a thread that ended meanwhile
+                pass
+
+
+def gpu_paired_run(root: str, work: str, batch_size: int, step_ms: float, cycles: int, phase_s: float = 1.0,
+                   pin: bool = False) -> list[float]:
+    """The GPU-like figure, paired in time: one daemon, two GPU-like trainers reading throughout,
+    and the workers switched between SCHED_IDLE and normal priority every ``phase_s`` (root only:
+    only a privileged process may raise a thread out of SCHED_IDLE). Each idle phase's images/s
+    over the mean of the normal phases either side of it (the first fifth of each phase left out:
+    batches made before the switch). Run-to-run spread, which is larger than 3 % here, cancels."""
+    ctx = get_context("fork")
+    start, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    proc, cfg, buffer = _start_daemon(root, work, "idle", batch_size, 8)
+    phases: list[tuple[float, float]] = []
+    try:
+        readers = [ctx.Process(target=_gpu_reader, args=(cfg, r, step_ms / 1000, start, stop, out, r if pin else None))
+                   for r in (0, 1)]
+        for p in readers:
+            p.start()
+        start.set()
+        time.sleep(2.0)
+        for i in range(2 * cycles):
+            _set_workers_policy(proc.pid, os.SCHED_IDLE if i % 2 == 0 else os.SCHED_OTHER)
+            t0 = time.monotonic()
+            time.sleep(phase_s)
+            phases.append((t0, time.monotonic()))
+        stop.set()
+        got = _collect(out, 2, readers)
+        for p in readers:
+            p.join(30)
+    finally:
+        _stop_daemon(proc, buffer)
+    arrivals = [a for g in got.values() for a in g[0]]
+    rates: list[float | None] = []
+    for a, b in phases:
+        a += (b - a) / 5
+        n = sum(k for t, k in arrivals if a <= t < b)
+        rates.append(n / (b - a) if n else None)
+    return _paired_ratios(rates)
+
+
 def run_share_bench(args) -> int:
     priorities = [p.strip() for p in args.share_priorities.split(",") if p.strip()]
     if "normal" not in priorities:
@@ -357,6 +433,8 @@ def run_share_bench(args) -> int:
           f"step {args.share_step}, {args.repeats} rounds alternated; cores {len(os.sched_getaffinity(0))}"
           + ("; the trainer bound to the first CPU, rank 1 to the second" if args.share_pin else ""))
     try:
+        if args.share_only == "gpu-paired":
+            return _gpu_paired_rounds(args, root, work, batch)
         rows = _rounds(args, priorities, root, work, batch)
     except RuntimeError as e:  # the daemon did not start, a trainer failed: one line
         print(f"prefetchd bench: {e}", file=sys.stderr)
@@ -386,6 +464,28 @@ def run_share_bench(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
+
+
+def _gpu_paired_rounds(args, root: str, work: str, batch: int) -> int:
+    """``--share-only gpu-paired``: ``gpu_paired_run`` ``--repeats`` times, each round's line and
+    the pooled pairs' geometric mean with its interval."""
+    if os.geteuid() != 0:
+        print("prefetchd bench: --share-only gpu-paired switches the workers out of SCHED_IDLE, which only root may do",
+              file=sys.stderr)
+        return 2
+    pairs: list[float] = []
+    for rnd in range(args.repeats):
+        mine = gpu_paired_run(root, work, batch, args.step_ms, args.share_cycles, args.share_phase_s, pin=args.share_pin)
+        if not mine:
+            raise RuntimeError("no phase pair had batches in both phases: give --share-phase-s more")
+        pairs += mine
+        g, lo, hi = paired_interval(mine)
+        print(f"round {rnd}: GPU-like img/s, workers idle against normal phase by phase: {g:.3f} x [{lo:.3f}-{hi:.3f}] "
+              f"over {len(mine)} pairs (load {os.getloadavg()[0]:.2f})", flush=True)
+    g, lo, hi = paired_interval(pairs)
+    print(f"summary: GPU-like img/s, workers idle against normal: {g:.3f} x [{lo:.3f}-{hi:.3f}] (geometric mean of "
+          f"{len(pairs)} phase pairs, 95 % bootstrap interval)")
     return 0
 
 
