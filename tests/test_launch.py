@@ -72,7 +72,8 @@ LATE = textwrap.dedent("""
 """)
 
 # CMD that waits for argv[1] to appear, then exits 0
-UNTIL = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+UNTIL = ("import os, sys, time\nopen(sys.argv[1] + '.started', 'w').close()\n"
+         "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n")
 
 
 def _launch(tmp_path, config: str | None, *cmd: str, env: dict | None = None) -> subprocess.Popen:
@@ -517,6 +518,14 @@ def _command_ended(launch_pid: int, daemon_pid: int) -> bool:
     return [c.pid for c in psutil.Process(launch_pid).children()] == [daemon_pid]
 
 
+def _end_command(launch_pid: int, until: pathlib.Path, daemon_pid: int) -> None:
+    """End the launch's UNTIL command, once it runs (before, while the launch waits for its daemon's
+    READY=1, the daemon is its only child too), and wait until it has been reaped."""
+    wait_until(lambda: os.path.exists(f"{until}.started"), 60, "the launch's command to start")
+    until.touch()
+    wait_until(lambda: _command_ended(launch_pid, daemon_pid), 30, "the launch's command to end")
+
+
 @pytest.mark.parametrize("how", ["the guest ends", "a stop signal"])
 def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path, cfg, how):
     """Two launches of one config: the second uses the first's daemon. The first's command ends
@@ -533,8 +542,7 @@ def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path
         daemon = status.lock_pid(buf)
         second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", LATE), str(go), str(seen))
         wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
-        a_done.touch()
-        wait_until(lambda: _command_ended(first.pid, daemon), 30, "the first launch's command to end")
+        _end_command(first.pid, a_done, daemon)
         if how == "a stop signal":
             first.send_signal(signal.SIGTERM)
             rc, _, err = _finish(first)
@@ -583,8 +591,7 @@ def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_its
         daemon = status.lock_pid(buf)
         with serve(cfg) as served:
             assert served.reused and served.pid == daemon
-            a_done.touch()
-            wait_until(lambda: _command_ended(owner.pid, daemon), 30, "the launch's command to end")
+            _end_command(owner.pid, a_done, daemon)
             assert owner.poll() is None and status.daemon_alive(buf) is True
             assert _read_epoch() == [(0, b) for b in range(8)]
         rc, _, err = _finish(owner)
