@@ -14,7 +14,10 @@ its own.
 The lock is the kernel's: a guest that dies releases it, and nothing is left to clean up. Only
 read access is needed (``flock`` works on a descriptor opened read-only), so a file made by one
 trainer's user serves another's. A name that is not a regular file (a FIFO, a symlink, planted
-by another user of a shared directory) is never waited on: the guest goes without the hold.
+by another user of a shared directory) is never waited on: the guest goes without the hold. A
+process forked from a guest (a DataLoader's worker, multiprocessing's ``fork``) shares the guest's
+open file and with it the lock: the child's copy is closed at the fork, or the starter would wait
+for that worker after the guest let go.
 """
 
 from __future__ import annotations
@@ -31,6 +34,23 @@ from prefetchd.format.progress import USERS_NAME
 
 _log = logging.getLogger("prefetchd_client")
 _WAIT_TICK_S = 0.2
+_held: set[int] = set()  # the descriptors holding a lock now, closed in a forked child
+
+
+def _close_in_child() -> None:
+    """In a child forked while a lock is held: close the copies (the lock stays with the parent's)."""
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _close(fd: int) -> None:
+    _held.discard(fd)
+    os.close(fd)
 
 
 def users_path(progress_dir: str) -> str:
@@ -67,15 +87,16 @@ class Guest:
         fd = _open(progress_dir)
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a stop holds it exclusively
+            _held.add(fd)
         if not still_serving():
             if fd is not None:
-                os.close(fd)
+                _close(fd)
             return None
         return cls(fd if fd is not None else -1)
 
     def close(self) -> None:
         if self._fd is not None and self._fd >= 0:
-            os.close(self._fd)
+            _close(self._fd)
         self._fd = None
 
 
@@ -113,7 +134,7 @@ class OwnerHold:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = None
 
 
@@ -130,6 +151,7 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _held.add(fd)
             return OwnerHold(fd)
         except BlockingIOError:
             pass

@@ -3,11 +3,13 @@ and what a hostile or missing file does (nothing waits on it)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 from conftest import wait_until
 from prefetchd_client import users
@@ -109,3 +111,51 @@ def test_a_directory_that_is_not_there_holds_nothing_and_waits_for_nothing(tmp_p
     g.close()
     users.wait_for_guests(missing, 1, lambda line: None, lambda: False).release()
     assert not os.path.exists(missing)
+
+
+# A guest whose trainer forks a worker (a DataLoader's, multiprocessing's "fork") while it holds
+# the daemon, then ends its use of it (serve()'s block ends) with the worker still alive
+FORKING_GUEST = textwrap.dedent("""
+    import multiprocessing, sys
+    from prefetchd_client import users
+    g = users.Guest.join(sys.argv[1], lambda: True)
+    ctx = multiprocessing.get_context("fork")
+    done = ctx.Event()
+    worker = ctx.Process(target=done.wait, args=(60,))
+    worker.start()
+    g.close()
+    print("closed", flush=True)
+    sys.stdin.read()
+    done.set()
+    worker.join(10)
+""")
+
+
+def test_a_worker_forked_by_a_guest_does_not_hold_the_daemon_after_the_guest_let_go(tmp_path):
+    """The forked worker shares the guest's open file and with it the lock: the starter waited
+    for the worker (naming the guest, which had let go) until it exited, for ever for a
+    persistent one in a notebook."""
+    p = subprocess.Popen([sys.executable, "-c", FORKING_GUEST, str(tmp_path)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "closed"
+        deadline = time.monotonic() + 5  # the worker closes its copy as it starts: a moment, not the worker's life
+        hold = users.wait_for_guests(str(tmp_path), 1, lambda line: None, lambda: time.monotonic() > deadline)
+        try:
+            assert _held_exclusively(tmp_path), "the worker holds it still"
+        finally:
+            hold.release()
+    finally:
+        p.stdin.close()
+        p.wait(30)
+
+
+def _held_exclusively(directory) -> bool:
+    fd = os.open(os.path.join(directory, USERS_NAME), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
