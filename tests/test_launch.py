@@ -600,3 +600,60 @@ def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_its
     finally:
         if owner.poll() is None:
             os.killpg(owner.pid, signal.SIGKILL)
+
+
+# `prefetchd launch` (argv: config, CMD...) whose first look at the buffer came too early: it found
+# no daemon, as a launch started at the same moment as another does, and the other's is there now
+LOOKED_TOO_EARLY = textwrap.dedent("""
+    import sys
+    from prefetchd_client import child
+    from prefetchd.tools import launch
+    real, looks = child.running_daemon, []
+    def too_early(cfg):
+        looks.append(cfg)
+        return None if len(looks) == 1 else real(cfg)
+    child.running_daemon = too_early
+    sys.exit(launch.run_launch(sys.argv[1], sys.argv[2:], 120))
+""")
+
+
+def test_of_two_launches_started_at_once_the_one_whose_daemon_lost_uses_the_others(tmp_path, cfg, daemon_factory):
+    """Two launches of one config at the same moment: both found no daemon and started one; only
+    one can hold the buffer, and the other launch failed (exit 1, "another prefetchd already
+    serves") before its command ran. It uses the daemon that won, as a guest, and leaves it running."""
+    buf = str(tmp_path / "buffer")
+    other = daemon_factory(cfg)  # the other launch's
+    wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60, "the daemon")
+    go, seen = tmp_path / "go", tmp_path / "seen.json"
+    go.touch()
+    p = subprocess.Popen([sys.executable, "-c", LOOKED_TOO_EARLY, cfg, sys.executable,
+                          _script(tmp_path, "late.py", LATE), str(go), str(seen)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rc, _, err = _finish(p)
+    assert rc == 0, err
+    assert f"using the daemon already serving {buf} (pid {other.pid}), started at the same time as this " \
+           f"launch's;" in err, err
+    assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+    assert other.proc.poll() is None and status.lock_pid(buf) == other.pid  # not its own: left running
+
+
+def test_of_two_serve_blocks_started_at_once_the_one_whose_daemon_lost_uses_the_others(tmp_path, cfg, daemon_factory,
+                                                                                      monkeypatch):
+    """serve() as the launch above: the block ran against the daemon that won (it raised "another
+    prefetchd already serves")."""
+    from prefetchd_client import child, serve
+
+    buf = str(tmp_path / "buffer")
+    other = daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60, "the daemon")
+    real, looks = child.running_daemon, []
+
+    def too_early(c):  # the first look found none, as a start at the same moment as another does
+        looks.append(c)
+        return None if len(looks) == 1 else real(c)
+
+    monkeypatch.setattr(child, "running_daemon", too_early)
+    with serve(cfg, timeout=120) as served:
+        assert served.reused and served.pid == other.pid
+        assert _read_epoch() == [(0, b) for b in range(8)]
+    assert other.proc.poll() is None and status.lock_pid(buf) == other.pid

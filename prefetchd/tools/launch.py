@@ -5,7 +5,8 @@
 1. The config is read (``--config``, else ``$PREFETCHD_CONFIG``); an error is one line, exit 78.
 2. A daemon already serving ``buffer.dir`` for this config is used (said in one line) and left
    as it is, held (``prefetchd_client.users``) until launch exits; one serving another stream
-   there is one line, exit 1. Otherwise the daemon is
+   there is one line, exit 1. So is one that another launch started at the same moment, whose
+   daemon holds the buffer where this one's could not. Otherwise the daemon is
    started (``python -m prefetchd run``, ``prefetchd_client.child.DaemonChild``) and waited for
    until its ``READY=1`` (every rank has a batch ready); a daemon that exits first is one line
    (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
@@ -42,7 +43,14 @@ from collections import deque
 
 import psutil
 from prefetchd_client import users
-from prefetchd_client.child import Created, DaemonChild, DaemonStartError, join_running, load
+from prefetchd_client.child import (
+    Created,
+    DaemonChild,
+    DaemonStartError,
+    join_instead,
+    join_running,
+    load,
+)
 from prefetchd_client.common import CONFIG_ENV
 
 # systemd/prefetchd.service's back-off (tests/test_launch.py reads the unit and compares)
@@ -214,8 +222,18 @@ class Launch:
                 if not self.daemon.wait_ready(self.ready_timeout, stop=lambda: bool(self.pending)):
                     return 128 + self.pending[0]  # stopped before CMD ran
             except DaemonStartError as e:
-                say(str(e))
-                return e.exit_code
+                err = e
+                try:  # another launch of this config started one at the same moment, and it holds the buffer
+                    pid, self.guest = join_instead(cfg, self.daemon)
+                except DaemonStartError as other:  # one of another stream: that is the error to say
+                    err = other
+                if self.guest is None:
+                    say(str(err))
+                    return err.exit_code
+                self.daemon = self.created = None  # not its own: neither stopped nor removed by this launch
+                say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}), started at the same time as "
+                    f"this launch's; it is left running, and the launch that started it waits for this one to "
+                    f"end before stopping it")
         if self.pending:
             return 128 + self.pending[0]
         try:
