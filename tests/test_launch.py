@@ -657,3 +657,36 @@ def test_of_two_serve_blocks_started_at_once_the_one_whose_daemon_lost_uses_the_
         assert served.reused and served.pid == other.pid
         assert _read_epoch() == [(0, b) for b in range(8)]
     assert other.proc.poll() is None and status.lock_pid(buf) == other.pid
+
+
+def test_a_daemon_that_dies_while_the_launch_that_started_it_waits_for_another_is_restarted(tmp_path, cfg):
+    """The starter's command has ended and it waits for a launch using its daemon; the daemon is
+    killed. It was not restarted (that was done only while the starter's own command ran), and the
+    other launch's trainer waited for batches until its timeout and failed."""
+    buf = str(tmp_path / "buffer")
+    a_done, go, seen = tmp_path / "a-done", tmp_path / "go", tmp_path / "seen.json"
+    first = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    second = None
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the first launch's daemon")
+        daemon = status.lock_pid(buf)
+        late = LATE.replace("timeout=60", "timeout=20")
+        second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", late), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
+        _end_command(first.pid, a_done, daemon)
+        os.kill(daemon, signal.SIGKILL)
+        go.touch()
+        rc2, _, err2 = _finish(second)
+        assert rc2 == 0, err2
+        assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+        rc, _, err = _finish(first)
+        assert rc == 0, err
+        assert f"the daemon (pid {daemon}) was killed by SIGKILL while launches using it run; restarting it in 2 s" \
+               in err, err
+        again = int(err.split("started the daemon again (pid ")[1].split(")")[0])
+        _assert_nothing_left(buf, [daemon, again])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

@@ -21,7 +21,8 @@
    ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
    in the ring, so the trainers wait at most a start's time.
 5. When CMD exits, launch waits while another launch (or ``serve()``) holds the daemon it started
-   (one line names them; a stop signal, or one before CMD exited, ends or skips the wait), then the
+   (one line names them; a stop signal, or one before CMD exited, ends or skips the wait; a daemon
+   that dies meanwhile is started again as in 4, for their trainers read from it), then the
    daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
    created are removed (``child.Created``), and launch exits with CMD's status (128 + n when
    signal n ended it; 127: CMD not found, 126: not executable).
@@ -186,8 +187,8 @@ class Launch:
             try:
                 if self.guest is not None:
                     self.guest.close()
-                if self.daemon is not None and self.daemon.poll() is None and not self.stopping:
-                    hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._stop_signal)
+                if self.daemon is not None and not self.stopping:
+                    hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._guests_tick)
                 try:
                     if self.daemon is not None:
                         self.daemon.stop()
@@ -266,13 +267,17 @@ class Launch:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_TICK_S)
 
-    def _stop_signal(self) -> bool:
-        """A SIGINT or SIGTERM came (the wait for guests ends at it)."""
+    def _guests_tick(self) -> bool:
+        """A turn of the wait for guests after CMD ended: True (the wait ends) when a SIGINT or
+        SIGTERM came, or the daemon is gone for good; one that dies is started again as while CMD
+        ran, for the guests' trainers read from it."""
         got = any(s in (signal.SIGINT, signal.SIGTERM) for s in self.pending)
         self.pending.clear()
-        return got
+        if not got:
+            self._supervise("while launches using it run")
+        return got or self.daemon is None
 
-    def _supervise(self) -> None:
+    def _supervise(self, when: str = "while the command runs") -> None:
         """Notice a daemon that died and start it again as the service would."""
         d = self.daemon
         if d is None or self.stopping:
@@ -295,7 +300,7 @@ class Launch:
         last = "" if was_ready else f" before it was ready: {d.error_line()}"
         d.stop()  # reaps it and whatever of its process group is left
         self.restart_at, why = self.restarts.after_exit(rc, now)
-        say(f"the daemon (pid {d.pid}) {_how(rc)} while the command runs{last}; {why}")
+        say(f"the daemon (pid {d.pid}) {_how(rc)} {when}{last}; {why}")
         if self.restart_at is None:
             self.daemon = None
 
