@@ -441,25 +441,29 @@ def _wait_for_guests(cfg: Config, child: DaemonChild) -> users.OwnerHold:
     second Ctrl-C ends it)."""
     if child.poll() is not None:
         return users.OwnerHold(None)
-    return users.wait_for_guests(cfg.progress_dir, child.pid, lambda line: _log.warning("prefetchd: %s", line),
-                                 lambda: False)
+    return users.wait_for_guests(cfg.progress_dir, child.pid, _say, lambda: False)
 
 
-def join_running(cfg: Config) -> tuple[int | None, users.Guest | None]:
+def _say(line: str) -> None:
+    _log.warning("prefetchd: %s", line)
+
+
+def join_running(cfg: Config, say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
     """The daemon already serving ``cfg``'s buffer and this process's hold on it as a guest
-    (``users.Guest``), or (None, None) when none serves there (the caller starts one). Raises
-    ``DaemonStartError`` as ``running_daemon``."""
+    (``users.Guest``; ``say`` gets its one line when it cannot hold it), or (None, None) when
+    none serves there (the caller starts one). Raises ``DaemonStartError`` as ``running_daemon``."""
     pid = running_daemon(cfg)
     if pid is None:
         return None, None
-    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid)
+    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say)
     return (pid, guest) if guest is not None else (None, None)
 
 
-def join_instead(cfg: Config, child: DaemonChild) -> tuple[int | None, users.Guest | None]:
+def join_instead(cfg: Config, child: DaemonChild,
+                 say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
     """After ``child`` failed to start: the daemon serving ``cfg``'s buffer now and the hold on it,
     as ``join_running`` (``child`` is stopped first). Two starts of one config at the same moment
     both find no daemon and start one; only one can hold the buffer, and the other's command
     never ran ("another prefetchd already serves"): it uses the one that won instead."""
     child.stop()
-    return join_running(cfg)
+    return join_running(cfg, say)

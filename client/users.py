@@ -14,7 +14,8 @@ its own.
 The lock is the kernel's: a guest that dies releases it, and nothing is left to clean up. Only
 read access is needed (``flock`` works on a descriptor opened read-only), so a file made by one
 trainer's user serves another's. A name that is not a regular file (a FIFO, a symlink, planted
-by another user of a shared directory) is never waited on: the guest goes without the hold. A
+by another user of a shared directory), a file it cannot open, or a filesystem without ``flock``
+is never waited on: the guest goes without the hold, and says so in one line. A
 process forked from a guest (a DataLoader's worker, multiprocessing's ``fork``) shares the guest's
 open file and with it the lock: the child's copy is closed at the fork, or the starter would wait
 for that worker after the guest let go.
@@ -23,6 +24,7 @@ for that worker after the guest let go.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -57,19 +59,31 @@ def users_path(progress_dir: str) -> str:
     return os.path.join(progress_dir, USERS_NAME)
 
 
-def _open(progress_dir: str) -> int | None:
-    """The users file, opened read-only (made when missing); None when it cannot be (no such
-    directory, no permission, not a regular file)."""
+def _open(progress_dir: str) -> tuple[int | None, str]:
+    """The users file, opened read-only (made when missing), or None and why it cannot be (no
+    such directory, no permission, not a regular file)."""
+    path = users_path(progress_dir)
     try:
-        fd = os.open(users_path(progress_dir),
-                     os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as e:
-        _log.debug("prefetchd: cannot open %s: %s", users_path(progress_dir), e)
-        return None
+        return None, f"cannot open {path} ({'a symlink' if e.errno == errno.ELOOP else e.strerror})"
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        return None
-    return fd
+        return None, f"{path} is not a regular file"
+    return fd, ""
+
+
+def _lock(fd: int, how: int) -> str | None:
+    """``flock``: None when taken (held until ``_close``), "busy" when another holds it
+    (``LOCK_NB``), else why it cannot be taken."""
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        return "busy"
+    except OSError as e:  # a filesystem without flock: Lustre without -o flock (ENOSYS), some NFS and FUSE mounts
+        return e.strerror or str(e)
+    _held.add(fd)
+    return None
 
 
 class Guest:
@@ -79,19 +93,23 @@ class Guest:
         self._fd: int | None = fd
 
     @classmethod
-    def join(cls, progress_dir: str, still_serving: Callable[[], bool]) -> Guest | None:
+    def join(cls, progress_dir: str, still_serving: Callable[[], bool],
+             say: Callable[[str], object] = lambda line: None) -> Guest | None:
         """Hold the daemon as a guest, then check it still serves (``still_serving``): a hold
         taken while the one that started it was stopping it comes after the stop, and finds no
-        daemon. None, holding nothing, when it no longer serves; a hold on nothing (the file
-        could not be opened) when it does but cannot be held."""
-        fd = _open(progress_dir)
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a stop holds it exclusively
-            _held.add(fd)
+        daemon. None, holding nothing, when it no longer serves; a hold on nothing when it does
+        but cannot be held (the file cannot be opened or locked: said in one line)."""
+        fd, why = _open(progress_dir)
+        if fd is not None and (err := _lock(fd, fcntl.LOCK_SH)) is not None:  # waits while a stop holds it
+            os.close(fd)
+            fd, why = None, f"cannot lock {users_path(progress_dir)} ({err})"
         if not still_serving():
             if fd is not None:
                 _close(fd)
             return None
+        if fd is None:
+            say(f"{why}: the launch or serve() that started the daemon cannot know this one uses it, and may "
+                f"stop it when its own command ends")
         return cls(fd if fd is not None else -1)
 
     def close(self) -> None:
@@ -144,17 +162,19 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
     who does; ``stop()`` true ends the wait (a stop signal). Returns the hold to release once the
     daemon is stopped and its directories removed (holding nothing when the file cannot be
     opened, or the wait was ended)."""
-    fd = _open(progress_dir)
+    fd, why = _open(progress_dir)
     if fd is None:
+        _log.debug("prefetchd: %s", why)
         return OwnerHold(None)
     said = False
     while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _held.add(fd)
+        why = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if why is None:
             return OwnerHold(fd)
-        except BlockingIOError:
-            pass
+        if why != "busy":  # no flock here: no guest could hold it either (each said so)
+            _log.debug("prefetchd: cannot lock %s: %s", users_path(progress_dir), why)
+            os.close(fd)
+            return OwnerHold(None)
         if not said:
             who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
             say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting for "

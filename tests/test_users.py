@@ -3,14 +3,19 @@ and what a hostile or missing file does (nothing waits on it)."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import pwd
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
 
+import pytest
 from conftest import wait_until
 from prefetchd_client import users
 
@@ -159,3 +164,57 @@ def _held_exclusively(directory) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def test_a_filesystem_without_flock_neither_fails_nor_waits_and_the_guest_says_it_holds_nothing(tmp_path, monkeypatch):
+    """A progress.dir where flock fails (Lustre mounted without -o flock: ENOSYS; some NFS and FUSE
+    mounts): it raised out of the guest's start, and out of the starter's clean-up (a traceback,
+    the daemon left to die with launch and its directories left behind)."""
+    def no_flock(fd, how):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    said: list[str] = []
+    g = users.Guest.join(str(tmp_path), lambda: True, said.append)
+    assert g is not None
+    g.close()
+    assert said == [f"cannot lock {tmp_path / USERS_NAME} (Function not implemented): the launch or serve() that "
+                    f"started the daemon cannot know this one uses it, and may stop it when its own command ends"]
+    said.clear()
+    users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False).release()
+    assert said == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (nobody)")
+def test_a_guest_that_cannot_open_another_users_file_says_it_holds_nothing():
+    """The file of another user of the group, mode 0600 (made under a umask of 077, or planted): the
+    guest went without the hold, silently, and the launch that started the daemon stopped it under
+    the guest's trainers."""
+    d = tempfile.mkdtemp(prefix="prefetchd-users-")  # outside pytest's 0700 tmp: nobody can reach it
+    try:
+        os.chmod(d, 0o777)  # a progress directory the group writes
+        fd = os.open(os.path.join(d, USERS_NAME), os.O_CREAT | os.O_WRONLY, 0o600)
+        os.close(fd)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the guest, as another user
+            try:
+                nobody = pwd.getpwnam("nobody").pw_uid
+                os.setgroups([])
+                os.setgid(nobody)
+                os.setuid(nobody)
+                said: list[str] = []
+                g = users.Guest.join(d, lambda: True, said.append)
+                os.write(w, ("\n".join(said) if g is not None else "None").encode())
+            except BaseException as e:
+                os.write(w, repr(e).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            out = f.read().decode()
+        os.waitpid(pid, 0)
+        assert out == (f"cannot open {d}/{USERS_NAME} (Permission denied): the launch or serve() that started the "
+                       f"daemon cannot know this one uses it, and may stop it when its own command ends"), out
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

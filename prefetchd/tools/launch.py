@@ -206,7 +206,7 @@ class Launch:
     def _run(self) -> int:
         try:
             path, cfg = load(self.config)
-            pid, self.guest = join_running(cfg)
+            pid, self.guest = join_running(cfg, say)
         except DaemonStartError as e:
             say(str(e))
             return e.exit_code
@@ -225,7 +225,7 @@ class Launch:
             except DaemonStartError as e:
                 err = e
                 try:  # another launch of this config started one at the same moment, and it holds the buffer
-                    pid, self.guest = join_instead(cfg, self.daemon)
+                    pid, self.guest = join_instead(cfg, self.daemon, say)
                 except DaemonStartError as other:  # one of another stream: that is the error to say
                     err = other
                 if self.guest is None:
