@@ -13,12 +13,12 @@ its own.
 
 The lock is the kernel's: a guest that dies releases it, and nothing is left to clean up. Only
 read access is needed (``flock`` works on a descriptor opened read-only), so a file made by one
-trainer's user serves another's. A name that is not a regular file (a FIFO, a symlink, planted
-by another user of a shared directory), a file it cannot open, or a filesystem without ``flock``
-is never waited on: the guest goes without the hold, and says so in one line. A
-process forked from a guest (a DataLoader's worker, multiprocessing's ``fork``) shares the guest's
-open file and with it the lock: the child's copy is closed at the fork, or the starter would wait
-for that worker after the guest let go.
+trainer's user serves another's: its maker gives it mode 0644 whatever its umask. A name that is
+not a regular file (a FIFO, a symlink, planted by another user of a shared directory), a file it
+cannot open, or a filesystem without ``flock`` is never waited on: the guest goes without the
+hold, and says so in one line. A process forked from a guest (a DataLoader's worker,
+multiprocessing's ``fork``) shares the guest's open file and with it the lock: the child's copy is
+closed at the fork, or the starter would wait for that worker after the guest let go.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from prefetchd.format.progress import USERS_NAME
 
 _log = logging.getLogger("prefetchd_client")
 _WAIT_TICK_S = 0.2
+FILE_MODE = 0o644  # each user of the daemon opens it to read (only the group reaches the progress dir)
 _held: set[int] = set()  # the descriptors holding a lock now, closed in a forked child
 
 
@@ -64,12 +65,16 @@ def _open(progress_dir: str) -> tuple[int | None, str]:
     such directory, no permission, not a regular file)."""
     path = users_path(progress_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     except OSError as e:
         return None, f"cannot open {path} ({'a symlink' if e.errno == errno.ELOOP else e.strerror})"
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         return None, f"{path} is not a regular file"
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:  # made under a umask of 077
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, FILE_MODE)
     return fd, ""
 
 

@@ -218,3 +218,14 @@ def test_a_guest_that_cannot_open_another_users_file_says_it_holds_nothing():
                        f"daemon cannot know this one uses it, and may stop it when its own command ends"), out
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_users_file_is_readable_by_every_user_of_the_daemon_whatever_the_umask(tmp_path):
+    """Made under a umask of 077 (common on shared clusters) it was 0600: the trainers of another
+    user of the group could not open it, and held nothing."""
+    old = os.umask(0o077)
+    try:
+        users.Guest.join(str(tmp_path), lambda: True).close()
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / USERS_NAME).st_mode & 0o777) == oct(0o644)
