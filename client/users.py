@@ -172,20 +172,24 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
         _log.debug("prefetchd: %s", why)
         return OwnerHold(None)
     said = False
-    while True:
-        why = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if why is None:
-            return OwnerHold(fd)
-        if why != "busy":  # no flock here: no guest could hold it either (each said so)
-            _log.debug("prefetchd: cannot lock %s: %s", users_path(progress_dir), why)
-            os.close(fd)
-            return OwnerHold(None)
-        if not said:
-            who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
-            say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting for "
-                f"that to end before stopping the daemon (a stop signal stops it now)")
-            said = True
-        if stop():
-            os.close(fd)
-            return OwnerHold(None)
-        time.sleep(_WAIT_TICK_S)
+    try:
+        while True:
+            why = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if why is None:
+                return OwnerHold(fd)
+            if why != "busy":  # no flock here: no guest could hold it either (each said so)
+                _log.debug("prefetchd: cannot lock %s: %s", users_path(progress_dir), why)
+                break
+            if not said:
+                who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
+                say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting "
+                    f"for that to end before stopping the daemon (a stop signal stops it now)")
+                said = True
+            if stop():
+                break
+            time.sleep(_WAIT_TICK_S)
+    except BaseException:  # serve()'s Ctrl-C, in the sleep or anywhere: nothing left open, or held
+        _close(fd)
+        raise
+    os.close(fd)
+    return OwnerHold(None)

@@ -229,3 +229,30 @@ def test_the_users_file_is_readable_by_every_user_of_the_daemon_whatever_the_uma
     finally:
         os.umask(old)
     assert oct(os.stat(tmp_path / USERS_NAME).st_mode & 0o777) == oct(0o644)
+
+
+def _users_fds() -> list[str]:
+    fds = []
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{n}").endswith(USERS_NAME):
+                fds.append(n)
+        except FileNotFoundError:  # the directory's own descriptor, closed since
+            pass
+    return fds
+
+
+def test_a_ctrl_c_in_the_wait_leaves_nothing_open(tmp_path):
+    """serve()'s wait ends at a Ctrl-C (a KeyboardInterrupt from its sleep): the users file stayed
+    open in the trainer, one more each time a notebook's cell was interrupted so."""
+    g = _guest(tmp_path)
+    try:
+        def ctrl_c() -> bool:
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            users.wait_for_guests(str(tmp_path), 1, lambda line: None, ctrl_c)
+        assert _users_fds() == []
+    finally:
+        g.stdin.close()
+        g.wait(10)
