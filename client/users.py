@@ -105,7 +105,11 @@ class Guest:
         daemon. None, holding nothing, when it no longer serves; a hold on nothing when it does
         but cannot be held (the file cannot be opened or locked: said in one line)."""
         fd, why = _open(progress_dir)
-        if fd is not None and (err := _lock(fd, fcntl.LOCK_SH)) is not None:  # waits while a stop holds it
+        if fd is not None and (err := _lock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)) == "busy":
+            say(f"the daemon is being stopped by the launch or serve() that started it ({users_path(progress_dir)} "
+                f"is held); waiting for that")
+            err = _lock(fd, fcntl.LOCK_SH)  # until the daemon is stopped and its directories removed
+        if fd is not None and err is not None:
             os.close(fd)
             fd, why = None, f"cannot lock {users_path(progress_dir)} ({err})"
         if not still_serving():

@@ -256,3 +256,22 @@ def test_a_ctrl_c_in_the_wait_leaves_nothing_open(tmp_path):
     finally:
         g.stdin.close()
         g.wait(10)
+
+
+def test_a_guest_arriving_while_the_daemon_is_stopped_says_why_it_waits(tmp_path):
+    """The starter holds the file while it stops the daemon (up to its 20 s stop timeout, and
+    while it removes the buffer): the guest's launch waited there without a word."""
+    hold = users.wait_for_guests(str(tmp_path), 1, lambda line: None, lambda: False)  # the starter, stopping
+    said: list[str] = []
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(users.Guest.join(str(tmp_path), lambda: False, said.append)))
+    t.start()
+    try:
+        wait_until(lambda: said, 10, "the guest's line")
+        assert t.is_alive()
+        assert said == [f"the daemon is being stopped by the launch or serve() that started it "
+                        f"({tmp_path / USERS_NAME} is held); waiting for that"]
+    finally:
+        hold.release()
+        t.join(10)
+    assert got == [None] and len(said) == 1  # the daemon is gone: the guest starts its own
