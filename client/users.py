@@ -96,6 +96,7 @@ class Guest:
 
     def __init__(self, fd: int):
         self._fd: int | None = fd
+        self._pid = os.getpid()  # a forked child's copy was closed at the fork: its number is not ours
 
     @classmethod
     def join(cls, progress_dir: str, still_serving: Callable[[], bool],
@@ -122,7 +123,7 @@ class Guest:
         return cls(fd if fd is not None else -1)
 
     def close(self) -> None:
-        if self._fd is not None and self._fd >= 0:
+        if self._fd is not None and self._fd >= 0 and self._pid == os.getpid():
             _close(self._fd)
         self._fd = None
 
@@ -158,11 +159,12 @@ class OwnerHold:
 
     def __init__(self, fd: int | None):
         self._fd = fd
+        self._pid = os.getpid()
 
     def release(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._pid == os.getpid():
             _close(self._fd)
-            self._fd = None
+        self._fd = None
 
 
 def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[str], object],

@@ -166,6 +166,25 @@ def _held_exclusively(directory) -> bool:
     return False
 
 
+def test_a_forked_child_that_ends_the_guests_block_too_closes_nothing_of_its_own(tmp_path):
+    """A child forked without exec that runs on through the block's end (``guest.close()``): the
+    descriptor's number, closed at the fork, may be a file of the child's own by then."""
+    g = users.Guest.join(str(tmp_path), lambda: True)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fd = os.open(os.devnull, os.O_RDONLY)  # the lowest free number: the one closed at the fork
+            g.close()
+            os.fstat(fd)
+            code = 0
+        finally:
+            os._exit(code)
+    _, st = os.waitpid(pid, 0)
+    g.close()
+    assert os.waitstatus_to_exitcode(st) == 0
+
+
 def test_a_filesystem_without_flock_neither_fails_nor_waits_and_the_guest_says_it_holds_nothing(tmp_path, monkeypatch):
     """A progress.dir where flock fails (Lustre mounted without -o flock: ENOSYS; some NFS and FUSE
     mounts): it raised out of the guest's start, and out of the starter's clean-up (a traceback,
