@@ -690,3 +690,32 @@ def test_a_daemon_that_dies_while_the_launch_that_started_it_waits_for_another_i
         for p in (first, second):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_the_launch_that_started_the_daemon_waits_for_another_after_its_terminal_is_gone(tmp_path, cfg):
+    """Its terminal hung up (an ssh session dropped: writes fail with EIO; here a pipe closed:
+    EPIPE) and its command ended: the line naming the other launch raised, and launch died in its
+    clean-up, its daemon with it, under the other's trainer, and left the buffer behind."""
+    buf = str(tmp_path / "buffer")
+    a_done, go, seen = tmp_path / "a-done", tmp_path / "go", tmp_path / "seen.json"
+    first = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    first.stderr.close()  # nobody reads what it says any more
+    second = None
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the first launch's daemon")
+        daemon = status.lock_pid(buf)
+        late = LATE.replace("timeout=60", "timeout=20")
+        second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", late), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
+        _end_command(first.pid, a_done, daemon)
+        go.touch()
+        rc2, _, err2 = _finish(second)
+        assert rc2 == 0, err2
+        assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+        assert first.wait(60) == 0
+        _assert_nothing_left(buf, [daemon])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

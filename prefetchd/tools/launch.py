@@ -68,7 +68,10 @@ _REAP_EVERY_S = 1.0  # how often orphans that exited while CMD runs are reaped (
 
 
 def say(text: str) -> None:
-    print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
+    try:
+        print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # the terminal hung up (EIO), a closed pipe: the line is lost, not the clean-up
+        pass
 
 
 class Restarts:
