@@ -15,7 +15,9 @@ The rules, shared with ``prefetchd launch``:
   world size, ranks, output size, epochs and stream fingerprint equal the config's); it is
   neither stopped nor restarted. One serving something else is an error (exit status 1): two configs cannot share
   one ``buffer.dir``. The user holds it (``users.Guest``) while it uses it, and the launch or
-  block that started it waits for its users to end before stopping it (``users``).
+  block that started it waits for its users to end before stopping it (``users``). Of two starts
+  at the same moment (both found none), the one whose daemon could not hold the buffer uses the
+  other's (``join_instead``).
 * **Ready** is the daemon's own ``READY=1`` (systemd's notify protocol, on a private socket in
   the abstract namespace: no file): every rank has a batch ready. Waiting is bounded
   (``timeout``); a daemon that exits first is an error of one line, its own error line, with its
@@ -395,37 +397,43 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
     See the module's docstring for the rules."""
     path, cfg = load(config)
     pid, guest = join_running(cfg)
-    if guest is not None:
-        _log.warning("prefetchd: using the daemon already serving %s (pid %s)", cfg.buffer.dir, pid)
+    if guest is None:
+        created = Created.before_start(cfg)
+        child = DaemonChild(path, sink=sink)
+        hold = users.OwnerHold(None)
         try:
-            with _config_env(path):
-                yield Served(path, pid, True)
-        finally:
-            guest.close()
-        return
-    created = Created.before_start(cfg)
-    child = DaemonChild(path, sink=sink)
-    hold = users.OwnerHold(None)
-    try:
-        child.start()
-        child.wait_ready(timeout)
-        with _config_env(path):
+            child.start()
             try:
-                yield Served(path, child.pid, False, child)
-            except KeyboardInterrupt:  # Ctrl-C: stopped now, guests or not
-                raise
-            except BaseException:  # the trainer failed: another job's trainers still read on
-                hold = _wait_for_guests(cfg, child)
-                raise
-            hold = _wait_for_guests(cfg, child)
-    finally:
-        try:
-            child.stop()
+                child.wait_ready(timeout)
+            except DaemonStartError:
+                pid, guest = join_instead(cfg, child)
+                if guest is None:
+                    raise
+            if guest is None:
+                with _config_env(path):
+                    try:
+                        yield Served(path, child.pid, False, child)
+                    except KeyboardInterrupt:  # Ctrl-C: stopped now, guests or not
+                        raise
+                    except BaseException:  # the trainer failed: another job's trainers still read on
+                        hold = _wait_for_guests(cfg, child)
+                        raise
+                    hold = _wait_for_guests(cfg, child)
+                return
         finally:
             try:
-                created.remove()
+                child.stop()
             finally:
-                hold.release()
+                try:
+                    created.remove()
+                finally:
+                    hold.release()
+    _log.warning("prefetchd: using the daemon already serving %s (pid %s)", cfg.buffer.dir, pid)
+    try:
+        with _config_env(path):
+            yield Served(path, pid, True)
+    finally:
+        guest.close()
 
 
 def _wait_for_guests(cfg: Config, child: DaemonChild) -> users.OwnerHold:
@@ -433,16 +441,29 @@ def _wait_for_guests(cfg: Config, child: DaemonChild) -> users.OwnerHold:
     second Ctrl-C ends it)."""
     if child.poll() is not None:
         return users.OwnerHold(None)
-    return users.wait_for_guests(cfg.progress_dir, child.pid, lambda line: _log.warning("prefetchd: %s", line),
-                                 lambda: False)
+    return users.wait_for_guests(cfg.progress_dir, child.pid, _say, lambda: False)
 
 
-def join_running(cfg: Config) -> tuple[int | None, users.Guest | None]:
+def _say(line: str) -> None:
+    _log.warning("prefetchd: %s", line)
+
+
+def join_running(cfg: Config, say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
     """The daemon already serving ``cfg``'s buffer and this process's hold on it as a guest
-    (``users.Guest``), or (None, None) when none serves there (the caller starts one). Raises
-    ``DaemonStartError`` as ``running_daemon``."""
+    (``users.Guest``; ``say`` gets its one line when it cannot hold it), or (None, None) when
+    none serves there (the caller starts one). Raises ``DaemonStartError`` as ``running_daemon``."""
     pid = running_daemon(cfg)
     if pid is None:
         return None, None
-    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid)
+    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say)
     return (pid, guest) if guest is not None else (None, None)
+
+
+def join_instead(cfg: Config, child: DaemonChild,
+                 say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
+    """After ``child`` failed to start: the daemon serving ``cfg``'s buffer now and the hold on it,
+    as ``join_running`` (``child`` is stopped first). Two starts of one config at the same moment
+    both find no daemon and start one; only one can hold the buffer, and the other's command
+    never ran ("another prefetchd already serves"): it uses the one that won instead."""
+    child.stop()
+    return join_running(cfg, say)

@@ -13,13 +13,18 @@ its own.
 
 The lock is the kernel's: a guest that dies releases it, and nothing is left to clean up. Only
 read access is needed (``flock`` works on a descriptor opened read-only), so a file made by one
-trainer's user serves another's. A name that is not a regular file (a FIFO, a symlink, planted
-by another user of a shared directory) is never waited on: the guest goes without the hold.
+trainer's user serves another's: its maker gives it mode 0644 whatever its umask. A name that is
+not a regular file (a FIFO, a symlink, planted by another user of a shared directory), a file it
+cannot open, or a filesystem without ``flock`` is never waited on: the guest goes without the
+hold, and says so in one line. A process forked from a guest (a DataLoader's worker,
+multiprocessing's ``fork``) shares the guest's open file and with it the lock: the child's copy is
+closed at the fork, or the starter would wait for that worker after the guest let go.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -31,25 +36,59 @@ from prefetchd.format.progress import USERS_NAME
 
 _log = logging.getLogger("prefetchd_client")
 _WAIT_TICK_S = 0.2
+FILE_MODE = 0o644  # each user of the daemon opens it to read (only the group reaches the progress dir)
+_held: set[int] = set()  # the descriptors holding a lock now, closed in a forked child
+
+
+def _close_in_child() -> None:
+    """In a child forked while a lock is held: close the copies (the lock stays with the parent's)."""
+    for fd in _held:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def _close(fd: int) -> None:
+    _held.discard(fd)
+    os.close(fd)
 
 
 def users_path(progress_dir: str) -> str:
     return os.path.join(progress_dir, USERS_NAME)
 
 
-def _open(progress_dir: str) -> int | None:
-    """The users file, opened read-only (made when missing); None when it cannot be (no such
-    directory, no permission, not a regular file)."""
+def _open(progress_dir: str) -> tuple[int | None, str]:
+    """The users file, opened read-only (made when missing), or None and why it cannot be (no
+    such directory, no permission, not a regular file)."""
+    path = users_path(progress_dir)
     try:
-        fd = os.open(users_path(progress_dir),
-                     os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
     except OSError as e:
-        _log.debug("prefetchd: cannot open %s: %s", users_path(progress_dir), e)
-        return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        return None, f"cannot open {path} ({'a symlink' if e.errno == errno.ELOOP else e.strerror})"
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        return None
-    return fd
+        return None, f"{path} is not a regular file"
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:  # made under a umask of 077
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, FILE_MODE)
+    return fd, ""
+
+
+def _lock(fd: int, how: int) -> str | None:
+    """``flock``: None when taken (held until ``_close``), "busy" when another holds it
+    (``LOCK_NB``), else why it cannot be taken."""
+    try:
+        fcntl.flock(fd, how)
+    except BlockingIOError:
+        return "busy"
+    except OSError as e:  # a filesystem without flock: Lustre without -o flock (ENOSYS), some NFS and FUSE mounts
+        return e.strerror or str(e)
+    _held.add(fd)
+    return None
 
 
 class Guest:
@@ -57,25 +96,35 @@ class Guest:
 
     def __init__(self, fd: int):
         self._fd: int | None = fd
+        self._pid = os.getpid()  # a forked child's copy was closed at the fork: its number is not ours
 
     @classmethod
-    def join(cls, progress_dir: str, still_serving: Callable[[], bool]) -> Guest | None:
+    def join(cls, progress_dir: str, still_serving: Callable[[], bool],
+             say: Callable[[str], object] = lambda line: None) -> Guest | None:
         """Hold the daemon as a guest, then check it still serves (``still_serving``): a hold
         taken while the one that started it was stopping it comes after the stop, and finds no
-        daemon. None, holding nothing, when it no longer serves; a hold on nothing (the file
-        could not be opened) when it does but cannot be held."""
-        fd = _open(progress_dir)
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a stop holds it exclusively
+        daemon. None, holding nothing, when it no longer serves; a hold on nothing when it does
+        but cannot be held (the file cannot be opened or locked: said in one line)."""
+        fd, why = _open(progress_dir)
+        if fd is not None and (err := _lock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)) == "busy":
+            say(f"the daemon is being stopped by the launch or serve() that started it ({users_path(progress_dir)} "
+                f"is held); waiting for that")
+            err = _lock(fd, fcntl.LOCK_SH)  # until the daemon is stopped and its directories removed
+        if fd is not None and err is not None:
+            os.close(fd)
+            fd, why = None, f"cannot lock {users_path(progress_dir)} ({err})"
         if not still_serving():
             if fd is not None:
-                os.close(fd)
+                _close(fd)
             return None
+        if fd is None:
+            say(f"{why}: the launch or serve() that started the daemon cannot know this one uses it, and may "
+                f"stop it when its own command ends")
         return cls(fd if fd is not None else -1)
 
     def close(self) -> None:
-        if self._fd is not None and self._fd >= 0:
-            os.close(self._fd)
+        if self._fd is not None and self._fd >= 0 and self._pid == os.getpid():
+            _close(self._fd)
         self._fd = None
 
 
@@ -110,11 +159,12 @@ class OwnerHold:
 
     def __init__(self, fd: int | None):
         self._fd = fd
+        self._pid = os.getpid()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._fd is not None and self._pid == os.getpid():
+            _close(self._fd)
+        self._fd = None
 
 
 def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[str], object],
@@ -123,22 +173,29 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
     who does; ``stop()`` true ends the wait (a stop signal). Returns the hold to release once the
     daemon is stopped and its directories removed (holding nothing when the file cannot be
     opened, or the wait was ended)."""
-    fd = _open(progress_dir)
+    fd, why = _open(progress_dir)
     if fd is None:
+        _log.debug("prefetchd: %s", why)
         return OwnerHold(None)
     said = False
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return OwnerHold(fd)
-        except BlockingIOError:
-            pass
-        if not said:
-            who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
-            say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting for "
-                f"that to end before stopping the daemon (a stop signal stops it now)")
-            said = True
-        if stop():
-            os.close(fd)
-            return OwnerHold(None)
-        time.sleep(_WAIT_TICK_S)
+    try:
+        while True:
+            why = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if why is None:
+                return OwnerHold(fd)
+            if why != "busy":  # no flock here: no guest could hold it either (each said so)
+                _log.debug("prefetchd: cannot lock %s: %s", users_path(progress_dir), why)
+                break
+            if not said:
+                who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
+                say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting "
+                    f"for that to end before stopping the daemon (a stop signal stops it now)")
+                said = True
+            if stop():
+                break
+            time.sleep(_WAIT_TICK_S)
+    except BaseException:  # serve()'s Ctrl-C, in the sleep or anywhere: nothing left open, or held
+        _close(fd)
+        raise
+    os.close(fd)
+    return OwnerHold(None)

@@ -72,7 +72,8 @@ LATE = textwrap.dedent("""
 """)
 
 # CMD that waits for argv[1] to appear, then exits 0
-UNTIL = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n"
+UNTIL = ("import os, sys, time\nopen(sys.argv[1] + '.started', 'w').close()\n"
+         "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n")
 
 
 def _launch(tmp_path, config: str | None, *cmd: str, env: dict | None = None) -> subprocess.Popen:
@@ -517,6 +518,14 @@ def _command_ended(launch_pid: int, daemon_pid: int) -> bool:
     return [c.pid for c in psutil.Process(launch_pid).children()] == [daemon_pid]
 
 
+def _end_command(launch_pid: int, until: pathlib.Path, daemon_pid: int) -> None:
+    """End the launch's UNTIL command, once it runs (before, while the launch waits for its daemon's
+    READY=1, the daemon is its only child too), and wait until it has been reaped."""
+    wait_until(lambda: os.path.exists(f"{until}.started"), 60, "the launch's command to start")
+    until.touch()
+    wait_until(lambda: _command_ended(launch_pid, daemon_pid), 30, "the launch's command to end")
+
+
 @pytest.mark.parametrize("how", ["the guest ends", "a stop signal"])
 def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path, cfg, how):
     """Two launches of one config: the second uses the first's daemon. The first's command ends
@@ -533,8 +542,7 @@ def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path
         daemon = status.lock_pid(buf)
         second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", LATE), str(go), str(seen))
         wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
-        a_done.touch()
-        wait_until(lambda: _command_ended(first.pid, daemon), 30, "the first launch's command to end")
+        _end_command(first.pid, a_done, daemon)
         if how == "a stop signal":
             first.send_signal(signal.SIGTERM)
             rc, _, err = _finish(first)
@@ -583,8 +591,7 @@ def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_its
         daemon = status.lock_pid(buf)
         with serve(cfg) as served:
             assert served.reused and served.pid == daemon
-            a_done.touch()
-            wait_until(lambda: _command_ended(owner.pid, daemon), 30, "the launch's command to end")
+            _end_command(owner.pid, a_done, daemon)
             assert owner.poll() is None and status.daemon_alive(buf) is True
             assert _read_epoch() == [(0, b) for b in range(8)]
         rc, _, err = _finish(owner)
@@ -593,3 +600,122 @@ def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_its
     finally:
         if owner.poll() is None:
             os.killpg(owner.pid, signal.SIGKILL)
+
+
+# `prefetchd launch` (argv: config, CMD...) whose first look at the buffer came too early: it found
+# no daemon, as a launch started at the same moment as another does, and the other's is there now
+LOOKED_TOO_EARLY = textwrap.dedent("""
+    import sys
+    from prefetchd_client import child
+    from prefetchd.tools import launch
+    real, looks = child.running_daemon, []
+    def too_early(cfg):
+        looks.append(cfg)
+        return None if len(looks) == 1 else real(cfg)
+    child.running_daemon = too_early
+    sys.exit(launch.run_launch(sys.argv[1], sys.argv[2:], 120))
+""")
+
+
+def test_of_two_launches_started_at_once_the_one_whose_daemon_lost_uses_the_others(tmp_path, cfg, daemon_factory):
+    """Two launches of one config at the same moment: both found no daemon and started one; only
+    one can hold the buffer, and the other launch failed (exit 1, "another prefetchd already
+    serves") before its command ran. It uses the daemon that won, as a guest, and leaves it running."""
+    buf = str(tmp_path / "buffer")
+    other = daemon_factory(cfg)  # the other launch's
+    wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60, "the daemon")
+    go, seen = tmp_path / "go", tmp_path / "seen.json"
+    go.touch()
+    p = subprocess.Popen([sys.executable, "-c", LOOKED_TOO_EARLY, cfg, sys.executable,
+                          _script(tmp_path, "late.py", LATE), str(go), str(seen)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    rc, _, err = _finish(p)
+    assert rc == 0, err
+    assert f"using the daemon already serving {buf} (pid {other.pid}), started at the same time as this " \
+           f"launch's;" in err, err
+    assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+    assert other.proc.poll() is None and status.lock_pid(buf) == other.pid  # not its own: left running
+
+
+def test_of_two_serve_blocks_started_at_once_the_one_whose_daemon_lost_uses_the_others(tmp_path, cfg, daemon_factory,
+                                                                                      monkeypatch):
+    """serve() as the launch above: the block ran against the daemon that won (it raised "another
+    prefetchd already serves")."""
+    from prefetchd_client import child, serve
+
+    buf = str(tmp_path / "buffer")
+    other = daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60, "the daemon")
+    real, looks = child.running_daemon, []
+
+    def too_early(c):  # the first look found none, as a start at the same moment as another does
+        looks.append(c)
+        return None if len(looks) == 1 else real(c)
+
+    monkeypatch.setattr(child, "running_daemon", too_early)
+    with serve(cfg, timeout=120) as served:
+        assert served.reused and served.pid == other.pid
+        assert _read_epoch() == [(0, b) for b in range(8)]
+    assert other.proc.poll() is None and status.lock_pid(buf) == other.pid
+
+
+def test_a_daemon_that_dies_while_the_launch_that_started_it_waits_for_another_is_restarted(tmp_path, cfg):
+    """The starter's command has ended and it waits for a launch using its daemon; the daemon is
+    killed. It was not restarted (that was done only while the starter's own command ran), and the
+    other launch's trainer waited for batches until its timeout and failed."""
+    buf = str(tmp_path / "buffer")
+    a_done, go, seen = tmp_path / "a-done", tmp_path / "go", tmp_path / "seen.json"
+    first = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    second = None
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the first launch's daemon")
+        daemon = status.lock_pid(buf)
+        late = LATE.replace("timeout=60", "timeout=20")
+        second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", late), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
+        _end_command(first.pid, a_done, daemon)
+        os.kill(daemon, signal.SIGKILL)
+        go.touch()
+        rc2, _, err2 = _finish(second)
+        assert rc2 == 0, err2
+        assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+        rc, _, err = _finish(first)
+        assert rc == 0, err
+        assert f"the daemon (pid {daemon}) was killed by SIGKILL while launches using it run; restarting it in 2 s" \
+               in err, err
+        again = int(err.split("started the daemon again (pid ")[1].split(")")[0])
+        _assert_nothing_left(buf, [daemon, again])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_the_launch_that_started_the_daemon_waits_for_another_after_its_terminal_is_gone(tmp_path, cfg):
+    """Its terminal hung up (an ssh session dropped: writes fail with EIO; here a pipe closed:
+    EPIPE) and its command ended: the line naming the other launch raised, and launch died in its
+    clean-up, its daemon with it, under the other's trainer, and left the buffer behind."""
+    buf = str(tmp_path / "buffer")
+    a_done, go, seen = tmp_path / "a-done", tmp_path / "go", tmp_path / "seen.json"
+    first = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "until.py", UNTIL), str(a_done))
+    first.stderr.close()  # nobody reads what it says any more
+    second = None
+    try:
+        wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60,
+                   "the first launch's daemon")
+        daemon = status.lock_pid(buf)
+        late = LATE.replace("timeout=60", "timeout=20")
+        second = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "late.py", late), str(go), str(seen))
+        wait_until(lambda: os.path.exists(f"{go}.started"), 60, "the second launch's command")
+        _end_command(first.pid, a_done, daemon)
+        go.touch()
+        rc2, _, err2 = _finish(second)
+        assert rc2 == 0, err2
+        assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
+        assert first.wait(60) == 0
+        _assert_nothing_left(buf, [daemon])
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

@@ -5,7 +5,8 @@
 1. The config is read (``--config``, else ``$PREFETCHD_CONFIG``); an error is one line, exit 78.
 2. A daemon already serving ``buffer.dir`` for this config is used (said in one line) and left
    as it is, held (``prefetchd_client.users``) until launch exits; one serving another stream
-   there is one line, exit 1. Otherwise the daemon is
+   there is one line, exit 1. So is one that another launch started at the same moment, whose
+   daemon holds the buffer where this one's could not. Otherwise the daemon is
    started (``python -m prefetchd run``, ``prefetchd_client.child.DaemonChild``) and waited for
    until its ``READY=1`` (every rank has a batch ready); a daemon that exits first is one line
    (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
@@ -20,7 +21,8 @@
    ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
    in the ring, so the trainers wait at most a start's time.
 5. When CMD exits, launch waits while another launch (or ``serve()``) holds the daemon it started
-   (one line names them; a stop signal, or one before CMD exited, ends or skips the wait), then the
+   (one line names them; a stop signal, or one before CMD exited, ends or skips the wait; a daemon
+   that dies meanwhile is started again as in 4, for their trainers read from it), then the
    daemon is stopped (SIGTERM, SIGKILL after 20 s), the directories its start
    created are removed (``child.Created``), and launch exits with CMD's status (128 + n when
    signal n ended it; 127: CMD not found, 126: not executable).
@@ -42,7 +44,14 @@ from collections import deque
 
 import psutil
 from prefetchd_client import users
-from prefetchd_client.child import Created, DaemonChild, DaemonStartError, join_running, load
+from prefetchd_client.child import (
+    Created,
+    DaemonChild,
+    DaemonStartError,
+    join_instead,
+    join_running,
+    load,
+)
 from prefetchd_client.common import CONFIG_ENV
 
 # systemd/prefetchd.service's back-off (tests/test_launch.py reads the unit and compares)
@@ -59,7 +68,10 @@ _REAP_EVERY_S = 1.0  # how often orphans that exited while CMD runs are reaped (
 
 
 def say(text: str) -> None:
-    print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
+    try:
+        print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # the terminal hung up (EIO), a closed pipe: the line is lost, not the clean-up
+        pass
 
 
 class Restarts:
@@ -178,8 +190,8 @@ class Launch:
             try:
                 if self.guest is not None:
                     self.guest.close()
-                if self.daemon is not None and self.daemon.poll() is None and not self.stopping:
-                    hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._stop_signal)
+                if self.daemon is not None and not self.stopping:
+                    hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._guests_tick)
                 try:
                     if self.daemon is not None:
                         self.daemon.stop()
@@ -197,7 +209,7 @@ class Launch:
     def _run(self) -> int:
         try:
             path, cfg = load(self.config)
-            pid, self.guest = join_running(cfg)
+            pid, self.guest = join_running(cfg, say)
         except DaemonStartError as e:
             say(str(e))
             return e.exit_code
@@ -214,8 +226,18 @@ class Launch:
                 if not self.daemon.wait_ready(self.ready_timeout, stop=lambda: bool(self.pending)):
                     return 128 + self.pending[0]  # stopped before CMD ran
             except DaemonStartError as e:
-                say(str(e))
-                return e.exit_code
+                err = e
+                try:  # another launch of this config started one at the same moment, and it holds the buffer
+                    pid, self.guest = join_instead(cfg, self.daemon, say)
+                except DaemonStartError as other:  # one of another stream: that is the error to say
+                    err = other
+                if self.guest is None:
+                    say(str(err))
+                    return err.exit_code
+                self.daemon = self.created = None  # not its own: neither stopped nor removed by this launch
+                say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}), started at the same time as "
+                    f"this launch's; it is left running, and the launch that started it waits for this one to "
+                    f"end before stopping it")
         if self.pending:
             return 128 + self.pending[0]
         try:
@@ -248,13 +270,17 @@ class Launch:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_TICK_S)
 
-    def _stop_signal(self) -> bool:
-        """A SIGINT or SIGTERM came (the wait for guests ends at it)."""
+    def _guests_tick(self) -> bool:
+        """A turn of the wait for guests after CMD ended: True (the wait ends) when a SIGINT or
+        SIGTERM came, or the daemon is gone for good; one that dies is started again as while CMD
+        ran, for the guests' trainers read from it."""
         got = any(s in (signal.SIGINT, signal.SIGTERM) for s in self.pending)
         self.pending.clear()
-        return got
+        if not got:
+            self._supervise("while launches using it run")
+        return got or self.daemon is None
 
-    def _supervise(self) -> None:
+    def _supervise(self, when: str = "while the command runs") -> None:
         """Notice a daemon that died and start it again as the service would."""
         d = self.daemon
         if d is None or self.stopping:
@@ -277,7 +303,7 @@ class Launch:
         last = "" if was_ready else f" before it was ready: {d.error_line()}"
         d.stop()  # reaps it and whatever of its process group is left
         self.restart_at, why = self.restarts.after_exit(rc, now)
-        say(f"the daemon (pid {d.pid}) {_how(rc)} while the command runs{last}; {why}")
+        say(f"the daemon (pid {d.pid}) {_how(rc)} {when}{last}; {why}")
         if self.restart_at is None:
             self.daemon = None
 
