@@ -343,6 +343,8 @@ class Created:
         a daemon holds it (another start got there first), then the parents made for it while
         they are empty (another job's directory beside it keeps them). In a buffer directory
         that was there before, only the lock file, and only when no daemon holds it."""
+        if status.daemon_alive(self.buffer_dir) is True:  # another start's daemon: all it uses is its own
+            return
         for path, top in self.made:
             if status.daemon_alive(path) is True or status.daemon_alive(os.path.dirname(path)) is True:
                 continue
@@ -409,6 +411,7 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
                 pid, guest = join_instead(cfg, child)
                 if guest is None:
                     raise
+                created = Created(created.buffer_dir, ())  # the other start's directories: not ours to remove
             if guest is None:
                 with _config_env(path):
                     try:
@@ -448,14 +451,16 @@ def _say(line: str) -> None:
     _log.warning("prefetchd: %s", line)
 
 
-def join_running(cfg: Config, say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
+def join_running(cfg: Config, say: Callable[[str], object] = _say,
+                 stop: Callable[[], bool] = lambda: False) -> tuple[int | None, users.Guest | None]:
     """The daemon already serving ``cfg``'s buffer and this process's hold on it as a guest
     (``users.Guest``; ``say`` gets its one line when it cannot hold it), or (None, None) when
-    none serves there (the caller starts one). Raises ``DaemonStartError`` as ``running_daemon``."""
+    none serves there (the caller starts one) or ``stop()`` ended a wait for its stop. Raises
+    ``DaemonStartError`` as ``running_daemon``."""
     pid = running_daemon(cfg)
     if pid is None:
         return None, None
-    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say)
+    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say, stop)
     return (pid, guest) if guest is not None else (None, None)
 
 

@@ -60,12 +60,19 @@ def users_path(progress_dir: str) -> str:
     return os.path.join(progress_dir, USERS_NAME)
 
 
-def _open(progress_dir: str) -> tuple[int | None, str]:
+def _open(progress_dir: str, write: bool = False) -> tuple[int | None, str]:
     """The users file, opened read-only (made when missing), or None and why it cannot be (no
-    such directory, no permission, not a regular file)."""
+    such directory, no permission, not a regular file). ``write``: read-write where it may be,
+    as an exclusive lock needs on NFS (flock is emulated there with POSIX locks)."""
     path = users_path(progress_dir)
+    flags = os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, FILE_MODE)
+        try:
+            fd = os.open(path, flags | (os.O_RDWR if write else os.O_RDONLY), FILE_MODE)
+        except PermissionError:
+            if not write:
+                raise
+            fd = os.open(path, flags | os.O_RDONLY, FILE_MODE)  # another user's file: read-only will do locally
     except OSError as e:
         return None, f"cannot open {path} ({'a symlink' if e.errno == errno.ELOOP else e.strerror})"
     st = os.fstat(fd)
@@ -100,20 +107,31 @@ class Guest:
 
     @classmethod
     def join(cls, progress_dir: str, still_serving: Callable[[], bool],
-             say: Callable[[str], object] = lambda line: None) -> Guest | None:
+             say: Callable[[str], object] = lambda line: None, stop: Callable[[], bool] = lambda: False) -> Guest | None:
         """Hold the daemon as a guest, then check it still serves (``still_serving``): a hold
         taken while the one that started it was stopping it comes after the stop, and finds no
-        daemon. None, holding nothing, when it no longer serves; a hold on nothing when it does
-        but cannot be held (the file cannot be opened or locked: said in one line)."""
+        daemon. None, holding nothing, when it no longer serves (or ``stop()`` ended the wait for
+        that stop: a stop signal); a hold on nothing when it does but cannot be held (the file
+        cannot be opened or locked: said in one line)."""
         fd, why = _open(progress_dir)
         if fd is not None and (err := _lock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)) == "busy":
             say(f"the daemon is being stopped by the launch or serve() that started it ({users_path(progress_dir)} "
                 f"is held); waiting for that")
-            err = _lock(fd, fcntl.LOCK_SH)  # until the daemon is stopped and its directories removed
+            while (err := _lock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)) == "busy":  # until it is stopped and removed
+                if stop():
+                    os.close(fd)
+                    return None
+                time.sleep(_WAIT_TICK_S)
         if fd is not None and err is not None:
             os.close(fd)
             fd, why = None, f"cannot lock {users_path(progress_dir)} ({err})"
-        if not still_serving():
+        try:
+            serving = still_serving()
+        except BaseException:  # it raised (another stream there now): nothing left held
+            if fd is not None:
+                _close(fd)
+            raise
+        if not serving:
             if fd is not None:
                 _close(fd)
             return None
@@ -121,6 +139,11 @@ class Guest:
             say(f"{why}: the launch or serve() that started the daemon cannot know this one uses it, and may "
                 f"stop it when its own command ends")
         return cls(fd if fd is not None else -1)
+
+    @property
+    def held(self) -> bool:
+        """Whether the daemon's starter can see this guest (the lock is held)."""
+        return self._fd is not None and self._fd >= 0
 
     def close(self) -> None:
         if self._fd is not None and self._fd >= 0 and self._pid == os.getpid():
@@ -173,7 +196,7 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
     who does; ``stop()`` true ends the wait (a stop signal). Returns the hold to release once the
     daemon is stopped and its directories removed (holding nothing when the file cannot be
     opened, or the wait was ended)."""
-    fd, why = _open(progress_dir)
+    fd, why = _open(progress_dir, write=True)
     if fd is None:
         _log.debug("prefetchd: %s", why)
         return OwnerHold(None)
@@ -183,12 +206,14 @@ def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[st
             why = _lock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if why is None:
                 return OwnerHold(fd)
-            if why != "busy":  # no flock here: no guest could hold it either (each said so)
-                _log.debug("prefetchd: cannot lock %s: %s", users_path(progress_dir), why)
+            if why != "busy":  # no flock here: a guest could not hold it either (each said so)
+                say(f"cannot lock {users_path(progress_dir)} ({why}): stopping the daemon (pid {daemon_pid}) without "
+                    f"waiting for launches or serve() blocks that may use it")
                 break
             if not said:
-                who = ", ".join(_describe(p) for p in holders(fd)) or "another process"
-                say(f"the daemon (pid {daemon_pid}) is still used by pid {who}, which found it serving; waiting "
+                pids = holders(fd)
+                who = f"pid {', '.join(_describe(p) for p in pids)}" if pids else "another process"
+                say(f"the daemon (pid {daemon_pid}) is still used by {who}, which found it serving; waiting "
                     f"for that to end before stopping the daemon (a stop signal stops it now)")
                 said = True
             if stop():

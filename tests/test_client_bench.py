@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -162,10 +163,10 @@ def test_share_bench_runs_each_priority_with_ranks_bound_and_says_the_trainers_c
                  "--images", "64", "--image-side", "64", "--batches", "4", "--step-ms", "1", "-q")
     assert "the trainer bound to the first CPU, rank 1 to the second" in out, out
     for pr in ("normal", "idle"):
-        assert re.search(rf"round 0: +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pairs "
+        assert re.search(rf"round 0: +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pair "
                          rf"\(median .* x; mean [\d.]+ x; \d+/\d+ steps; waiting for a CPU [\d.]+% / [\d.]+% of them",
                          out), out
-        assert re.search(rf"^ +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pairs \(median "
+        assert re.search(rf"^ +{pr}: step [\d.]+ x daemon stopped \[[\d.]+-[\d.]+\] over 1 phase pair \(median "
                          rf"step [\d.]+ x", out, re.M), out
 
 
@@ -257,3 +258,16 @@ def test_the_workers_policy_reaches_every_thread_of_every_child_and_not_the_pare
         os.kill(child, 9)
         parent.kill()
         parent.wait(10)
+
+
+def test_the_round_interval_takes_the_rounds_as_the_unit():
+    import math
+
+    from prefetchd.tools.bench.share import round_interval
+
+    assert round_interval([1.02, 1.02, 1.02]) == pytest.approx((1.02, 1.02, 1.02))
+    g, lo, hi = round_interval([0.96, 0.98, 1.0, 1.02])
+    logs = [math.log(x) for x in (0.96, 0.98, 1.0, 1.02)]
+    half = 3.182 * statistics.stdev(logs) / 2  # t(3 df) x the standard error of 4 rounds
+    assert g == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (lo, hi) == pytest.approx((g * math.exp(-half), g * math.exp(half)))

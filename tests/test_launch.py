@@ -547,13 +547,14 @@ def test_the_launch_that_started_the_daemon_waits_for_a_launch_using_it(tmp_path
             first.send_signal(signal.SIGTERM)
             rc, _, err = _finish(first)
             assert rc == 0, err  # its command's status
+            assert f"the daemon (pid {daemon}) is still used by pid {second.pid} (" in err, err
             assert not psutil.pid_exists(daemon) or psutil.Process(daemon).status() == psutil.STATUS_ZOMBIE
             return
         go.touch()  # the second's trainer reads now, after the first's command ended
         rc2, _, err2 = _finish(second)
         assert rc2 == 0, err2
-        assert f"using the daemon already serving {buf} (pid {daemon}); it is left running, and the launch that " \
-               f"started it waits for this one to end before stopping it" in err2, err2
+        assert f"using the daemon already serving {buf} (pid {daemon}); it is left running, and held until this " \
+               f"launch ends (one that started it waits for that before stopping it)" in err2, err2
         assert json.loads(seen.read_text()) == [[0, b] for b in range(8)]
         rc, _, err = _finish(first)
         assert rc == 0, err
@@ -657,6 +658,32 @@ def test_of_two_serve_blocks_started_at_once_the_one_whose_daemon_lost_uses_the_
         assert served.reused and served.pid == other.pid
         assert _read_epoch() == [(0, b) for b in range(8)]
     assert other.proc.poll() is None and status.lock_pid(buf) == other.pid
+
+
+def test_of_two_serve_blocks_at_once_the_loser_removes_none_of_the_winners_directories(tmp_path, image_root,
+                                                                                      daemon_factory, monkeypatch):
+    """Both looked before either had made its directories, so both noted them as theirs to remove;
+    the block that lost, using the winner's daemon, removed the progress directory the winner
+    watches when it was outside the buffer (``progress.dir`` set)."""
+    from prefetchd_client import child, serve
+
+    cfg = small_config(tmp_path, image_root, progress={"dir": str(tmp_path / "progress"), "poll_interval_s": 0.05})
+    buf = str(tmp_path / "buffer")
+    other = daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(buf) is True and status.read_json(buf, status.META_NAME), 60, "the daemon")
+    real, looks = child.running_daemon, []
+
+    def too_early(c):
+        looks.append(c)
+        return None if len(looks) == 1 else real(c)
+
+    monkeypatch.setattr(child, "running_daemon", too_early)
+    monkeypatch.setattr(child, "_missing_top", os.path.abspath)  # as if neither directory were there yet
+    with serve(cfg, timeout=120) as served:
+        assert served.reused and served.pid == other.pid
+    assert os.path.isdir(tmp_path / "progress") and status.lock_pid(buf) == other.pid
+    with serve(cfg, timeout=120) as served:  # the winner's trainers read on
+        assert _read_epoch(2) == [(0, 0), (0, 1)]
 
 
 def test_a_daemon_that_dies_while_the_launch_that_started_it_waits_for_another_is_restarted(tmp_path, cfg):

@@ -56,10 +56,12 @@ def test_the_starter_waits_for_a_guest_naming_it_once_and_holds_the_file_until_r
     # held exclusively now: a guest arriving waits until the release, then finds no daemon
     serving = [True]
     late: list[object] = []
-    lt = threading.Thread(target=lambda: late.append(users.Guest.join(str(tmp_path), lambda: serving[0])))
+    lines: list[str] = []
+    lt = threading.Thread(target=lambda: late.append(users.Guest.join(str(tmp_path), lambda: serving[0],
+                                                                      lines.append)))
     lt.start()
-    lt.join(0.3)
-    assert lt.is_alive(), "a guest got in while the starter held the file"
+    wait_until(lambda: lines, 10, "the arriving guest's line")
+    assert lt.is_alive() and late == [], "a guest got in while the starter held the file"
     serving[0] = False
     got[0].release()
     lt.join(10)
@@ -200,6 +202,44 @@ def test_a_filesystem_without_flock_neither_fails_nor_waits_and_the_guest_says_i
     assert said == [f"cannot lock {tmp_path / USERS_NAME} (Function not implemented): the launch or serve() that "
                     f"started the daemon cannot know this one uses it, and may stop it when its own command ends"]
     said.clear()
+    users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False).release()
+    assert said == [f"cannot lock {tmp_path / USERS_NAME} (Function not implemented): stopping the daemon (pid 1) "
+                    f"without waiting for launches or serve() blocks that may use it"]
+
+
+def test_on_nfs_the_starter_still_sees_a_guest(tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, where an exclusive lock needs a descriptor open for
+    writing (EBADF otherwise): the starter, opening the file read-only, took the EBADF for "no
+    flock here" and stopped the daemon under the guest's trainers."""
+    real = fcntl.flock
+
+    def nfs_flock(fd, how):
+        if how & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        return real(fd, how)
+
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    g = users.Guest.join(str(tmp_path), lambda: True)
+    assert g is not None and g.held
+    said: list[str] = []
+    users.wait_for_guests(str(tmp_path), 7, said.append, lambda: True).release()  # a stop signal ends the wait
+    g.close()
+    assert len(said) == 1 and said[0].startswith("the daemon (pid 7) is still used by another process"), said
+    said.clear()
+    users.wait_for_guests(str(tmp_path), 7, said.append, lambda: False).release()  # the guest gone: no wait
+    assert said == []
+
+
+def test_a_guest_whose_check_raises_holds_nothing(tmp_path):
+    """The daemon's meta.json said another stream by the time the guest looked again
+    (``running_daemon`` raises): the shared lock stayed taken, and every later starter waited for
+    it as long as the process lived (a notebook's kernel)."""
+    def other_stream():
+        raise RuntimeError("another prefetchd already serves it with a different stream")
+
+    with pytest.raises(RuntimeError):
+        users.Guest.join(str(tmp_path), other_stream)
+    said: list[str] = []
     users.wait_for_guests(str(tmp_path), 1, said.append, lambda: False).release()
     assert said == []
 

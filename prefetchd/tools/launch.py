@@ -67,6 +67,9 @@ _GRACE_S = 0.5  # a leftover already killed (the daemon's group) has this long t
 _REAP_EVERY_S = 1.0  # how often orphans that exited while CMD runs are reaped (no zombies pile up)
 
 
+_HELD = ", and held until this launch ends (one that started it waits for that before stopping it)"
+
+
 def say(text: str) -> None:
     try:
         print(f"prefetchd launch: {text}", file=sys.stderr, flush=True)
@@ -125,14 +128,14 @@ def _become_subreaper() -> None:
         pass
 
 
-def end_leftovers(timeout: float = LEFTOVER_STOP_S) -> list[int]:
+def end_leftovers(timeout: float = LEFTOVER_STOP_S, keep: int | None = None) -> list[int]:
     """End launch's remaining children (orphans reparented to it: what CMD left; the daemon's
-    own, killed with it, are only reaped), SIGTERM then SIGKILL after ``timeout``, each reaped;
-    the pids of those that were still running."""
+    own, killed with it, are only reaped) but ``keep`` (a daemon still serving), SIGTERM then
+    SIGKILL after ``timeout``, each reaped; the pids of those that were still running."""
     ended: list[int] = []
     for _ in range(8):  # a leftover's own children are orphaned in turn when it ends
         try:
-            kids = psutil.Process().children()
+            kids = [k for k in psutil.Process().children() if k.pid != keep]
         except psutil.Error:
             break
         # exited or exiting (the daemon's workers, killed with its process group): reaped, not said
@@ -172,6 +175,7 @@ class Launch:
         self.created: Created | None = None
         self.guest: users.Guest | None = None  # the hold on a daemon another launch started
         self.cfg = None
+        self.served = False  # this launch's own daemon became ready and the command ran
         self.restarts = Restarts()
         self.restart_at: float | None = None
         self.reap_at = 0.0
@@ -190,7 +194,10 @@ class Launch:
             try:
                 if self.guest is not None:
                     self.guest.close()
-                if self.daemon is not None and not self.stopping:
+                waits = self.served and self.daemon is not None and not self.stopping
+                # what the command left running goes first: a wait for guests may be long
+                self._end_leftovers(keep=self.daemon.pid if waits else None)
+                if waits:
                     hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._guests_tick)
                 try:
                     if self.daemon is not None:
@@ -199,24 +206,28 @@ class Launch:
                         self.created.remove()
                 finally:
                     hold.release()  # a launch waiting to use the daemon finds it gone, and starts its own
-                if left := end_leftovers():
-                    say(f"the command left {len(left)} process(es) running (pids {', '.join(map(str, left))}); "
-                        f"ended them")
+                self._end_leftovers()
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
 
+    def _end_leftovers(self, keep: int | None = None) -> None:
+        if left := end_leftovers(keep=keep):
+            say(f"the command left {len(left)} process(es) running (pids {', '.join(map(str, left))}); ended them")
+
     def _run(self) -> int:
         try:
             path, cfg = load(self.config)
-            pid, self.guest = join_running(cfg, say)
+            pid, self.guest = join_running(cfg, say, stop=lambda: bool(self.pending))
         except DaemonStartError as e:
             say(str(e))
             return e.exit_code
         self.cfg = cfg
+        if pid is None and self.pending:  # a stop signal while a stop of the daemon it found was awaited
+            return 128 + self.pending[0]
         if pid is not None:
-            say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}); it is left running, and the "
-                f"launch that started it waits for this one to end before stopping it")
+            held = _HELD if self.guest is not None and self.guest.held else ""
+            say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}); it is left running{held}")
         else:
             self.created = Created.before_start(cfg)
             self.daemon = DaemonChild(path)
@@ -236,10 +247,10 @@ class Launch:
                     return err.exit_code
                 self.daemon = self.created = None  # not its own: neither stopped nor removed by this launch
                 say(f"using the daemon already serving {cfg.buffer.dir} (pid {pid}), started at the same time as "
-                    f"this launch's; it is left running, and the launch that started it waits for this one to "
-                    f"end before stopping it")
+                    f"this launch's; it is left running{_HELD if self.guest.held else ''}")
         if self.pending:
             return 128 + self.pending[0]
+        self.served = self.daemon is not None  # its own daemon is ready: guests may come
         try:
             proc = subprocess.Popen(self.cmd, env={**os.environ, CONFIG_ENV: path})
         except FileNotFoundError:

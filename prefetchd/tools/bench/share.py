@@ -376,8 +376,13 @@ def _set_workers_policy(daemon_pid: int, policy: int) -> None:
         for tid in tids:
             try:
                 os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-            except OSError:  # a thread that ended meanwhile
-                pass
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+            except PermissionError:  # root without CAP_SYS_NICE (a container): every phase would be idle
+                raise RuntimeError("cannot switch the workers out of SCHED_IDLE (no CAP_SYS_NICE): gpu-paired "
+                                   "needs it") from None
+            if os.sched_getscheduler(int(tid)) != policy:
+                raise RuntimeError(f"a worker thread ({tid}) did not take the policy asked for")
 
 
 def gpu_paired_run(root: str, work: str, batch_size: int, step_ms: float, cycles: int, phase_s: float = 1.0,
@@ -414,7 +419,11 @@ def gpu_paired_run(root: str, work: str, batch_size: int, step_ms: float, cycles
     for a, b in phases:
         a += (b - a) / 5
         n = sum(k for t, k in arrivals if a <= t < b)
-        rates.append(n / (b - a) if n else None)
+        if not n:  # a starved phase is a finding, not a gap to leave out
+            raise RuntimeError(f"no batch reached the trainers in a phase of {phase_s} s (workers "
+                               f"{'idle' if len(rates) % 2 == 0 else 'normal'}): give --share-phase-s more, or "
+                               f"look at the machine")
+        rates.append(n / (b - a))
     return _paired_ratios(rates)
 
 
@@ -452,9 +461,10 @@ def run_share_bench(args) -> int:
         if args.share_only != "gpu":
             pairs = [x for r in mine for x in r["pair_ratios"]]
             g, lo, hi = paired_interval(pairs)
-            parts.append(f"step {g:.3f} x daemon stopped [{lo:.3f}-{hi:.3f}] over {len(pairs)} phase pairs (median "
-                         f"step {statistics.median(r['ratio'] for r in mine):.3f} x "
-                         f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}])")
+            parts.append(f"step {g:.3f} x daemon stopped [{lo:.3f}-{hi:.3f}] over {_n(len(pairs), 'phase pair')} "
+                         f"(median step {statistics.median(r['ratio'] for r in mine):.3f} x "
+                         f"[{min(r['ratio'] for r in mine):.2f}-{max(r['ratio'] for r in mine):.2f}]"
+                         f"{_by_round([r['paired'] for r in mine])})")
         if args.share_only != "step":
             vs = [r["img_s_vs_normal"] for r in mine]
             g, lo, hi = paired_interval(vs)
@@ -475,18 +485,49 @@ def _gpu_paired_rounds(args, root: str, work: str, batch: int) -> int:
               file=sys.stderr)
         return 2
     pairs: list[float] = []
+    rounds: list[float] = []
     for rnd in range(args.repeats):
         mine = gpu_paired_run(root, work, batch, args.step_ms, args.share_cycles, args.share_phase_s, pin=args.share_pin)
         if not mine:
             raise RuntimeError("no phase pair had batches in both phases: give --share-phase-s more")
         pairs += mine
         g, lo, hi = paired_interval(mine)
+        rounds.append(g)
         print(f"round {rnd}: GPU-like img/s, workers idle against normal phase by phase: {g:.3f} x [{lo:.3f}-{hi:.3f}] "
-              f"over {len(mine)} pairs (load {os.getloadavg()[0]:.2f})", flush=True)
+              f"over {_n(len(mine), 'pair')} (load {os.getloadavg()[0]:.2f})", flush=True)
     g, lo, hi = paired_interval(pairs)
     print(f"summary: GPU-like img/s, workers idle against normal: {g:.3f} x [{lo:.3f}-{hi:.3f}] (geometric mean of "
-          f"{len(pairs)} phase pairs, 95 % bootstrap interval)")
+          f"{_n(len(pairs), 'phase pair')}, 95 % bootstrap interval){_by_round(rounds)}")
     return 0
+
+
+def _n(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+# Student's t, 97.5 % point, for 1..10 degrees of freedom (more: 2.2 is within 1 % up to 30)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def round_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of per-round ratios and its 95 % t interval: the rounds as the unit,
+    so that the spread between runs counts (phase pairs within a run are neither independent,
+    each sharing a stopped phase with the next, nor free of that spread)."""
+    logs = [math.log(r) for r in ratios]
+    m = statistics.fmean(logs)
+    half = _T975[min(len(logs) - 2, len(_T975) - 1)] * statistics.stdev(logs) / math.sqrt(len(logs))
+    if len(logs) > 11:
+        half = half / _T975[-1] * 2.2
+    return math.exp(m), math.exp(m - half), math.exp(m + half)
+
+
+def _by_round(rounds: list[float]) -> str:
+    """The summary's per-round part: each round's figure, and the t interval over rounds (3 or more)."""
+    said = "; rounds " + ", ".join(f"{r:.3f}" for r in rounds)
+    if len(rounds) >= 3:
+        g, lo, hi = round_interval(rounds)
+        said += f", their geometric mean {g:.3f} x [{lo:.3f}-{hi:.3f}] (95 % t interval over rounds)"
+    return said
 
 
 def paired_interval(ratios: list[float], resamples: int = 10_000, seed: int = 0) -> tuple[float, float, float]:
@@ -517,8 +558,8 @@ def _rounds(args, priorities: list[str], root: str, work: str, batch: int) -> li
                 row.update(idle_s=c["idle_s"], step_s=c["busy_s"], ratio=c["busy_s"] / c["idle_s"], paired=g,
                            pair_ratios=c["pair_ratios"], mean_ratio=c["mean_ratio"], steps=(c["busy_n"], c["idle_n"]),
                            rank1_img_s=c["rank1_img_s"], cpu_wait=(c["busy_wait"], c["idle_wait"]))
-                said.append(f"step {g:.3f} x daemon stopped [{lo:.3f}-{hi:.3f}] over {len(c['pair_ratios'])} phase "
-                            f"pairs (median {c['busy_s'] * 1e3:.1f} ms daemon busy, {c['idle_s'] * 1e3:.1f} ms stopped: "
+                said.append(f"step {g:.3f} x daemon stopped [{lo:.3f}-{hi:.3f}] over "
+                            f"{_n(len(c['pair_ratios']), 'phase pair')} (median {c['busy_s'] * 1e3:.1f} ms daemon busy, {c['idle_s'] * 1e3:.1f} ms stopped: "
                             f"{row['ratio']:.3f} x; mean {c['mean_ratio']:.3f} x; {c['busy_n']}/{c['idle_n']} steps; "
                             f"waiting for a CPU "
                             f"{c['busy_wait']:.1%} / {c['idle_wait']:.1%} of them; rank 1 got "
