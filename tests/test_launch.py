@@ -137,6 +137,7 @@ def test_launch_forwards_signals_and_exits_128_plus_the_signal(tmp_path, cfg, si
     p.send_signal(sig)
     rc, _, err = _finish(p)
     assert rc == 128 + sig, err
+    assert "the command left" not in err, err  # its daemon is not something the command left running
     _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
 
 

@@ -196,7 +196,7 @@ class Launch:
                     self.guest.close()
                 waits = self.served and self.daemon is not None and not self.stopping
                 # what the command left running goes first: a wait for guests may be long
-                self._end_leftovers(keep=self.daemon.pid if waits else None)
+                self._end_leftovers(keep=self.daemon.pid if self.daemon is not None else None)
                 if waits:
                     hold = users.wait_for_guests(self.cfg.progress_dir, self.daemon.pid, say, self._guests_tick)
                 try:
