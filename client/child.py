@@ -61,8 +61,8 @@ from prefetchd.core.config import EX_CONFIG, Config, ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.format import procstate, status
 
-from . import users
 from .common import CONFIG_ENV, PrefetchError, config_from_env
+from .users import Guest, OwnerHold, wait_for_guests
 
 _log = logging.getLogger("prefetchd_client.child")
 
@@ -402,7 +402,7 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
     if guest is None:
         created = Created.before_start(cfg)
         child = DaemonChild(path, sink=sink)
-        hold = users.OwnerHold(None)
+        hold = OwnerHold(None)
         try:
             child.start()
             try:
@@ -439,12 +439,12 @@ def serve(config: str | os.PathLike | None = None, timeout: float | None = _READ
         guest.close()
 
 
-def _wait_for_guests(cfg: Config, child: DaemonChild) -> users.OwnerHold:
+def _wait_for_guests(cfg: Config, child: DaemonChild) -> OwnerHold:
     """serve()'s wait, before it stops the daemon it started, for the guests using it (a
     second Ctrl-C ends it)."""
     if child.poll() is not None:
-        return users.OwnerHold(None)
-    return users.wait_for_guests(cfg.progress_dir, child.pid, _say, lambda: False)
+        return OwnerHold(None)
+    return wait_for_guests(cfg.progress_dir, child.pid, _say, lambda: False)
 
 
 def _say(line: str) -> None:
@@ -452,7 +452,7 @@ def _say(line: str) -> None:
 
 
 def join_running(cfg: Config, say: Callable[[str], object] = _say,
-                 stop: Callable[[], bool] = lambda: False) -> tuple[int | None, users.Guest | None]:
+                 stop: Callable[[], bool] = lambda: False) -> tuple[int | None, Guest | None]:
     """The daemon already serving ``cfg``'s buffer and this process's hold on it as a guest
     (``users.Guest``; ``say`` gets its one line when it cannot hold it), or (None, None) when
     none serves there (the caller starts one) or ``stop()`` ended a wait for its stop. Raises
@@ -460,12 +460,12 @@ def join_running(cfg: Config, say: Callable[[str], object] = _say,
     pid = running_daemon(cfg)
     if pid is None:
         return None, None
-    guest = users.Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say, stop)
+    guest = Guest.join(cfg.progress_dir, lambda: running_daemon(cfg) == pid, say, stop)
     return (pid, guest) if guest is not None else (None, None)
 
 
 def join_instead(cfg: Config, child: DaemonChild,
-                 say: Callable[[str], object] = _say) -> tuple[int | None, users.Guest | None]:
+                 say: Callable[[str], object] = _say) -> tuple[int | None, Guest | None]:
     """After ``child`` failed to start: the daemon serving ``cfg``'s buffer now and the hold on it,
     as ``join_running`` (``child`` is stopped first). Two starts of one config at the same moment
     both find no daemon and start one; only one can hold the buffer, and the other's command

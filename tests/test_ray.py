@@ -42,6 +42,9 @@ def ray_temp_dir():
     import tempfile
 
     d = tempfile.mkdtemp(prefix="pfray", dir="/tmp")  # short: Ray's socket paths live under it
+    # a head writes its address to /tmp/ray/ray_current_cluster whatever its temp_dir, but makes
+    # /tmp/ray only for the default one: on a machine where Ray never ran, the start failed
+    os.makedirs("/tmp/ray", exist_ok=True)
     yield d
     _kill_scoped(d)
     shutil.rmtree(d, ignore_errors=True)
