@@ -98,12 +98,26 @@ def _lock(fd: int, how: int) -> str | None:
     return None
 
 
-class Guest:
-    """A guest's hold on a daemon it did not start (a shared lock on the users file)."""
+class _Hold:
+    """A lock on the users file, held through ``fd`` (None: nothing held) until closed."""
 
-    def __init__(self, fd: int):
-        self._fd: int | None = fd
+    def __init__(self, fd: int | None):
+        self._fd = fd
         self._pid = os.getpid()  # a forked child's copy was closed at the fork: its number is not ours
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            _close(self._fd)
+        self._fd = None
+
+
+class Guest(_Hold):
+    """A guest's hold on a daemon it did not start (a shared lock on the users file); ``held``:
+    whether the daemon's starter can see this guest."""
 
     @classmethod
     def join(cls, progress_dir: str, still_serving: Callable[[], bool],
@@ -138,17 +152,7 @@ class Guest:
         if fd is None:
             say(f"{why}: the launch or serve() that started the daemon cannot know this one uses it, and may "
                 f"stop it when its own command ends")
-        return cls(fd if fd is not None else -1)
-
-    @property
-    def held(self) -> bool:
-        """Whether the daemon's starter can see this guest (the lock is held)."""
-        return self._fd is not None and self._fd >= 0
-
-    def close(self) -> None:
-        if self._fd is not None and self._fd >= 0 and self._pid == os.getpid():
-            _close(self._fd)
-        self._fd = None
+        return cls(fd)
 
 
 def holders(fd: int) -> list[int]:
@@ -177,17 +181,10 @@ def _describe(pid: int) -> str:
     return f"{pid} ({cmd[:60]}{'...' if len(cmd) > 60 else ''})" if cmd else str(pid)
 
 
-class OwnerHold:
+class OwnerHold(_Hold):
     """The exclusive hold the daemon's starter takes before stopping it (``wait_for_guests``)."""
 
-    def __init__(self, fd: int | None):
-        self._fd = fd
-        self._pid = os.getpid()
-
-    def release(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            _close(self._fd)
-        self._fd = None
+    release = _Hold.close
 
 
 def wait_for_guests(progress_dir: str, daemon_pid: int | None, say: Callable[[str], object],
