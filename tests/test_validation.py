@@ -519,3 +519,48 @@ def test_each_val_for_is_a_new_pass_ending_an_iteration_still_held(tmp_path, ima
         assert [t.last_batch.batch for _ in t] == list(range(2, 8))
         del it
     assert d.stop() == 0
+
+
+def test_a_val_index_read_after_the_train_index_is_waited_for(tmp_path, image_root, val_root, daemon_factory):
+    """The val scan ends after the train index is loaded (cached here): the daemon waits for both.
+    The val file list is a FIFO the test fills only once the daemon has opened it (the train
+    index is read by then) and it has had 3 s to give up waiting."""
+    load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))  # train: cached
+    val, _ = load_index(val_root, None, (".jpeg", ".jpg", ".png"), None, use_cache=False)
+    lines = "".join(f"{val.path(i)} {int(val.labels[i])}\n" for i in range(len(val)))
+    fifo = str(tmp_path / "val.txt")
+    os.mkfifo(fifo)
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "file_list": fifo, "batch_size": 4})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+
+    def opened():
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO until the daemon opens it to read
+        except OSError:
+            assert d.proc.poll() is None, d.log()
+            return None
+
+    fd = wait_until(opened, 60, "the daemon reading the val file list")
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:  # the train index is loaded; the val scan goes on
+        assert d.proc.poll() is None, f"the daemon ended while the val index was read:\n{d.log()}"
+        time.sleep(0.05)
+    os.set_blocking(fd, True)
+    os.write(fd, lines.encode())
+    os.close(fd)
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s.get("val_ranks"), 60,
+               "the daemon serving validation")
+    with PrefetchClient(cfg, rank=0, split="val", as_numpy=True, timeout=60) as c:
+        assert sum(len(y) for _, y, _ in read_pass(c)) == len(val)
+    assert "AttributeError" not in d.log()
+    assert d.stop() == 0
+
+
+def test_a_devkit_that_is_a_fifo_is_refused_in_one_line(tmp_path, image_root):
+    fifo = str(tmp_path / "devkit.tar.gz")
+    os.mkfifo(fifo)
+    from prefetchd.core.devkit import DevkitError, read_devkit
+
+    with pytest.raises(DevkitError, match="not a regular file or a folder"):
+        read_devkit(fifo)

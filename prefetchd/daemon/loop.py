@@ -200,14 +200,16 @@ class Daemon:
 
         V = self.cfg.validation
 
-        def scan():
+        def scan():  # the box is filled once, when every index is read: the main thread waits for that
+            found = {}
             try:
-                box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
+                found["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
                 if V.enabled:
-                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
-                                            section="validation", one_class=cfg.one_class)
+                    found["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
+                                              section="validation", one_class=cfg.one_class)
             except BaseException as e:  # handed to the main thread
-                box["error"] = e
+                found = {"error": e}
+            box.update(found)
             self._wake()
 
         threading.Thread(target=scan, name="prefetchd-index", daemon=True).start()
