@@ -182,9 +182,12 @@ def cmd_check(args) -> int:
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
-        vs = ValSampler(len(val), V.batch_size, L.world_size)
+        vs = ValSampler(len(val), V.batch_size, L.world_size, V.pad)
+        repeats = vs.share(0) * L.world_size - len(val) if V.pad else 0
+        shares = (f"padded: {plural(repeats, 'sample')} repeated, marked in BatchInfo.padding" if repeats else
+                  "each sample once" + ("" if V.pad else " (validation.pad: false): batch counts may differ"))
         print(f"validation: {len(val)} samples ({val.describe()}); {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
-              f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
+              f"per pass for ranks {list(L.ranks)} ({shares}); eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)  # the filesystem it will be created on

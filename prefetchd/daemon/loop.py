@@ -195,15 +195,12 @@ class Daemon:
 
     def _load_index(self) -> bool:
         """Read the dataset index on a thread, so a stop signal is acted on during a long scan."""
-        cfg, box = self.cfg.dataset, {}
+        cfg, box, V = self.cfg.dataset, {}, self.cfg.validation
         t0 = time.monotonic()
 
-        V = self.cfg.validation
-
         def scan():  # the box is filled once, when every index is read: the main thread waits for that
-            found = {}
             try:
-                found["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
+                found = {"index": load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)}
                 if V.enabled:
                     found["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
                                               section="validation", one_class=cfg.one_class)
