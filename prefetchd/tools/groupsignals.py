@@ -80,7 +80,8 @@ class Witness:
         old = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)  # blocked from its first instruction
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WITNESS, str(ctl_r), str(ack_w), ",".join(map(str, self.signals))],
+                # -I -S: nothing of the environment or site customisation runs in it
+                [sys.executable, "-I", "-S", "-c", _WITNESS, str(ctl_r), str(ack_w), ",".join(map(str, self.signals))],
                 pass_fds=(ctl_r, ack_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL, cwd="/")
         except OSError:
