@@ -19,7 +19,10 @@ so that the next signal is judged afresh. The witness reads its control pipe and
 end of file: when launch closes it, or exits in any way (SIGKILL included).
 
 A witness that cannot be started, or that is gone, says "not reached": the signal is forwarded,
-as before there was one.
+as before there was one. Limits: a sender that takes longer than ``GRACE_S`` from launch to the
+witness (one process after another on a host too loaded to run it) is taken for launch alone,
+and the command sees the signal twice, as before; launch forwards every signal to a command
+that moved itself out of launch's group (``setsid``), which a group's signal does not reach.
 """
 
 from __future__ import annotations
