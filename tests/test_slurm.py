@@ -228,3 +228,9 @@ def test_scancel_stops_the_trainers_and_the_daemon_and_leaves_nothing(cluster, t
     assert cluster.shm() == [f"prefetchd-{job}"]
     cluster.run("scancel", job, check=True)
     wait_until(lambda: _nothing_left(cluster), 60, "scancel to stop the trainers and the daemon, leaving nothing")
+    # each process saw the step's SIGTERM once: launch forwarded another to torchrun (its second
+    # SignalException broke its shutdown), and the daemon's forkserver and workers died of theirs
+    # ("ERROR ... the forkserver (pid N) was killed by SIGTERM; started a new one")
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("job-*.out"))
+    assert logs.count("Received 15 death signal") == 1 and "another exception occurred" not in logs, logs
+    assert " ERROR " not in logs, logs

@@ -170,7 +170,7 @@ class Daemon:
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
-        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index)
+        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index, stopping=lambda: self._stop)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
