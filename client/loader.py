@@ -50,6 +50,7 @@ from .common import (
     _take_lane,
     config_from_env,
 )
+from .jobenv import job_rank
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
 from .state import LoaderState
@@ -571,16 +572,18 @@ class _Sized:
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:
     L, where = cfg.loader, f" in {cfg.source}" if cfg.source else ""
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is not None and env_world.isdigit() and int(env_world) != L.world_size:
-        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but WORLD_SIZE={env_world} in the environment "
-                          f"(the job's world size): set loader.world_size: {env_world} and restart the daemon with "
-                          "that config (the stream depends on it)")
+    job = job_rank(os.environ)  # torchrun's RANK/WORLD_SIZE, else Slurm's SLURM_PROCID/SLURM_NTASKS
+    # Slurm's task count is the world size only where the rank is Slurm's too (not for rank=)
+    env_world = job.world_size if job is not None and (rank is None or not job.slurm) else None
+    if env_world is not None and env_world != L.world_size:
+        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but {job.world_name}={env_world} in the "
+                          f"environment (the job's world size): set loader.world_size: {env_world} and restart the "
+                          "daemon with that config (the stream depends on it)")
     given = f"rank={rank}"
     if rank is None:
-        env = os.environ.get("RANK")
-        rank = int(env) if env is not None and env.isdigit() else 0
-        given = f"RANK={rank} in the environment" if env is not None and env.isdigit() else "rank 0, the default"
+        found = job is not None and job.rank is not None
+        rank = job.rank if found else 0
+        given = f"{job.rank_name}={rank} in the environment" if found else "rank 0, the default"
     if rank not in L.ranks:
         every = "ranks: all at " if L.ranks == tuple(range(L.world_size)) else ""
         todo = (f"set loader.world_size to the job's world size (more than {rank}) and restart the daemon"
