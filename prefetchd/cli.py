@@ -1,4 +1,4 @@
-"""Command line: ``prefetchd run|launch|check|status|demo|bench`` (also ``python -m prefetchd``).
+"""Command line: ``prefetchd run|launch|node-config|check|status|demo|bench`` (also ``python -m prefetchd``).
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
@@ -318,6 +318,12 @@ def _status_loop(cfg: Config, args) -> int:
         time.sleep(args.interval)
 
 
+def cmd_node_config(args) -> int:
+    from prefetchd.tools.nodeconfig import run_node_config
+
+    return run_node_config(args)
+
+
 def cmd_demo(args) -> int:
     from prefetchd.tools.demo import run_demo
 
@@ -387,6 +393,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the daemon to be ready before CMD runs (0: no limit; default 600)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
     la.set_defaults(fn=cmd_launch)
+    n = sub.add_parser("node-config", help="write one node's config from the job's: the job's world size, the "
+                       "node's ranks (for a multi-node job: Slurm, a Kubernetes Indexed Job)")
+    n.add_argument("--config", "-c", required=True, help="the job's config")
+    n.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    n.add_argument("--node", type=int, required=True, help="this node's number, 0 .. nodes-1")
+    n.add_argument("--per-node", type=int, required=True, help="ranks per node (node I runs I*G .. I*G+G-1)")
+    n.add_argument("--out", "-o", required=True, help="the node's config, written whole")
+    n.add_argument("--buffer-dir", help="the ring's directory (and the progress files in it) instead of the job's")
+    n.set_defaults(fn=cmd_node_config)
     c = sub.add_parser("check", help="validate the config, scan the dataset, check users, modes and the RAM disk")
     c.add_argument("--config", "-c", required=True)
     c.add_argument("--user", help="the daemon's user (default: the user running check)")
