@@ -4,7 +4,8 @@ Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the d
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
 restart loop on a config error). ``launch`` exits with its command's status (128 + n for signal
 n), or 78 / 1 when the daemon cannot start, before the command runs (``prefetchd.tools.launch``).
-``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs.
+``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs;
+``status --live`` 0 while the daemon's loop and pipeline move, 1 when stuck, 3 when none runs.
 """
 
 from __future__ import annotations
@@ -267,6 +268,14 @@ def cmd_status(args) -> int:
         return _fail_config(e)
     if args.ready:
         return _ready(cfg)
+    if args.live:
+        from prefetchd.format import status
+
+        code, line = status.liveness(status.read_json(cfg.buffer.dir, status.STATUS_NAME),
+                                     status.daemon_alive(cfg.buffer.dir), status.lock_pid(cfg.buffer.dir),
+                                     time.time(), args.live_after)
+        print(line)
+        return code
     try:
         return _status_loop(cfg, args)
     except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
@@ -414,6 +423,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0)
     s.add_argument("--ready", action="store_true", help="a probe: exit 0 once every rank has a batch ready, 1 while "
                    "the daemon runs but not yet, 3 when none runs")
+    s.add_argument("--live", action="store_true", help="a probe (Kubernetes' livenessProbe, the systemd watchdog's "
+                   "judgement): exit 0 while the daemon's loop turns and its pipeline moves (or it starts), 1 when "
+                   "either has stopped for --live-after seconds, 3 when none runs")
+    s.add_argument("--live-after", type=float, default=30.0, metavar="S", help="seconds without a status rewrite, "
+                   "or with batches in the making and none made, before --live fails (default 30)")
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
     d.add_argument("--images", type=int, default=640)

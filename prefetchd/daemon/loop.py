@@ -344,6 +344,13 @@ class Daemon:
     def _planner(self, lane_id: int) -> Planner:
         return self.val.planner if lane_id >= VAL_LANE and self.val else self.planner
 
+    def stuck_s(self) -> float:
+        """Seconds batches have been in the making without one made (0 while nothing is needed):
+        what the watchdog and ``status --live`` judge the pipeline by. Failures are not progress."""
+        if not any(p.busy() for p in self._planners()):
+            return 0.0
+        return max(0.0, time.monotonic() - self._last_activity)
+
     def _planners(self) -> list[Planner]:
         return [self.planner] if self.val is None else [self.planner, self.val.planner]
 
@@ -515,8 +522,7 @@ class Daemon:
         if self.notify.watchdog_s:
             # WATCHDOG=1 only while the pipeline moves: idle with nothing to do, or batches being
             # made; failures are not progress
-            busy = any(p.busy() for p in self._planners())
-            if not (busy and time.monotonic() - self._last_activity > self.notify.watchdog_s / 2):
+            if self.stuck_s() <= self.notify.watchdog_s / 2:
                 self.notify.watchdog()
         self.notify.status(f"{rec['produced_img_s'] or 0:.0f} img/s; "
                            + ", ".join(f"r{r} {v['ahead']}/{rec['capacity']} ahead" for r, v in rec["ranks"].items()))

@@ -59,6 +59,7 @@ def status_record(d) -> dict:
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
         "consumed_batches": sum(d.sessions.consumed.values()),
         "failed_batches": d.failed_batches,
+        "stuck_s": d.stuck_s(),  # batches in the making, none made for this long (status --live)
         "produced_img_s": d.produced_rate.per_s(),
         "consumed_img_s": d.consumed_rate.per_s(),
         "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
