@@ -255,6 +255,13 @@ def test_liveness_is_the_watchdogs_rule(rec, alive, want):
     assert (code, line[:len(want[1])]) == want, line
 
 
+def test_the_status_text_names_a_pipeline_that_makes_nothing():
+    rec = {"pid": 9, "state": "running", "updated": time.time(), "stuck_s": 12.0, "ranks": {}}
+    assert "; batches in the making, none made for 12 s (status --live fails after 30 s)" in \
+        status.format_status(rec, True)
+    assert "in the making" not in status.format_status({**rec, "stuck_s": 1.0}, True)
+
+
 def test_the_indexed_job_and_its_service_are_the_apis_with_no_unknown_key(job_docs, job):
     assert ApiClient().sanitize_for_serialization(job) == job_docs["Job"]
     svc = _deserialize(job_docs["Service"], "V1Service")

@@ -133,6 +133,7 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+_SAY_STUCK_AFTER_S = 5.0  # format_status names a pipeline that has made nothing for this long
 LIVE_AFTER_S = 30.0  # status --live: the systemd unit's WatchdogSec=60 withholds WATCHDOG=1 past half of it
 
 
@@ -182,7 +183,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
         f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
         f"  failed batches {s.get('failed_batches', 0)} (each tried again after a back-off), "
-        f"main process CPU {s.get('main_cpu_s') or 0:.1f} s",
+        f"main process CPU {s.get('main_cpu_s') or 0:.1f} s"
+        + (f"; batches in the making, none made for {s['stuck_s']:.0f} s (status --live fails after "
+           f"{LIVE_AFTER_S:.0f} s)" if (s.get("stuck_s") or 0) >= _SAY_STUCK_AFTER_S else ""),
     ]
     if s.get("sizing"):
         lines.append("  sizing: " + "; ".join(s["sizing"]))
