@@ -114,19 +114,20 @@ def test_the_daemon_is_a_native_sidecar_and_its_startup_probe_gates_the_trainer(
         assert _under(CONFIG, _mounts(c)["config"])
 
 
-def test_ring_and_progress_are_memory_emptydirs_that_hold_what_the_config_asks(pod, cfg):
-    vols = {v.name: v for v in pod.spec.volumes}
-    ring, progress = vols["ring"].empty_dir, vols["progress"].empty_dir
-    assert ring.medium == "Memory" and progress.medium == "Memory"
-    assert parse_quantity(ring.size_limit) >= cfg.buffer.max_bytes + cfg.buffer.min_free_bytes
-    assert parse_quantity(progress.size_limit) <= 64 * 2**20  # small: a few KiB per rank
-    for c in (*pod.spec.init_containers, *pod.spec.containers):
-        m = _mounts(c)
-        # the daemon makes its directories inside the mounts (a mount point is root's, not the daemon's)
-        assert _under(cfg.buffer.dir, m["ring"]) and cfg.buffer.dir != m["ring"]
-        assert _under(cfg.progress_dir, m["progress"]) and cfg.progress_dir != m["progress"]
-    side = _mounts(pod.spec.init_containers[0])
-    assert _under(cfg.dataset.root, side["dataset"]) and _under(cfg.dataset.cache_dir, side["cache"])
+def test_ring_and_progress_are_memory_emptydirs_that_hold_what_the_config_asks(specs, cfg):
+    for spec in specs:
+        vols = {v.name: v for v in spec.volumes}
+        ring, progress = vols["ring"].empty_dir, vols["progress"].empty_dir
+        assert ring.medium == "Memory" and progress.medium == "Memory"
+        assert parse_quantity(ring.size_limit) >= cfg.buffer.max_bytes + cfg.buffer.min_free_bytes
+        assert parse_quantity(progress.size_limit) <= 64 * 2**20  # small: a few KiB per rank
+        for c in (*spec.init_containers, *spec.containers):
+            m = _mounts(c)
+            # the daemon makes its directories inside the mounts (a mount point is root's, not the daemon's)
+            assert _under(cfg.buffer.dir, m["ring"]) and cfg.buffer.dir != m["ring"]
+            assert _under(cfg.progress_dir, m["progress"]) and cfg.progress_dir != m["progress"]
+        side = _mounts(spec.init_containers[0])
+        assert _under(cfg.dataset.root, side["dataset"]) and _under(cfg.dataset.cache_dir, side["cache"])
 
 
 def test_the_daemon_runs_as_a_non_root_user_and_the_trainer_as_its_image_says_through_fs_group(specs, cfg):
@@ -144,16 +145,17 @@ def test_the_daemon_runs_as_a_non_root_user_and_the_trainer_as_its_image_says_th
             assert c.security_context.capabilities.drop == ["ALL"]
 
 
-def test_the_sidecars_memory_limit_holds_the_ring_and_the_workers(pod, cfg):
+def test_the_sidecars_memory_limit_holds_the_ring_and_the_workers(specs, cfg):
     """tmpfs pages are charged to the container that writes them: the daemon's."""
-    side = pod.spec.init_containers[0]
     s = cfg.augment.output_size
     need = cfg.buffer.max_bytes + cfg.workers.resolved_count() * (
         _WORKER_BYTES + batchfile.max_file_size(cfg.loader.batch_size, s, s))
-    limit = parse_quantity(side.resources.limits["memory"])
-    assert limit >= need, f"{limit} < {need}"
-    assert side.resources.requests["memory"] == side.resources.limits["memory"]  # not the first to be evicted
-    assert parse_quantity(side.resources.limits["cpu"]) == cfg.workers.resolved_count()
+    for spec in specs:
+        side = spec.init_containers[0]
+        limit = parse_quantity(side.resources.limits["memory"])
+        assert limit >= need, f"{limit} < {need}"
+        assert side.resources.requests["memory"] == side.resources.limits["memory"]  # not the first to be evicted
+        assert parse_quantity(side.resources.limits["cpu"]) == cfg.workers.resolved_count()
 
 
 def test_cpu_requests_keep_the_ranks_first(specs, cfg):
