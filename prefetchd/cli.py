@@ -273,7 +273,7 @@ def cmd_status(args) -> int:
 
         code, line = status.liveness(status.read_json(cfg.buffer.dir, status.STATUS_NAME),
                                      status.daemon_alive(cfg.buffer.dir), status.lock_pid(cfg.buffer.dir),
-                                     time.time(), args.live_after)
+                                     time.time(), status.LIVE_AFTER_S if args.live_after is None else args.live_after)
         print(line)
         return code
     try:
@@ -426,7 +426,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--live", action="store_true", help="a probe (Kubernetes' livenessProbe, the systemd watchdog's "
                    "judgement): exit 0 while the daemon's loop turns and its pipeline moves (or it starts), 1 when "
                    "either has stopped for --live-after seconds, 3 when none runs")
-    s.add_argument("--live-after", type=float, default=30.0, metavar="S", help="seconds without a status rewrite, "
+    s.add_argument("--live-after", type=float, metavar="S", help="seconds without a status rewrite, "
                    "or with batches in the making and none made, before --live fails (default 30)")
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
