@@ -50,9 +50,10 @@ from .common import (
     _take_lane,
     config_from_env,
 )
+from .jobenv import job_rank
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
-from .shapes import BatchSampler, DistSampler, Sized, check_batch_size, normalize_constants
+from .shapes import DataLoaderShape, check_batch_size, normalize_constants
 from .state import LoaderState
 
 try:
@@ -63,7 +64,7 @@ except ImportError:  # numpy arrays only
 _log = logging.getLogger("prefetchd_client")
 
 
-class PrefetchClient(LoaderState, BatchFiles):
+class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
     """Iterate the batches prefetchd prepared for one rank.
 
     DataLoader habits::
@@ -200,42 +201,6 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._said_no_daemon = False  # "no daemon holds the buffer: waiting" said (once)
         self._closed = False
-
-    # --- DataLoader-shaped attributes ----------------------------------------------------------------
-
-    @property
-    def batch_size(self) -> int:
-        return self.cfg.validation.batch_size if self.split == "val" else self.cfg.loader.batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        return False if self.split == "val" else self.cfg.loader.drop_last
-
-    @property
-    def world_size(self) -> int:
-        return self.cfg.loader.world_size
-
-    @property
-    def dataset(self) -> Sized:
-        """Sized like a DataLoader's dataset: ``len()`` is the samples of the stream's dataset."""
-        m = self.meta()
-        return Sized(int(m["validation"]["num_samples"] if self.split == "val" else m["num_samples"]))
-
-    @property
-    def sampler(self) -> DistSampler:
-        """Sized like a ``DistributedSampler``: ``len()`` is ``ceil(len(dataset) / world_size)``, what
-        it reports without ``drop_last``. Scripts that look for the samples such a sampler leaves
-        out (``len(sampler) * world_size < len(dataset)``, as pytorch/examples' ``validate`` does)
-        find none: the validation stream leaves none out (padded as that sampler pads, or, with
-        ``validation.pad: false``, rank shares one sample shorter). Its ``set_epoch`` is the
-        loader's (``client.shapes``)."""
-        shuffle = self.split == "train" and self.cfg.loader.shuffle
-        return DistSampler(self, -(-len(self.dataset) // self.world_size), shuffle)
-
-    @property
-    def batch_sampler(self) -> BatchSampler:
-        """Sized as a DataLoader's batch sampler: ``len()`` is ``len(loader)``."""
-        return BatchSampler(self)
 
     # --- position ----------------------------------------------------------------------------------
 
@@ -581,16 +546,17 @@ class PrefetchClient(LoaderState, BatchFiles):
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:
     L, where = cfg.loader, f" in {cfg.source}" if cfg.source else ""
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is not None and env_world.isdigit() and int(env_world) != L.world_size:
-        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but WORLD_SIZE={env_world} in the environment "
-                          f"(the job's world size): set loader.world_size: {env_world} and restart the daemon with "
-                          "that config (the stream depends on it)")
+    job = job_rank(os.environ)  # torchrun's RANK/WORLD_SIZE, else Slurm's (its task count is the world size
+    env_world = job.world_size if job is not None and (rank is None or not job.slurm) else None  # but for rank=)
+    if env_world is not None and env_world != L.world_size:
+        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but {job.world_name}={env_world} in the "
+                          f"environment (the job's world size): set loader.world_size: {env_world} and restart the "
+                          "daemon with that config (the stream depends on it)")
     given = f"rank={rank}"
     if rank is None:
-        env = os.environ.get("RANK")
-        rank = int(env) if env is not None and env.isdigit() else 0
-        given = f"RANK={rank} in the environment" if env is not None and env.isdigit() else "rank 0, the default"
+        found = job is not None and job.rank is not None
+        rank = job.rank if found else 0
+        given = f"{job.rank_name}={rank} in the environment" if found else "rank 0, the default"
     if rank not in L.ranks:
         every = "ranks: all at " if L.ranks == tuple(range(L.world_size)) else ""
         todo = (f"set loader.world_size to the job's world size (more than {rank}) and restart the daemon"

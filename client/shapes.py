@@ -51,6 +51,45 @@ class BatchSampler(Sized):
         self.sampler = loader.sampler
 
 
+class DataLoaderShape:
+    """The loader's DataLoader-shaped attributes (a mixin of ``PrefetchClient``: ``self`` is the
+    loader, with its ``cfg``, ``split``, ``rank`` and ``meta()``)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.cfg.validation.batch_size if self.split == "val" else self.cfg.loader.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return False if self.split == "val" else self.cfg.loader.drop_last
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg.loader.world_size
+
+    @property
+    def dataset(self) -> Sized:
+        """Sized like a DataLoader's dataset: ``len()`` is the samples of the stream's dataset."""
+        m = self.meta()
+        return Sized(int(m["validation"]["num_samples"] if self.split == "val" else m["num_samples"]))
+
+    @property
+    def sampler(self) -> DistSampler:
+        """Sized like a ``DistributedSampler``: ``len()`` is ``ceil(len(dataset) / world_size)``, what
+        it reports without ``drop_last``. Scripts that look for the samples such a sampler leaves
+        out (``len(sampler) * world_size < len(dataset)``, as pytorch/examples' ``validate`` does)
+        find none: the validation stream leaves none out (padded as that sampler pads, or, with
+        ``validation.pad: false``, rank shares one sample shorter). Its ``set_epoch`` is the
+        loader's (``client.shapes``)."""
+        shuffle = self.split == "train" and self.cfg.loader.shuffle
+        return DistSampler(self, -(-len(self.dataset) // self.world_size), shuffle)
+
+    @property
+    def batch_sampler(self) -> BatchSampler:
+        """Sized as a DataLoader's batch sampler: ``len()`` is ``len(loader)``."""
+        return BatchSampler(self)
+
+
 def normalize_constants(normalize: bool, mean: Any, std: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``PrefetchClient``'s ``mean=`` and ``std=`` (ImageNet's where None), checked: one value per
     channel (3), ``std`` positive, and only with ``normalize=True``."""

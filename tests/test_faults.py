@@ -461,6 +461,7 @@ def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_p
     from prefetchd.core.planner import Limits, Planner
     from prefetchd.daemon.loop import Daemon
     from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.daemon.report import stuck_s
     from prefetchd.executors.worker import Result
 
     d = Daemon(load_config(small_config(tmp_path, image_root)))
@@ -468,9 +469,10 @@ def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_p
     d.quarantine = QuarantineLog(str(tmp_path), "x", str)
     first = d.planner.plan(2, time.monotonic(), 1 << 40).submit
     assert first == [(0, 0, 0), (1, 0, 0)]
-    d._last_activity = before = time.monotonic() - 100
+    d.last_activity = before = time.monotonic() - 100
     d._handle(Result(0, 0, 0, None, error="cannot write a batch: No space left on device"))
-    assert d._last_activity == before  # a failure is not progress: the watchdog may still fire
+    assert d.last_activity == before  # a failure is not progress: the watchdog (and status --live) may still fire
+    assert stuck_s(d) >= 100
     nxt = d.planner.plan(8, time.monotonic(), 1 << 40).submit
     assert (0, 0, 1) in nxt and (1, 0, 1) in nxt and (0, 0, 0) not in nxt  # only the failed batch waits
 

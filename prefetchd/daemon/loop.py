@@ -52,7 +52,7 @@ from prefetchd.daemon.autosize import Pacer
 from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
-from prefetchd.daemon.report import RateWindow, status_record
+from prefetchd.daemon.report import RateWindow, status_record, stuck_s
 from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
@@ -103,7 +103,7 @@ class Daemon:
         self.consumed_rate = RateWindow()
         self.first_batch_at: float | None = None
         self._ready_notified = False
-        self._last_activity = time.monotonic()  # last batch made, or the start of work after idling
+        self.last_activity = time.monotonic()  # last batch made, or the start of work after idling
         self._status_error: str | None = None
         self.watcher = self.pool = self.lock = None  # made by _setup: teardown stops the parts that exist
         self.remote = None
@@ -395,7 +395,7 @@ class Daemon:
             if not any(ex.submit(task) for ex in self._executors()):
                 self._planner(r).lost((r, e, b))
         if was_idle and submit:
-            self._last_activity = time.monotonic()
+            self.last_activity = time.monotonic()
 
     def _plan(self, planner: Planner, slots: int) -> list:
         """One planner's plan (its share of ``buffer.max_bytes`` is set in its limits' ``others``)."""
@@ -460,7 +460,7 @@ class Daemon:
             return
         planner.published(key, res.size)
         now = time.time()
-        self._last_activity = time.monotonic()
+        self.last_activity = time.monotonic()
         self.produced_batches += 1
         self.produced_images += res.samples
         self.produced_rate.add(res.samples)
@@ -510,10 +510,8 @@ class Daemon:
             self.notify.ready()
             self._ready_notified = True
         if self.notify.watchdog_s:
-            # WATCHDOG=1 only while the pipeline moves: idle with nothing to do, or batches being
-            # made; failures are not progress
-            busy = any(p.busy() for p in self._planners())
-            if not (busy and time.monotonic() - self._last_activity > self.notify.watchdog_s / 2):
+            # WATCHDOG=1 only while the pipeline moves: nothing to do, or batches made (stuck_s)
+            if stuck_s(self) <= self.notify.watchdog_s / 2:
                 self.notify.watchdog()
         self.notify.status(f"{rec['produced_img_s'] or 0:.0f} img/s; "
                            + ", ".join(f"r{r} {v['ahead']}/{rec['capacity']} ahead" for r, v in rec["ranks"].items()))
