@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.core.config import Config, ConfigError
+from prefetchd.core.config import Config
+from prefetchd.core.config import ConfigError as _CoreConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.core.streamkeys import differences, stream_settings
 from prefetchd.format import procstate, progress, status
@@ -43,6 +44,7 @@ from .common import (
     _PASSING_ERRNOS,
     _POLL_MIN_S,
     BatchInfo,
+    ConfigError,
     PrefetchError,
     PrefetchTimeout,
     _owns_lane,
@@ -117,7 +119,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._reader: ReadAhead | None = None
         self._pool: _PinnedPool | None = None
         config = config_from_env(config)
-        self.cfg = config if isinstance(config, Config) else load_config(config)
+        self.cfg = config if isinstance(config, Config) else _load_config(config)
         self.rank = _resolve_rank(self.cfg, rank)
         if split not in progress.STREAMS:
             raise ValueError(f"split must be one of {progress.STREAMS}, got {split!r}")
@@ -567,6 +569,13 @@ class _Sized:
     def __len__(self) -> int:
         return self._n
 
+
+
+def _load_config(path) -> Config:
+    try:
+        return load_config(path)
+    except _CoreConfigError as e:  # a missing or invalid file: the client's error, a PrefetchError
+        raise ConfigError.of(e) from None
 
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:

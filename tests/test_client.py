@@ -73,3 +73,23 @@ def test_normalize_on_tensors_and_arrays():
     assert normalize(x, dtype=torch.float16).dtype == torch.float16
     a = normalize(np.zeros((1, 3, 2, 2), np.uint8))
     assert a.dtype == np.float32 and np.isclose(a[0, 0, 0, 0], -0.485 / 0.229)
+
+
+def test_config_errors_are_prefetch_errors_and_exported(tmp_path, image_root, monkeypatch):
+    """``except PrefetchError`` catches every error the client raises for its config: a missing
+    file, a WORLD_SIZE the config does not have; still a ValueError naming the key, as it was."""
+    import prefetchd_client
+
+    assert "ConfigError" in prefetchd_client.__all__ and issubclass(prefetchd_client.ConfigError, PrefetchError)
+    with pytest.raises(PrefetchError, match="cannot read config file") as e:
+        PrefetchClient(str(tmp_path / "missing.yaml"))
+    assert isinstance(e.value, (prefetchd_client.ConfigError, ValueError, ConfigError))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(PrefetchError, match="WORLD_SIZE=3") as e:
+        PrefetchClient(small_config(tmp_path, image_root))
+    assert isinstance(e.value, ValueError) and e.value.key == "loader.world_size"
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
+    with pytest.raises(prefetchd_client.ConfigError, match="no config given"):
+        PrefetchClient()
+

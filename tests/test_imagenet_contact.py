@@ -113,6 +113,34 @@ def test_an_archive_rewritten_in_place_never_yields_another_members_pixels(tmp_p
     assert d2.stop() == 0
 
 
+def test_a_trainer_timing_out_after_an_archive_changed_is_told_why(tmp_path, daemon_factory):
+    """The trainer's PrefetchTimeout says what the status knows: the archive changed since it was
+    indexed (not only "0 ready")."""
+    from prefetchd_client import PrefetchClient, PrefetchTimeout
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=2, per_class=6)
+    cfg = small_config(tmp_path, root, loader={"batch_size": 4, "epochs": 4},
+                       augment={"output_size": 32, "scale_min": 40, "scale_max": 48})
+    d = daemon_factory(cfg)
+    path = os.path.join(root, "n0.tar")
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as c:
+        c.seek(0, 0)
+        next(iter(c))
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "r+b") as f:  # in place, same size: every batch needing n0.tar waits
+            f.write(data[::-1])
+        wait_until(lambda: "n0.tar changed since it was indexed" in d.log(), 30, "the changed archive said")
+        c.timeout = 3
+        with pytest.raises(PrefetchTimeout) as e:
+            for epoch in range(4):
+                for _ in c.iter_epoch(epoch):
+                    pass
+    assert "n0.tar changed since it was indexed" in str(e.value), str(e.value)
+    assert d.stop() == 0
+
+
 def test_a_quarantine_line_made_for_other_content_is_not_held_against_the_new(tmp_path):
     """A sample quarantined in an archive that was then re-packed (its identity, hence the sample's
     stamp, changed; the index fingerprint did not) is tried again, not kept quarantined."""

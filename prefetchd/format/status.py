@@ -133,17 +133,42 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+def _lifetime(s: dict[str, Any], alive: bool | None) -> str:
+    """``up 9 s`` for a running daemon; for one that stopped (or died), since when, and how long
+    it had been up: its last status's uptime is no uptime now."""
+    up = s.get("uptime_s", 0) or 0
+    if alive is not False and s.get("state") != "stopped":
+        return f"up {up:.0f} s"
+    updated = s.get("updated")
+    if not isinstance(updated, (int, float)):
+        return f"stopped, after {up:.0f} s up"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated))
+    ago = _ago(time.time() - updated)
+    if s.get("state") == "stopped":
+        return f"stopped since {when} ({ago} ago), after {up:.0f} s up"
+    return f"up {up:.0f} s at its last status ({when}), then ended without a final one (killed?)"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def format_status(s: dict[str, Any], alive: bool | None) -> str:
     """A human-readable view of a status record."""
     age = time.time() - s.get("updated", 0)
     state = s.get("state", "?")
     if alive is False:
-        state = f"not running (last status {age:.0f} s ago said {state!r})"
+        state = "not running" if state == "stopped" else f"not running (last status {age:.0f} s ago said {state!r})"
     elif is_stale(s):
         state = (f"{state}, but these figures are STALE: written {age:.0f} s ago; the daemon cannot rewrite "
                  f"{STATUS_NAME} (is the buffer's filesystem full?)")
     lines = [
-        f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
+        f"prefetchd pid {s.get('pid')}: {state}; {_lifetime(s, alive)}; buffer {s.get('buffer_dir')}",
         f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batch{'' if s.get('produced_batches', 0) == 1 else 'es'}), "
         f"consumption {_rate(s.get('consumed_img_s'))} img/s, workers {s.get('workers_alive', 0)}/"
         f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)}, "
