@@ -260,7 +260,7 @@ class PrefetchClient(LoaderState, BatchFiles):
             # only the running daemon's meta counts: one that is starting may still hold the lock
             # beside the last daemon's meta.json (with another config, say)
             if (m is not None and m.get("format") == "prefetchd-meta" and status.daemon_alive(self.dir)
-                    and m.get("pid") == status.lock_pid(self.dir)):
+                    and m.get("pid") == status.lock_pid(self.dir) and status.meta_serves(self.dir, m)):
                 break
             self._say_no_daemon()
             if time.monotonic() >= deadline:

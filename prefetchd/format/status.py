@@ -4,7 +4,10 @@
 daemon serves: ``{"format": "prefetchd-meta", "version": 1, "pid", "fingerprint" (16 hex
 digits, the batch header's u64, ``stream_id``), "num_samples", "num_classes", "batch_size",
 "batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started",
-"dataset_fingerprint", ...}``.
+"dataset_fingerprint", "identity" ({"start", "ns"}: the daemon's process, ``procstate.identity``), ...}``.
+A daemon that starts takes the lock, then removes the last daemon's meta.json: a reader may have
+read that one first, so it trusts a meta.json only while its ``pid`` holds the lock
+(``meta_serves``).
 
 ``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
 are listed in ``format_status``. Both live in the buffer directory, mode 0640 (``FILE_MODE``)
@@ -26,7 +29,7 @@ import stat
 import time
 from typing import Any
 
-from prefetchd.format import untrusted
+from prefetchd.format import procstate, untrusted
 from prefetchd.format.atomic import write_atomic
 
 META_NAME = "meta.json"
@@ -92,6 +95,48 @@ def daemon_alive(directory: str) -> bool | None:
     finally:
         os.close(fd)
     return False
+
+
+def lock_holders(directory: str) -> set[int] | None:
+    """The pids holding a ``flock`` on ``directory`` itself (the daemon's lock: ``ring.Lock``), from
+    the kernel's lock table (``/proc/locks``, pids as this pid namespace sees them: 0 for a process
+    it cannot see); None where that cannot be read."""
+    try:
+        st = os.stat(directory)
+        with open("/proc/locks", "rb") as f:
+            table = f.read(1 << 22)
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}".encode()
+    holders = set()
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF"; a waiter's line has "->" after the number
+        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] == want and fields[4].isdigit():
+            holders.add(int(fields[4]))
+    return holders
+
+
+def meta_serves(directory: str, meta: dict[str, Any]) -> bool:
+    """Is ``meta`` (a meta.json read from ``directory``) the description of the daemon serving it
+    now? Not when its process is gone (a daemon that stopped or died: the next one, which holds
+    the lock already, removes its meta.json before writing its own), nor, where the kernel's lock
+    table can tell (the daemon in this pid namespace), when its pid does not hold the lock. The
+    caller checks first that a daemon holds the lock and that ``daemon.lock`` names ``meta``'s pid:
+    in the moment between a new daemon's lock and its pid, the file still names the last one."""
+    pid = meta.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    ident = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
+    start, ns = ident.get("start", 0), ident.get("ns", 0)
+    start, ns = (v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in (start, ns))
+    if procstate.state(pid, start, ns) == procstate.GONE:
+        return False
+    if ns and ns == procstate.pid_namespace():
+        holders = lock_holders(directory)
+        if holders is not None and 0 not in holders and pid not in holders:
+            return False
+    return True
 
 
 def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
