@@ -90,7 +90,7 @@ def test_ray_executor_makes_the_same_bytes_on_two_nodes(tmp_path, image_root, da
 
 
 
-def test_ray_executor_makes_the_validation_stream_too(tmp_path, image_root, daemon_factory, cluster):
+def test_ray_executor_makes_the_validation_stream_too(tmp_path, image_root, val_image_root, daemon_factory, cluster):
     import numpy as np
     from prefetchd_client import PrefetchClient
     from test_validation import read_pass, val_reference
@@ -98,7 +98,7 @@ def test_ray_executor_makes_the_validation_stream_too(tmp_path, image_root, daem
     c, _ = cluster
     cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {"address": c.loopback_address,
                                                                                  "workers": 2, **LOOP}},
-                       validation={"enabled": True, "root": image_root, "batch_size": 5})
+                       validation={"enabled": True, "root": val_image_root, "batch_size": 5})
     buf = str(tmp_path / "buffer")
     d = daemon_factory(cfg)
     wait_until(lambda: _ray_status(buf).get("state", "").startswith("connected"), 120, "a connected status")
