@@ -67,7 +67,7 @@ from prefetchd.executors.fdwait import FdWait, fd_of
 from prefetchd.executors.pool import Pool, PoolError
 from prefetchd.executors.storage import STORAGE_RETRY_S
 from prefetchd.executors.worker import Result, WorkerSetup
-from prefetchd.format import batchfile, procstate, status
+from prefetchd.format import batchfile, status
 from prefetchd.format.progress import VAL_LANE
 
 log = logging.getLogger("prefetchd")
@@ -242,10 +242,7 @@ class Daemon:
             "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
-            "validation": self.val.meta() if self.val else None,
-            # who wrote it, beyond a pid (which another process may hold later): clients trust a
-            # meta.json only while its daemon holds the lock (status.meta_serves)
-            "identity": dict(zip(("start", "ns"), procstate.identity(), strict=True)),
+            "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
         })
 
     # --- signals and waking -----------------------------------------------------------------------

@@ -117,6 +117,13 @@ def lock_holders(directory: str) -> set[int] | None:
     return holders
 
 
+def daemon_identity() -> dict[str, int]:
+    """meta.json's ``identity``: who wrote it, beyond a pid (which another process may hold
+    later), for ``meta_serves``."""
+    start, ns = procstate.identity()
+    return {"start": start, "ns": ns}
+
+
 def meta_serves(directory: str, meta: dict[str, Any]) -> bool:
     """Is ``meta`` (a meta.json read from ``directory``) the description of the daemon serving it
     now? Not when its process is gone (a daemon that stopped or died: the next one, which holds
