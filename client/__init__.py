@@ -23,7 +23,7 @@ import importlib
 from typing import Any
 
 from .child import DaemonStartError, serve
-from .common import BatchInfo, PrefetchError, PrefetchTimeout
+from .common import BatchInfo, ConfigError, PrefetchError, PrefetchTimeout
 from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
 
 # Imported at first use: they import torch (seconds, hundreds of MB), which `prefetchd launch`
@@ -42,7 +42,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
-__all__ = ["BatchInfo", "CudaTransfer", "DaemonStartError", "PrefetchClient", "PrefetchError", "PrefetchTimeout",
+__all__ = ["BatchInfo", "ConfigError", "CudaTransfer", "DaemonStartError", "PrefetchClient", "PrefetchError", "PrefetchTimeout",
            "normalize", "serve",
            "IMAGENET_MEAN", "IMAGENET_STD"]
 

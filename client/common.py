@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefetchd.core.configvalues import ConfigError as _ConfigError
+
 _POLL_MIN_S = 0.0005
 _POLL_MAX_S = 0.005
 _QUEUE_POLL_S = 0.05  # how often a blocked reader or trainer looks at the stop flag / the other side
@@ -33,7 +35,7 @@ def config_from_env(config):
         return config
     path = os.environ.get(CONFIG_ENV)
     if not path:
-        raise PrefetchError(f"no config given and ${CONFIG_ENV} is not set: pass the config's path, or run "
+        raise ConfigError("", f"no config given and ${CONFIG_ENV} is not set: pass the config's path, or run "
                             f"the trainer under `prefetchd launch --config FILE -- ...`, which sets it")
     return path
 
@@ -63,6 +65,23 @@ class PrefetchError(RuntimeError):
 
 class PrefetchTimeout(PrefetchError, TimeoutError):
     """No batch arrived within the timeout."""
+
+
+class ConfigError(PrefetchError, _ConfigError):
+    """The config cannot serve this trainer: missing or unreadable, invalid, or at odds with the
+    job (``WORLD_SIZE``, ``RANK``, ``split="val"`` without validation). A ``PrefetchError``, so
+    ``except PrefetchError`` catches every error of the client, and still a ``ValueError`` (the
+    config's own ``ConfigError``, whose ``key`` names the setting), as it was."""
+
+    def __init__(self, key: str, message: str):
+        _ConfigError.__init__(self, key, message)  # PrefetchError's RuntimeError would drop the key
+
+    @classmethod
+    def of(cls, e: _ConfigError) -> ConfigError:
+        """The config's own error as the client's."""
+        err = cls("", str(e))
+        err.key = e.key
+        return err
 
 
 class _Stopped(Exception):

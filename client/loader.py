@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from prefetchd.core.config import Config, ConfigError
+from prefetchd.core.config import Config
+from prefetchd.core.config import ConfigError as _CoreConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.core.streamkeys import differences, stream_settings
 from prefetchd.format import procstate, progress, status
@@ -43,6 +44,7 @@ from .common import (
     _PASSING_ERRNOS,
     _POLL_MIN_S,
     BatchInfo,
+    ConfigError,
     PrefetchError,
     PrefetchTimeout,
     _owns_lane,
@@ -124,7 +126,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
         self._reader: ReadAhead | None = None
         self._pool: _PinnedPool | None = None
         config = config_from_env(config)
-        self.cfg = config if isinstance(config, Config) else load_config(config)
+        self.cfg = config if isinstance(config, Config) else _load_config(config)
         self.rank = _resolve_rank(self.cfg, rank)
         if split not in progress.STREAMS:
             raise ValueError(f"split must be one of {progress.STREAMS}, got {split!r}")
@@ -242,7 +244,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
             # only the running daemon's meta counts: one that is starting may still hold the lock
             # beside the last daemon's meta.json (with another config, say)
             if (m is not None and m.get("format") == "prefetchd-meta" and status.daemon_alive(self.dir)
-                    and m.get("pid") == status.lock_pid(self.dir)):
+                    and m.get("pid") == status.lock_pid(self.dir) and status.meta_serves(self.dir, m)):
                 break
             self._say_no_daemon()
             if time.monotonic() >= deadline:
@@ -542,6 +544,13 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
             self.close()
         except Exception:
             pass
+
+
+def _load_config(path) -> Config:
+    try:
+        return load_config(path)
+    except _CoreConfigError as e:  # a missing or invalid file: the client's error, a PrefetchError
+        raise ConfigError.of(e) from None
 
 
 def _resolve_rank(cfg: Config, rank: int | None) -> int:

@@ -225,12 +225,15 @@ class BatchFiles:
         if not isinstance(s.get("updated"), (int, float)):
             return state + f"{os.path.join(self.dir, status.STATUS_NAME)} cannot be read"
         age = f"its status is {time.time() - s['updated']:.0f} s old, "
+        # why nothing is made, where the daemon knows: an archive changed or a root unreadable
+        unreadable = (f"; it waits for the dataset: {s['dataset_unreadable']}" if s.get("dataset_unreadable")
+                      and isinstance(s["dataset_unreadable"], str) else "")
         if self.split == "val":
-            return state + age + self._val_lane_state(s)
+            return state + age + self._val_lane_state(s) + unreadable
         rs = s.get("ranks", {}).get(str(self.rank), {})
         extra = f"; it says: {s['blocked']}" if s.get("blocked") else ""
         return (state + age + f"rank {self.rank} has "
-                f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}")
+                f"{rs.get('ready', '?')} ready from epoch/batch {rs.get('position', '?')}{extra}{unreadable}")
 
     def _val_lane_state(self, s: dict) -> str:
         """What the status says of this rank's validation lane (not of its train rank)."""

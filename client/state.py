@@ -185,9 +185,24 @@ class LoaderState:
                                 "pass allow_unverified=True to load_state_dict() to use its position anyway")
         have = self._fingerprint()
         if fp != have:
+            changed = self._changed_setting(state, fp)
             raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
-                                f"{have} (dataset, loader or augment settings changed); resuming would not "
-                                "continue the same stream: start the loader afresh or use the old config")
+                                f"{have} ({changed or 'dataset, loader or augment settings changed'}); resuming "
+                                "would not continue the same stream: start the loader afresh or use the old config"
+                                + (f" ({changed.split(' ')[0]} as it was)" if changed else ""))
+
+    def _changed_setting(self, state: Mapping, fp: str) -> str | None:
+        """The one loader setting whose change alone makes this dataset's stream ``fp`` (the state's)
+        out of this config's, said with both values; None when it is not one of them (or unknown)."""
+        dataset = self.meta().get("dataset_fingerprint")
+        if self.split != "train" or not dataset:
+            return None
+        L = self.cfg.loader
+        for key, theirs in (("drop_last", not L.drop_last), ("shuffle", not L.shuffle)):
+            if status.stream_id(self.cfg.stream_fingerprint(**{key: theirs}), dataset) == fp:
+                return (f"loader.{key} changed: {str(theirs).lower()} in the job that saved it, "
+                        f"{str(getattr(L, key)).lower()} in this config")
+        return None
 
     def _check_state_position(self, epoch: int, batch: int, offset: int = 0) -> None:
         """A position past the end of its epoch (or pass, or resumed epoch's segment) is no

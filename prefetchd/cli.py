@@ -123,6 +123,19 @@ def cmd_run(args) -> int:
         guard.done()
 
 
+def _print_skipped(section: str, index) -> None:
+    """What the index of ``section`` left out and why, as its cache keeps it (the rules:
+    prefetchd/core/dataset.py's and tarindex.py's docstrings)."""
+    if not index.skipped:
+        return
+    print(f"{section}: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
+          f"({index.skipped_rule}):")
+    for what in index.skipped[:20]:
+        print(f"  skipped {what}")
+    if len(index.skipped) > 20:
+        print(f"  ... and {len(index.skipped) - 20} more")
+
+
 def cmd_check(args) -> int:
     from prefetchd.core.classlike import class_counts, describe_classes
     from prefetchd.core.dataset import DatasetError, load_index, val_labels
@@ -158,13 +171,7 @@ def cmd_check(args) -> int:
     print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "
           f"({'cached index' if cached else 'scanned'} in {dt:.2f} s); {index.describe()}")
     print(f"classes: {describe_classes(index.classes, class_counts(index))}")
-    if index.skipped:  # the rules: prefetchd/core/dataset.py's and tarindex.py's docstrings
-        print(f"dataset: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
-              f"({index.skipped_rule}):")
-        for what in index.skipped[:20]:
-            print(f"  skipped {what}")
-        if len(index.skipped) > 20:
-            print(f"  ... and {len(index.skipped) - 20} more")
+    _print_skipped("dataset", index)
     nb = sampler.batches_per_epoch
     first, last = sampler.batch_len(0), sampler.batch_len(nb - 1)
     sizes = f"{plural(nb, 'batch', 'batches')} of {first}" + (f" (the last of {last})" if last != first else "")
@@ -189,6 +196,7 @@ def cmd_check(args) -> int:
                   "each sample once" + ("" if V.pad else " (validation.pad: false): batch counts may differ"))
         print(f"validation: {len(val)} samples ({val.describe()}); {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
               f"per pass for ranks {list(L.ranks)} ({shares}); eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
+        _print_skipped("validation", val)  # from the cache too: the scan's warnings were said once
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)  # the filesystem it will be created on

@@ -51,6 +51,15 @@ def image_root(tmp_path_factory) -> str:
     return root
 
 
+@pytest.fixture(scope="session")
+def val_image_root(tmp_path_factory) -> str:
+    """A held-out set for ``image_root``: its 4 classes x 12 JPEGs, other images (a validation set
+    that is the train set itself is refused)."""
+    root = str(tmp_path_factory.mktemp("valimagefolder"))
+    make_image_folder(root, classes=4, per_class=12, seed=5, long_side=160)
+    return root
+
+
 def small_config(tmp_path, root: str, **sections) -> str:
     """A config for process tests: 64x64 outputs, batches of 6, a private buffer in tmp_path."""
     cfg = {

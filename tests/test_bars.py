@@ -44,3 +44,5 @@ def test_demo_output_off_a_terminal_is_one_line_per_result():
     assert "\r" not in out and "batch/s" not in out and "it/s" not in out, out
     assert "epoch 0: 6 batches in" in r.stdout and "epoch 1: 6 batches in" in r.stdout, r.stdout
     assert "done: 96 images" in r.stdout
+    # the demo starts its daemon itself: its trainer never tells the user to run one
+    assert "no daemon holds" not in out and "WARNING" not in out, out

@@ -73,3 +73,76 @@ def test_normalize_on_tensors_and_arrays():
     assert normalize(x, dtype=torch.float16).dtype == torch.float16
     a = normalize(np.zeros((1, 3, 2, 2), np.uint8))
     assert a.dtype == np.float32 and np.isclose(a[0, 0, 0, 0], -0.485 / 0.229)
+
+
+def test_config_errors_are_prefetch_errors_and_exported(tmp_path, image_root, monkeypatch):
+    """``except PrefetchError`` catches every error the client raises for its config: a missing
+    file, a WORLD_SIZE the config does not have; still a ValueError naming the key, as it was."""
+    import prefetchd_client as package
+
+    assert "ConfigError" in package.__all__ and issubclass(package.ConfigError, PrefetchError)
+    with pytest.raises(PrefetchError, match="cannot read config file") as e:
+        PrefetchClient(str(tmp_path / "missing.yaml"))
+    assert isinstance(e.value, package.ConfigError) and isinstance(e.value, ConfigError)  # still the ValueError it was
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(PrefetchError, match="WORLD_SIZE=3") as e:
+        PrefetchClient(small_config(tmp_path, image_root))
+    assert isinstance(e.value, ValueError) and e.value.key == "loader.world_size"
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("PREFETCHD_CONFIG", raising=False)
+    with pytest.raises(package.ConfigError, match="no config given"):
+        PrefetchClient()
+
+
+def test_a_trainer_started_while_a_daemon_restarts_waits_for_the_new_daemons_meta(tmp_path, image_root,
+                                                                                   daemon_factory):
+    """A new daemon has taken the buffer's lock but not yet written its pid nor removed the last
+    daemon's meta.json (a daemon of world size 4, dead now): a trainer of world size 2 starting
+    in that moment must not judge the dead daemon's stream; it waits for the new one's meta.json."""
+    import os
+    import threading
+
+    from conftest import wait_until
+
+    from prefetchd.format import status
+
+    def config(name: str, world: int) -> str:
+        (tmp_path / name).mkdir()
+        return small_config(tmp_path / name, image_root, loader={"world_size": world, "ranks": list(range(world))},
+                            buffer={"dir": str(tmp_path / "buffer")}, dataset={"cache_dir": str(tmp_path / "cache")})
+
+    four, two = config("four", 4), config("two", 2)
+    buf = str(tmp_path / "buffer")
+    old = daemon_factory(four)
+    wait_until(lambda: (status.read_json(buf, status.META_NAME) or {}).get("pid") == old.pid, 60, "the old meta")
+    assert old.stop() == 0
+    assert status.lock_pid(buf) == old.pid and status.read_json(buf, status.META_NAME)["world_size"] == 4
+    # the new daemon's first moment: the directory locked, daemon.lock and meta.json still the old one's
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                               "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); sys.stdin.read()", buf],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert status.daemon_alive(buf) is True and status.lock_pid(buf) == old.pid
+        got: dict = {}
+
+        def start_trainer():
+            try:
+                with PrefetchClient(two, rank=0, timeout=60, as_numpy=True) as c:
+                    got["meta"] = c.meta()
+            except Exception as e:  # noqa: BLE001 -- the test says what it was
+                got["error"] = e
+
+        t = threading.Thread(target=start_trainer, daemon=True)
+        t.start()
+        t.join(1.5)  # long enough to read the old meta.json many times over
+        assert "error" not in got, f"the trainer judged the dead daemon's meta.json: {got['error']}"
+        assert t.is_alive()
+    finally:
+        holder.stdin.close()
+        holder.wait(10)
+    new = daemon_factory(two)
+    t.join(60)
+    assert "error" not in got, got["error"]
+    assert got["meta"]["pid"] == new.pid and got["meta"]["world_size"] == 2, got
+    assert new.stop() == 0 and os.path.exists(os.path.join(buf, status.META_NAME))

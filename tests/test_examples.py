@@ -68,8 +68,8 @@ def test_imagenet_example_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon
     assert daemon.stop() == 0
 
 
-def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_root, daemon_factory):
-    # the train images stand in as the val set (same class folders): 48 samples over 2 ranks in
+def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_root, val_image_root, daemon_factory):
+    # a held-out set of the train set's class folders: 48 samples over 2 ranks in
     # batches of 5, so each rank's last val batch is partial; the sums count each sample once.
     # buffer.max_bytes is 1.5 train windows (6 batches of 6 x 64 x 64): less than the two ranks'
     # windows (2 x capacity 4), so train fills it and each validation pass lives on the room
@@ -77,7 +77,7 @@ def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_ro
     window = 4 * batchfile.max_file_size(6, 64, 64)
     cfg = _stream(tmp_path, "val", image_root, loader={"epochs": 2, "world_size": 2, "ranks": [0, 1]},
                   buffer={"max_bytes": window * 3 // 2},
-                  validation={"enabled": True, "root": image_root, "batch_size": 5})
+                  validation={"enabled": True, "root": val_image_root, "batch_size": 5})
     daemon = daemon_factory(cfg)
     r = _run(_torchrun(2) + [IMAGENET, cfg, "--arch", "tiny", "--epochs", "2", "--val", "--checkpoint",
                              str(tmp_path / "val.pt")], cwd=str(tmp_path))
@@ -137,12 +137,12 @@ def test_lightning_datamodule_trains_a_few_steps_on_cpu(tmp_path, image_root, da
     assert daemon.stop() == 0
 
 
-def test_lightning_ddp_validates_on_the_validation_stream(tmp_path, image_root, daemon_factory):
+def test_lightning_ddp_validates_on_the_validation_stream(tmp_path, image_root, val_image_root, daemon_factory):
     pytest.importorskip("lightning", reason="the dev extra installs lightning")
-    # 2 ranks, the train images as the val set in batches of 5: each rank's last val batch is
+    # 2 ranks, a held-out set of 48 in batches of 5: each rank's last val batch is
     # partial; Lightning's sanity check reads 2 batches and abandons its pass, then one full pass
     cfg = _stream(tmp_path, "lval", image_root, loader={"epochs": 1, "world_size": 2, "ranks": [0, 1]},
-                  validation={"enabled": True, "root": image_root, "batch_size": 5})
+                  validation={"enabled": True, "root": val_image_root, "batch_size": 5})
     daemon = daemon_factory(cfg)
     r = _run([sys.executable, LIGHTNING, cfg, "--max-epochs", "1", "--accelerator", "cpu", "--devices", "2",
               "--strategy", "ddp", "--default-root-dir", str(tmp_path / "lval-root")], cwd=str(tmp_path))

@@ -8,6 +8,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
+import subprocess
+import sys
 import tarfile
 import time
 
@@ -111,6 +114,34 @@ def test_an_archive_rewritten_in_place_never_yields_another_members_pixels(tmp_p
         assert n == 6
     assert "quarantined sample" not in d.log() + d2.log()
     assert d2.stop() == 0
+
+
+def test_a_trainer_timing_out_after_an_archive_changed_is_told_why(tmp_path, daemon_factory):
+    """The trainer's PrefetchTimeout says what the status knows: the archive changed since it was
+    indexed (not only "0 ready")."""
+    from prefetchd_client import PrefetchClient, PrefetchTimeout
+
+    root = str(tmp_path / "tars")
+    class_tars(root, classes=2, per_class=6)
+    cfg = small_config(tmp_path, root, loader={"batch_size": 4, "epochs": 4},
+                       augment={"output_size": 32, "scale_min": 40, "scale_max": 48})
+    d = daemon_factory(cfg)
+    path = os.path.join(root, "n0.tar")
+    with PrefetchClient(cfg, as_numpy=True, timeout=60) as c:
+        c.seek(0, 0)
+        next(iter(c))
+        with open(path, "rb") as f:
+            data = f.read()
+        with open(path, "r+b") as f:  # in place, same size: every batch needing n0.tar waits
+            f.write(data[::-1])
+        wait_until(lambda: "n0.tar changed since it was indexed" in d.log(), 30, "the changed archive said")
+        c.timeout = 3
+        with pytest.raises(PrefetchTimeout) as e:
+            for epoch in range(4):
+                for _ in c.iter_epoch(epoch):
+                    pass
+    assert "n0.tar changed since it was indexed" in str(e.value), str(e.value)
+    assert d.stop() == 0
 
 
 def test_a_quarantine_line_made_for_other_content_is_not_held_against_the_new(tmp_path):
@@ -754,3 +785,69 @@ def test_a_mac_zips_macosx_folder_is_not_class_0(tmp_path):
     os.makedirs(tars / "__MACOSX")
     index = _load(str(tars))
     assert not isinstance(index, str) and index.classes == ("n0", "n1"), index
+
+
+@pytest.mark.parametrize("which", ["train_tar", "train_tars", "train_folder"])
+def test_the_train_set_given_as_the_validation_set_is_refused_in_one_line(imagenet, tmp_path, which):
+    """validation.root set to the train tar itself, its class tars or its extracted folder (no
+    devkit) validates on the images trained on: refused, in one line naming validation.root."""
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={"enabled": True, "root": getattr(imagenet, which),
+                                                                "batch_size": 2})
+    assert rc == 78 and "validation.root" in out and "holds the train set's images" in out, out
+    assert len([ln for ln in out.splitlines() if "configuration error" in ln]) == 1, out
+
+
+def test_the_daemon_refuses_the_train_set_as_the_validation_set(imagenet, tmp_path, daemon_factory):
+    cfg = small_config(tmp_path, imagenet.train_tar, loader={"batch_size": 2},
+                       validation={"enabled": True, "root": imagenet.train_folder, "batch_size": 2})
+    d = daemon_factory(cfg)
+    assert d.proc.wait(120) == 78 and "holds the train set's images" in d.log(), d.log()[-2000:]
+
+
+def test_the_val_tar_left_beside_the_images_extracted_from_it_is_not_read(imagenet, tmp_path):
+    """The usual recipe (mv ILSVRC2012_img_val.tar val/; cd val; tar xf ILSVRC2012_img_val.tar)
+    leaves the tar beside its images: the images are the validation set, the tar is not read (one
+    warning, and ``check`` lists it as left out), never "a folder of class tars (a train set)"."""
+    val = tmp_path / "val"
+    val.mkdir()
+    shutil.copy(imagenet.val_tar, val / "ILSVRC2012_img_val.tar")
+    with tarfile.open(val / "ILSVRC2012_img_val.tar") as tf:
+        tf.extractall(val, filter="data")
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={"enabled": True, "root": str(val),
+                                                                "devkit": imagenet.devkit_tgz, "batch_size": 2})
+    assert rc == 0 and "validation: 8 samples" in out, out
+    assert "not read: ILSVRC2012_img_val.tar (ImageNet's download tar beside the images extracted from it" in out, out
+    assert "class tars (a train set)" not in out
+
+
+def test_a_download_folder_as_validation_root_names_dataset_root_for_the_train_tar(imagenet, tmp_path):
+    val = tmp_path / "download"
+    val.mkdir()
+    shutil.copy(imagenet.val_tar, val / "ILSVRC2012_img_val.tar")
+    rc, out = _check(tmp_path, imagenet.train_tar, validation={"enabled": True, "root": str(val), "batch_size": 2})
+    assert rc == 78 and "looks like ImageNet's download folder" in out, out
+    assert "set dataset.root to the train tar" in out and "set validation.root to the train tar" not in out, out
+
+
+def test_images_a_short_ground_truth_leaves_out_are_said_by_every_check(imagenet, tmp_path):
+    """A devkit whose ground truth is shorter than the val tar: the images it does not label are
+    left out, and every ``check`` says which, not only the first (the scan's)."""
+    devkit = tmp_path / "devkit"
+    shutil.copytree(imagenet.devkit_folder, devkit)
+    truth = next(devkit.rglob("ILSVRC2012_validation_ground_truth.txt"))
+    truth.write_text("".join(truth.read_text().splitlines(keepends=True)[:6]))
+    sections = {"validation": {"enabled": True, "root": imagenet.val_tar, "devkit": str(devkit), "batch_size": 2}}
+    outs = []
+    for k in range(2):
+        (tmp_path / str(k)).mkdir()
+        cfg = small_config(tmp_path / str(k), imagenet.train_tar, loader={"batch_size": 2},
+                           dataset={"cache_dir": str(tmp_path / "cache")}, **sections)
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        outs.append(r.stdout)
+    assert "scanned" in outs[0] and "cached index" in outs[1], outs
+    for out in outs:
+        assert "validation: 6 samples" in out, out
+        skipped = [ln for ln in out.splitlines() if ln.startswith("  skipped") and "ground truth" in ln]
+        assert len(skipped) == 2 and "ILSVRC2012_val_0000000" in skipped[0], out

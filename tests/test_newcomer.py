@@ -291,3 +291,22 @@ def test_check_says_when_it_could_not_act_as_the_daemons_user(tmp_path, image_ro
     assert "run `prefetchd check` as nobody" in found[0]
     monkeypatch.undo()
     assert "nobody cannot create" in try_dirs(cfg, Account.lookup("nobody"))[0]
+
+
+def test_a_stopped_daemons_status_says_since_when_not_up():
+    """A stopped daemon is not "up 9 s": its status says it stopped, when, and how long it ran;
+    one that died without a final status says it was up so long at its last one."""
+    import time
+
+    from prefetchd.format.status import format_status
+
+    at = time.time() - 30
+    rec = {"state": "stopped", "pid": 7, "updated": at, "uptime_s": 9.0}
+    first = format_status(rec, alive=False).splitlines()[0]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+    assert "up 9 s" not in first and f"stopped since {when} (30 s ago), after 9 s up" in first, first
+    assert "not running" in first and "said 'stopped'" not in first, first
+    killed = format_status({**rec, "state": "running"}, alive=False).splitlines()[0]
+    assert f"up 9 s at its last status ({when}), then ended without a final one" in killed, killed
+    assert format_status({**rec, "state": "running", "updated": time.time()}, alive=True).startswith(
+        "prefetchd pid 7: running; up 9 s;")

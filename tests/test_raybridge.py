@@ -137,3 +137,68 @@ def test_a_local_ray_cluster_is_refused_with_the_key():
         with pytest.raises(ConfigError, match=r"workers.ray.address.*'local' would start a Ray cluster"):
             RayConfig(address=address)
     assert RayConfig(address="auto").address == "auto"
+
+
+def test_a_bridge_with_no_ready_worker_gets_no_resubmit_loop_and_one_log_line(caplog):
+    """The head goes down: every actor restarts, the bridge answers each task "no Ray worker is
+    ready". The daemon's side (``RayPool``, driven as the loop drives it: submit while idle, make
+    each lost batch again) stops sending until an UP names a ready worker, and logs one line, not
+    one per answer (issue 41: ~25,000 lines in 5 s, the CPU burnt); when a worker is ready again,
+    batches go to it."""
+    import logging
+    import socket
+    import threading
+    import time
+    from multiprocessing.connection import Connection, wait
+
+    import numpy as np
+
+    from prefetchd.executors.raybridge import Bridge, _Actor
+    from prefetchd.executors.raypool import RayPool
+    from prefetchd.executors.worker import Task
+
+    ours, theirs = socket.socketpair()
+    daemon_end, bridge_end = Connection(ours.detach()), Connection(theirs.detach())
+    bridge = Bridge(bridge_end, RayConfig(workers=2), None, 9999)
+    bridge.actors = {i: _Actor(i, None, where_ref=object(), node=f"node{i}:1") for i in range(2)}  # both restarting
+    reader = threading.Thread(target=bridge._read, daemon=True)
+    reader.start()
+    pool = RayPool(RayConfig(workers=2), None, 2, lambda: None)
+    pool._conn, pool._inited = daemon_end, True
+    pool.workers = {0: "node0:1", 1: "node1:1"}  # the last UP, before the outage
+    tasks = [Task(0, 0, b, 100, np.arange(4, dtype=np.int64)) for b in range(8)]
+    todo = list(tasks)
+    caplog.set_level(logging.DEBUG, logger="prefetchd.ray")
+    try:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            while todo and pool.idle():
+                assert pool.submit(todo[0])
+                todo.pop(0)
+            wait([daemon_end], 0.05)
+            _, lost = pool.results()
+            todo += lost  # made again: back to whichever executor is idle
+        lines = [r for r in caplog.records if r.levelno >= logging.INFO and "was lost" in r.getMessage()]
+        assert len(lines) == 1, f"{len(lines)} lines: {[r.getMessage() for r in lines[:3]]}"
+        assert pool.restarts <= 4, f"{pool.restarts} batches lost and remade: a resubmit loop"
+        assert not pool.workers and not pool.idle()
+        with bridge.lock:  # a worker is ready again: the bridge says so, the daemon sends to it
+            bridge.actors[0].where_ref = None
+        bridge._up()
+        sent = []
+        bridge.actors[0].handle = type("Handle", (), {"fill": type("Fill", (), {
+            "remote": staticmethod(lambda *a: sent.append(a) or object())})})()
+        deadline = time.monotonic() + 5
+        while not sent and time.monotonic() < deadline:
+            wait([daemon_end], 0.05)
+            pool.results()
+            while todo and pool.idle():
+                assert pool.submit(todo.pop(0))
+        assert sent and pool.workers == {0: "node0:1"}
+        assert any("were lost and made again" in r.getMessage() or "connected" in r.getMessage()
+                   for r in caplog.records if r.levelno == logging.INFO)
+    finally:
+        bridge.stop.set()
+        daemon_end.close()  # the bridge's reader sees the end, then its end is closed
+        reader.join(5)
+        bridge_end.close()

@@ -170,3 +170,25 @@ def test_a_state_of_other_samples_or_without_them_is_refused_at_another_world_si
         with pytest.raises(PrefetchError, match="for samples ffffffffffffffff.*seed or augment settings changed"):
             loader.load_state_dict({**old, "batch_size": 4, "sample_fingerprint": "ffffffffffffffff"})
         assert (loader.epoch, loader.batch) == (0, 0)  # refused: the position did not move
+
+
+def test_a_state_saved_with_another_drop_last_names_the_setting(tmp_path, image_root, daemon_factory):
+    """Only loader.drop_last changed since the checkpoint: the refusal says so, with both values,
+    not "dataset, loader or augment settings changed"."""
+    def config(name: str, drop_last: bool) -> str:
+        (tmp_path / name).mkdir()
+        return small_config(tmp_path / name, image_root, loader={"batch_size": 5, "drop_last": drop_last},
+                            buffer={"dir": str(tmp_path / "buffer")}, dataset={"cache_dir": str(tmp_path / "cache")})
+
+    kept, dropped = config("kept", False), config("dropped", True)
+    d = daemon_factory(kept)
+    with PrefetchClient(kept, rank=0, timeout=60, as_numpy=True) as loader:
+        state = loader.state_dict()
+    assert d.stop() == 0
+    daemon_factory(dropped)
+    with PrefetchClient(dropped, rank=0, timeout=60, as_numpy=True) as loader:
+        with pytest.raises(PrefetchError, match="loader.drop_last changed: false in the job that saved it, true in this "
+                                                "config") as e:
+            loader.load_state_dict(state)
+        assert "dataset, loader or augment settings changed" not in str(e.value)
+        assert (loader.epoch, loader.batch) == (0, 0)

@@ -188,9 +188,9 @@ def test_a_resumed_rank_is_said_in_its_own_numbering_and_counts_the_whole_epoch(
     it.close()
 
 
-def test_a_train_state_into_another_ranks_val_loader_names_the_split(tmp_path, image_root):
+def test_a_train_state_into_another_ranks_val_loader_names_the_split(tmp_path, image_root, val_image_root):
     cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
-                       validation={"enabled": True, "root": image_root, "batch_size": 4})
+                       validation={"enabled": True, "root": val_image_root, "batch_size": 4})
     with PrefetchClient(cfg, rank=1, split="val", timeout=15, as_numpy=True) as v:
         train0 = {"epoch": 0, "batch": 1, "rank": 0, "world_size": 2, "fingerprint": "0123456789abcdef",
                   "split": "train"}

@@ -222,7 +222,7 @@ def test_a_validation_root_gone_is_one_outage_while_the_train_batches_are_made(t
     end its outage, so it is said once (not an ERROR and a 'readable again' every retry)."""
     root, val_root = tmp_path / "root", tmp_path / "val"
     make_image_folder(str(root), classes=4, per_class=12, seed=3, long_side=160)
-    shutil.copytree(root, val_root)
+    make_image_folder(str(val_root), classes=4, per_class=12, seed=5, long_side=160)  # held out: other images
     cfg = small_config(tmp_path, str(root), workers={"count": 1}, buffer={"capacity": 2, "refill_at": 2},
                        validation={"enabled": True, "root": str(val_root), "batch_size": 5})
     buf = tmp_path / "buffer"

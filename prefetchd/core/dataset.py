@@ -41,7 +41,7 @@ from prefetchd.core.indexbase import (
 
 __all__ = ["DatasetError", "Index", "StorageChanged", "cache_path", "default_cache_dir", "index_fingerprint",
            "read_all", "read_cache", "write_cache", "scan_file_list", "scan_image_folder", "load_index",
-           "val_labels", "open_index_files", "index_files_hold", "unchanged_since_scan"]
+           "val_labels", "refuse_train_as_val", "train_twins", "open_index_files", "index_files_hold", "unchanged_since_scan"]
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -86,9 +86,17 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
         raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
     devkits = {d for d in dirs if devkit_.DOWNLOAD.match(d) and devkit_.is_devkit(os.path.join(root, d))}
     download = sorted(t for t in tars if devkit_.DOWNLOAD.match(t))
+    left: tuple[str, ...] = ()  # what of root is not read, with why (a flat folder keeps it with its index)
     if download and dirs - set(_LEFTOVERS) - devkits and len(download) == len(tars):  # left beside its extracted classes
         log.warning("%s: not read: %s (ImageNet's download tar%s, not class tars); the folders are an ImageFolder",
                     root, ", ".join(download), "s" if len(download) > 1 else "")
+        tars = set()
+    elif download and images and not dirs - set(_LEFTOVERS) - devkits and len(download) == len(tars):
+        # the usual recipe for the validation tar (mv ILSVRC2012_img_val.tar val/; cd val; tar xf ...) leaves
+        # it beside the images extracted from it: the images are the set, the tar is not read
+        left = tuple(f"{t} (ImageNet's download tar beside the images extracted from it: the images are read)"
+                     for t in download)
+        log.warning("%s: not read: %s", root, "; ".join(left))
         tars = set()
     if tars:
         stems = {t[:-4] for t in tars}
@@ -111,7 +119,7 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
             raise DatasetError(f"validation.devkit labels a flat validation set (ImageNet's validation tar or its "
                                f"flat folder); {root} is not one (its labels are its own): remove validation.devkit")
         return "folder", ()
-    return "flat-folder", ()
+    return "flat-folder", left
 
 
 @refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: core/classlike.py
@@ -132,10 +140,54 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
     return folderindex.load(source, kind, extensions, cache_dir, use_cache, section)
 
 
+_TWIN_PROBES = 16  # validation samples, spread over the set, looked for in the train set
+
+
+def train_twins(val, train, probes: int = _TWIN_PROBES) -> tuple[list[str], int]:
+    """Which of up to ``probes`` validation samples (spread evenly over ``val``) the train set
+    holds too: a train sample of the same file name, in a class of the same name, of the same size
+    (the train tar, its class tars or its extracted folder given as the validation set). Returns
+    those samples' paths (relative to val's root) and how many were looked at. A search of the
+    train index's path blob per probe: no per-sample Python work (ImageNet: ~0.1 s)."""
+    n = len(val)
+    if not n or not len(train):
+        return [], 0
+    blob = train.blob.tobytes()
+    offsets = np.asarray(train.offsets)
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, min(n, probes))})
+    twins = []
+    for i in picks:
+        rel = val.relpath(i)
+        base = os.fsencode(os.path.basename(rel))
+        cls, size = val.classes[int(val.labels[i])], val.sample_size(i)
+        pos, tries = blob.find(base), 0
+        while pos >= 0 and size > 0 and tries < 64:  # the same name in other classes: a few hits at most
+            j = int(np.searchsorted(offsets, pos, side="right")) - 1
+            whole = int(offsets[j + 1]) == pos + len(base) and (pos == int(offsets[j]) or blob[pos - 1] == 0x2F)
+            if whole and train.classes[int(train.labels[j])] == cls and train.sample_size(j) == size:
+                twins.append(rel)
+                break
+            pos, tries = blob.find(base, pos + 1), tries + 1
+    return twins, len(picks)
+
+
+def refuse_train_as_val(val, train) -> None:
+    """A validation set that is the train set (most samples looked at are train samples: same
+    name, class and size) measures nothing: a ``DatasetError`` in one line, saying what to give."""
+    twins, looked = train_twins(val, train)
+    if looked and len(twins) * 2 > looked:
+        raise DatasetError(f"validation.root {val.root} holds the train set's images: {len(twins)} of {looked} "
+                           f"validation samples looked at are in dataset.root too (same file name, class and size; "
+                           f"e.g. {twins[0]}); validating on them measures nothing: set validation.root to held-out "
+                           "images (ImageNet's validation tar, ILSVRC2012_img_val.tar, with validation.devkit)")
+
+
 def val_labels(val, train):
     """The validation index with the TRAIN set's class-to-index mapping: an ImageFolder's class
     folders are looked up by name in the train classes (one missing there is an error); a file
-    list's labels are kept and must be below the train set's class count."""
+    list's labels are kept and must be below the train set's class count. A validation set that
+    is the train set itself is refused (``refuse_train_as_val``)."""
+    refuse_train_as_val(val, train)
     if val.classes == train.classes:
         return val
     if all(c.isdigit() for c in val.classes) and not all(c.isdigit() for c in train.classes):

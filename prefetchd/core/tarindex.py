@@ -337,7 +337,7 @@ def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: in
     devkits = sorted(n for n in os.listdir(root) if "devkit" in n.lower()) if os.path.isdir(root) else []
     if len(others) == total:
         raise DatasetError(f"{key} {root} holds no class tars, only {shown}{' and ' + ', '.join(devkits) if devkits else ''}"
-                           f": it looks like ImageNet's download folder; set {key} to the train tar "
+                           f": it looks like ImageNet's download folder; set dataset.root to the train tar "
                            "(ILSVRC2012_img_train.tar), and validation.root to the validation tar with validation.devkit "
                            "the devkit (ILSVRC2012_devkit_t12.tar.gz)")
     raise DatasetError(f"{key} {root}: {len(others)} of its {total} tars are not class tars: {shown}; each would be "

@@ -239,7 +239,7 @@ class Daemon:
             "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
-            "validation": self.val.meta() if self.val else None,
+            "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
         })
 
     # --- signals and waking -----------------------------------------------------------------------

@@ -19,7 +19,8 @@ The protocol (``Msg``, pickled tuples; the first element is the tag):
 - bridge to daemon: ``(INIT,)`` once the driver is connected; ``(UP, [(wid, where)], waiting,
   state)`` whenever the set of ready actors changes; ``(DONE, seq, Result)`` (the batch is a
   temp file in the buffer written by this process, named with its pid, published by the
-  daemon); ``(LOST, seq, why)`` (made again by the daemon); ``(LOG, level, line)``;
+  daemon); ``(LOST, seq, why)`` (made again by the daemon; ``why`` ``NO_WORKER_READY``: no actor
+  was ready, and an UP follows, saying which are when that changes); ``(LOG, level, line)``;
   ``(DOWN, why, retry)`` before it gives up and exits.
 
 Actors that can be placed start at once; those the cluster has no free room for wait, placed
@@ -58,6 +59,9 @@ _HEALTH_EVERY_S = 1.0  # the head's GCS port is probed this often...
 _GCS_LOST_S = 2.0  # ...and a head that has not answered for this long is lost: the bridge exits
 _WHERE_EVERY_S = 5.0  # ready actors say where they run this often: one restarted elsewhere is seen
 _UNAVAILABLE = "unavailable"  # an actor's answer for a batch that met unreadable storage, with why
+# LOST's reason for a task that came while no actor was ready (all restarting: a node or the head
+# went): the daemon then sends nothing more until an UP names ready actors
+NO_WORKER_READY = "no Ray worker is ready"
 
 
 class Msg(IntEnum):
@@ -286,14 +290,16 @@ class Bridge:
     def _submit(self, seq: int, task: Task) -> None:
         with self.lock:
             ready = [a for a in self.actors.values() if a.where_ref is None]
-            if not ready:
-                self.send(Msg.LOST, seq, "no Ray worker is ready")
+            if ready:
+                a = min(ready, key=lambda a: a.tasks)
+                where = (task.rank, task.batch, task.batches_in_epoch, task.offset)
+                ref = a.handle.fill.remote(task.epoch, task.indices, task.crashers, where, task.rank >= VAL_LANE)
+                a.tasks += 1
+                self.refs[ref] = (a, seq, task)
                 return
-            a = min(ready, key=lambda a: a.tasks)
-            where = (task.rank, task.batch, task.batches_in_epoch, task.offset)
-            ref = a.handle.fill.remote(task.epoch, task.indices, task.crashers, where, task.rank >= VAL_LANE)
-            a.tasks += 1
-            self.refs[ref] = (a, seq, task)
+            self._last_up = None  # the daemon forgets its workers at this answer: the next UP is said, whatever it is
+        self.send(Msg.LOST, seq, NO_WORKER_READY)
+        self._up()  # none ready now: the daemon stops sending until an UP says one is
 
     def _up(self) -> None:
         """Tell the daemon which actors are ready, when that changes."""

@@ -38,7 +38,7 @@ from multiprocessing.connection import Connection
 
 from prefetchd.core.config import RayConfig
 from prefetchd.executors import helpers
-from prefetchd.executors.raybridge import Msg
+from prefetchd.executors.raybridge import NO_WORKER_READY, Msg
 from prefetchd.executors.worker import Quarantined, Result, Task, WorkerSetup, tmp_name
 
 log = logging.getLogger("prefetchd.ray")
@@ -84,6 +84,8 @@ class RayPool:
         self._timers: list[threading.Timer] = []
         self._waiting = 0  # actors not up (starting, restarting, or waiting for room)
         self._up_since = 0.0  # when the first actor of this bridge was up
+        self._lost_said: set[str] = set()  # kinds of loss logged since workers were last ready
+        self._lost_quiet = 0  # batches lost since then and not logged (each counted in the status)
 
     # --- the bridge -----------------------------------------------------------------------------
 
@@ -274,9 +276,10 @@ class RayPool:
             task, _ = self._in_flight.pop(msg[1], (None, now))
             if task is not None:
                 self.restarts += 1
-                log.error("ray: batch r%d e%d b%d was lost (%s); making it again", task.rank, task.epoch,
-                          task.batch, msg[2])
+                self._say_lost(task, str(msg[2]))
                 lost.append(task)
+            if msg[2] == NO_WORKER_READY:  # none ready: nothing is sent until an UP says one is (no resubmit loop)
+                self.workers = {}
         elif kind == Msg.UP:
             _, ready, self._waiting, state = msg
             if ready and not self.workers:
@@ -286,7 +289,10 @@ class RayPool:
             self.state = state
             if ready:
                 self._said, self._lost = None, False
-            if ready:
+                if self._lost_quiet:
+                    log.info("ray: %d more batches were lost and made again while no Ray worker was ready "
+                             "(the status counts them all)", self._lost_quiet)
+                self._lost_said, self._lost_quiet = set(), 0
                 log.info("ray: %s", state)
         elif kind == Msg.INIT:
             self._inited = True
@@ -294,6 +300,18 @@ class RayPool:
             self._down = (msg[1], msg[2])
         elif kind == Msg.LOG:
             log.log(msg[1], "ray: %s", msg[2])
+
+    def _say_lost(self, task: Task, why: str) -> None:
+        """One line per kind of loss until workers are ready again (an outage loses every batch in
+        flight, and more while the actors restart); the rest at debug level, counted in the status."""
+        kind = why.split(":")[0]
+        if kind in self._lost_said:
+            self._lost_quiet += 1
+            log.debug("ray: batch r%d e%d b%d was lost (%s); making it again", task.rank, task.epoch, task.batch, why)
+            return
+        self._lost_said.add(kind)
+        log.error("ray: batch r%d e%d b%d was lost (%s); making it again (more lost this way until a Ray worker "
+                  "is ready are counted in the status, not logged)", task.rank, task.epoch, task.batch, why)
 
     def status(self) -> dict:
         return {"state": self.state, "workers": len(self.workers), "lost_batches": self.restarts,

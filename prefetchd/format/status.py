@@ -4,7 +4,10 @@
 daemon serves: ``{"format": "prefetchd-meta", "version": 1, "pid", "fingerprint" (16 hex
 digits, the batch header's u64, ``stream_id``), "num_samples", "num_classes", "batch_size",
 "batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started",
-"dataset_fingerprint", ...}``.
+"dataset_fingerprint", "identity" ({"start", "ns"}: the daemon's process, ``procstate.identity``), ...}``.
+A daemon that starts takes the lock, then removes the last daemon's meta.json: a reader may have
+read that one first, so it trusts a meta.json only while its ``pid`` holds the lock
+(``meta_serves``).
 
 ``status.json`` is rewritten about once a second (atomically) with the live figures; its keys
 are listed in ``format_status``. Both live in the buffer directory, mode 0640 (``FILE_MODE``)
@@ -26,7 +29,7 @@ import stat
 import time
 from typing import Any
 
-from prefetchd.format import untrusted
+from prefetchd.format import procstate, untrusted
 from prefetchd.format.atomic import write_atomic
 
 META_NAME = "meta.json"
@@ -92,6 +95,55 @@ def daemon_alive(directory: str) -> bool | None:
     finally:
         os.close(fd)
     return False
+
+
+def lock_holders(directory: str) -> set[int] | None:
+    """The pids holding a ``flock`` on ``directory`` itself (the daemon's lock: ``ring.Lock``), from
+    the kernel's lock table (``/proc/locks``, pids as this pid namespace sees them: 0 for a process
+    it cannot see); None where that cannot be read."""
+    try:
+        st = os.stat(directory)
+        with open("/proc/locks", "rb") as f:
+            table = f.read(1 << 22)
+    except OSError:
+        return None
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}".encode()
+    holders = set()
+    for line in table.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2f:1234 0 EOF"; a waiter's line has "->" after the number
+        if len(fields) >= 6 and fields[1] == b"FLOCK" and fields[5] == want and fields[4].isdigit():
+            holders.add(int(fields[4]))
+    return holders
+
+
+def daemon_identity() -> dict[str, int]:
+    """meta.json's ``identity``: who wrote it, beyond a pid (which another process may hold
+    later), for ``meta_serves``."""
+    start, ns = procstate.identity()
+    return {"start": start, "ns": ns}
+
+
+def meta_serves(directory: str, meta: dict[str, Any]) -> bool:
+    """Is ``meta`` (a meta.json read from ``directory``) the description of the daemon serving it
+    now? Not when its process is gone (a daemon that stopped or died: the next one, which holds
+    the lock already, removes its meta.json before writing its own), nor, where the kernel's lock
+    table can tell (the daemon in this pid namespace), when its pid does not hold the lock. The
+    caller checks first that a daemon holds the lock and that ``daemon.lock`` names ``meta``'s pid:
+    in the moment between a new daemon's lock and its pid, the file still names the last one."""
+    pid = meta.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    ident = meta.get("identity") if isinstance(meta.get("identity"), dict) else {}
+    start, ns = ident.get("start", 0), ident.get("ns", 0)
+    start, ns = (v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in (start, ns))
+    if procstate.state(pid, start, ns) == procstate.GONE:
+        return False
+    if ns and ns == procstate.pid_namespace():
+        holders = lock_holders(directory)
+        if holders is not None and 0 not in holders and pid not in holders:
+            return False
+    return True
 
 
 def write_json(directory: str, name: str, data: dict[str, Any]) -> None:
@@ -160,17 +212,42 @@ def liveness(rec: dict[str, Any] | None, alive: bool | None, lock: int | None, n
     return 0, f"live: pid {lock}, status {age:.0f} s old, {rec.get('produced_batches', 0)} batches made"
 
 
+def _lifetime(s: dict[str, Any], alive: bool | None) -> str:
+    """``up 9 s`` for a running daemon; for one that stopped (or died), since when, and how long
+    it had been up: its last status's uptime is no uptime now."""
+    up = s.get("uptime_s", 0) or 0
+    if alive is not False and s.get("state") != "stopped":
+        return f"up {up:.0f} s"
+    updated = s.get("updated")
+    if not isinstance(updated, (int, float)):
+        return f"stopped, after {up:.0f} s up"
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated))
+    ago = _ago(time.time() - updated)
+    if s.get("state") == "stopped":
+        return f"stopped since {when} ({ago} ago), after {up:.0f} s up"
+    return f"up {up:.0f} s at its last status ({when}), then ended without a final one (killed?)"
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 def format_status(s: dict[str, Any], alive: bool | None) -> str:
     """A human-readable view of a status record."""
     age = time.time() - s.get("updated", 0)
     state = s.get("state", "?")
     if alive is False:
-        state = f"not running (last status {age:.0f} s ago said {state!r})"
+        state = "not running" if state == "stopped" else f"not running (last status {age:.0f} s ago said {state!r})"
     elif is_stale(s):
         state = (f"{state}, but these figures are STALE: written {age:.0f} s ago; the daemon cannot rewrite "
                  f"{STATUS_NAME} (is the buffer's filesystem full?)")
     lines = [
-        f"prefetchd pid {s.get('pid')}: {state}; up {s.get('uptime_s', 0):.0f} s; buffer {s.get('buffer_dir')}",
+        f"prefetchd pid {s.get('pid')}: {state}; {_lifetime(s, alive)}; buffer {s.get('buffer_dir')}",
         f"  production {_rate(s.get('produced_img_s'))} img/s ({s.get('produced_batches', 0)} batch{'' if s.get('produced_batches', 0) == 1 else 'es'}), "
         f"consumption {_rate(s.get('consumed_img_s'))} img/s, workers {s.get('workers_alive', 0)}/"
         f"{s.get('workers', 0)} (busy {100 * s.get('worker_utilisation', 0):.0f}%, restarts {s.get('worker_restarts', 0)}, "

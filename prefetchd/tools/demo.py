@@ -44,6 +44,19 @@ def write_config(path: str, data: str, buffer: str, cache: str, batch_size: int,
         yaml.safe_dump(cfg, f, sort_keys=False)
 
 
+_DAEMON_UP_TIMEOUT_S = 60.0
+
+
+def _wait_for_lock(proc: subprocess.Popen, buffer: str) -> None:
+    """Until the daemon started here holds its buffer (or has exited): a client made before that
+    would warn that no daemon runs and tell the user to start one, which the demo is doing."""
+    from prefetchd.format import status
+
+    deadline = time.monotonic() + _DAEMON_UP_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline and status.daemon_alive(buffer) is not True:
+        time.sleep(0.02)
+
+
 def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: int = 32, workers="auto",
              keep: bool = False, quiet: bool = False) -> int:
     from prefetchd_client import PrefetchClient, PrefetchError
@@ -65,6 +78,7 @@ def run_demo(images: int = 640, classes: int = 8, epochs: int = 2, batch_size: i
             proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "run", "--config", cfg_path],
                                     stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         print(f"daemon started (pid {proc.pid}), buffer {buffer}")
+        _wait_for_lock(proc, buffer)
         seen = 0
         t_start = time.monotonic()
         # the DataLoader habits: one epoch per `for`, set_epoch, len(); normalize=True hands over
