@@ -55,7 +55,9 @@ class LoaderState:
     def _resume_fields(self) -> dict:
         """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
         return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None}
+                "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None,
+                # augment.transform's module file (its digits are in the fingerprints): a change is named as such
+                "transform_code": self._meta.get("transform_code") if self._meta else None}
 
     def load_state_dict(self, state: Mapping, allow_unverified: bool = False) -> None:
         """Continue where ``state`` (from :meth:`state_dict`, or the older ``{epoch, batch, rank,
@@ -112,6 +114,7 @@ class LoaderState:
         if not saved or batch_size is None:
             raise PrefetchError(f"this loader state is from a job of {was} and does not say what its samples were "
                                 "(saved by an older prefetchd): it resumes only at that world and batch size")
+        self._check_transform_file(state)
         if saved != have:
             raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
                                 f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
@@ -144,7 +147,7 @@ class LoaderState:
             return bool(said)  # daemon before meta.json's dataset_fingerprint
         for d in (said,) if said is not None else (self.drop_last, not self.drop_last):
             if status.stream_id(self.cfg.stream_fingerprint(world_size=world, batch_size=batch_size, drop_last=d),
-                                dataset) == fp:
+                                dataset, self.meta().get("transform_code")) == fp:
                 return d
         raise PrefetchError(f"this loader state is for stream {fp}, which is not this dataset's at world_size {world}, "
                             f"batch_size {batch_size} with this config's seed and augment settings (the daemon "
@@ -184,6 +187,7 @@ class LoaderState:
                                 "checked against the stream the daemon makes; save it again with state_dict(), or "
                                 "pass allow_unverified=True to load_state_dict() to use its position anyway")
         have = self._fingerprint()
+        self._check_transform_file(state)
         if fp != have:
             changed = self._changed_setting(state, fp)
             raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
@@ -203,6 +207,15 @@ class LoaderState:
                 return (f"loader.{key} changed: {str(theirs).lower()} in the job that saved it, "
                         f"{str(getattr(L, key)).lower()} in this config")
         return None
+
+    def _check_transform_file(self, state: Mapping) -> None:
+        """A state saved before augment.transform's module file changed: said as such."""
+        saved, m = state.get("transform_code"), self.meta()
+        if saved and m.get("transform_code") and saved != m["transform_code"]:
+            raise PrefetchError(f"this loader state was saved when augment.transform's module file had sha256 "
+                                f"{saved}; the daemon serving {self.dir} runs {m.get('transform_file')} with sha256 "
+                                f"{m['transform_code']}: the file changed, so resuming would not give the same samples; "
+                                "restore the file, or start the loader afresh")
 
     def _check_state_position(self, epoch: int, batch: int, offset: int = 0) -> None:
         """A position past the end of its epoch (or pass, or resumed epoch's segment) is no

@@ -164,6 +164,15 @@ def cmd_check(args) -> int:
     if sampler.batches_per_epoch == 0:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
+    transform_said = None
+    if cfg.augment.transform is not None:  # made and run on the first samples, as the daemon does at start
+        from prefetchd.core import transform
+        from prefetchd.daemon.loop import _first_samples
+
+        try:
+            transform_said = transform.probe(transform.load(cfg.augment), _first_samples(index), L.seed)
+        except ConfigError as e:
+            return _fail_config(e)
     s = cfg.augment.output_size
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
@@ -179,7 +188,10 @@ def cmd_check(args) -> int:
         sizes += (f" (loader.batch_size {L.batch_size} is more than a rank's {sampler.samples_per_rank} samples: "
                   f"with drop_last: false its one batch holds {first})")
     print(f"stream: {sizes} per epoch for each of ranks {list(L.ranks)} (world size {L.world_size}), seed {L.seed}, "
-          f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment {cfg.augment.mode} -> {s}x{s}")
+          f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment "
+          f"{cfg.augment.mode if transform_said is None else 'transform'} -> {s}x{s}")
+    if transform_said is not None:
+        print(f"transform: {transform_said}")
     V = cfg.validation
     if V.enabled:
         from prefetchd.core.sampler import ValSampler

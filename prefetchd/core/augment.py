@@ -39,6 +39,7 @@ import numpy as np
 from PIL import Image
 
 from prefetchd.core.config import AugmentConfig
+from prefetchd.core.sampleseed import sample_key
 
 try:  # libjpeg-turbo through its own small wheel: faster than Pillow's decode to numpy
     import simplejpeg
@@ -46,7 +47,6 @@ except ImportError:  # pragma: no cover - a hard dependency, but the Pillow path
     simplejpeg = None
 
 ALLOWED_FORMATS = ("JPEG", "PNG")
-_AUG_TAG = 0x41554730  # "AUG0": separates these streams from the sampler's
 _N_UNIFORM = 48  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46], flip u[45]
 _EXIF_ORIENTATION = 0x0112
 _CV_INTER = {
@@ -75,7 +75,8 @@ class Draws:
 
 
 def draws(seed: int, epoch: int, index: int) -> Draws:
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([_AUG_TAG, seed, epoch, index])))
+    """The sample's draws, from its key (``sampleseed.sample_key``: the one a user's transform is seeded from)."""
+    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index)))
     return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3))
 
 
@@ -213,6 +214,25 @@ def probe(data: bytes) -> tuple[Image.Image, int, int, int]:
     if orientation in (5, 6, 7, 8):  # the upright image has width and height swapped
         w, h = h, w
     return im, orientation, w, h
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """The whole image, decoded by Pillow, RGB and upright (what a user's transform is handed).
+    Raises SampleError as ``make_sample`` does."""
+    im, orientation, _, _ = probe(data)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im.load()
+        if orientation != 1:
+            from PIL import ImageOps
+
+            im = ImageOps.exif_transpose(im)
+        return _to_rgb(im)
+    except SampleError:
+        raise
+    except Exception as e:
+        raise SampleError(f"decode failed ({type(e).__name__}: {e})") from None
 
 
 def _decode_region(data: bytes, cfg: AugmentConfig, d: Draws) -> tuple[np.ndarray, Crop]:

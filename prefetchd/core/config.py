@@ -75,7 +75,8 @@ class Config:
         Always decoded on the CPU (a pass is a small share of the work, and its files keep the
         pixel batch's fixed size, so ``max_bytes`` holds exactly)."""
         return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False, decode="cpu",
-                       brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0)
+                       brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0,
+                       transform=None, transform_args={}, transform_path=None)
 
     def val_stream_fingerprint(self) -> str:
         """As ``stream_fingerprint`` for the validation stream (the val dataset is added by the daemon)."""
@@ -168,7 +169,7 @@ def load(path: str) -> Config:
 def _resolve_relative(data: dict, base: str) -> dict:
     """Relative paths in the file are relative to the file, not to the daemon's cwd."""
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
-    for sec, key in (("dataset", "root"), ("dataset", "file_list"), ("dataset", "cache_dir"),
+    for sec, key in (("dataset", "root"), ("dataset", "file_list"), ("dataset", "cache_dir"), ("augment", "transform_path"),
                      ("validation", "root"), ("validation", "file_list"), ("validation", "devkit"),
                      ("buffer", "dir"), ("progress", "dir")):
         body = out.get(sec)

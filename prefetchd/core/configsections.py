@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,6 +229,9 @@ AUGMENT_MODES = ("scale", "random_resized_crop", "eval")
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic", "lanczos", "area")
 DECODERS = ("auto", "pillow")
 DECODE_MODES = ("cpu", "hybrid", "gpu")
+TRANSFORM_INPUTS = ("pil", "numpy")
+_TRANSFORM_KEYS = ("transform", "transform_args", "transform_path", "transform_input")
+_DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 @dataclass(frozen=True)
@@ -247,6 +252,11 @@ class AugmentConfig:
     decoder: str = "auto"
     decode: str = "cpu"
     gpu_share: float = 0.5
+    # a user's transform, run in the workers instead of the built-in modes (core.transform)
+    transform: str | None = None  # "package.module:factory"
+    transform_args: dict = field(default_factory=dict)  # keyword arguments to the factory
+    transform_path: str | None = None  # a directory put on the workers' sys.path
+    transform_input: str = "pil"  # what the callable gets: a PIL image, or numpy (HWC uint8)
 
     def __post_init__(self) -> None:
         _choice(self.mode, "augment.mode", AUGMENT_MODES)
@@ -273,11 +283,50 @@ class AugmentConfig:
         if share <= 0.0:
             raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
         object.__setattr__(self, "gpu_share", share)
+        self._check_transform()
+
+    def _check_transform(self) -> None:
+        """The transform's keys as written; importing it is the workers' (and ``check``'s) job:
+        this module is read by the trainer's client too."""
+        t = self.transform
+        if t is not None:
+            mod, sep, name = t.partition(":") if isinstance(t, str) else ("", "", "")
+            if not sep or not _DOTTED.match(mod) or not name.isidentifier():
+                raise ConfigError("augment.transform", f"must be \"package.module:factory\" (a module to import and "
+                                  f"the name of a callable in it that makes the transform), got {t!r}")
+            if self.decode != "cpu":
+                raise ConfigError("augment.decode", f"must be cpu with augment.transform (a user's transform runs on the "
+                                  f"CPU, in the workers), got {self.decode}")
+        args = self.transform_args
+        if args is None:
+            args = {}
+        if not isinstance(args, dict) or not all(isinstance(k, str) and k.isidentifier() for k in args):
+            raise ConfigError("augment.transform_args", f"must be a mapping of the factory's keyword arguments "
+                              f"(such as {{size: 224, magnitude: 9}}), got {args!r}")
+        try:
+            json.dumps(args, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ConfigError("augment.transform_args", f"must hold plain values (numbers, strings, booleans, lists, "
+                              f"mappings), got {args!r}") from None
+        object.__setattr__(self, "transform_args", args)
+        if self.transform_path is not None:
+            object.__setattr__(self, "transform_path", _path(self.transform_path, "augment.transform_path"))
+        _choice(self.transform_input, "augment.transform_input", TRANSFORM_INPUTS)
+        if t is None and (args or self.transform_path is not None):
+            key = "augment.transform_args" if args else "augment.transform_path"
+            raise ConfigError(key, "is set but augment.transform is not: name the factory (\"package.module:factory\")")
 
     def stream_dict(self) -> dict[str, Any]:
         """The keys that change the stream's bytes; the decode keys only where they are used, so
         configs written before they existed keep their fingerprint."""
         d = dataclasses.asdict(self)
+        if self.transform is None:  # configs without a transform keep the fingerprint they had
+            for k in _TRANSFORM_KEYS:
+                d.pop(k)
+        else:  # the built-in modes' keys do nothing then; the module's file is added by the daemon
+            d = {k: d[k] for k in ("output_size", "transform", "transform_args", "transform_input")}
+            d["transform_args"] = json.loads(json.dumps(d["transform_args"], sort_keys=True))
+            return d
         if self.decode != "hybrid":
             d.pop("gpu_share")
         if self.decode == "cpu":

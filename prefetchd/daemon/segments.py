@@ -51,12 +51,14 @@ log = logging.getLogger("prefetchd")
 Key = tuple[int, int, int]
 
 
-def sample_fingerprint(cfg: Config, dataset_fingerprint: str) -> str:
+def sample_fingerprint(cfg: Config, dataset_fingerprint: str, transform_code: str | None = None) -> str:
     """16 hex digits naming what makes each sample's pixels and the epochs' permutations (seed,
     shuffle, augmentation, dataset), and not how they are cut into batches (world size, batch
     size, drop_last): a state saved at another world or batch size resumes only where they match."""
     L = cfg.loader
     d = {"seed": L.seed, "shuffle": L.shuffle, "augment": cfg.augment.stream_dict()}
+    if transform_code:  # the user's transform's module file (core.transform): absent, the digits are as before
+        d["transform_code"] = transform_code
     text = json.dumps(d, sort_keys=True, default=list)
     return hashlib.sha256(f"{text}|{dataset_fingerprint}".encode()).hexdigest()[:16]
 

@@ -6,7 +6,9 @@ name (``O_CREAT|O_EXCL|O_NOFOLLOW``) and answers with a ``Result``. Pixel data n
 the pipe. Only the daemon publishes (renames) a batch, so a worker killed mid-batch leaves at
 most a temp file that the daemon removes.
 
-A sample whose file cannot be read or decoded is quarantined and replaced by another sample
+With ``augment.transform``, each sample is made by the user's transform (``core.transform``,
+made once per worker) into the same array. A sample whose file cannot be read or decoded, or
+that the transform raises on or makes into something the batch cannot hold, is quarantined and replaced by another sample
 chosen from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every
 batch stay independent of which worker made it.
 
@@ -151,6 +153,11 @@ class BatchMaker:
         self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
         self.pixels = PixelBuilder(self.cfg.augment)
         self.compact = CompactBuilder(self.cfg.augment)
+        self.transform = None  # a user's transform (augment.transform): made once, here
+        if self.cfg.augment.transform is not None:
+            from prefetchd.core import transform
+
+            self.transform = transform.load(self.cfg.augment, worker=True)
 
     def builder_for(self, epoch: int, batch: int) -> Builder:
         """The builder that makes this batch: compact where ``hybrid.on_gpu`` says so."""
@@ -170,7 +177,10 @@ class BatchMaker:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:
             raise augment.SampleError("empty file")
-        builder.add(data, augment.draws(self.cfg.loader.seed, epoch, i), out)
+        if self.transform is not None:  # pixels always (augment.decode: cpu, checked with the config)
+            self.transform.make(data, self.cfg.loader.seed, epoch, i, out)
+        else:
+            builder.add(data, augment.draws(self.cfg.loader.seed, epoch, i), out)
 
     def fill(self, epoch: int, indices: np.ndarray, builder: Builder | None = None) -> tuple[
             np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:

@@ -44,10 +44,12 @@ MAX_JSON_BYTES = 16 << 20  # status.json of thousands of ranks fits many times o
 _MAX_LOCK_BYTES = 64
 
 
-def stream_id(stream_fingerprint: str, dataset_fingerprint: str) -> str:
+def stream_id(stream_fingerprint: str, dataset_fingerprint: str, transform_code: str | None = None) -> str:
     """meta.json's ``fingerprint`` (and every loader state's): 16 hex digits naming the batch
-    stream, from the config's ``stream_fingerprint()`` and the dataset's fingerprint."""
-    return hashlib.sha256(f"{stream_fingerprint}|{dataset_fingerprint}".encode()).hexdigest()[:16]
+    stream, from the config's ``stream_fingerprint()``, the dataset's fingerprint and, with
+    ``augment.transform``, its module file's (meta.json's ``transform_code``)."""
+    text = f"{stream_fingerprint}|{dataset_fingerprint}" + (f"|{transform_code}" if transform_code else "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def lock_pid(directory: str) -> int | None:
