@@ -164,15 +164,13 @@ def cmd_check(args) -> int:
     if sampler.batches_per_epoch == 0:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
-    transform_said = None
-    if cfg.augment.transform is not None:  # made and run on the first samples, as the daemon does at start
-        from prefetchd.core import transform
-        from prefetchd.daemon.loop import _first_samples
+    from prefetchd.core import transform
 
-        try:
-            transform_said = transform.probe(transform.load(cfg.augment), _first_samples(index), L.seed)
-        except ConfigError as e:
-            return _fail_config(e)
+    transform_said: list[str] = []  # augment.transform made and run on the first samples, as the daemon's start does
+    try:
+        transform.check(cfg.augment, index, L.seed, transform_said.append)
+    except ConfigError as e:
+        return _fail_config(e)
     s = cfg.augment.output_size
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)
@@ -189,9 +187,9 @@ def cmd_check(args) -> int:
                   f"with drop_last: false its one batch holds {first})")
     print(f"stream: {sizes} per epoch for each of ranks {list(L.ranks)} (world size {L.world_size}), seed {L.seed}, "
           f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment "
-          f"{cfg.augment.mode if transform_said is None else 'transform'} -> {s}x{s}")
-    if transform_said is not None:
-        print(f"transform: {transform_said}")
+          f"{'transform' if transform_said else cfg.augment.mode} -> {s}x{s}")
+    for said in transform_said:
+        print(f"transform: {said}")
     V = cfg.validation
     if V.enabled:
         from prefetchd.core.sampler import ValSampler

@@ -276,6 +276,25 @@ def probe(t: UserTransform, samples: Iterable[tuple[int, bytes]], seed: int) -> 
             f"{t.cfg.output_size}x{t.cfg.output_size} uint8" + ("; rng= given" if t.takes_rng else ""))
 
 
+def check(cfg: AugmentConfig, index, seed: int, say: Callable[[str], object]) -> ModuleFile:
+    """What ``prefetchd check`` and the daemon's start do: make the transform ``cfg`` names,
+    ``probe`` it on the first readable samples of ``index`` and ``say`` what it saw. Returns its
+    module file (no transform: none); ``ConfigError`` if it cannot be made or no sample gets through."""
+    if cfg.transform is None:
+        return ModuleFile(None, None)
+    t = load(cfg)
+    say(probe(t, _first_samples(index), seed))
+    return t.module
+
+
+def _first_samples(index):
+    for i in range(len(index)):
+        try:
+            yield i, index.read(i)
+        except OSError:  # unreadable now: the workers will say so
+            continue
+
+
 def _size_advice(e: SizeError, size: int) -> str:
     if e.height == e.width:
         return (f"is {size} but augment.transform returns {e.height}x{e.width} images: set augment.output_size: "

@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import replace
 
-from prefetchd.core import hybrid
+from prefetchd.core import hybrid, transform
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
@@ -134,8 +134,10 @@ class Daemon:
         if self.sampler.batches_per_epoch == 0:
             raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
                               f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")
-        self.transform_file = self._probe_transform()  # before any worker: a broken transform stops the start here
-        self.fingerprint_hex = stream_fingerprint(cfg, self.index.fingerprint, self.transform_file.code)
+        # augment.transform made and run on the first samples before any worker starts: if broken, a ConfigError (exit 78)
+        self.transform_file = transform.check(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
+        self.fingerprint_hex = status.stream_id(cfg.stream_fingerprint(), self.index.fingerprint,  # the stream's name
+                                                self.transform_file.code)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
         self.ranks = L.ranks
         self.quarantine = QuarantineLog(cfg.buffer.dir, self.index.fingerprint, self.index.path,
@@ -194,18 +196,6 @@ class Daemon:
                      cfg.validation.capacity)
         return True
 
-    def _probe_transform(self):
-        """``augment.transform``: made and run on the first samples, here, before any worker starts
-        (``transform.probe``: a ConfigError, exit 78, for a transform no sample could get through);
-        its module file, whose digits join the stream's fingerprint."""
-        from prefetchd.core import transform
-
-        if self.cfg.augment.transform is None:
-            return transform.ModuleFile(None, None)
-        t = transform.load(self.cfg.augment)
-        log.info("augment.transform: %s", transform.probe(t, _first_samples(self.index), self.cfg.loader.seed))
-        return t.module
-
     def _load_index(self) -> bool:
         """Read the dataset index on a thread, so a stop signal is acted on during a long scan."""
         cfg, box, V = self.cfg.dataset, {}, self.cfg.validation
@@ -249,8 +239,7 @@ class Daemon:
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
             "progress_dir": c.progress_dir, "started": self.t_start,  # and what a resume at another world size checks:
             "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint, self.transform_file.code),
-            # augment.transform's module file: its digits are in the fingerprints above (core.transform)
-            "transform_code": self.transform_file.code, "transform_file": self.transform_file.path,
+            "transform_code": self.transform_file.code, "transform_file": self.transform_file.path,  # in both fingerprints
             "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
@@ -603,20 +592,5 @@ class Daemon:
         teardown(self)
 
 
-def _first_samples(index):
-    """``(i, bytes)`` of the dataset's first samples that can be read (the transform's probe)."""
-    for i in range(len(index)):
-        try:
-            yield i, index.read(i)
-        except OSError:
-            continue
-
-
 def _limits(b) -> Limits:
     return Limits(b.capacity, b.refill_at, b.max_bytes, b.min_free_bytes)
-
-
-def stream_fingerprint(cfg: Config, dataset_fingerprint: str, transform_code: str | None = None) -> str:
-    """16 hex digits identifying the batch stream: config settings that change bytes + dataset
-    (+ the user's transform's module file)."""
-    return status.stream_id(cfg.stream_fingerprint(), dataset_fingerprint, transform_code)
