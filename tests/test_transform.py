@@ -92,6 +92,15 @@ USER_MODULE = textwrap.dedent('''
         return two
 
 
+    def make_lazy_torch(size=64):
+        def lazy(im):  # imports torch in its first call, as a transform may
+            import torch
+
+            a = np.array(im.resize((size, size)))
+            return (a // 2 + (torch.rand(size, size, 1) * 100).to(torch.uint8).numpy()).astype(np.uint8)
+        return lazy
+
+
     not_callable = 3
 ''')
 
@@ -175,6 +184,39 @@ def test_torch_is_not_imported_for_a_transform_that_does_not_use_it(tmp_path):
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
+
+
+def test_a_transform_that_imports_torch_in_its_first_call_is_seeded_as_in_later_ones(tmp_path):
+    pytest.importorskip("torch")
+    d = _module(tmp_path, "ux_lazy")
+    code = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from prefetchd.core.configsections import AugmentConfig
+        from prefetchd.core import transform
+        from prefetchd.tools.samples import jpeg_bytes, photo_like
+        assert "torch" not in sys.modules
+        t = transform.load(AugmentConfig(output_size=64, transform="ux_lazy:make_lazy_torch", transform_path={d!r}),
+                           worker=True)
+        files = [jpeg_bytes(photo_like(np.random.default_rng(s), 90, 90), np.random.default_rng(s)) for s in (0, 1)]
+        order = [int(a) for a in sys.argv[1:]]
+        out = {{i: t.make(files[i], 0, 0, i) for i in order}}
+        sys.stdout.write(np.concatenate([out[0], out[1]]).tobytes().hex())
+    """)
+    runs = [subprocess.run([sys.executable, "-c", code, *order], capture_output=True, text=True, timeout=120)
+            for order in (["0", "1"], ["1", "0"])]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout  # sample 0 alike whether it loaded torch or came after
+
+
+def test_a_worker_started_after_the_module_file_changed_refuses_to_make_batches(tmp_path, image_root):
+    cfg = load_config(small_config(tmp_path, image_root, **_aug(tmp_path, "ux_guard")))
+    index, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
+    good = transform.load(cfg.augment).code
+    BatchMaker(WorkerSetup(cfg, index.files_dir, None, 0, cfg.buffer.dir, transform_code=good))
+    with pytest.raises(RuntimeError) as e:
+        BatchMaker(WorkerSetup(cfg, index.files_dir, None, 0, cfg.buffer.dir, transform_code="0" * 16))
+    assert f"ux_guard.py changed since the daemon started (sha256 {'0' * 16}, now {good})" in str(e.value)
 
 
 @pytest.mark.parametrize("output, words", [

@@ -169,7 +169,7 @@ class Daemon:
             self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
                             self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records),
-                            index_fingerprint=self.index.fingerprint)
+                            index_fingerprint=self.index.fingerprint, transform_code=self.transform_file.code)
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers

@@ -111,6 +111,7 @@ class WorkerSetup:
     bad: frozenset[int] = field(default_factory=frozenset)  # known quarantined indices
     val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
     index_fingerprint: str | None = None  # the index the files in index_dir must hold (the daemon's)
+    transform_code: str | None = None  # augment.transform's module file as the daemon probed it (its stream's)
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -158,6 +159,11 @@ class BatchMaker:
             from prefetchd.core import transform
 
             self.transform = transform.load(self.cfg.augment, worker=True)
+            want = setup.transform_code
+            if want is not None and self.transform.code != want:  # a worker started after an edit: not this stream's
+                raise RuntimeError(f"augment.transform's module file {self.transform.module.path} changed since the "
+                                   f"daemon started (sha256 {want}, now {self.transform.code}): restart the daemon "
+                                   "to serve the edited transform (a new stream), or restore the file")
 
     def builder_for(self, epoch: int, batch: int) -> Builder:
         """The builder that makes this batch: compact where ``hybrid.on_gpu`` says so."""
