@@ -164,13 +164,14 @@ def cmd_check(args) -> int:
     if sampler.batches_per_epoch == 0:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
-    from prefetchd.core import transform
-
     transform_said: list[str] = []  # augment.transform made and run on the first samples, as the daemon's start does
-    try:
-        transform.check(cfg.augment, index, L.seed, transform_said.append)
-    except ConfigError as e:
-        return _fail_config(e)
+    if cfg.augment.transform is not None:
+        from prefetchd.core import transform
+
+        try:
+            transform.check(cfg.augment, index, L.seed, transform_said.append)
+        except ConfigError as e:
+            return _fail_config(e)
     s = cfg.augment.output_size
     per_batch = batchfile.max_file_size(L.batch_size, s, s)
     need = per_batch * B.capacity * len(L.ranks)

@@ -139,7 +139,7 @@ class UserTransform:
         torch = loaded_torch()
         for _ in range(2):
             x = self._input(data)
-            rng = seed_sample(seed, epoch, index, torch)
+            rng = seed_sample(seed, epoch, index, torch, self.takes_rng)
             try:
                 y = self.fn(x, rng=rng) if self.takes_rng else self.fn(x)
             except Exception as e:
