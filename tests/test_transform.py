@@ -319,6 +319,11 @@ def test_prefetchd_check_says_what_the_transform_makes(tmp_path, image_root):
     assert "transform: ux_checkok:make (" in r.stdout and "made 2 of the first 2 samples, 64x64 uint8" in r.stdout
 
 
+def test_transform_path_is_relative_to_the_config_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("dataset: {root: d}\naugment: {transform: 'm:f', transform_path: mods}\n")
+    assert load_config(str(tmp_path / "c.yaml")).augment.transform_path == str(tmp_path / "mods")
+
+
 def test_the_fingerprint_covers_the_factory_and_its_arguments_and_not_the_unused_modes(tmp_path):
     base = load_config(small_config(tmp_path, "/data"))
     assert not any("transform" in k for k in base.augment.stream_dict())  # configs without one: as before
