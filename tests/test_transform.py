@@ -335,6 +335,10 @@ def test_the_fingerprint_covers_the_factory_and_its_arguments_and_not_the_unused
     a = load_config(small_config(tmp_path, "/data", augment={"transform": "m:f", "flip": True}))
     b = load_config(small_config(tmp_path, "/data", augment={"transform": "m:f", "flip": False, "mode": "eval"}))
     assert a.stream_fingerprint() == b.stream_fingerprint()  # the built-in modes' keys do nothing with a transform
+    # ...nor are they checked against output_size (small_config's scale_min 72 < 96 is refused without one)
+    with pytest.raises(ConfigError, match="augment.scale_min must be >= augment.output_size"):
+        load_config(small_config(tmp_path, "/data", augment={"output_size": 96}))
+    assert load_config(small_config(tmp_path, "/data", augment={"transform": "m:f", "output_size": 96})).augment.output_size == 96
     # the validation stream keeps the eval mode
     assert a.val_augment().transform is None and a.val_augment().mode == "eval"
 

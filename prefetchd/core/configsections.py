@@ -265,12 +265,13 @@ class AugmentConfig:
         _int(self.scale_max, "augment.scale_max", 1, 1 << 14)
         if self.scale_min > self.scale_max:
             raise ConfigError("augment.scale_min", f"must be <= augment.scale_max ({self.scale_max}), got {self.scale_min}")
-        if self.mode == "scale" and self.scale_min < self.output_size:
+        builtin = self.transform is None  # a user's transform makes the crop: the modes' keys do nothing
+        if builtin and self.mode == "scale" and self.scale_min < self.output_size:
             raise ConfigError("augment.scale_min", f"must be >= augment.output_size ({self.output_size}) so the crop fits, got {self.scale_min}")
         object.__setattr__(self, "rrc_scale", _pair(self.rrc_scale, "augment.rrc_scale", 1e-6, 1.0))
         object.__setattr__(self, "rrc_ratio", _pair(self.rrc_ratio, "augment.rrc_ratio", 1e-3, 1e3))
         _int(self.eval_resize, "augment.eval_resize", 1, 1 << 14)
-        if self.mode == "eval" and self.eval_resize < self.output_size:
+        if builtin and self.mode == "eval" and self.eval_resize < self.output_size:
             raise ConfigError("augment.eval_resize", f"must be >= augment.output_size ({self.output_size}), got {self.eval_resize}")
         _bool(self.flip, "augment.flip")
         for k in ("brightness", "contrast", "saturation"):

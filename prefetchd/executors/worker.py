@@ -8,9 +8,9 @@ most a temp file that the daemon removes.
 
 With ``augment.transform``, each sample is made by the user's transform (``core.transform``,
 made once per worker) into the same array. A sample whose file cannot be read or decoded, or
-that the transform raises on or makes into something the batch cannot hold, is quarantined and replaced by another sample
-chosen from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every
-batch stay independent of which worker made it.
+that the transform raises on or makes into something the batch cannot hold, is quarantined
+and replaced by another sample chosen from ``(seed, epoch, index, attempt)`` alone, so batch
+shapes and the bytes of every batch stay independent of which worker made it.
 
 Each batch is filled through a builder (``prefetchd.executors.builders``), chosen once per batch:
 pixels, or (``augment.decode: hybrid | gpu``, for the batches ``hybrid.on_gpu`` gives the
