@@ -135,21 +135,23 @@ class UserTransform:
         im = augment.decode_image(data)
         return im if self.cfg.transform_input == "pil" else np.array(im)
 
+    def _once(self, data: bytes, seed: int, epoch: int, index: int, torch):
+        x = self._input(data)
+        rng = seed_sample(seed, epoch, index, torch, self.takes_rng)
+        try:
+            return self.fn(x, rng=rng) if self.takes_rng else self.fn(x)
+        except Exception as e:
+            raise TransformRaised(f"augment.transform raised {_one_line(e)}") from None
+
     def _call(self, data: bytes, seed: int, epoch: int, index: int):
         torch = loaded_torch()
-        for _ in range(2):
-            x = self._input(data)
-            rng = seed_sample(seed, epoch, index, torch, self.takes_rng)
-            try:
-                y = self.fn(x, rng=rng) if self.takes_rng else self.fn(x)
-            except Exception as e:
-                raise TransformRaised(f"augment.transform raised {_one_line(e)}") from None
-            if torch is not None or (torch := loaded_torch()) is None:
-                return y
+        y = self._once(data, seed, epoch, index, torch)
+        if torch is None and (torch := loaded_torch()) is not None:
+            # this call loaded torch (a worker's first): made again, torch's generator seeded as in every later call
             if self.worker:
                 _quiet_torch(torch)
-            # this call loaded torch: made again, torch's generator seeded too
-        return y  # pragma: no cover - the second pass always returns
+            y = self._once(data, seed, epoch, index, torch)
+        return y
 
     def make(self, data: bytes, seed: int, epoch: int, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index`` of ``epoch``, into ``out`` (uint8 [S, S, 3]) or a new array. Raises
