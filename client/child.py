@@ -27,7 +27,8 @@ The rules, shared with ``prefetchd launch``:
 * **Clean-up**: the daemon is stopped with SIGTERM (SIGKILL of its process group after
   ``_STOP_TIMEOUT_S``, the service's ``TimeoutStopSec``), and the buffer and progress
   directories it created are removed, batches and all; in a directory that existed before, only
-  ``daemon.lock`` is removed. It runs in a session of its own (a Ctrl-C at the terminal is the
+  ``daemon.lock`` is removed, unless a start killed outright made it (``Created``: its
+  ``created.json`` says so), whose directories this start takes over and removes. It runs in a session of its own (a Ctrl-C at the terminal is the
   trainer's, not the daemon's: it is stopped after the trainer), and it is sent SIGTERM by the
   kernel when the thread that started it ends (``PR_SET_PDEATHSIG``, which the daemon asks for
   itself, told the trainer's pid in ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork

@@ -59,7 +59,7 @@ def left_behind(batches: int, nbytes: int, buffer_dir: str, config: str | None, 
     them; ``created``: a ``launch`` or ``serve()`` made the directory and removes it."""
     if not batches:
         return None
-    what = f"stopped; left {batches} batches ({format_size(nbytes)}) in {buffer_dir}"
+    what = f"stopped; left {batches} batch{'es' if batches != 1 else ''} ({format_size(nbytes)}) in {buffer_dir}"
     if created:
         return f"{what}; the launch (or serve()) that made the directory removes it"
     clean = f"prefetchd clean --config {shlex.quote(config)}" if config else "prefetchd clean --config FILE"

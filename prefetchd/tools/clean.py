@@ -80,5 +80,5 @@ def run_clean(config: str) -> int:
         return 1
     finally:
         lock.release()  # the removed directory's lock: nobody can take it any more
-    say(f"removed {n} batches ({format_size(size)}) and {d}" + (" (a mount point: emptied, kept)" if mount else ""))
+    say(f"removed {n} batch{'es' if n != 1 else ''} ({format_size(size)}) and {d}" + (" (a mount point: emptied, kept)" if mount else ""))
     return 0
