@@ -28,11 +28,11 @@ The rules, shared with ``prefetchd launch``:
   ``_STOP_TIMEOUT_S``, the service's ``TimeoutStopSec``), and the buffer and progress
   directories it created are removed, batches and all; in a directory that existed before, only
   ``daemon.lock`` is removed, unless a start killed outright made it (``Created``: its
-  ``created.json`` says so), whose directories this start takes over and removes. It runs in a session of its own (a Ctrl-C at the terminal is the
-  trainer's, not the daemon's: it is stopped after the trainer), and it is sent SIGTERM by the
-  kernel when the thread that started it ends (``PR_SET_PDEATHSIG``, which the daemon asks for
-  itself, told the trainer's pid in ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork
-  and exec in a threaded trainer).
+  ``created.json`` says so), whose directories this start takes over and removes. It runs in a
+  session of its own (a Ctrl-C at the terminal is the trainer's, not the daemon's: it is stopped
+  after the trainer), and it is sent SIGTERM by the kernel when the thread that started it ends
+  (``PR_SET_PDEATHSIG``, which the daemon asks for itself, told the trainer's pid in
+  ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork and exec in a threaded trainer).
 
 Imports nothing of the daemon: it runs ``python -m prefetchd run`` (the interpreter running
 this), like any user would.
