@@ -77,3 +77,22 @@ def test_a_stopped_run_says_what_it_left_and_clean_frees_it_but_not_under_a_daem
     assert not os.path.exists(buf)
     r = _clean(cfg)  # nothing left: nothing to do
     assert r.returncode == 0, r.stderr
+
+
+def test_the_stop_line_names_the_way_to_free_the_ring_unless_a_live_launch_removes_it(tmp_path):
+    import json
+
+    from prefetchd.daemon.teardown import _made_by_a_live_start, left_behind
+
+    assert left_behind(0, 0, "/dev/shm/r", "/c.yaml", False) is None
+    line = left_behind(1, 4096, "/dev/shm/a b", "/etc/x.yaml", False)
+    assert line == ("stopped; left 1 batch (4.0 KiB) in /dev/shm/a b for the next start of this config to reuse; "
+                    "to free that memory now: prefetchd clean --config /etc/x.yaml (or rm -r '/dev/shm/a b')")
+    assert left_behind(3, 4096, "/dev/shm/r", None, True).endswith("the launch (or serve()) that made the directory removes it")
+    assert not _made_by_a_live_start(str(tmp_path))
+    (tmp_path / status.CREATED_NAME).write_text(json.dumps({"pid": os.getpid()}))
+    assert _made_by_a_live_start(str(tmp_path))  # its launch runs: it removes the ring
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (tmp_path / status.CREATED_NAME).write_text(json.dumps({"pid": gone.pid}))
+    assert not _made_by_a_live_start(str(tmp_path))  # killed outright: clean is the way

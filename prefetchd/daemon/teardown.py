@@ -47,11 +47,25 @@ def teardown(d) -> None:
 
         _quietly(final_status, "the final status")
         if line := _quietly(lambda: left_behind(len(d.ring.ready), d.ring.bytes_used, d.cfg.buffer.dir, d.cfg.source,
-                                                os.path.exists(os.path.join(d.cfg.buffer.dir, status.CREATED_NAME))),
-                            "what is left"):
+                                                _made_by_a_live_start(d.cfg.buffer.dir)), "what is left"):
             log.info("%s", line)
     finally:
         d.lock.release()
+
+
+def _made_by_a_live_start(buffer_dir: str) -> bool:
+    """A ``launch`` or ``serve()`` that runs made the buffer directory (``status.CREATED_NAME``) and
+    removes it when it ends; one killed outright leaves it to the next start, or to ``clean``."""
+    pid = (status.read_json(buffer_dir, status.CREATED_NAME) or {}).get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def left_behind(batches: int, nbytes: int, buffer_dir: str, config: str | None, created: bool) -> str | None:
