@@ -1,19 +1,24 @@
 # Each target does its own set-up: a fresh clone needs nothing but python3 (>= 3.10) and make.
 VENV      ?= .venv
 PY        := $(VENV)/bin/python
-# Without an NVIDIA GPU, install torch's CPU build first so the `torch` extra's range accepts it
-# instead of pulling the multi-GB CUDA build. Elsewhere, override, e.g.
-#   make test TORCH_CPU="torch --index-url https://download.pytorch.org/whl/cpu"
-TORCH_CPU ?= torch==2.13.0
+# Without an NVIDIA GPU, install torch's CPU build first, from torch's CPU index, so the `torch`
+# extra's range accepts it instead of pulling the multi-GB CUDA build (PyPI's torch for Linux is the
+# CUDA build). Where that index cannot be reached (an offline mirror), one try with a short timeout
+# fails fast and the registry pip is configured with is used instead.
+# tests/test_install.py dry-runs both with pip's resolver: no CUDA wheel may be pulled.
+TORCH_CPU       ?= torch==2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_PIP   := -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench clean print-torch-cpu
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q $(TORCH_CPU); fi
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(PY) $(TORCH_CPU_PIP) || $(PY) -m pip install -q $(TORCH_CPU); fi
 	$(PY) -m pip install -q -e '.[torch,dev,ray]'
 	touch $@
 
@@ -31,3 +36,6 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+print-torch-cpu:  # what the set-up gives pip for torch's CPU build (tests/test_install.py)
+	@echo $(TORCH_CPU_PIP)

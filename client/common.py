@@ -51,6 +51,10 @@ class BatchInfo:
     # client could decode it neither on the GPU nor on the CPU and zeros stand in (hybrid decode)
     replaced: np.ndarray
     echo: int = 0  # 0: first service; k: the k-th repeat
+    # validation batches: per sample, True where it is padding (``validation.pad``: a repeat that
+    # evens the ranks' passes out, as DistributedSampler's); ``~padding`` selects each sample once
+    # across the ranks. None for train batches.
+    padding: np.ndarray | None = None
 
 
 class PrefetchError(RuntimeError):

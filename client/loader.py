@@ -50,8 +50,10 @@ from .common import (
     _take_lane,
     config_from_env,
 )
+from .jobenv import job_rank
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
+from .shapes import DataLoaderShape, check_batch_size, normalize_constants
 from .state import LoaderState
 
 try:
@@ -62,7 +64,7 @@ except ImportError:  # numpy arrays only
 _log = logging.getLogger("prefetchd_client")
 
 
-class PrefetchClient(LoaderState, BatchFiles):
+class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
     """Iterate the batches prefetchd prepared for one rank.
 
     DataLoader habits::
@@ -77,11 +79,11 @@ class PrefetchClient(LoaderState, BatchFiles):
 
     * ``images``: uint8 ``[B, 3, H, W]`` (channels-last in memory), ``labels``: int64 ``[B]``;
       torch tensors (on ``device`` when given) or numpy arrays when torch is absent or
-      ``as_numpy=True``. ``normalize=True`` yields ``(x / 255 - mean) / std`` in ``dtype``
-      (default float32) on the images' device instead of uint8.
+      ``as_numpy=True``. ``normalize=True`` yields ``(x / 255 - mean) / std`` in ``dtype`` (default
+      float32; ``mean=``, ``std=``: ImageNet's by default) on the images' device instead of uint8.
     * ``config``: the daemon's config file (or a loaded ``Config``); None takes the path in
       ``$PREFETCHD_CONFIG``, which ``prefetchd launch`` and ``prefetchd_client.serve`` set.
-    * ``rank``: default from the ``RANK`` environment variable (torchrun), else 0.
+    * ``rank``: default from ``$RANK`` (torchrun), else 0. ``batch_size=``, if given, must be the config's.
     * ``for x, y in loader`` runs one epoch from the current position; ``iter_epoch(e)`` runs
       epoch ``e`` (from the current batch if ``e`` is the current epoch); ``set_epoch(e)``,
       ``seek(epoch, batch)``, ``state_dict()``, ``load_state_dict()`` move or carry the position.
@@ -92,9 +94,13 @@ class PrefetchClient(LoaderState, BatchFiles):
       waited for and whether the daemon is alive.
     * ``split="val"`` reads the daemon's validation stream (``validation:`` in the config) with the
       same API: each ``for`` is one pass over this rank's share of the val set (the pass number
-      is ``epoch``), ``len()`` is this rank's val batches, the last batch may be partial. Ranks'
-      shares may differ by one sample and their batch counts by one (no padding): sum correct and
-      total across ranks. The daemon makes a pass only while it is iterated.
+      is ``epoch``), ``len()`` is this rank's val batches, the last batch may be partial. Every
+      rank's pass has the same number of batches (``validation.pad``, as DistributedSampler pads:
+      a loop that all-reduces per batch cannot hang); ``last_batch.padding`` marks the repeated
+      samples, so ``~padding`` counts each sample once across ranks. With ``validation.pad:
+      false`` each sample is read once and ranks' batch counts may differ by one. The daemon
+      makes a pass only while it is iterated. ``padding_mask=True`` yields ``(images, labels,
+      padding)``: the mask beside its batch, for loops that read ahead (as Lightning's does).
     * ``close()`` (or ``with``) stops the reader and returns the pinned buffers (once their copies
       are done) to torch's caching host allocator, which keeps them for reuse; so does garbage
       collection.
@@ -112,7 +118,8 @@ class PrefetchClient(LoaderState, BatchFiles):
     def __init__(self, config: str | Config | None = None, rank: int | None = None, device: Any = None,
                  timeout: float = 60.0, as_numpy: bool = False, pin_memory: bool | None = None,
                  verify: bool = True, normalize: bool = False, dtype: Any = None, prefetch: int | None = None,
-                 transfer: Any = None, decoder: Any = None, split: str = "train"):
+                 transfer: Any = None, decoder: Any = None, split: str = "train", padding_mask: bool = False,
+                 batch_size: int | None = None, mean: Any = None, std: Any = None):
         self._closed = True  # until fully built: __del__ must not trip over a half-made client
         self._reader: ReadAhead | None = None
         self._pool: _PinnedPool | None = None
@@ -125,6 +132,9 @@ class PrefetchClient(LoaderState, BatchFiles):
             raise ConfigError("validation.enabled", "is false in this config: split='val' needs the daemon's "
                               "validation stream (set validation.enabled and validation.root)")
         self.split = split
+        check_batch_size(batch_size, self.batch_size, "validation.batch_size" if split == "val" else
+                         "loader.batch_size", self.cfg.source)
+        self.padding_mask = bool(padding_mask)
         self._lane = progress.lane(split, self.rank)
         self._reading = split == "train"  # a val client reads only while it iterates a pass
         self.dir = self.cfg.buffer.dir
@@ -136,6 +146,7 @@ class PrefetchClient(LoaderState, BatchFiles):
             raise ValueError(f"prefetch must be between 1 and 64 batches, got {self.prefetch}"
                              + (" (client.prefetch of the config)" if prefetch is None else ""))
         self.normalize = bool(normalize)
+        self.mean, self.std = normalize_constants(self.normalize, mean, std)
         if dtype is not None and not self.normalize:
             raise ValueError("dtype= is the dtype of normalized images; pass normalize=True with it")
         self.as_numpy = as_numpy or torch is None
@@ -180,6 +191,7 @@ class PrefetchClient(LoaderState, BatchFiles):
         self.batches_read = 0
         self.bytes_read = 0
         self._meta: dict | None = None
+        self._val_sampler = None  # which val samples are padding (from the meta)
         self._progress_lock = threading.Lock()
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._identity = (0, 0, 0)  # (pid, start, pid namespace) said in the progress file
@@ -189,34 +201,6 @@ class PrefetchClient(LoaderState, BatchFiles):
         self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._said_no_daemon = False  # "no daemon holds the buffer: waiting" said (once)
         self._closed = False
-
-    # --- DataLoader-shaped attributes ----------------------------------------------------------------
-
-    @property
-    def batch_size(self) -> int:
-        return self.cfg.validation.batch_size if self.split == "val" else self.cfg.loader.batch_size
-
-    @property
-    def drop_last(self) -> bool:
-        return False if self.split == "val" else self.cfg.loader.drop_last
-
-    @property
-    def world_size(self) -> int:
-        return self.cfg.loader.world_size
-
-    @property
-    def dataset(self) -> _Sized:
-        """Sized like a DataLoader's dataset: ``len()`` is the samples of the stream's dataset."""
-        m = self.meta()
-        return _Sized(int(m["validation"]["num_samples"] if self.split == "val" else m["num_samples"]))
-
-    @property
-    def sampler(self) -> _Sized:
-        """Sized like a ``DistributedSampler``: ``len()`` is ``ceil(len(dataset) / world_size)``, what
-        it reports without ``drop_last``. Scripts that look for the samples such a sampler leaves
-        out (``len(sampler) * world_size < len(dataset)``, as pytorch/examples' ``validate`` does)
-        find none: the validation stream leaves none out (rank shares may be one sample shorter)."""
-        return _Sized(-(-len(self.dataset) // self.world_size))
 
     # --- position ----------------------------------------------------------------------------------
 
@@ -280,7 +264,7 @@ class PrefetchClient(LoaderState, BatchFiles):
             raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes a different validation "
                                 f"stream than {self.cfg.source or 'this config'} describes (validation settings "
                                 "differ); use the daemon's config file")
-        self._meta = m
+        self._meta, self._val_sampler = m, None
         return m
 
     def _stream_diff(self, m: dict) -> str:
@@ -412,6 +396,8 @@ class PrefetchClient(LoaderState, BatchFiles):
         self.last_batch = info
         if event is not None:
             self._transfer.wait(event, self.device, (images, labels))
+        if self.padding_mask:
+            return images, labels, self._mask(info)
         return images, labels
 
     def _stop_reader(self) -> None:
@@ -558,29 +544,19 @@ class PrefetchClient(LoaderState, BatchFiles):
             pass
 
 
-class _Sized:
-    """Only a length (``loader.dataset`` and ``loader.sampler``; nothing to index or iterate)."""
-
-    def __init__(self, n: int):
-        self._n = n
-
-    def __len__(self) -> int:
-        return self._n
-
-
-
 def _resolve_rank(cfg: Config, rank: int | None) -> int:
     L, where = cfg.loader, f" in {cfg.source}" if cfg.source else ""
-    env_world = os.environ.get("WORLD_SIZE")
-    if env_world is not None and env_world.isdigit() and int(env_world) != L.world_size:
-        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but WORLD_SIZE={env_world} in the environment "
-                          f"(the job's world size): set loader.world_size: {env_world} and restart the daemon with "
-                          "that config (the stream depends on it)")
+    job = job_rank(os.environ)  # torchrun's RANK/WORLD_SIZE, else Slurm's (its task count is the world size
+    env_world = job.world_size if job is not None and (rank is None or not job.slurm) else None  # but for rank=)
+    if env_world is not None and env_world != L.world_size:
+        raise ConfigError("loader.world_size", f"is {L.world_size}{where} but {job.world_name}={env_world} in the "
+                          f"environment (the job's world size): set loader.world_size: {env_world} and restart the "
+                          "daemon with that config (the stream depends on it)")
     given = f"rank={rank}"
     if rank is None:
-        env = os.environ.get("RANK")
-        rank = int(env) if env is not None and env.isdigit() else 0
-        given = f"RANK={rank} in the environment" if env is not None and env.isdigit() else "rank 0, the default"
+        found = job is not None and job.rank is not None
+        rank = job.rank if found else 0
+        given = f"{job.rank_name}={rank} in the environment" if found else "rank 0, the default"
     if rank not in L.ranks:
         every = "ranks: all at " if L.ranks == tuple(range(L.world_size)) else ""
         todo = (f"set loader.world_size to the job's world size (more than {rank}) and restart the daemon"

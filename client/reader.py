@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prefetchd.core.sampler import ValSampler
 from prefetchd.format import batchfile, jpegbatch, procstate, progress, status
 
 from .clock import WaitClock
@@ -316,8 +317,26 @@ class BatchFiles:
         except BaseException:
             self._give_back(host, None)
             raise
-        info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy())
+        info = BatchInfo(self.rank, b.epoch, b.batch, b.indices.copy(), b.replaced.copy(),
+                         padding=self._val_padding(b.batch) if self.split == "val" else None)
         return self._convert(b, host, info.replaced) + (info,)
+
+    def _val_padding(self, batch: int) -> np.ndarray:
+        """Which samples of this rank's val ``batch`` are padding (the daemon's meta says how it pads)."""
+        s = self._val_sampler
+        if s is None:
+            v = self.meta()["validation"]  # a daemon of an older version says no "pad": it did not pad
+            s = self._val_sampler = ValSampler(int(v["num_samples"]), int(v["batch_size"]), self.world_size,
+                                               bool(v.get("pad", False)))
+        return s.padding(self.rank, batch)
+
+    def _mask(self, info: BatchInfo):
+        """``padding_mask=True``: the batch's padding mask (bool, True: a repeat), beside its labels."""
+        pad = info.padding if info.padding is not None else np.zeros(len(info.indices), dtype=bool)
+        if self.as_numpy:
+            return pad
+        mask = torch.from_numpy(pad)
+        return mask.to(self.device) if self.device is not None else mask
 
     def _give_back(self, host, event) -> None:
         if host is not None and self._copy and self.pin_memory:
@@ -331,7 +350,7 @@ class BatchFiles:
         if self.as_numpy:
             images = b.images.transpose(0, 3, 1, 2)
             if self.normalize:
-                images = _normalize_numpy(images, dtype=self.dtype)
+                images = _normalize_numpy(images, self.dtype, self.mean, self.std)
             return (images, b.labels.copy(), None)
         if host is None:
             images = torch.from_numpy(b.images).permute(0, 3, 1, 2)  # [N, C, H, W], channels-last strides
@@ -343,7 +362,7 @@ class BatchFiles:
             labels = host[lay.labels_offset: lay.labels_offset + 8 * lay.n].view(torch.int64)
         if not self._copy:
             if self.normalize:
-                images = _normalize_torch(images, self.dtype)
+                images = _normalize_torch(images, self.dtype, self.mean, self.std)
             return (images, labels, None)
         # pinned or pageable (host is None), the copies and the normalize run on the side stream:
         # the trainer's stream waits on the event recorded after them and marks the outputs as
@@ -352,7 +371,7 @@ class BatchFiles:
             gi = self._transfer.to_device(images, self.device)
             gl = self._transfer.to_device(labels, self.device)
             if self.normalize:
-                gi = _normalize_torch(gi, self.dtype)  # on the side stream, after the copy
+                gi = _normalize_torch(gi, self.dtype, self.mean, self.std)  # on the side stream, after the copy
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)
@@ -366,7 +385,7 @@ class BatchFiles:
         if self.as_numpy:
             images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
             if self.normalize:
-                images = _normalize_numpy(images, dtype=self.dtype)
+                images = _normalize_numpy(images, self.dtype, self.mean, self.std)
             return (images, b.labels.copy(), None)
         if not self._copy:
             # pin_memory=True without a device: the decoded batch and its labels in a fresh pinned block
@@ -378,7 +397,7 @@ class BatchFiles:
                 labels = dst[_labels_at(b):].view(torch.int64)
                 labels.copy_(torch.from_numpy(b.labels))
             if self.normalize:
-                images = _normalize_torch(images, self.dtype)
+                images = _normalize_torch(images, self.dtype, self.mean, self.std)
             return (images, labels, None)
         # on the side stream, pinned or not: the trainer waits on the event recorded after it all
         try:
@@ -391,7 +410,7 @@ class BatchFiles:
             gl = self._transfer.to_device(labels, self.device)
             gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
             if self.normalize:
-                gi = _normalize_torch(gi, self.dtype)
+                gi = _normalize_torch(gi, self.dtype, self.mean, self.std)
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)

@@ -1,10 +1,11 @@
-"""Command line: ``prefetchd run|launch|check|clean|status|demo|bench`` (also ``python -m prefetchd``).
+"""Command line: ``prefetchd run|launch|node-config|check|clean|status|demo|bench`` (also ``python -m prefetchd``).
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
 restart loop on a config error). ``launch`` exits with its command's status (128 + n for signal
 n), or 78 / 1 when the daemon cannot start, before the command runs (``prefetchd.tools.launch``).
-``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs.
+``status --ready`` exits 0 once every rank has a batch ready, 1 before, 3 when no daemon runs;
+``status --live`` 0 while the daemon's loop and pipeline move, 1 when stuck, 3 when none runs.
 """
 
 from __future__ import annotations
@@ -182,9 +183,12 @@ def cmd_check(args) -> int:
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
-        vs = ValSampler(len(val), V.batch_size, L.world_size)
+        vs = ValSampler(len(val), V.batch_size, L.world_size, V.pad)
+        repeats = vs.share(0) * L.world_size - len(val) if V.pad else 0
+        shares = (f"padded: {plural(repeats, 'sample')} repeated, marked in BatchInfo.padding" if repeats else
+                  "each sample once" + ("" if V.pad else " (validation.pad: false): batch counts may differ"))
         print(f"validation: {len(val)} samples ({val.describe()}); {[vs.batches(r) for r in L.ranks]} batches of up to {V.batch_size} "
-              f"per pass for ranks {list(L.ranks)}; eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
+              f"per pass for ranks {list(L.ranks)} ({shares}); eval resize {V.resize} -> {s}x{s}, capacity {V.capacity}")
     existing = B.dir
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)  # the filesystem it will be created on
@@ -267,6 +271,14 @@ def cmd_status(args) -> int:
         return _fail_config(e)
     if args.ready:
         return _ready(cfg)
+    if args.live:
+        from prefetchd.format import status
+
+        code, line = status.liveness(status.read_json(cfg.buffer.dir, status.STATUS_NAME),
+                                     status.daemon_alive(cfg.buffer.dir), status.lock_pid(cfg.buffer.dir),
+                                     time.time(), status.LIVE_AFTER_S if args.live_after is None else args.live_after)
+        print(line)
+        return code
     try:
         return _status_loop(cfg, args)
     except KeyboardInterrupt:  # Ctrl-C ends --watch, wherever it lands
@@ -316,6 +328,12 @@ def _status_loop(cfg: Config, args) -> int:
         if not args.watch:
             return 0 if alive else 3  # 3: not running (LSB status convention)
         time.sleep(args.interval)
+
+
+def cmd_node_config(args) -> int:
+    from prefetchd.tools.nodeconfig import run_node_config
+
+    return run_node_config(args)
 
 
 def cmd_demo(args) -> int:
@@ -393,6 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds to wait for the daemon to be ready before CMD runs (0: no limit; default 600)")
     la.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS", help="the command to run")
     la.set_defaults(fn=cmd_launch)
+    n = sub.add_parser("node-config", help="write one node's config from the job's: the job's world size, the "
+                       "node's ranks (for a multi-node job: Slurm, a Kubernetes Indexed Job)")
+    n.add_argument("--config", "-c", required=True, help="the job's config")
+    n.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    n.add_argument("--node", type=int, required=True, help="this node's number, 0 .. nodes-1")
+    n.add_argument("--per-node", type=int, required=True, help="ranks per node (node I runs I*G .. I*G+G-1)")
+    n.add_argument("--out", "-o", required=True, help="the node's config, written whole")
+    n.add_argument("--buffer-dir", help="the ring's directory (and the progress files in it) instead of the job's")
+    n.set_defaults(fn=cmd_node_config)
     c = sub.add_parser("check", help="validate the config, scan the dataset, check users, modes and the RAM disk")
     c.add_argument("--config", "-c", required=True)
     c.add_argument("--user", help="the daemon's user (default: the user running check)")
@@ -409,6 +436,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--interval", type=float, default=1.0)
     s.add_argument("--ready", action="store_true", help="a probe: exit 0 once every rank has a batch ready, 1 while "
                    "the daemon runs but not yet, 3 when none runs")
+    s.add_argument("--live", action="store_true", help="a probe (Kubernetes' livenessProbe, the systemd watchdog's "
+                   "judgement): exit 0 while the daemon's loop turns and its pipeline moves (or it starts), 1 when "
+                   "either has stopped for --live-after seconds, 3 when none runs")
+    s.add_argument("--live-after", type=float, metavar="S", help="seconds without a status rewrite, "
+                   "or with batches in the making and none made, before --live fails (default 30)")
     s.set_defaults(fn=cmd_status)
     d = sub.add_parser("demo", help="make sample JPEGs, start the daemon, train two epochs through the client")
     d.add_argument("--images", type=int, default=640)

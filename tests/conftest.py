@@ -14,6 +14,11 @@ import yaml
 
 from prefetchd.tools.samples import make_image_folder
 
+# The suite run as a Slurm job step: the client would take every test's rank from the step's task
+# (client/jobenv.py); the tests that mean Slurm's variables set them themselves.
+for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+    os.environ.pop(_name, None)
+
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):
     """Poll ``cond`` until it returns something truthy; fail the test at the deadline."""

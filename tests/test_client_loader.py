@@ -177,6 +177,47 @@ def test_normalize_true_yields_model_ready_floats(tmp_path, image_root, daemon_f
         assert x.dtype == np.float32 and np.allclose(x, normalize(ref[(0, 0, 0)][0].transpose(0, 3, 1, 2)))
     with pytest.raises(ValueError, match="normalize=True"):
         PrefetchClient(cfg, dtype=torch.float16)
+    # timm resolves mean and std per model (0.5, 0.5 for many): the loader takes them
+    half = (0.5, 0.5, 0.5)
+    for as_numpy in (True, False):
+        with PrefetchClient(cfg, timeout=60, as_numpy=as_numpy, normalize=True, mean=half, std=half) as loader:
+            x, _ = next(iter(loader))
+            raw = ref[(0, 0, 0)][0].transpose(0, 3, 1, 2).astype(np.float32)
+            assert np.allclose(np.asarray(x), raw / 127.5 - 1.0, atol=1e-6)
+    assert d.stop() == 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mean": (0.5, 0.5, 0.5)}, "pass normalize=True with them"),
+    ({"normalize": True, "std": (0.5, 0.0, 0.5)}, "std= must be 3 positive numbers"),
+    ({"normalize": True, "mean": (0.5, 0.5)}, "mean= must be 3 numbers"),
+    ({"normalize": True, "mean": "abc"}, "mean= must be 3 numbers"),
+    ({"batch_size": 32}, "batch_size=32 was asked for, but the daemon makes batches of 6 .loader.batch_size in "),
+])
+def test_dataloader_arguments_that_cannot_hold_are_one_line_errors(tmp_path, image_root, kwargs, match):
+    cfg = small_config(tmp_path, image_root)
+    with pytest.raises(ValueError, match=match) as e:
+        PrefetchClient(cfg, **kwargs)
+    assert "\n" not in str(e.value)
+    PrefetchClient(cfg, batch_size=6).close()  # the config's own size is fine
+
+
+def test_sampler_and_batch_sampler_are_shaped_as_a_dataloaders(tmp_path, image_root, daemon_factory):
+    """Code written for DistributedSampler: hasattr(loader.sampler, "set_epoch") holds and moving
+    it moves the loader; len() of sampler and batch_sampler as a DataLoader's."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3, "world_size": 2, "ranks": [0, 1]})
+    d = daemon_factory(cfg)
+    ref, _ = reference_batches(cfg, epochs=3)
+    with PrefetchClient(cfg, rank=1, timeout=60, as_numpy=True) as loader:
+        s = loader.sampler
+        assert hasattr(s, "set_epoch") and len(s) == 24 and (s.num_replicas, s.rank, s.shuffle) == (2, 1, True)
+        s.set_epoch(2)
+        assert loader.epoch == 2 and s.epoch == 2
+        got = [(loader.last_batch.epoch, loader.last_batch.batch, y.copy()) for _, y in loader]
+        assert [(e, b) for e, b, _ in got] == [(2, b) for b in range(4)]
+        assert all(np.array_equal(y, ref[(1, 2, b)][1]) for _, b, y in got)
+        bs = loader.batch_sampler
+        assert (len(bs), bs.batch_size, bs.drop_last, len(bs.sampler)) == (len(loader), 6, loader.drop_last, 24)
     assert d.stop() == 0
 
 

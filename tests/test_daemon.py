@@ -237,6 +237,57 @@ def test_sigterm_leaves_no_process_of_the_daemon_behind(tmp_path, image_root, da
     assert _session_members(d.pid) == []
 
 
+def _took(pid: int, sig: int) -> bool:
+    """``pid`` has dealt with ``sig``: it died (of it), or it ignores or blocks it (never will)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            text = f.read()
+    except OSError:
+        return True
+    masks = dict(line.split(":\t", 1) for line in text.splitlines() if line.startswith(("SigIgn", "SigBlk")))
+    return "\nState:\tZ" in text or any(int(m, 16) >> (sig - 1) & 1 for m in masks.values())
+
+
+@pytest.mark.parametrize("daemon_last", [False, True], ids=["at-once", "daemon-last"])
+def test_sigterm_to_the_daemons_group_under_load_is_one_quiet_stop(tmp_path, image_root, daemon_factory, daemon_last):
+    """``scancel``, ``timeout``, ``kill -TERM -PGID`` signal every process of the daemon's group.
+    Its forkserver and busy workers died of it and the daemon, whose loop turned once more, said
+    ``ERROR ... the forkserver (pid N) was killed by SIGTERM; started a new one`` and replaced the
+    workers, during the stop. ``daemon-last`` holds the daemon (SIGSTOP) until every other process
+    of its group has taken the signal, as on a machine where they die before its loop turns."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None}, workers={"count": 3},
+                       buffer={"capacity": 400, "refill_at": 399, "max_bytes": "512MiB"})
+    d = daemon_factory(cfg)
+    buf = str(tmp_path / "buffer")
+    wait_until(lambda: len(published(buf)) >= 2, 30, "the first batches")
+    before = {int(m.split()[0]) for m in _session_members(d.pid)}
+    assert len(before) >= 6, before  # the daemon, its forkserver, tracker and 3 workers, making batches
+    if daemon_last:
+        os.kill(d.pid, signal.SIGSTOP)
+    os.killpg(d.pid, signal.SIGTERM)
+    if daemon_last:
+        try:
+            wait_until(lambda: all(_took(pid, signal.SIGTERM) for pid in before - {d.pid}), 20,
+                       "the daemon's other processes to take the signal")
+        finally:
+            os.kill(d.pid, signal.SIGCONT)
+    seen: set[int] = set()
+
+    def stopped() -> bool:
+        seen.update(int(m.split()[0]) for m in _session_members(d.pid))
+        return d.proc.poll() is not None
+
+    wait_until(stopped, 15, "the daemon to stop")
+    log = d.log()
+    assert d.proc.returncode == 0, log
+    assert " ERROR " not in log, log
+    assert seen <= before, f"started after the signal: {sorted(seen - before)}\n{log}"
+    st = status.read_json(buf, status.STATUS_NAME)
+    assert st["state"] == "stopped", st
+    assert (st["worker_restarts"], st["forkserver_restarts"], st["resource_tracker_restarts"]) == (0, 0, 0), st
+    assert _session_members(d.pid) == []
+
+
 def test_status_command_shows_the_running_daemon(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)

@@ -461,6 +461,7 @@ def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_p
     from prefetchd.core.planner import Limits, Planner
     from prefetchd.daemon.loop import Daemon
     from prefetchd.daemon.quarantine import QuarantineLog
+    from prefetchd.daemon.report import stuck_s
     from prefetchd.executors.worker import Result
 
     d = Daemon(load_config(small_config(tmp_path, image_root)))
@@ -468,9 +469,10 @@ def test_a_failing_batch_neither_pauses_other_ranks_nor_feeds_the_watchdog(tmp_p
     d.quarantine = QuarantineLog(str(tmp_path), "x", str)
     first = d.planner.plan(2, time.monotonic(), 1 << 40).submit
     assert first == [(0, 0, 0), (1, 0, 0)]
-    d._last_activity = before = time.monotonic() - 100
+    d.last_activity = before = time.monotonic() - 100
     d._handle(Result(0, 0, 0, None, error="cannot write a batch: No space left on device"))
-    assert d._last_activity == before  # a failure is not progress: the watchdog may still fire
+    assert d.last_activity == before  # a failure is not progress: the watchdog (and status --live) may still fire
+    assert stuck_s(d) >= 100
     nxt = d.planner.plan(8, time.monotonic(), 1 << 40).submit
     assert (0, 0, 1) in nxt and (1, 0, 1) in nxt and (0, 0, 0) not in nxt  # only the failed batch waits
 
@@ -588,6 +590,34 @@ def test_lowering_the_worker_count_does_not_stall_the_loop_and_leaves_shared_hel
         d._teardown()
     assert server is not None and forkserver._forkserver._forkserver_pid == server
     os.kill(server, 0)  # still running: only `prefetchd run`'s exit stops it
+
+
+def test_deaths_once_the_daemon_is_stopping_are_neither_said_nor_replaced(tmp_path, image_root, caplog):
+    """A stop signal recorded, the loop's last turn finds workers and the forkserver dead (a
+    group SIGKILL, a helper that went its own way): part of the stop, not a fault. They were
+    said as ERRORs, counted as restarts and replaced, the new processes killed moments later."""
+    from prefetchd.core.config import load as load_config
+    from prefetchd.daemon.loop import Daemon
+    from prefetchd.executors import helpers
+
+    d = Daemon(load_config(small_config(tmp_path, image_root, workers={"count": 2})))
+    assert d._setup()
+    try:
+        pool = d.pool
+        wait_until(lambda: pool.results() and all(w.ready for w in pool.workers.values()), 30, "workers ready")
+        fs = pool.helpers.pids()[helpers.FORKSERVER]
+        workers = pool.pids()
+        d._stop = True  # what the stop signal's handler records
+        for pid in [*workers, fs]:
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: pool.results() is not None and not pool.workers, 10, "the deaths noticed")
+        for _ in range(3):
+            pool.results()
+        assert pool.restarts == 0 and pool.helpers.restarts == {helpers.FORKSERVER: 0, helpers.TRACKER: 0}
+        assert pool.helpers.pids()[helpers.FORKSERVER] == fs and not pool.workers  # none started anew
+        assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    finally:
+        d._teardown()
 
 
 def test_a_due_retry_with_no_free_slot_does_not_spin_the_loop(tmp_path, image_root):

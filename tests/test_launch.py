@@ -5,6 +5,7 @@ trainer, starts that fail in one line, and nothing left behind after any of them
 from __future__ import annotations
 
 import configparser
+import contextlib
 import json
 import os
 import pathlib
@@ -21,7 +22,7 @@ import yaml
 from conftest import DaemonProc, small_config, wait_until
 
 from prefetchd.format import status
-from prefetchd.tools import launch
+from prefetchd.tools import groupsignals, launch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -74,6 +75,36 @@ LATE = textwrap.dedent("""
 # CMD that waits for argv[1] to appear, then exits 0
 UNTIL = ("import os, sys, time\nopen(sys.argv[1] + '.started', 'w').close()\n"
          "while not os.path.exists(sys.argv[1]):\n    time.sleep(0.05)\n")
+
+
+# CMD that saves a checkpoint (argv[1]) on its first stop signal and aborts without it on a second,
+# as a trainer that takes a second Ctrl-C or SIGTERM as "abort now" does (torchrun's shutdown
+# breaks on one); the signals it saw go to argv[1] + ".seen", and a saved checkpoint exits 7
+CHECKPOINTER = textwrap.dedent("""
+    import json, os, signal, sys, time
+    out, seen = sys.argv[1], []
+    def on_stop(signum, frame):
+        seen.append(signum)
+        if len(seen) > 1:
+            json.dump(seen, open(out + ".seen", "w"))
+            os._exit(9)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_stop)
+    open(out + ".started", "w").close()
+    while not seen:
+        time.sleep(0.01)
+    saved_at = time.monotonic() + 1.5  # the save takes its time: a second signal lands in it
+    while time.monotonic() < saved_at:
+        time.sleep(0.01)
+    open(out, "w").write("checkpoint")
+    json.dump(seen, open(out + ".seen", "w"))
+    sys.exit(7)
+""")
+
+# argv: a terminal's path, then a command: made the controlling terminal of a new session (whose
+# foreground group the command is), with stdin elsewhere, as `prefetchd launch ... < /dev/null`
+# typed in a terminal
+ON_A_TERMINAL = "import os, sys\nos.setsid()\nos.close(os.open(sys.argv[1], os.O_RDWR))\nos.execv(sys.argv[2], sys.argv[2:])\n"
 
 
 def _launch(tmp_path, config: str | None, *cmd: str, env: dict | None = None) -> subprocess.Popen:
@@ -139,6 +170,80 @@ def test_launch_forwards_signals_and_exits_128_plus_the_signal(tmp_path, cfg, si
     assert rc == 128 + sig, err
     assert "the command left" not in err, err  # its daemon is not something the command left running
     _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
+@pytest.mark.parametrize("how, sig", [
+    ("a terminal's Ctrl-C", signal.SIGINT),
+    ("to launch's process group", signal.SIGINT),
+    ("to launch's process group", signal.SIGTERM),  # Slurm's proctrack/pgid, timeout, kill -TERM -PGID
+    ("to every process, one after another", signal.SIGTERM),  # Slurm's proctrack/cgroup, KillMode=control-group
+    ("to launch alone", signal.SIGTERM),  # kill PID, a container's PID 1
+    ("to launch alone", signal.SIGINT),
+])
+def test_the_command_sees_each_stop_once_whoever_sends_it(tmp_path, cfg, how, sig):
+    """With stdin not a terminal (a script, nohup, CI), a stop signal that reached launch's process
+    group (the command's) was forwarded again: the trainer got two KeyboardInterrupts, or two
+    SIGTERMs under scancel, and the second landed in its checkpoint's save. Each stop is seen
+    once, the checkpoint written, and launch exits with the command's status."""
+    out = tmp_path / "ckpt"
+    argv = [sys.executable, "-m", "prefetchd", "launch", "--config", cfg, "--", sys.executable,
+            _script(tmp_path, "c.py", CHECKPOINTER), str(out)]
+    master = None
+    if how == "a terminal's Ctrl-C":
+        master, slave = os.openpty()
+        argv = [sys.executable, "-c", ON_A_TERMINAL, os.ttyname(slave), *argv]
+        os.close(slave)
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    else:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        wait_until(lambda: os.path.exists(f"{out}.started"), 60, "the command to run")
+        daemon_pid = status.lock_pid(str(tmp_path / "buffer"))
+        if master is not None:
+            os.write(master, b"\x03")  # the terminal signals its foreground group
+        elif how == "to launch's process group":
+            os.killpg(p.pid, sig)
+        elif how == "to every process, one after another":
+            for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]:
+                os.kill(proc.pid, sig)
+        else:
+            p.send_signal(sig)
+        rc, _, err = _finish(p)
+    finally:
+        if master is not None:
+            os.close(master)
+    assert json.loads(open(f"{out}.seen").read()) == [sig], err
+    assert out.read_text() == "checkpoint"
+    assert rc == 7, err
+    assert "the command left" not in err, err
+    _assert_nothing_left(str(tmp_path / "buffer"), [daemon_pid])
+
+
+def test_the_witness_reads_proc_status_masks_and_goes_with_launch_even_when_it_is_killed(tmp_path, cfg):
+    """The witness that tells a group's signal from launch's own blocks the stop signals and lives
+    only as long as launch: killed outright (SIGKILL), launch leaves no witness behind."""
+    text = "Name:\tx\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000004002\nSigBlk:\t0000000000004003\n"
+    assert groupsignals.signal_mask(text, "ShdPnd") == {signal.SIGINT, signal.SIGTERM}
+    assert groupsignals.signal_mask(text, "SigBlk") == {signal.SIGHUP, signal.SIGINT, signal.SIGTERM}
+    assert groupsignals.signal_mask(text, "SigPnd") == set()
+    out = str(tmp_path / "waiter")
+    p = _launch(tmp_path, cfg, sys.executable, _script(tmp_path, "w.py", WAITER), out)
+    try:
+        wait_until(lambda: os.path.exists(out) and open(out).read(), 60, "the command to run")
+        witness = [c for c in psutil.Process(p.pid).children() if "sigtimedwait" in " ".join(c.cmdline())]
+        assert len(witness) == 1, [c.cmdline() for c in psutil.Process(p.pid).children()]
+        assert os.getpgid(witness[0].pid) == p.pid  # in launch's group, the command's
+        with open(f"/proc/{witness[0].pid}/status") as f:
+            assert set(launch.FORWARDED) <= groupsignals.signal_mask(f.read(), "SigBlk")
+        os.kill(p.pid, signal.SIGKILL)
+        wait_until(lambda: not psutil.pid_exists(witness[0].pid)
+                   or psutil.Process(witness[0].pid).status() == psutil.STATUS_ZOMBIE, 20, "the witness to go")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)  # the command, left running by a launch killed outright
+        _finish(p)
 
 
 def test_a_second_stop_signal_kills_a_command_that_ignores_the_first(tmp_path, cfg):
@@ -609,7 +714,7 @@ def test_serve_waits_for_a_launch_using_its_daemon_and_uses_a_launchs_daemon_its
 LOOKED_TOO_EARLY = textwrap.dedent("""
     import sys
     from prefetchd_client import child
-    from prefetchd.tools import launch
+    from prefetchd.tools import groupsignals, launch
     real, looks = child.running_daemon, []
     def too_early(cfg):
         looks.append(cfg)

@@ -49,7 +49,7 @@ def test_matches_distributed_sampler_rule():
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("batch", [1, 3, 8, 32])
 def test_val_every_sample_exactly_once_across_ranks(n, world, batch):
-    s = ValSampler(n, batch, world)
+    s = ValSampler(n, batch, world, pad=False)
     got = []
     for r in range(world):
         nb = s.batches(r)
@@ -69,15 +69,47 @@ def test_val_every_sample_exactly_once_across_ranks(n, world, batch):
 
 
 def test_val_uneven_ranks_and_partial_last_batch():
-    s = ValSampler(10, 4, world_size=3)  # shares 4, 3, 3
+    s = ValSampler(10, 4, world_size=3, pad=False)  # shares 4, 3, 3
     assert [s.share(r) for r in range(3)] == [4, 3, 3]
     assert s.batch_indices(0, 0).tolist() == [0, 3, 6, 9]
     assert s.batch_indices(1, 0).tolist() == [1, 4, 7]
-    s = ValSampler(9, 2, world_size=2)  # shares 5 and 4: 3 batches and 2 batches
+    s = ValSampler(9, 2, world_size=2, pad=False)  # shares 5 and 4: 3 batches and 2 batches
     assert (s.batches(0), s.batches(1)) == (3, 2)
     assert s.batch_indices(0, 2).tolist() == [8]
     with pytest.raises(ValueError):
         s.batches(2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 10, 31, 65, 100])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("batch", [1, 3, 32])
+def test_val_padded_as_distributed_sampler_pads(n, world, batch):
+    """The padded validation shares are DistributedSampler's (shuffle=False), sample for sample;
+    every rank has the same batch count; the padding mask selects each sample exactly once."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DistributedSampler
+
+    s = ValSampler(n, batch, world)
+    once = []
+    for r in range(world):
+        theirs = list(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False))
+        mine = [int(i) for b in range(s.batches(r)) for i in s.batch_indices(r, b)]
+        assert mine == theirs, r
+        for b in range(s.batches(r)):
+            pad = s.padding(r, b)
+            assert pad.dtype == bool and pad.shape == s.batch_indices(r, b).shape
+            once += s.batch_indices(r, b)[~pad].tolist()
+    assert sorted(once) == list(range(n))
+    assert len({s.batches(r) for r in range(world)}) == 1
+    assert torch is not None
+
+
+def test_val_65_on_2_ranks_at_32_gives_both_ranks_2_batches():
+    s = ValSampler(65, 32, 2)
+    assert (s.batches(0), s.batches(1)) == (2, 2)
+    assert s.batch_indices(1, 1).tolist() == [65 % 65] and s.padding(1, 1).tolist() == [True]
+    assert not s.padding(0, 1).any() and not ValSampler(65, 32, 2, pad=False).padding(1, 0).any()
+    assert (ValSampler(65, 32, 2, pad=False).batches(0), ValSampler(65, 32, 2, pad=False).batches(1)) == (2, 1)
 
 
 def _global_order(s: Sampler, epoch: int, offset: int) -> list[list[int]]:

@@ -4,6 +4,7 @@ stream that validation leaves byte for byte unchanged."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -59,7 +60,7 @@ def val_reference(cfg_path: str, rank: int) -> list:
 
     vcfg = replace(cfg, augment=cfg.val_augment(), loader=replace(cfg.loader, batch_size=cfg.validation.batch_size))
     maker = BatchMaker(WorkerSetup(vcfg, None, val, 0, cfg.buffer.dir))
-    s = ValSampler(len(val), cfg.validation.batch_size, cfg.loader.world_size)
+    s = ValSampler(len(val), cfg.validation.batch_size, cfg.loader.world_size, cfg.validation.pad)
     out = []
     for b in range(s.batches(rank)):
         images, used, labels, _, _ = maker.fill(0, s.batch_indices(rank, b))
@@ -69,7 +70,8 @@ def val_reference(cfg_path: str, rank: int) -> list:
 
 def test_validation_stream_two_ranks(tmp_path, image_root, val_root, daemon_factory):
     cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
-                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2})
+                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2,
+                                   "pad": False})
     buf = load_config(cfg).buffer.dir
     d = daemon_factory(cfg)
     # train is served at once; no val batch is made while no trainer iterates a val pass
@@ -175,8 +177,14 @@ def test_cli_check_summarises_the_validation_stream(tmp_path, image_root, val_ro
                        timeout=120)
     assert r.returncode == 0, r.stderr
     val_name = os.path.basename(val_root.rstrip("/"))
-    assert (f"validation: 17 samples ({val_name}, an ImageFolder); [3, 2] batches of up to 4 per pass for ranks "
-            "[0, 1]; eval resize 74") in r.stdout, r.stdout
+    assert (f"validation: 17 samples ({val_name}, an ImageFolder); [3, 3] batches of up to 4 per pass for ranks "
+            "[0, 1] (padded: 1 sample repeated, marked in BatchInfo.padding); eval resize 74") in r.stdout, r.stdout
+    unpadded = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                            validation={"enabled": True, "root": val_root, "batch_size": 4, "pad": False})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", unpadded], capture_output=True,
+                       text=True, timeout=120)
+    assert ("[3, 2] batches of up to 4 per pass for ranks [0, 1] (each sample once (validation.pad: false): batch "
+            "counts may differ); eval resize 74") in r.stdout, r.stdout
     assert f"; {os.path.basename(image_root.rstrip('/'))}, an ImageFolder" in r.stdout, r.stdout
 
 
@@ -192,7 +200,8 @@ def _full_train_config(tmp_path, image_root, val_root, ranks: int) -> tuple[str,
                                                      "batch_size": 8, "epochs": None},
                        augment={"output_size": 32, "scale_min": 36, "scale_max": 60},
                        buffer={"capacity": 6, "refill_at": 6, "max_bytes": max_bytes},
-                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2})
+                       validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2,
+                                   "pad": False})
     return cfg, max_bytes
 
 
@@ -408,7 +417,8 @@ def test_check_says_what_validation_takes_from_train_and_warns_only_when_max_byt
     tight = small_config(tmp_path, image_root, loader={"batch_size": 8, "epochs": None},
                          augment={"output_size": 32, "scale_min": 36, "scale_max": 60},
                          buffer={"capacity": 6, "refill_at": 6, "max_bytes": 2 * _TRAIN_BATCH},
-                         validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2})
+                         validation={"enabled": True, "root": val_root, "batch_size": 4, "capacity": 2,
+                                   "pad": False})
     out = check(tight)
     assert ("warning: buffer.max_bytes (56.0 KiB) cannot hold train's front batches (1 x 28.0 KiB = 28.0 KiB) plus "
             "what a validation pass keeps in flight (1 rank(s) x 2 validation batch(es) of 16.0 KiB = 32.0 KiB, "
@@ -518,4 +528,109 @@ def test_each_val_for_is_a_new_pass_ending_an_iteration_still_held(tmp_path, ima
         next(it)
         assert [t.last_batch.batch for _ in t] == list(range(2, 8))
         del it
+    assert d.stop() == 0
+
+
+def test_a_val_index_read_after_the_train_index_is_waited_for(tmp_path, image_root, val_root, daemon_factory):
+    """The val scan ends after the train index is loaded (cached here): the daemon waits for both.
+    The val file list is a FIFO the test fills only once the daemon has opened it (the train
+    index is read by then) and it has had 3 s to give up waiting."""
+    load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))  # train: cached
+    val, _ = load_index(val_root, None, (".jpeg", ".jpg", ".png"), None, use_cache=False)
+    lines = "".join(f"{val.path(i)} {int(val.labels[i])}\n" for i in range(len(val)))
+    fifo = str(tmp_path / "val.txt")
+    os.mkfifo(fifo)
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "file_list": fifo, "batch_size": 4})
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+
+    def opened():
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO until the daemon opens it to read
+        except OSError:
+            assert d.proc.poll() is None, d.log()
+            return None
+
+    fd = wait_until(opened, 60, "the daemon reading the val file list")
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:  # the train index is loaded; the val scan goes on
+        assert d.proc.poll() is None, f"the daemon ended while the val index was read:\n{d.log()}"
+        time.sleep(0.05)
+    os.set_blocking(fd, True)
+    os.write(fd, lines.encode())
+    os.close(fd)
+    wait_until(lambda: (s := status.read_json(buf, status.STATUS_NAME)) and s.get("val_ranks"), 60,
+               "the daemon serving validation")
+    with PrefetchClient(cfg, rank=0, split="val", as_numpy=True, timeout=60) as c:
+        assert sum(len(y) for _, y, _ in read_pass(c)) == len(val)
+    assert "AttributeError" not in d.log()
+    assert d.stop() == 0
+
+
+def test_a_devkit_that_is_a_fifo_is_refused_in_one_line(tmp_path, image_root):
+    fifo = str(tmp_path / "devkit.tar.gz")
+    os.mkfifo(fifo)
+    from prefetchd.core.devkit import DevkitError, read_devkit
+
+    with pytest.raises(DevkitError, match="not a regular file or a folder"):
+        read_devkit(fifo)
+
+
+_ALLREDUCE_RANK = r"""
+import json, sys
+import torch
+import torch.distributed as dist
+from prefetchd_client import PrefetchClient
+
+cfg, rank, store, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+passes = []
+with PrefetchClient(cfg, rank=rank, split="val", padding_mask=True, timeout=60) as c:
+    for _ in range(2):
+        seen, batches = [], 0
+        for x, y, pad in c:
+            t = torch.tensor([float((~pad).sum())])
+            dist.all_reduce(t)  # a metric reduced every step, as timm's validate() and sync_dist do
+            assert pad.dtype == torch.bool and len(pad) == len(y) == len(c.last_batch.indices)
+            seen += [[int(i), int(l)] for i, l, p in zip(c.last_batch.indices, y, pad) if not p]
+            batches += 1
+        passes.append({"batches": batches, "len": len(c), "seen": seen})
+dist.destroy_process_group()
+json.dump(passes, open(out, "w"))
+"""
+
+
+def test_a_loop_that_all_reduces_every_val_batch_finishes_every_pass(tmp_path, image_root, daemon_factory):
+    """65 val images on 2 ranks at batch 32: both ranks' passes have 2 batches (the second rank's
+    last one padded with sample 0), a gloo all-reduce per batch never waits on a rank that ran
+    out, and the samples the padding mask keeps are each val sample exactly once."""
+    pytest.importorskip("torch.distributed")
+    val = tmp_path / "val65"
+    make_image_folder(str(val), classes=4, per_class=17, seed=5, long_side=64)
+    for name in ("img_00016.JPEG", "img_00015.JPEG", "img_00014.JPEG"):
+        os.unlink(val / "n00000003" / name)
+    cfg = small_config(tmp_path, image_root, loader={"world_size": 2, "ranks": [0, 1]},
+                       validation={"enabled": True, "root": str(val), "batch_size": 32})
+    d = daemon_factory(cfg)
+    script = tmp_path / "rank.py"
+    script.write_text(_ALLREDUCE_RANK)
+    outs = [tmp_path / f"rank{r}.json" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, str(script), cfg, str(r), str(tmp_path / "store"), str(outs[r])],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=120)  # a hang (rank 0 waiting in its second all-reduce) fails here
+            assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+    got = [json.loads(o.read_text()) for o in outs]
+    index, _ = load_index(str(val), None, (".jpeg", ".jpg", ".png"), None, use_cache=False)
+    train, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), None, use_cache=False)
+    labels = val_labels(index, train).labels
+    for p in range(2):
+        assert [g[p]["batches"] for g in got] == [2, 2] and [g[p]["len"] for g in got] == [2, 2]
+        seen = sorted(tuple(s) for g in got for s in g[p]["seen"])
+        # the masked metric is the exactly-once one: every sample once, with its own label
+        assert seen == [(i, int(labels[i])) for i in range(65)]
     assert d.stop() == 0

@@ -31,7 +31,8 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
 
 Validation: ``--val`` validates after every epoch on prefetchd's validation stream
 (``PrefetchClient(config, split="val")``, with ``validation.enabled`` and ``validation.root`` in the
-config: eval augmentation, every sample once per pass across ranks, the last partial batch kept).
+config: eval augmentation, every rank the same batch count (padded as DistributedSampler pads;
+the padding left out of the sums: every sample counted once), the last partial batch kept).
 The daemon makes a pass only while it is read. See ``make_val_loader``.
 """
 
@@ -220,8 +221,9 @@ def train_one_epoch(loader, model, criterion, optimizer, scaler, epoch: int, sta
 
 @torch.no_grad()
 def validate(loader, model, criterion, args, amp, device, world: int) -> float:
-    """Top-1 accuracy over one pass of the validation stream, summed across ranks (each sample is
-    served to exactly one rank, so the sums count every sample once)."""
+    """Top-1 accuracy over one pass of the validation stream, summed across ranks. Every rank's pass
+    has the same number of batches (validation.pad, as DistributedSampler pads); the samples that
+    pad it out are left out of the sums, so they count every sample exactly once."""
     use_amp, amp_dtype, _ = amp
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top1, top5, count
@@ -229,6 +231,12 @@ def validate(loader, model, criterion, args, amp, device, world: int) -> float:
         images = images.contiguous(memory_format=torch.channels_last)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
             output = model(images)
+        pad = loader.last_batch.padding
+        if pad is not None and pad.any():  # repeats that even the ranks' passes out: not counted
+            keep = torch.from_numpy(~pad).to(output.device)
+            output, target = output[keep], target[keep]
+            if not len(target):
+                continue
         loss = criterion(output.float(), target)
         top1, top5 = accuracy(output.float(), target)
         totals += torch.stack([loss * len(target), top1, top5, torch.tensor(float(len(target)), device=device)]).double()

@@ -21,10 +21,11 @@
   ranks. The README's rule: rank 0's state, loaded on every rank.
 
 * With ``validation.enabled`` in the config, ``val_dataloader`` is the validation stream
-  (``PrefetchClient(config, split="val")``): each validation run is one pass, every sample once
-  across ranks, the last partial batch kept. Ranks' batch counts may differ by one (no padding),
-  so sum correct and total across ranks at the epoch's end (as ``train.py``'s ``Classifier``
-  does) rather than averaging per step with ``sync_dist``. Without it, ``val_dataloader`` is
+  (``PrefetchClient(config, split="val", padding_mask=True)``): each validation run is one pass,
+  every rank the same number of batches (padded as DistributedSampler pads, so a per-step
+  ``sync_dist`` cannot hang), each batch ``(images, target, padding)``: leave the padding out and
+  sum correct and total across ranks at the epoch's end (as ``train.py``'s ``Classifier`` does)
+  to count every sample exactly once. Without it, ``val_dataloader`` is
   empty and Lightning skips validation.
 """
 
@@ -104,7 +105,7 @@ class PrefetchDataModule(L.LightningDataModule):
                                     normalize=self.normalize)
         if self.train.cfg.validation.enabled:
             self.val = PrefetchClient(self.train.cfg, rank=rank, device=device, timeout=self.timeout,
-                                      normalize=self.normalize, split="val")
+                                      normalize=self.normalize, split="val", padding_mask=True)
 
     def train_dataloader(self) -> PrefetchTrainLoader:
         assert self.train is not None, "setup() opens the loader"

@@ -76,13 +76,14 @@ class Classifier(L.LightningModule):
         self._val_sums = torch.zeros(2, dtype=torch.float64, device=self.device)  # correct, total
 
     def validation_step(self, batch, batch_idx):
-        images, target = batch
+        images, target, padding = batch  # padding: repeats that even the ranks' passes out
         logits = self.model(images.contiguous(memory_format=torch.channels_last))
-        self._val_sums[0] += (logits.argmax(1) == target).sum()
-        self._val_sums[1] += len(target)
+        real = ~padding
+        self._val_sums[0] += ((logits.argmax(1) == target) & real).sum()
+        self._val_sums[1] += real.sum()
 
     def on_validation_epoch_end(self) -> None:
-        # ranks may hold different numbers of val batches (no padding): one sum at the end, not per step
+        # exact counts: the padding left out per step, one sum across ranks at the end
         correct, total = self.trainer.strategy.reduce(self._val_sums, reduce_op="sum").tolist()
         self.log("val_acc", correct / max(total, 1.0), rank_zero_only=True)
         if self.trainer.is_global_zero and not self.trainer.sanity_checking:

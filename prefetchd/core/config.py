@@ -80,6 +80,7 @@ class Config:
     def val_stream_fingerprint(self) -> str:
         """As ``stream_fingerprint`` for the validation stream (the val dataset is added by the daemon)."""
         d = {"stream": "val", "train": self.stream_fingerprint(), "batch_size": self.validation.batch_size,
+             "pad": self.validation.pad,
              "augment": self.val_augment().stream_dict()}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 

@@ -331,9 +331,13 @@ class ValidationConfig:
     batch_size: int | None = None
     resize: int | None = None
     capacity: int | None = None
+    # every rank's pass the same number of batches, padded from the start of the set as
+    # DistributedSampler pads (BatchInfo.padding marks the repeats); false: each sample exactly once
+    pad: bool = True
 
     def __post_init__(self) -> None:
         _bool(self.enabled, "validation.enabled")
+        _bool(self.pad, "validation.pad")
         for k in ("root", "file_list", "devkit"):
             v = getattr(self, k)
             if v is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 import tarfile
 import zlib
@@ -164,6 +165,9 @@ def _read_files(devkit: str) -> tuple[bytes, bytes]:
                         want[rel] = f.read()
     else:
         try:
+            if not stat.S_ISREG(os.stat(devkit).st_mode):  # a FIFO or a device would block or never end
+                raise DevkitError(f"validation.devkit {devkit} is not a regular file or a folder; give "
+                                  "ILSVRC2012_devkit_t12.tar.gz or the folder it extracts to")
             with tarfile.open(devkit, "r:*") as tf:  # read by name, in memory: nothing is extracted
                 for m in tf:
                     for rel in want:

@@ -144,17 +144,23 @@ def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarra
 
 @dataclass(frozen=True)
 class ValSampler:
-    """The validation stream's sampler: no shuffle, no padding, the last partial batch kept.
+    """The validation stream's sampler: no shuffle, the last partial batch kept.
 
-    Rank ``r`` of ``world_size`` takes the dataset indices ``r, r + world_size, ...`` in order, so
-    every sample is in exactly one rank's share per pass; shares differ by at most one sample and
-    a rank's batch count (``ceil(share / batch_size)``) by at most one from another's. A pass does
-    not depend on its number: every pass yields the same batches (the daemon still names them by
-    pass, ``(pass, rank, batch)``)."""
+    Rank ``r`` of ``world_size`` takes the positions ``r, r + world_size, ...`` of the set in
+    order. With ``pad`` (the default) every rank takes ``ceil(num_samples / world_size)``
+    positions, as ``torch.utils.data.DistributedSampler`` (``shuffle=False``) does: position
+    ``p >= num_samples`` is padding, sample ``p % num_samples`` again (from the start of the set),
+    so every rank's pass has the same number of batches and a loop that reduces a metric per
+    batch across ranks never waits on a rank that ran out; ``padding(rank, batch)`` says which
+    samples of a batch are padding, so exact metrics stay possible. Without ``pad`` every sample
+    is in exactly one rank's share; shares then differ by at most one sample and batch counts
+    (``ceil(share / batch_size)``) by at most one. A pass does not depend on its number: every pass
+    yields the same batches (the daemon still names them by pass, ``(pass, rank, batch)``)."""
 
     num_samples: int
     batch_size: int
     world_size: int = 1
+    pad: bool = True
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
@@ -163,27 +169,37 @@ class ValSampler:
             raise ValueError("world_size and batch_size must be positive")
 
     def share(self, rank: int) -> int:
-        """Samples of ``rank`` per pass."""
+        """Samples (padding included) of ``rank`` per pass."""
         self._rank(rank)
+        if self.pad:
+            return -(-self.num_samples // self.world_size)
         return len(range(rank, self.num_samples, self.world_size))
 
     def batches(self, rank: int) -> int:
-        """Batches of ``rank`` per pass (0 when the set is smaller than the world)."""
+        """Batches of ``rank`` per pass (0 when the set is smaller than the world, without ``pad``)."""
         return -(-self.share(rank) // self.batch_size)
 
     @property
     def max_batches(self) -> int:
         return self.batches(0)  # rank 0's share is the largest
 
-    def batch_indices(self, rank: int, batch: int) -> np.ndarray:
-        """Dataset indices of batch ``batch`` of ``rank`` (int64, a fresh array; the last batch
-        of a rank may be shorter)."""
+    def _positions(self, rank: int, batch: int) -> np.ndarray:
         n = self.batches(rank)
         if not 0 <= batch < n:
             raise IndexError(f"batch {batch} is outside rank {rank}'s {n} validation batches")
         lo = batch * self.batch_size
         hi = min(lo + self.batch_size, self.share(rank))
         return rank + self.world_size * np.arange(lo, hi, dtype=np.int64)
+
+    def batch_indices(self, rank: int, batch: int) -> np.ndarray:
+        """Dataset indices of batch ``batch`` of ``rank`` (int64, a fresh array; the last batch
+        of a rank may be shorter)."""
+        return self._positions(rank, batch) % self.num_samples
+
+    def padding(self, rank: int, batch: int) -> np.ndarray:
+        """Per sample of the batch: True where it is padding (a sample another rank, or this one,
+        also reads in the pass). All False without ``pad``."""
+        return self._positions(rank, batch) >= self.num_samples
 
     def _rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:

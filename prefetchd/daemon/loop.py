@@ -53,7 +53,7 @@ from prefetchd.daemon.autosize import Pacer
 from prefetchd.daemon.metrics import reload_metrics
 from prefetchd.daemon.outages import Outages
 from prefetchd.daemon.quarantine import QuarantineLog
-from prefetchd.daemon.report import RateWindow, status_record
+from prefetchd.daemon.report import RateWindow, status_record, stuck_s
 from prefetchd.daemon.rescan import Rescan
 from prefetchd.daemon.ring import Lock, Ring, is_tmpfs, prepare_dirs
 from prefetchd.daemon.segments import Segments, WholeEpochs, sample_fingerprint
@@ -105,7 +105,7 @@ class Daemon:
         self.consumed_rate = RateWindow()
         self.first_batch_at: float | None = None
         self._ready_notified = False
-        self._last_activity = self.clock()  # last batch made, or the start of work after idling
+        self.last_activity = self.clock()  # last batch made, or the start of work after idling
         self._status_error: str | None = None
         self.watcher = self.pool = self.lock = None  # made by _setup: teardown stops the parts that exist
         self.remote = None
@@ -172,7 +172,7 @@ class Daemon:
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
-        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index, self.clock)
+        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index, self.clock, stopping=lambda: self._stop)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
@@ -197,19 +197,18 @@ class Daemon:
 
     def _load_index(self) -> bool:
         """Read the dataset index on a thread, so a stop signal is acted on during a long scan."""
-        cfg, box = self.cfg.dataset, {}
+        cfg, box, V = self.cfg.dataset, {}, self.cfg.validation
         t0 = time.monotonic()
 
-        V = self.cfg.validation
-
-        def scan():
+        def scan():  # the box is filled once, when every index is read: the main thread waits for that
             try:
-                box["index"] = load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)
+                found = {"index": load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)}
                 if V.enabled:
-                    box["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
-                                            section="validation", one_class=cfg.one_class)
+                    found["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
+                                              section="validation", one_class=cfg.one_class)
             except BaseException as e:  # handed to the main thread
-                box["error"] = e
+                found = {"error": e}
+            box.update(found)
             self._wake()
 
         threading.Thread(target=scan, name="prefetchd-index", daemon=True).start()
@@ -398,7 +397,7 @@ class Daemon:
             if not any(ex.submit(task) for ex in self._executors()):
                 self._planner(r).lost((r, e, b))
         if was_idle and submit:
-            self._last_activity = self.clock()
+            self.last_activity = self.clock()
 
     def _plan(self, planner: Planner, slots: int) -> list:
         """One planner's plan (its share of ``buffer.max_bytes`` is set in its limits' ``others``)."""
@@ -463,7 +462,7 @@ class Daemon:
             return
         planner.published(key, res.size)
         now = time.time()
-        self._last_activity = self.clock()
+        self.last_activity = self.clock()
         self.produced_batches += 1
         self.produced_images += res.samples
         self.produced_rate.add(res.samples)
@@ -513,10 +512,8 @@ class Daemon:
             self.notify.ready()
             self._ready_notified = True
         if self.notify.watchdog_s:
-            # WATCHDOG=1 only while the pipeline moves: idle with nothing to do, or batches being
-            # made; failures are not progress
-            busy = any(p.busy() for p in self._planners())
-            if not (busy and self.clock() - self._last_activity > self.notify.watchdog_s / 2):
+            # WATCHDOG=1 only while the pipeline moves: nothing to do, or batches made (stuck_s)
+            if stuck_s(self) <= self.notify.watchdog_s / 2:
                 self.notify.watchdog()
         self.notify.status(f"{rec['produced_img_s'] or 0:.0f} img/s; "
                            + ", ".join(f"r{r} {v['ahead']}/{rec['capacity']} ahead" for r, v in rec["ranks"].items()))

@@ -59,6 +59,7 @@ def status_record(d) -> dict:
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
         "consumed_batches": sum(d.sessions.consumed.values()),
         "failed_batches": d.failed_batches,
+        "stuck_s": stuck_s(d),  # batches in the making, none made for this long (status --live)
         "produced_img_s": d.produced_rate.per_s(),
         "consumed_img_s": d.consumed_rate.per_s(),
         "first_batch_s": None if d.first_batch_at is None else d.first_batch_at - d.t_start,
@@ -73,6 +74,14 @@ def status_record(d) -> dict:
         "dataset_unreadable": d.outages.describe(),
         "sizing": list(d.sizing.why.values()),  # each auto value and why (core.sizing)
     }
+
+
+def stuck_s(d) -> float:
+    """Seconds batches have been in the making without one made (0 while nothing is needed):
+    what the watchdog and ``status --live`` judge the pipeline by. Failures are not progress."""
+    if not any(p.busy() for p in (d.planner, *([d.val.planner] if d.val else []))):
+        return 0.0
+    return max(0.0, d.clock() - d.last_activity)
 
 
 def _last_seen(d, r: int) -> float | None:

@@ -37,7 +37,7 @@ class ValStream:
     def __init__(self, cfg: Config, index, ranks, train_fingerprint: str):
         V = cfg.validation
         self.index = index
-        self.sampler = ValSampler(len(index), V.batch_size, cfg.loader.world_size)
+        self.sampler = ValSampler(len(index), V.batch_size, cfg.loader.world_size, V.pad)
         self.ranks = tuple(ranks)
         self.lanes = tuple(lane("val", r) for r in ranks)
         self.stream_fingerprint = cfg.val_stream_fingerprint()
@@ -93,7 +93,7 @@ class ValStream:
     def meta(self) -> dict:
         s = self.sampler
         return {"fingerprint": self.fingerprint_hex, "stream_fingerprint": self.stream_fingerprint,
-                "num_samples": s.num_samples, "batch_size": s.batch_size,
+                "num_samples": s.num_samples, "batch_size": s.batch_size, "pad": s.pad,
                 "batches": {str(r): s.batches(r) for r in self.ranks},
                 "samples": {str(r): s.share(r) for r in self.ranks}}
 

@@ -15,7 +15,14 @@ with it. Neither may be a single point of failure, so this module:
   the workers of a forkserver that died become the daemon's children: they go on working,
   and their exit status is still known (``waitid`` on their pidfd) and nothing is left a zombie;
 - stops both at the process's exit within a bounded time (``stop_helpers``), even when one of
-  them is stopped (SIGSTOP) or hung.
+  them is stopped (SIGSTOP) or hung;
+- starts both with ``GROUP_SIGNALS`` blocked (``ensure_helpers``): a signal sent to the daemon's
+  whole process group (a terminal's Ctrl-C, ``kill -TERM -PGID``, ``timeout``, Slurm's
+  ``scancel``, which signals every process of the step) is the daemon's to act on, and it ends
+  its helpers and workers itself. Killed by it, they were said as faults and replaced during
+  the stop. The workers the forkserver forks inherit the mask; ``worker_main`` ignores the
+  signals. Once the daemon is stopping (``stopping``), a helper that dies is neither said nor
+  replaced: ``stop_helpers`` ends them.
 
 The resource tracker unlinks named semaphores and shared memory segments that a dead process
 registered. The pool registers none: its pipes are socket pairs and its shared slots
@@ -44,6 +51,9 @@ _SPAWN_TIMEOUT_S = 2.0  # a forkserver that has forked a worker before must fork
 _FIRST_SPAWN_TIMEOUT_S = 30.0  # ...a new one first imports the worker's modules
 _HELPER_STOP_TIMEOUT_S = 2.0  # at exit: a helper not gone after this is killed
 _PR_SET_CHILD_SUBREAPER = 36
+# What a sender aims at the daemon's whole process group: the daemon acts on them (stop, reload),
+# its helpers and workers are born with them blocked and leave them to it
+GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 FORKSERVER = "forkserver"
 TRACKER = "resource tracker"
@@ -135,9 +145,11 @@ def _pid(name: str) -> int | None:
 
 
 class Helpers:
-    """The forkserver and resource tracker of this process, as the pool sees them."""
+    """The forkserver and resource tracker of this process, as the pool sees them. ``stopping``
+    says whether the daemon is stopping: then a helper's death is part of the stop."""
 
-    def __init__(self):
+    def __init__(self, stopping: Callable[[], bool] = lambda: False):
+        self.stopping = stopping
         self.restarts = {FORKSERVER: 0, TRACKER: 0}
         self._watched: dict[str, tuple[int, int]] = {}  # name -> (pid, pidfd)
         self._answered: int | None = None  # the forkserver pid that has forked a worker
@@ -173,7 +185,9 @@ class Helpers:
 
     def check(self) -> None:
         """A helper that died is reaped, said, counted and started anew (the tracker first: a
-        new forkserver needs it)."""
+        new forkserver needs it); not once the daemon is stopping (``stop_helpers`` reaps it)."""
+        if self.stopping():
+            return
         for name in (TRACKER, FORKSERVER):
             pid, fd = self._watched.get(name, (None, None))
             if fd is None or not has_exited(fd):
@@ -200,6 +214,10 @@ class Helpers:
         answer. On failure the forkserver is replaced and ``SpawnError`` says what happened."""
         self.check()
         fs = forkserver._forkserver
+        try:  # started here, not by start(): with the mask that leaves group signals to the daemon
+            ensure_helpers()
+        except Exception:  # noqa: BLE001 -- start() tries again, and fails in the way said below
+            pass
         timeout = _SPAWN_TIMEOUT_S if self._answered is not None and self._answered == fs._forkserver_pid \
             else _FIRST_SPAWN_TIMEOUT_S
         lock = threading.Lock()
@@ -264,13 +282,27 @@ class Helpers:
         self._watched.clear()
 
 
-def _ensure_running(name: str) -> None:
-    with warnings.catch_warnings():  # "resource_tracker: process died unexpectedly": said by the caller
-        warnings.simplefilter("ignore")
-        if name == FORKSERVER:
-            forkserver.ensure_running()  # the tracker too
-        else:
+def ensure_helpers(forkserver_too: bool = True) -> None:
+    """Start the resource tracker and (``forkserver_too``) the forkserver if they do not run,
+    each born with ``GROUP_SIGNALS`` blocked: the mask is inherited through fork and exec, and
+    neither unblocks them (the tracker ignores SIGINT and SIGTERM besides), so from their first
+    instruction a signal to the daemon's group stays pending in them, harmless. Blocked in this
+    thread only for the start itself (a fork and exec): the daemon's own signals then arrive."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+    try:
+        with warnings.catch_warnings():  # "resource_tracker: process died unexpectedly": said by the caller
+            warnings.simplefilter("ignore")
             resource_tracker.ensure_running()
+            if forkserver_too:
+                # the tracker unblocks SIGINT and SIGTERM after its own start (bpo-33613): again
+                signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
+                forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ensure_running(name: str) -> None:
+    ensure_helpers(forkserver_too=name == FORKSERVER)
 
 
 def _discard_forkserver() -> None:

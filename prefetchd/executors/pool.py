@@ -26,11 +26,16 @@ does not answer a worker's start in time is replaced. A worker that cannot be st
 again with the same back-off as a death; ``PoolError`` only when none could be started for
 ``_UNSTARTABLE_S``.
 
-Teardown: terminate, wait, kill. The forkserver and the resource tracker are process-wide
-(other multiprocessing users in the same process share them), so only the CLI stops them, as
-its process exits (``stop_helpers``), and only if ``Pool.stop`` saw every worker gone. Surplus
+Stop signals are the daemon's: workers ignore SIGTERM, SIGINT and SIGHUP (``helpers.GROUP_SIGNALS``;
+a signal to the daemon's process group reaches them too), so the daemon ends them, by SIGKILL:
+their work can be made again and their temp files are the pool's to remove. Once the daemon is
+stopping (the ``stopping`` it hands in), a worker that dies is not said, counted or replaced.
+
+Teardown: kill, wait. The forkserver and the resource tracker are process-wide (other
+multiprocessing users in the same process share them), so only the CLI stops them, as its
+process exits (``stop_helpers``), and only if ``Pool.stop`` saw every worker gone. Surplus
 workers (a reload lowered the count) get a stop message and are reaped later by ``results``,
-escalating to terminate and kill, without the loop ever waiting on them.
+killed if they do not go, without the loop ever waiting on them.
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, work
 
 log = logging.getLogger("prefetchd.pool")
 
-_WORKER_JOIN_TIMEOUT_S = 3.0
-_WORKER_TERM_TIMEOUT_S = 2.0
+_WORKER_JOIN_TIMEOUT_S = 3.0  # a surplus worker told to stop is killed after this
+_WORKER_KILL_TIMEOUT_S = 2.0  # a worker killed has this long to be seen gone
 _RESPAWN_BASE_S = 0.1  # a worker dying soon after the last one is replaced after this, doubling...
 _RESPAWN_MAX_S = 10.0  # ...up to this
 _CALM_S = 30.0  # no death for this long: replace the next one at once again
@@ -100,11 +105,12 @@ class PoolError(RuntimeError):
 
 class Pool:
     def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2, task_timeout_s: float = 120.0,
-                 index=None, clock: Callable[[], float] = time.monotonic):
+                 index=None, clock: Callable[[], float] = time.monotonic, stopping: Callable[[], bool] = lambda: False):
         self.setup = setup
         # what every deadline but the teardown's is measured on: the daemon's ``RunClock``, which
         # leaves out the time the process was stopped (a job suspended whole kills no worker on SIGCONT)
         self._clock = clock
+        self.stopping = stopping  # the daemon is stopping: deaths are part of it, nothing is replaced
         self.index = index  # the daemon's own index: sent whole to a worker if its cache files are gone
         self._index_sent_warned = False
         self.count = count
@@ -125,7 +131,7 @@ class Pool:
         self._last_death = -1e9
         self._stopping: list[tuple[Worker, float]] = []  # surplus workers told to stop: (worker, since)
         self.stopped_clean = False  # set by stop(): every worker is gone (the helpers may be stopped)
-        self.helpers = helpers.Helpers()
+        self.helpers = helpers.Helpers(stopping)
         self._unstartable_since: float | None = None  # the first failed start since the last good one
         self._orphans: list[tuple[int, int]] = []  # (pid, pidfd) of buried workers not reaped yet
         self._fdwait = FdWait()
@@ -292,19 +298,17 @@ class Pool:
         return min(due) if due else None
 
     def stop(self) -> None:
-        """Stop every worker now. Their work can be made again, so nothing is waited for; their
-        temp files are removed."""
+        """Stop every worker now (SIGKILL: they ignore the stop signals, and a stopped one dies
+        too). Their work can be made again, so nothing is waited for; their temp files are
+        removed."""
         ws = list(self.workers.values()) + [w for w, _ in self._stopping]
         self._stopping.clear()
         for w in ws:
             if not w.exited():
-                helpers.send_signal(w.pid, w.pidfd, signal.SIGTERM)
-                helpers.send_signal(w.pid, w.pidfd, signal.SIGCONT)  # a stopped (SIGSTOP) worker must run to die
-        deadline = time.monotonic() + _WORKER_TERM_TIMEOUT_S
-        for w in ws:
-            if not self._wait_exit(w, deadline - time.monotonic()):
                 helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)
-                self._wait_exit(w, 1.0)
+        deadline = time.monotonic() + _WORKER_KILL_TIMEOUT_S
+        for w in ws:
+            self._wait_exit(w, deadline - time.monotonic())
             self._remove_temp(w)
             w.conn.close()
         clean = all(w.exited() for w in ws)  # nothing holds the tracker's pipe
@@ -365,6 +369,19 @@ class Pool:
         if w.pidfd is not None and not helpers.has_exited(w.pidfd):
             helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)  # its pipe broke, but it runs: no half-dead workers
         tasks = list(w.tasks)
+        if not self.stopping():  # during a stop a death is part of it: neither said, blamed, counted nor replaced
+            self._mourn(w, tasks, blame)
+        self._remove_temp(w)
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+        self._forget(w)
+        del self.workers[w.wid]
+        return tasks
+
+    def _mourn(self, w: Worker, tasks: list[Task], blame: bool) -> None:
+        """Say a death, blame its sample if it crashed, count it, and time its replacement."""
         what = ", ".join(f"r{t.rank} e{t.epoch} b{t.batch}" for t in tasks) or "no batch"
         code = w.code
         how = describe_exit(code)
@@ -385,15 +402,7 @@ class Pool:
             self.suspects.append((sample, how))
         if crashed and not w.made:
             self.crashes_before_a_batch += 1
-        self._remove_temp(w)
-        try:
-            w.conn.close()
-        except OSError:
-            pass
-        self._forget(w)
-        del self.workers[w.wid]
         self.restarts += 1
-        return tasks
 
     def _remove_temp(self, w: Worker) -> None:
         """The temp files a dead worker may have left for its tasks: gone at once, not at stop."""
@@ -409,7 +418,7 @@ class Pool:
         """Start the missing workers once the back-off allows (``force``: now). A start that
         fails waits out the back-off, doubled, like a death; ``PoolError`` when none could be
         started for ``_UNSTARTABLE_S``."""
-        if len(self.workers) >= self.count or not (force or self._clock() >= self._respawn_at):
+        if len(self.workers) >= self.count or not (force or self._clock() >= self._respawn_at) or self.stopping():
             return
         while len(self.workers) < self.count:
             try:
@@ -449,8 +458,8 @@ class Pool:
         self._stopping.append((w, self._clock()))
 
     def _reap_stopping(self, now: float) -> None:
-        """Surplus workers that have exited are joined; one that ignores the stop message is
-        terminated after _WORKER_JOIN_TIMEOUT_S and killed _WORKER_TERM_TIMEOUT_S later."""
+        """Surplus workers that have exited are joined; one that ignores the stop message (busy,
+        stopped) is killed after _WORKER_JOIN_TIMEOUT_S."""
         keep = []
         for w, since in self._stopping:
             if w.exited():
@@ -462,11 +471,8 @@ class Pool:
                         continue
                 self._forget(w)
                 continue
-            waited = now - since
-            if waited > _WORKER_JOIN_TIMEOUT_S + _WORKER_TERM_TIMEOUT_S:
+            if now - since > _WORKER_JOIN_TIMEOUT_S:
                 helpers.send_signal(w.pid, w.pidfd, signal.SIGKILL)
-            elif waited > _WORKER_JOIN_TIMEOUT_S:
-                helpers.send_signal(w.pid, w.pidfd, signal.SIGTERM)
             keep.append((w, since))
         self._stopping = keep
 

@@ -32,6 +32,7 @@ from prefetchd.core.config import Config
 from prefetchd.core.dataset import Index, open_index_files
 from prefetchd.executors import priority
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
+from prefetchd.executors.helpers import GROUP_SIGNALS
 from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 from prefetchd.format import batchfile
 from prefetchd.format.progress import VAL_LANE
@@ -289,8 +290,11 @@ def _unlink(path: str) -> None:
 
 def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=None) -> None:
     """Entry point of a worker process: serve tasks until the pipe closes or says stop."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the daemon decides
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # Ctrl-C, a hang-up, scancel's SIGTERM reach the whole group: the daemon decides, and ends its
+    # workers itself. Born with them blocked (helpers.ensure_helpers): ignored, then unblocked.
+    for sig in GROUP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
     got = priority.apply(setup.config.workers.priority)  # below the trainers: they win a contended core
     maker = BatchMaker(setup, worker_id, current)
     conn.send(("ready", worker_id, os.getpid(), got))

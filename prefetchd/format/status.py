@@ -139,6 +139,33 @@ def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
 
+_SAY_STUCK_AFTER_S = 5.0  # format_status names a pipeline that has made nothing for this long
+LIVE_AFTER_S = 30.0  # status --live: the systemd unit's WatchdogSec=60 withholds WATCHDOG=1 past half of it
+
+
+def liveness(rec: dict[str, Any] | None, alive: bool | None, lock: int | None, now: float,
+             after_s: float = LIVE_AFTER_S) -> tuple[int, str]:
+    """``status --live``, the watchdog's judgement for a probe (Kubernetes' livenessProbe): (exit
+    code, line). 0 while the daemon's loop turns (its status is rewritten about every second)
+    and its pipeline moves (no batch in the making for ``after_s`` without one made), or while
+    it starts (holds the buffer, has written no status of its own yet); 1 when its loop has not
+    rewritten the status for ``after_s`` (hung, or it cannot write it) or its workers have made
+    nothing for ``after_s``; 3 when no daemon runs. ``lock``: the pid in the buffer's lock file."""
+    if not alive:
+        return 3, "not running: no daemon holds the buffer"
+    if rec is None or rec.get("pid") != lock:
+        return 0, f"starting: pid {lock} holds the buffer and has written no status yet"
+    updated = rec.get("updated")
+    age = now - updated if isinstance(updated, (int, float)) else None
+    if age is None or age > after_s:
+        return 1, (f"not live: pid {lock} has not rewritten {STATUS_NAME} for "
+                   f"{'ever' if age is None else f'{age:.0f} s'} (hung, or its filesystem is full)")
+    stuck = rec.get("stuck_s") or 0.0
+    if stuck > after_s:
+        return 1, f"not live: pid {lock} has had batches in the making for {stuck:.0f} s without making one"
+    return 0, f"live: pid {lock}, status {age:.0f} s old, {rec.get('produced_batches', 0)} batches made"
+
+
 def format_status(s: dict[str, Any], alive: bool | None) -> str:
     """A human-readable view of a status record."""
     age = time.time() - s.get("updated", 0)
@@ -162,7 +189,9 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
         f"filesystem free {s.get('fs_free', 0) / 2**20:,.0f} MiB, quarantined samples {s.get('quarantined', 0)}, "
         f"rss {s.get('rss_bytes', 0) / 2**20:,.0f} MiB",
         f"  failed batches {s.get('failed_batches', 0)} (each tried again after a back-off), "
-        f"main process CPU {s.get('main_cpu_s') or 0:.1f} s",
+        f"main process CPU {s.get('main_cpu_s') or 0:.1f} s"
+        + (f"; batches in the making, none made for {s['stuck_s']:.0f} s (status --live fails after "
+           f"{LIVE_AFTER_S:.0f} s)" if (s.get("stuck_s") or 0) >= _SAY_STUCK_AFTER_S else ""),
     ]
     if s.get("sizing"):
         lines.append("  sizing: " + "; ".join(s["sizing"]))

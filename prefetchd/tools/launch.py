@@ -11,11 +11,16 @@
    until its ``READY=1`` (every rank has a batch ready); a daemon that exits first is one line
    (its own error) and launch exits 78 (configuration) or 1 before CMD runs.
 3. CMD runs with ``PREFETCHD_CONFIG`` set to the config's absolute path (the client takes it when
-   given no path), in launch's process group, so a terminal's Ctrl-C reaches it directly (and is
-   not sent twice); SIGINT, SIGTERM and SIGHUP sent to launch are forwarded to CMD. A second
-   SIGINT or SIGTERM (a second Ctrl-C) kills CMD (SIGKILL): one that ignores or outlasts the
-   first is not waited for forever, and one saving a checkpoint is given all the time it needs
-   until then (a Slurm step or a pod has its own kill deadline).
+   given no path), in launch's process group. CMD sees each stop once, whoever sent it: a
+   SIGINT, SIGTERM or SIGHUP that reached launch's process group (a terminal's Ctrl-C,
+   ``kill -PGID``, ``timeout``, Slurm's ``scancel``, which signals every process of the step)
+   has reached CMD already and is not forwarded; one sent to launch alone (``kill PID``, a
+   container's PID 1, systemd's ``KillMode=mixed``) is. Which is which a witness process in
+   the group tells (``groupsignals``: the signal is pending there too, seen within 0.1 s); a CMD
+   that left launch's process group gets every signal forwarded. A second SIGINT or SIGTERM (a
+   second Ctrl-C) kills CMD (SIGKILL): one that ignores or outlasts the first is not waited for
+   forever, and one saving a checkpoint is given all the time it needs until then (a Slurm step
+   or a pod has its own kill deadline).
 4. While CMD runs, a daemon that dies is started again as ``systemd/prefetchd.service`` would
    (``Restart=on-failure``, ``RestartSec=2``, at most ``StartLimitBurst=5`` starts in
    ``StartLimitIntervalSec=300``, never after exit 78 or a clean exit); its batches are kept
@@ -53,6 +58,8 @@ from prefetchd_client.child import (
     load,
 )
 from prefetchd_client.common import CONFIG_ENV
+
+from prefetchd.tools.groupsignals import Witness
 
 # systemd/prefetchd.service's back-off (tests/test_launch.py reads the unit and compares)
 RESTART_SEC = 2.0  # RestartSec=2
@@ -109,13 +116,9 @@ def _how(rc: int) -> str:
     return f"exited with status {rc}"
 
 
-def _from_terminal(signum: int) -> bool:
-    """A SIGINT while launch's group is the terminal's foreground: the terminal sent it to the
-    whole group, CMD included, so forwarding it would deliver it twice."""
-    if signum != signal.SIGINT:
-        return False
+def _in_my_group(pid: int) -> bool:
     try:
-        return os.isatty(0) and os.tcgetpgrp(0) == os.getpgrp()
+        return os.getpgid(pid) == os.getpgrp()
     except OSError:
         return False
 
@@ -180,6 +183,7 @@ class Launch:
         self.restart_at: float | None = None
         self.reap_at = 0.0
         self.stopping = False  # a stop signal came: the daemon may be stopping too (scancel signals every process)
+        self.witness: Witness | None = None  # tells a signal sent to launch's group from one sent to launch alone
 
     def _record(self, signum, frame) -> None:  # record only; the loop acts
         self.pending.append(signum)
@@ -190,6 +194,8 @@ class Launch:
         try:
             return self._run()
         finally:
+            if self.witness is not None:  # before the leftovers: it is launch's child, not CMD's
+                self.witness.stop()
             hold = users.OwnerHold(None)
             try:
                 if self.guest is not None:
@@ -251,6 +257,9 @@ class Launch:
         if self.pending:
             return 128 + self.pending[0]
         self.served = self.daemon is not None  # its own daemon is ready: guests may come
+        witness = Witness(FORWARDED)
+        if witness.start():
+            self.witness = witness
         try:
             proc = subprocess.Popen(self.cmd, env={**os.environ, CONFIG_ENV: path})
         except FileNotFoundError:
@@ -265,19 +274,22 @@ class Launch:
                 return rc if rc >= 0 else 128 - rc
             while self.pending:
                 signum = self.pending.pop(0)
+                # asked for every signal, so that the witness takes each one the group got
+                reached = self.witness is not None and self.witness.reached(signum) and _in_my_group(proc.pid)
                 if signum in (signal.SIGTERM, signal.SIGINT) and self.stopping:  # a command that ignores the first
                     say(f"a second stop signal ({signal.Signals(signum).name}): killing the command (pid {proc.pid})")
                     with contextlib.suppress(ProcessLookupError):
                         proc.kill()
                     continue
                 self.stopping |= signum in (signal.SIGTERM, signal.SIGINT)
-                if not _from_terminal(signum):
+                if not reached:  # sent to launch alone: CMD has not had it
                     with contextlib.suppress(ProcessLookupError):
                         proc.send_signal(signum)
             self._supervise()
             if time.monotonic() >= self.reap_at:
                 self.reap_at = time.monotonic() + _REAP_EVERY_S
-                reap_orphans(keep=(proc.pid, self.daemon.pid if self.daemon is not None else None))
+                reap_orphans(keep=(proc.pid, self.daemon.pid if self.daemon is not None else None,
+                                   self.witness.pid if self.witness is not None else None))
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(_TICK_S)
 
