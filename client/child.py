@@ -27,11 +27,12 @@ The rules, shared with ``prefetchd launch``:
 * **Clean-up**: the daemon is stopped with SIGTERM (SIGKILL of its process group after
   ``_STOP_TIMEOUT_S``, the service's ``TimeoutStopSec``), and the buffer and progress
   directories it created are removed, batches and all; in a directory that existed before, only
-  ``daemon.lock`` is removed. It runs in a session of its own (a Ctrl-C at the terminal is the
-  trainer's, not the daemon's: it is stopped after the trainer), and it is sent SIGTERM by the
-  kernel when the thread that started it ends (``PR_SET_PDEATHSIG``, which the daemon asks for
-  itself, told the trainer's pid in ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork
-  and exec in a threaded trainer).
+  ``daemon.lock`` is removed, unless a start killed outright made it (``Created``: its
+  ``created.json`` says so), whose directories this start takes over and removes. It runs in a
+  session of its own (a Ctrl-C at the terminal is the trainer's, not the daemon's: it is stopped
+  after the trainer), and it is sent SIGTERM by the kernel when the thread that started it ends
+  (``PR_SET_PDEATHSIG``, which the daemon asks for itself, told the trainer's pid in
+  ``PREFETCHD_DIE_WITH_PARENT``: no Python runs between fork and exec in a threaded trainer).
 
 Imports nothing of the daemon: it runs ``python -m prefetchd run`` (the interpreter running
 this), like any user would.
@@ -328,15 +329,46 @@ class DaemonChild:
 @dataclass
 class Created:
     """What a start will create, so that it can be removed after: the buffer and progress
-    directories that did not exist, and the parents made for them (``(path, outermost)`` pairs)."""
+    directories that did not exist, and the parents made for them (``(path, outermost)`` pairs).
+
+    A start that creates the buffer directory makes it itself (mode 0700, as the daemon would)
+    and writes ``status.CREATED_NAME`` into it, naming what it made: if this process is killed
+    before ``remove`` (SIGKILL of ``launch``, Slurm's KillWait, the OOM killer), the next start
+    finds that file in a directory no daemon holds, takes what it names as its own, and removes
+    it at its end; so a hard kill leaves its batches in RAM only until the next start ends.
+    A directory that existed before without that file is someone's (a unit's ``RuntimeDirectory=``,
+    a user's): its batches are kept for the next start, as always."""
 
     buffer_dir: str
     made: tuple[tuple[str, str], ...]
 
     @classmethod
     def before_start(cls, cfg: Config) -> Created:
-        made = [(os.path.abspath(p), top) for p in (cfg.buffer.dir, cfg.progress_dir) if (top := _missing_top(p))]
-        return cls(os.path.abspath(cfg.buffer.dir), tuple(made))
+        buffer_dir = os.path.abspath(cfg.buffer.dir)
+        made = {os.path.abspath(p): top for p in (cfg.buffer.dir, cfg.progress_dir) if (top := _missing_top(p))}
+        left = {}
+        if buffer_dir not in made and status.daemon_alive(buffer_dir) is False:
+            left = _left_by_a_killed_start(buffer_dir, (buffer_dir, os.path.abspath(cfg.progress_dir)))
+        created = cls(buffer_dir, tuple({**left, **made}.items()))
+        if buffer_dir in made or buffer_dir in left:
+            created._mark(adopted=buffer_dir in left)
+        return created
+
+    def _mark(self, adopted: bool) -> None:
+        """Make the buffer directory (or take over a killed start's) and say in it what this start
+        made. One another start made first is left alone."""
+        try:
+            os.makedirs(os.path.dirname(self.buffer_dir), exist_ok=True)
+            try:
+                os.mkdir(self.buffer_dir, 0o700)  # the daemon's own mode for it, before it sets its group
+            except FileExistsError:
+                if not adopted:
+                    return
+            status.write_json(self.buffer_dir, status.CREATED_NAME, {
+                "format": "prefetchd-created", "version": 1, "pid": os.getpid(),
+                "made": [list(pair) for pair in self.made]})
+        except OSError:  # the daemon makes it, or says why it cannot
+            pass
 
     def remove(self) -> None:
         """Remove what the start created: each directory the daemon made, batches and all, unless
@@ -359,6 +391,18 @@ class Created:
         if os.path.isdir(self.buffer_dir) and status.daemon_alive(self.buffer_dir) is False:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.buffer_dir, status.LOCK_NAME))
+
+
+def _left_by_a_killed_start(buffer_dir: str, ours: tuple[str, ...]) -> dict[str, str]:
+    """What the ``status.CREATED_NAME`` in ``buffer_dir`` says a start made (of ``ours``, the
+    config's own directories, each with an outermost parent at or above it), or nothing."""
+    rec = status.read_json(buffer_dir, status.CREATED_NAME)
+    made = rec.get("made") if isinstance(rec, dict) and rec.get("format") == "prefetchd-created" else None
+    if not isinstance(made, list):
+        return {}
+    return {path: top for pair in made if isinstance(pair, list) and len(pair) == 2
+            and all(isinstance(x, str) for x in pair) and (path := pair[0]) in ours
+            and (top := pair[1]) and (path == top or path.startswith(top.rstrip("/") + "/"))}
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Command line: ``prefetchd run|launch|node-config|check|status|demo|bench`` (also ``python -m prefetchd``).
+"""Command line: ``prefetchd run|launch|node-config|check|clean|status|demo|bench`` (also ``python -m prefetchd``).
 
 Exit codes: 0 clean stop, 1 runtime failure (for ``check``: a problem with the deployment),
 2 usage, 78 bad configuration (EX_CONFIG, so systemd's ``RestartPreventExitStatus=78`` stops a
@@ -401,6 +401,12 @@ def cmd_bench(args) -> int:
         return 1
 
 
+def cmd_clean(args) -> int:
+    from prefetchd.tools.clean import run_clean
+
+    return run_clean(args.config)
+
+
 def cmd_launch(args) -> int:
     from prefetchd.tools.launch import run_launch
 
@@ -438,6 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--user", help="the daemon's user (default: the user running check)")
     c.add_argument("--trainer", action="append", metavar="USER", help="a user that runs a trainer (repeatable)")
     c.set_defaults(fn=cmd_check)
+    cl = sub.add_parser("clean", help="remove a stopped daemon's buffer directory (the batches it left in RAM); "
+                        "refused while a daemon serves it")
+    cl.add_argument("--config", "-c", required=True)
+    cl.set_defaults(fn=cmd_clean)
     s = sub.add_parser("status", help="show the running daemon's status")
     s.add_argument("--config", "-c", required=True)
     s.add_argument("--json", action="store_true")

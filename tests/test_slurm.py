@@ -394,3 +394,29 @@ def test_task_cgroup_confines_the_job_and_charges_its_ring_to_it(cluster, tmp_pa
     assert int(stat["total_shmem"]) >= ring > 0, (stat["total_shmem"], ring)  # tmpfs pages: the job's
     cluster.run("scancel", job, check=True)
     wait_until(lambda: _nothing_left(cluster), 60, "scancel to stop the trainers and the daemon, leaving nothing")
+
+
+def test_a_job_killed_outright_leaves_its_ring_only_until_the_next_job_starts(cluster, tmp_path, image_root):
+    """SIGKILL to every process of the job, as slurmstepd sends when KillWait runs out (a trainer
+    that outlasts it in a checkpoint write) or as the OOM killer would: nothing runs the script's
+    clean-up and the ring stays in the node's RAM; the user's next job on the node removes it,
+    Slurm no longer running the killed job. (``scancel --signal=KILL`` is a plain cancel, SIGTERM
+    first: the job's processes are killed here as slurmstepd does.)"""
+    sbatch, args, out = _job(cluster, tmp_path, image_root, None, "forever")
+    job = cluster.run(*sbatch, "--parsable", *args, check=True).stdout.strip().split(";")[0]
+    wait_until(lambda: (out / "alive-0").exists() and (out / "alive-1").exists(), 180, "both ranks to read")
+    slurm = ("munged", "slurmctld", "slurmd", "slurmstepd", "slurmscriptd", ": slurmscriptd", "ps -eo")
+    rows = [ln.split(None, 1) for ln in cluster.run("ps", "-eo", "pid=,args=").stdout.splitlines()]
+    pids = [pid for pid, args in rows if pid != "1" and not args.startswith(slurm)]  # 1: the namespace's init
+    assert any("prefetchd run" in args for _, args in rows), rows
+    cluster.run("kill", "-KILL", *pids)
+    wait_until(lambda: not cluster.run("squeue", "-h").stdout.strip() and not cluster.processes(), 60,
+               "the killed job to end")
+    assert cluster.shm() == [f"prefetchd-{job}"]  # what a hard kill leaves
+    following = tmp_path / "next"
+    following.mkdir()
+    sbatch, args, _ = _job(cluster, following, image_root, 2)
+    r = cluster.run(*sbatch, "--wait", *args, timeout=300)
+    logs = "\n".join(p.read_text() for p in following.glob("job-*.out"))
+    assert r.returncode == 0, f"{r.stdout}{r.stderr}\n{logs}"
+    wait_until(lambda: _nothing_left(cluster), 30, "the killed job's ring and the new job's to be gone")

@@ -45,6 +45,7 @@ from prefetchd.core.config import Config, ConfigError, format_size, reload_block
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
+from prefetchd.core.runclock import TICK_S, RunClock
 from prefetchd.core.sampler import Sampler
 from prefetchd.core.sizing import read_and_resolve
 from prefetchd.core.streamkeys import stream_settings
@@ -89,6 +90,7 @@ class Daemon:
         self.stop_guard = stop_guard  # stopguard.StopGuard, armed by a stop signal
         self._early_signals = early_signals if early_signals is not None else []
         self.notify = notify
+        self.clock = RunClock()  # every deadline's: a job stopped whole (scontrol suspend) fires none on resuming
         self.t_start = time.time()
         self._stop = False
         self._reload = False
@@ -103,7 +105,7 @@ class Daemon:
         self.consumed_rate = RateWindow()
         self.first_batch_at: float | None = None
         self._ready_notified = False
-        self.last_activity = time.monotonic()  # last batch made, or the start of work after idling
+        self.last_activity = self.clock()  # last batch made, or the start of work after idling
         self._status_error: str | None = None
         self.watcher = self.pool = self.lock = None  # made by _setup: teardown stops the parts that exist
         self.remote = None
@@ -144,7 +146,7 @@ class Daemon:
                                         self.index.content_stamp)
         self.quarantine.load()
         self.sessions = Sessions(self.ranks, self.sampler.batches_per_epoch, self.fingerprint_hex)
-        self.stalls = StallWatch()  # ranks whose trainer stopped moving (status, metrics, one log line)
+        self.stalls = StallWatch(clock=self.clock)  # ranks whose trainer stopped moving (status, metrics, one log line)
         self.planner = Planner(self.ranks, self.sampler.batches_per_epoch, L.epochs, _limits(cfg.buffer),
                                self._estimate)
         self.segments = Segments(self.sampler, self.ranks, self.fingerprint_hex, self.sessions, self.planner)
@@ -173,12 +175,12 @@ class Daemon:
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
-        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index, stopping=lambda: self._stop)
+        self.pool = Pool(setup, W.resolved_count(), W.max_tasks_in_flight, W.task_timeout_s, self.index, self.clock, stopping=lambda: self._stop)
         self.pool.start()
         if W.executor in ("ray", "mixed"):
             from prefetchd.executors.raypool import RayPool
 
-            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake, 9999, W.task_timeout_s)
+            self.remote = RayPool(W.ray, replace(setup, index=self.index), W.max_tasks_in_flight, self._wake, 9999, W.task_timeout_s, self.clock)
             self.remote.start()
         self.watcher.start()
         log.info("serving ranks %s of world size %d: %d batches of %d per epoch per rank, %s; %d workers, "
@@ -304,7 +306,7 @@ class Daemon:
                 self._do_reload()
                 poll_s = self.cfg.progress.poll_interval_s
             self._finish_rescan()
-            now = time.monotonic()
+            now = self.clock()
             full = now >= next_poll  # every file now and then; else only those inotify named
             if full:
                 next_poll = now + poll_s
@@ -316,7 +318,7 @@ class Daemon:
                 self._notify_status(self._write_status())
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
-            timeout = max(0.0, min(t for t in due if t is not None) - time.monotonic())
+            timeout = min(TICK_S, max(0.0, min(t for t in due if t is not None) - self.clock()))
             waitables = [self._wake_r, *self.watcher.waitables(), *self.pool.waitables()]
             if self.remote is not None:
                 waitables += self.remote.waitables()
@@ -389,7 +391,7 @@ class Daemon:
             self.val.take_rest(self.planner)
             submit += self._plan(self.val.planner, slots - len(submit))
         elif self.val:  # train took every slot: validation waits on workers, not on bytes
-            self.waiting.note(self.val.planner.name, None, None, time.monotonic(), all_slots=True)
+            self.waiting.note(self.val.planner.name, None, None, self.clock(), all_slots=True)
         for r, e, b in submit:
             if r >= VAL_LANE:
                 task = self.val.task(r, e, b)
@@ -399,14 +401,14 @@ class Daemon:
             if not any(ex.submit(task) for ex in self._executors()):
                 self._planner(r).lost((r, e, b))
         if was_idle and submit:
-            self.last_activity = time.monotonic()
+            self.last_activity = self.clock()
 
     def _plan(self, planner: Planner, slots: int) -> list:
         """One planner's plan (its share of ``buffer.max_bytes`` is set in its limits' ``others``)."""
-        plan = planner.plan(slots, time.monotonic(), self.ring.free_bytes(), self.pool.temp_bytes())
+        plan = planner.plan(slots, self.clock(), self.ring.free_bytes(), self.pool.temp_bytes())
         for key in plan.evictions:  # room for a batch a trainer waits on (see Planner._front_holes)
             self.ring.evict(key)
-        self.waiting.note(planner.name, plan.cause, plan.blocked, time.monotonic(), len(plan.submit) >= slots)
+        self.waiting.note(planner.name, plan.cause, plan.blocked, self.clock(), len(plan.submit) >= slots)
         return plan.submit
 
     def _estimate(self, key: tuple[int, int, int]) -> int:
@@ -444,14 +446,14 @@ class Daemon:
         if res.error:
             if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
                 if planner.finished(key):
-                    planner.deferred(key, time.monotonic() + STORAGE_RETRY_S)
-                self.outages.failed(self._root_of(res.rank), res.error, time.monotonic())
+                    planner.deferred(key, self.clock() + STORAGE_RETRY_S)
+                self.outages.failed(self._root_of(res.rank), res.error, self.clock())
             elif planner.finished(key):
-                delay = planner.failed(key, time.monotonic())
+                delay = planner.failed(key, self.clock())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
-        self.outages.succeeded(self._root_of(res.rank), time.monotonic())
+        self.outages.succeeded(self._root_of(res.rank), self.clock())
         if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return
@@ -459,12 +461,12 @@ class Daemon:
             self.ring.publish(res.tmp_path, key, res.size)
         except OSError as err:
             Ring._unlink(res.tmp_path)
-            delay = planner.failed(key, time.monotonic())
+            delay = planner.failed(key, self.clock())
             log.error("cannot publish batch r%d e%d b%d: %s; trying it again in %.0f s", *key, err.strerror, delay)
             return
         planner.published(key, res.size)
         now = time.time()
-        self.last_activity = time.monotonic()
+        self.last_activity = self.clock()
         self.produced_batches += 1
         self.produced_images += res.samples
         self.produced_rate.add(res.samples)

@@ -54,7 +54,7 @@ def status_record(d) -> dict:
         "forkserver_restarts": d.pool.helpers.restarts["forkserver"],
         "resource_tracker_restarts": d.pool.helpers.restarts["resource tracker"],
         "helper_pids": {k.replace(" ", "_"): v for k, v in d.pool.helpers.pids().items()},
-        "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - time.monotonic()),
+        "worker_respawn_in_s": None if respawn is None else max(0.0, respawn - d.clock()),
         "worker_utilisation": min(1.0, d.pool.busy_s() / (up * max(1, d.pool.count))),
         "produced_batches": d.produced_batches, "produced_images": d.produced_images,
         "consumed_batches": sum(d.sessions.consumed.values()),
@@ -81,7 +81,7 @@ def stuck_s(d) -> float:
     what the watchdog and ``status --live`` judge the pipeline by. Failures are not progress."""
     if not any(p.busy() for p in (d.planner, *([d.val.planner] if d.val else []))):
         return 0.0
-    return max(0.0, time.monotonic() - d.last_activity)
+    return max(0.0, d.clock() - d.last_activity)
 
 
 def _last_seen(d, r: int) -> float | None:

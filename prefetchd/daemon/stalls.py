@@ -12,7 +12,9 @@ a container, a pod's other container; its pid means nothing to the daemon). The 
 
 Ages are measured on the monotonic clock from the moment a record is first looked at (its wall
 clock age then, the records' times being wall clock): a step of the wall clock (NTP, ``date -s``)
-neither stalls every rank at once nor hides a stalled one for as long as a step back.
+neither stalls every rank at once nor hides a stalled one for as long as a step back. The daemon
+passes its ``RunClock``, which leaves out the time it was stopped itself: a job suspended whole
+(trainers and daemon) is not taken on resuming for trainers that stopped moving.
 
 Not stalled: a rank no trainer has written to since the daemon started whose last trainer is
 not known to run (gone, or unknown: a progress file left by an earlier run, nobody is reading),

@@ -5,7 +5,10 @@ Daemon's public attributes (``watcher``, ``pool``, ``lock``, ... each None until
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 
+from prefetchd.core.config import format_size
 from prefetchd.format import status
 
 log = logging.getLogger("prefetchd")
@@ -43,8 +46,39 @@ def teardown(d) -> None:
             status.write_json(d.cfg.buffer.dir, status.STATUS_NAME, rec)
 
         _quietly(final_status, "the final status")
+        if line := _quietly(lambda: left_behind(len(d.ring.ready), d.ring.bytes_used, d.cfg.buffer.dir, d.cfg.source,
+                                                _made_by_a_live_start(d.cfg.buffer.dir)), "what is left"):
+            log.info("%s", line)
     finally:
         d.lock.release()
+
+
+def _made_by_a_live_start(buffer_dir: str) -> bool:
+    """A ``launch`` or ``serve()`` that runs made the buffer directory (``status.CREATED_NAME``) and
+    removes it when it ends; one killed outright leaves it to the next start, or to ``clean``."""
+    pid = (status.read_json(buffer_dir, status.CREATED_NAME) or {}).get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def left_behind(batches: int, nbytes: int, buffer_dir: str, config: str | None, created: bool) -> str | None:
+    """The stop's line on the batches it leaves in ``buffer_dir`` (RAM, on a tmpfs) and how to free
+    them; ``created``: a ``launch`` or ``serve()`` made the directory and removes it."""
+    if not batches:
+        return None
+    what = f"stopped; left {batches} batch{'es' if batches != 1 else ''} ({format_size(nbytes)}) in {buffer_dir}"
+    if created:
+        return f"{what}; the launch (or serve()) that made the directory removes it"
+    clean = f"prefetchd clean --config {shlex.quote(config)}" if config else "prefetchd clean --config FILE"
+    return (f"{what} for the next start of this config to reuse; to free that memory now: {clean} "
+            f"(or rm -r {shlex.quote(buffer_dir)})")
 
 
 def _quietly(fn, what: str):

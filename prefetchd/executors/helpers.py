@@ -8,7 +8,8 @@ with it. Neither may be a single point of failure, so this module:
   ``restarts`` (``status`` and the metrics show the counts) and started anew;
 - bounds every worker start (``Helpers.spawn``): a forkserver that does not fork the worker
   within ``_SPAWN_TIMEOUT_S`` (stopped, deadlocked; ``_FIRST_SPAWN_TIMEOUT_S`` for a new one,
-  which first imports numpy and Pillow) or refuses the connection is killed and replaced,
+  which first imports numpy and Pillow; time the whole job was stopped not counted, see
+  ``core.runclock``) or refuses the connection is killed and replaced,
   and the start fails with ``SpawnError``, which the pool retries after its back-off;
 - makes the daemon a child subreaper (``become_subreaper``, for ``prefetchd run`` only), so
   the workers of a forkserver that died become the daemon's children: they go on working,
@@ -41,6 +42,8 @@ import threading
 import warnings
 from collections.abc import Callable
 from multiprocessing import forkserver, resource_tracker
+
+from prefetchd.core.runclock import TICK_S, WaitClock
 
 log = logging.getLogger("prefetchd.pool")
 
@@ -230,9 +233,15 @@ class Helpers:
                     expired.append(pid)
                     send_signal(pid, None, signal.SIGKILL)
 
-        timer = threading.Timer(timeout, expire)
-        timer.daemon = True
-        timer.start()
+        cancelled = threading.Event()
+
+        def watch():  # the deadline on a clock of this thread's own, which leaves out a stop of the job
+            clock = WaitClock()
+            while not cancelled.wait(TICK_S):
+                if clock.tick() >= timeout:
+                    return expire()
+
+        threading.Thread(target=watch, name="prefetchd-spawn-deadline", daemon=True).start()
         try:
             with warnings.catch_warnings():  # a relaunched tracker is said by check(), not by a warning
                 warnings.simplefilter("ignore")
@@ -243,7 +252,7 @@ class Helpers:
         finally:
             with lock:
                 done.append(True)
-            timer.cancel()
+            cancelled.set()
         if err is None:
             self._answered = fs._forkserver_pid
             self.check()  # a helper that died just before and that multiprocessing relaunched itself

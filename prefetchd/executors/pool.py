@@ -9,7 +9,9 @@ Each worker has its own duplex pipe, so the pool always knows which tasks a work
 worker that dies (its pidfd or its pipe says so, without the forkserver's help) or holds one
 task longer than ``workers.task_timeout_s`` (hung in a decode, stopped) is killed if need be,
 its temp files are removed at once, its tasks come back as lost (to be made again) and it is
-replaced, after a back-off that grows while workers keep dying. Only a crash (SIGSEGV, SIGBUS,
+replaced, after a back-off that grows while workers keep dying. That deadline, like every one
+but the teardown's, is on the clock the daemon hands in (``core.runclock.RunClock``): the time
+the daemon ran, so a job stopped whole (``scontrol suspend``, Ctrl-Z) kills no worker on SIGCONT. Only a crash (SIGSEGV, SIGBUS,
 SIGILL, SIGFPE, SIGABRT, or an exit) while a sample was being decoded names that sample as a
 suspect; a death while writing, and a kill from outside (SIGKILL: the OOM killer, an operator,
 the deadline), blame nobody, so random kills never quarantine a good sample. A worker's exit
@@ -103,8 +105,11 @@ class PoolError(RuntimeError):
 
 class Pool:
     def __init__(self, setup: WorkerSetup, count: int, max_in_flight: int = 2, task_timeout_s: float = 120.0,
-                 index=None, stopping: Callable[[], bool] = lambda: False):
+                 index=None, clock: Callable[[], float] = time.monotonic, stopping: Callable[[], bool] = lambda: False):
         self.setup = setup
+        # what every deadline but the teardown's is measured on: the daemon's ``RunClock``, which
+        # leaves out the time the process was stopped (a job suspended whole kills no worker on SIGCONT)
+        self._clock = clock
         self.stopping = stopping  # the daemon is stopping: deaths are part of it, nothing is replaced
         self.index = index  # the daemon's own index: sent whole to a worker if its cache files are gone
         self._index_sent_warned = False
@@ -200,7 +205,7 @@ class Pool:
         except (OSError, BrokenPipeError):
             return False
         if not w.tasks:
-            w.head_since = time.monotonic()
+            w.head_since = self._clock()
         w.tasks.append(task)
         return True
 
@@ -218,7 +223,7 @@ class Pool:
         results: list[Result] = []
         lost: list[Task] = []
         self.helpers.check()
-        now = time.monotonic()
+        now = self._clock()
         ready = self._ready()
         for w in list(self.workers.values()):
             try:
@@ -289,7 +294,7 @@ class Pool:
         if respawn is not None:
             due.append(respawn)
         if self._orphans:
-            due.append(time.monotonic() + 1.0)
+            due.append(self._clock() + 1.0)
         return min(due) if due else None
 
     def stop(self) -> None:
@@ -382,7 +387,7 @@ class Pool:
         how = describe_exit(code)
         crashed = code is not None and (code > 0 or -code in _CRASH_SIGNALS)
         sample = int(w.current[0]) if blame and crashed and w.current is not None and tasks else -1
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_death > _CALM_S:
             self._respawn_delay = 0.0
         else:  # deaths in a row: wait longer each time before the next replacement
@@ -413,13 +418,13 @@ class Pool:
         """Start the missing workers once the back-off allows (``force``: now). A start that
         fails waits out the back-off, doubled, like a death; ``PoolError`` when none could be
         started for ``_UNSTARTABLE_S``."""
-        if len(self.workers) >= self.count or not (force or time.monotonic() >= self._respawn_at) or self.stopping():
+        if len(self.workers) >= self.count or not (force or self._clock() >= self._respawn_at) or self.stopping():
             return
         while len(self.workers) < self.count:
             try:
                 self._spawn()
             except SpawnError as e:
-                now = time.monotonic()
+                now = self._clock()
                 if self._unstartable_since is None:
                     self._unstartable_since = now
                 elif now - self._unstartable_since >= _UNSTARTABLE_S:
@@ -450,7 +455,7 @@ class Pool:
             w.conn.send(None)
         except (OSError, BrokenPipeError):
             pass
-        self._stopping.append((w, time.monotonic()))
+        self._stopping.append((w, self._clock()))
 
     def _reap_stopping(self, now: float) -> None:
         """Surplus workers that have exited are joined; one that ignores the stop message (busy,

@@ -55,8 +55,10 @@ class RayPool:
     ``results``, ``waitables``, ``stop``), through a bridge process."""
 
     def __init__(self, cfg: RayConfig, setup: WorkerSetup, max_in_flight: int, wake: Callable[[], None],
-                 worker_id: int = 9999, task_timeout_s: float = 120.0):
+                 worker_id: int = 9999, task_timeout_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.cfg = cfg
+        self._clock = clock  # the daemon's RunClock: a job stopped whole and continued is no hung bridge
         self.task_timeout_s = task_timeout_s  # workers.task_timeout_s: a bridge holding a batch longer has hung
         self.setup = setup
         self.max_in_flight = max_in_flight
@@ -113,7 +115,7 @@ class RayPool:
         self.bridge_starts += 1
         self._conn = Connection(ours.detach())
         self._pidfd = helpers.pidfd_open(self._proc.pid)
-        self._deadline = time.monotonic() + _START_SLACK_S + self.cfg.connect_timeout_s
+        self._deadline = self._clock() + _START_SLACK_S + self.cfg.connect_timeout_s
         self._tail = deque(maxlen=_TAIL_LINES)
         conn, proc, tail = self._conn, self._proc, self._tail
         start = (Msg.START, self.cfg, self.setup, self.worker_id)
@@ -124,7 +126,7 @@ class RayPool:
     def _timer(self, at: float) -> None:
         """Wake the loop at ``at`` (a deadline or a retry is due); cancelled by ``stop``."""
         self._timers = [t for t in self._timers if t.is_alive()]
-        t = threading.Timer(max(0.0, at - time.monotonic()) + 0.05, self._wake_unless_stopped)
+        t = threading.Timer(max(0.0, at - self._clock()) + 0.05, self._wake_unless_stopped)
         t.daemon = True
         t.start()
         self._timers.append(t)
@@ -148,7 +150,7 @@ class RayPool:
         self._lost = self._lost or lost_cluster
         if again:
             delay = min(_FIRST_RETRY_S, self.cfg.retry_s) if lost_cluster else self.cfg.retry_s
-            self._relaunch_at = time.monotonic() + delay
+            self._relaunch_at = self._clock() + delay
             self._timer(self._relaunch_at)
         self.wake()
 
@@ -200,7 +202,7 @@ class RayPool:
         or some have been for ``_PARTIAL_GRACE_S`` (the others may wait long for room)."""
         if not self.workers:
             return False
-        return not self._waiting or time.monotonic() - self._up_since >= _PARTIAL_GRACE_S
+        return not self._waiting or self._clock() - self._up_since >= _PARTIAL_GRACE_S
 
     # --- the executor interface -----------------------------------------------------------------------
 
@@ -216,7 +218,7 @@ class RayPool:
             self._conn.send((Msg.TASK, self._seq, task))
         except OSError:  # the bridge is dying: results() says so
             return False
-        self._in_flight[self._seq] = (task, time.monotonic())
+        self._in_flight[self._seq] = (task, self._clock())
         return True
 
     def waitables(self) -> list:
@@ -226,7 +228,7 @@ class RayPool:
         """Finished remote batches (temp files the bridge wrote) and lost ones; does not block."""
         results: list[Result] = []
         lost: list[Task] = []
-        now = time.monotonic()
+        now = self._clock()
         if self._conn is not None:
             gone = False
             try:

@@ -36,6 +36,12 @@ META_NAME = "meta.json"
 STATUS_NAME = "status.json"
 QUARANTINE_NAME = "quarantine.jsonl"
 LOCK_NAME = "daemon.lock"
+# Written by ``prefetchd launch`` and ``serve()`` into a buffer directory their start created
+# (``prefetchd_client.child.Created``): ``{"format": "prefetchd-created", "version": 1, "pid",
+# "made": [[directory, outermost parent made for it], ...]}``. Its own start removes those at its
+# end; one killed before that (SIGKILL, the OOM killer) leaves it, and the next start that finds
+# it with no daemon holding the directory takes the directories over and removes them at its end.
+CREATED_NAME = "created.json"
 # Every file the daemon writes, whatever its umask: the daemon writes, its group (trainers of
 # ``buffer.group``) reads; the directory's own mode keeps everyone else out.
 FILE_MODE = 0o640
