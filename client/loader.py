@@ -23,11 +23,14 @@ block only once it is freed and its copies are done); CUDA batches come through 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -202,7 +205,13 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
         self._held: object | None = None  # the iteration under way (its token), if any
         self._unsaved: progress.Progress | None = None  # a progress record not written yet (a full disk)
         self._said_no_daemon = False  # "no daemon holds the buffer: waiting" said (once)
+        # what the trainer is doing, in every record: its next() waits since (0: it does not), it
+        # is done with the lane (progress.py: waiting_since, closed)
+        self._waiting_since = 0.0
+        self._finished = False
+        self._last_record: progress.Progress | None = None  # the last record written (or tried)
         self._closed = False
+        _UNFINISHED.add(self)
 
     # --- position ----------------------------------------------------------------------------------
 
@@ -394,6 +403,8 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
             item = reader.get(batch, self.timeout)
         finally:
             self.wait_s += reader.waited  # the time from asking to the batch being there
+            if reader.announced:  # the wait is over (a batch, a timeout): the record counts it whole
+                self._say_waiting(0.0)
         images, labels, event, info = item
         self.last_batch = info
         if event is not None:
@@ -474,7 +485,9 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
                                   time=time.time(), wait_s=round(self.wait_s, 6), batches=self.batches_read,
                                   session=f"{self._session}.{self._jumps}", echoed=self.echoed,
                                   gpu_fallbacks=self._stage.fallbacks if self._stage is not None else 0,
-                                  reading=self._reading, offset=self._offset_of(epoch))
+                                  reading=self._reading, offset=self._offset_of(epoch),
+                                  waiting_since=self._waiting_since, closed=self._finished)
+            self._last_record = p
             deadline = None
             while True:
                 try:
@@ -505,6 +518,36 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
                 _log.info("the progress file in %s is written again", self.progress_dir)
                 self._unsaved = None
 
+    def _say_waiting(self, since: float) -> None:
+        """Tell the daemon that the trainer's ``next()`` waits for a batch since ``since`` (wall
+        clock), or (0) no longer; only after a first poll missed, never for a batch that is ready."""
+        with self._progress_lock:
+            self._waiting_since = since
+            self._rewrite_last()
+
+    def _rewrite_last(self) -> None:
+        """The last record again with what the trainer does now (its wait counter, waiting,
+        closed): it moves nothing. Said only by the process that wrote it and owns the lane; a
+        failed write is not the trainer's business (the next record says it all). Lock held."""
+        last = self._last_record
+        if last is None or last.pid != os.getpid() or not _owns_lane((self.progress_dir, self._lane), self):
+            return
+        p = self._last_record = replace(last, time=time.time(), wait_s=round(self.wait_s, 6),
+                                        waiting_since=self._waiting_since, closed=self._finished)
+        try:
+            progress.write(self.progress_dir, p)
+        except OSError:
+            return
+        self._unsaved = None
+
+    def _say_finished(self) -> None:
+        """Tell the daemon this trainer is done with its lane: finished, neither stalled nor gone."""
+        with self._progress_lock:
+            self._finished = True
+            self._waiting_since = 0.0
+            self._rewrite_last()
+        _UNFINISHED.discard(self)
+
     def _retry_progress(self) -> None:
         """Write the progress record a full disk refused (while the reader waits for a batch)."""
         with self._progress_lock:
@@ -520,29 +563,76 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
     # --- lifetime -------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the reader thread and free the pinned buffers (after their copies are done)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._stop_reader()
-        if self._pool is not None:
-            self._pool.close()
-        if self._reading and self.split == "val":  # closed mid-pass: the daemon stops making it
-            try:
-                self._end_pass(take=False)
-            except Exception:
-                pass
+        """Stop the reader thread and free the pinned buffers (after their copies are done), and
+        tell the daemon this trainer is done with its rank (``closed`` in its progress file):
+        ``prefetchd status`` says it finished, no stall alert fires. A trainer that exits without
+        an uncaught exception says the same of the clients it left open (or to the garbage
+        collector); one killed or ended by an exception does not: its rank is said gone."""
+        self._close(finished=True)
+
+    def _close(self, finished: bool) -> None:
+        if not self._closed:
+            self._closed = True
+            self._stop_reader()
+            if self._pool is not None:
+                self._pool.close()
+            if self._reading and self.split == "val":  # closed mid-pass: the daemon stops making it
+                try:
+                    self._end_pass(take=False)
+                except Exception:
+                    pass
+        if finished and not self._finished:
+            self._say_finished()
 
     def __enter__(self) -> PrefetchClient:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(finished=exc_type is None)  # left by an exception: finished only if the process exits cleanly
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._close(finished=False)
+            if not self._finished and self._last_record is not None:  # said at a clean exit (_at_exit)
+                with _LEFT_LOCK:
+                    _LEFT.append(self._last_record_if_mine())
         except Exception:
+            pass
+
+    def _last_record_if_mine(self) -> tuple | None:
+        """``(progress dir, record)`` of a lane this client moved last in this process, else None."""
+        if self._last_record is None or not _owns_lane((self.progress_dir, self._lane), self):
+            return None
+        return (self.progress_dir, self._last_record)
+
+
+# Clients whose trainer has not said it is done with them, and the last records of those the
+# garbage collector took first (a loader made in a function that returned): a process that exits
+# without an uncaught exception says them closed (progress.py: ``closed``), so its ranks are
+# finished, not gone. Not for os._exit, a signal, or an uncaught exception (sys.last_value set).
+_UNFINISHED: weakref.WeakSet = weakref.WeakSet()
+_LEFT: list = []
+_LEFT_LOCK = threading.Lock()
+
+
+@atexit.register
+def _at_exit() -> None:
+    if getattr(sys, "last_value", None) is not None:  # ended by an uncaught exception: not finished
+        return
+    for c in list(_UNFINISHED):
+        try:
+            c._close(finished=True)
+        except Exception:
+            pass
+    with _LEFT_LOCK:
+        left, _LEFT[:] = [x for x in _LEFT if x is not None], []
+    for directory, p in left:
+        key = (directory, p.rank)
+        if p.pid != os.getpid() or not _owns_lane(key, None):  # another (live) client took the lane since
+            continue
+        try:
+            progress.write(directory, replace(p, time=time.time(), waiting_since=0.0, closed=True))
+        except OSError:
             pass
 
 

@@ -61,6 +61,7 @@ class ReadAhead:
     def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
         self.epoch = epoch
         self.waited = 0.0  # what the last get() counted as waiting (its WaitClock's)
+        self.announced = False  # the last get() told the daemon it waits (its first poll missed)
         self._client = client
         self.stop = threading.Event()
         self.opened = start - 1  # the last batch whose file the reader has opened (it is in hand)
@@ -107,14 +108,19 @@ class ReadAhead:
         process's running time from now (a ``WaitClock``: a stop of the process is not counted).
         Before it gives up, the batch is looked for once more: if the daemon has made it or the
         reader holds it, the reader gets another ``timeout`` to deliver it. ``waited`` is then
-        what this call counted as waiting."""
+        what this call counted as waiting; ``announced``, whether the daemon was told it waits
+        (once the first poll missed: a batch that is ready costs no write)."""
         clock = WaitClock()
         limit = timeout
+        announced = False
         try:
             while True:
                 try:
                     kind, value = self._q.get(timeout=_QUEUE_POLL_S)
                 except queue.Empty:
+                    if not announced:  # a wait, not a handover: the daemon counts it while it lasts
+                        announced = True
+                        self._client._say_waiting(time.time() - clock.tick())
                     if self.stop.is_set():
                         raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
                                             "close() or a newer iteration of the same client, or by another "
@@ -136,6 +142,7 @@ class ReadAhead:
                 return value
         finally:
             self.waited = clock.tick()
+            self.announced = announced
 
     def close(self) -> None:
         self.stop.set()

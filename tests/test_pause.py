@@ -238,11 +238,14 @@ def test_a_stalled_rank_is_named_with_since_when_and_its_trainers_state_in_statu
         ts = re.search(r'^prefetchd_rank_last_progress_timestamp_seconds\{rank="0"\} (\S+)$', m, re.M)
         assert ts and float(ts.group(1)) == pytest.approx(st["since"]), m
         os.kill(t.proc.pid, signal.SIGCONT)
-        # it reads on (the daemon says so once), finishes epoch 0 and exits: rank 0 is left behind, gone
+        # it reads on (the daemon says so once), finishes epoch 0, closes its loader and exits 0:
+        # rank 0 is finished, not stalled nor gone (its trainer has gone, but said it was done)
         err = t.finish()
         assert t.proc.returncode == 0, err
-        wait_until(lambda: stall().get("process") == "gone", 30, "rank 0 stalled, its trainer gone")
-        m = wait_until(lambda: (x := _scrape(port)) and 'state="gone"} 1.0' in x and x, 15, "metrics")
+        m = wait_until(lambda: (x := _scrape(port)) and 'prefetchd_rank_trainer{rank="0",state="finished"} 1.0' in x
+                       and x, 30, "rank 0 finished in the metrics")
+        assert 'prefetchd_rank_stalled{rank="0"} 0.0' in m and 'state="gone"} 1.0' not in m, m
+        assert not stall()
     finally:
         t.kill()
     # said once each way: stall and move lines alternate (a loaded machine may add a spell as the

@@ -11,7 +11,11 @@ Per rank, beside the counts: ``prefetchd_rank_ready_ratio`` (ready batches over
 ``buffer.capacity``, no join needed), ``prefetchd_rank_last_progress_age_seconds`` and
 ``_timestamp_seconds`` (the trainer's last progress record), ``prefetchd_rank_stalled`` (1 after
 ``stalls.STALL_AFTER_S`` without one) and ``prefetchd_rank_stalled_process{state=running|stopped|gone|unknown}``
-(1 for the state of a stalled rank's trainer process; all 0 while the rank moves).
+(1 for the state of a stalled rank's trainer process; all 0 while the rank moves),
+``prefetchd_rank_trainer{state=reading|waiting|finished|stalled}`` (1 for what the rank's trainer
+is doing, ``stalls``; all 0 with no trainer) and ``prefetchd_rank_waiting_seconds`` (how long its
+``next()`` has waited for the batch it asks for, 0 while it does not). A waiting or finished
+trainer is not stalled; ``prefetchd_trainer_wait_seconds_total`` counts a wait while it lasts.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from prefetchd.daemon.stalls import STALL_AFTER_S
+from prefetchd.daemon.stalls import STALL_AFTER_S, TRAINER_STATES
 from prefetchd.format import procstate
 
 log = logging.getLogger("prefetchd.metrics")
@@ -112,7 +116,15 @@ def families(rec: dict):
     process = GaugeMetricFamily("prefetchd_rank_stalled_process", "1 for the state (running, stopped, gone, unknown) of a "
                                 "stalled rank's trainer process; 0 for all while the rank moves",
                                 labels=["rank", "state"])
+    trainer = GaugeMetricFamily("prefetchd_rank_trainer", "1 for what the rank's trainer is doing (reading, "
+                                "waiting for data, finished, stalled); 0 for all with no trainer",
+                                labels=["rank", "state"])
+    waiting = GaugeMetricFamily("prefetchd_rank_waiting_seconds", "Seconds the rank's trainer has waited in next() "
+                                "for the batch it asks for; 0 while it does not wait", labels=["rank"])
     for r, rs in sorted(rec.get("ranks", {}).items()):
+        for state in TRAINER_STATES:
+            trainer.add_metric([r, state], 1 if rs.get("trainer") == state else 0)
+        waiting.add_metric([r], (rs.get("waiting") or {}).get("for_s", 0.0))
         consumed.add_metric([r], rs.get("consumed", 0))
         ratio.add_metric([r], rs.get("ready_ratio", 0.0))
         if rs.get("last_progress") is not None:  # a trainer has written to this rank
@@ -131,7 +143,7 @@ def families(rec: dict):
         batch.add_metric([r], rs.get("position", [0, 0])[1])
         wait.add_metric([r], rs.get("wait_s", 0.0))
     yield from (ready, ahead, epoch, batch, wait, echoed, retrying, fallbacks, consumed, ratio, age, seen, stalled,
-                process)
+                process, trainer, waiting)
     vals = rec.get("val_ranks") or {}
     if vals:  # the validation stream's lanes, apart from train's
         vready = GaugeMetricFamily("prefetchd_val_rank_ready_batches", "Validation batches ready for the rank",

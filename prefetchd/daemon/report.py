@@ -11,6 +11,7 @@ from operator import itemgetter
 
 import psutil
 
+from prefetchd.daemon.stalls import Seen
 from prefetchd.format import procstate
 from prefetchd.format.progress import lane
 
@@ -25,14 +26,12 @@ def status_record(d) -> dict:
     ranks = {}
     for r in d.ranks:
         rs = d.planner.rank_status(r)
-        seen = _last_seen(d, r)
-        pid = d.sessions.pid.get(r)
-        rs.update(wait_s=d.sessions.wait_s[r], echoed=d.sessions.echoed[r],
-                  gpu_fallbacks=d.sessions.gpu_fallbacks[r], consumed=d.sessions.consumed[r], pid=pid,
+        seen = _seen(d, r)
+        rs.update(echoed=d.sessions.echoed[r],
+                  gpu_fallbacks=d.sessions.gpu_fallbacks[r], consumed=d.sessions.consumed[r], pid=seen.pid,
                   ready_ratio=rs["ready"] / max(1, d.cfg.buffer.capacity),
-                  last_progress_age_s=d.stalls.age(r, now, seen), last_progress=seen,
-                  stalled=d.stalls.check(r, now, seen, pid, rs["done"], r in d.sessions.live,
-                                         d.sessions.pid_identity.get(r, (0, 0))))
+                  last_progress_age_s=d.stalls.age(r, now, seen.time), last_progress=seen.time,
+                  **d.stalls.trainer(r, now, seen, rs["done"]))  # trainer, stalled, waiting, wait_s
         ranks[str(r)] = rs
     up = max(now - d.t_start, 1e-9)
     rss = 0
@@ -84,15 +83,19 @@ def stuck_s(d) -> float:
     return max(0.0, d.clock() - d.last_activity)
 
 
-def _last_seen(d, r: int) -> float | None:
-    """When rank ``r``'s trainer last wrote a progress record, of its train or validation lane
-    (a trainer in a validation pass moves)."""
-    seen = d.sessions.last_seen.get(r)
+def _seen(d, r: int) -> Seen:
+    """What rank ``r``'s trainer last said, in the newest record of its train or validation lane
+    (a trainer in a validation pass moves, may wait for a validation batch, and closes that
+    client last), with the train lane's wait counter."""
+    s, lane_id = d.sessions, r
+    seen = s.last_seen.get(r)
     if d.val:
         vseen = d.val.sessions.last_seen.get(lane("val", r))
         if vseen is not None and (seen is None or vseen > seen):
-            return vseen
-    return seen
+            s, lane_id, seen = d.val.sessions, lane("val", r), vseen
+    return Seen(seen, s.pid.get(lane_id), s.pid_identity.get(lane_id, (0, 0)), lane_id in s.live,
+                lane_id in s.closed, s.waiting_since.get(lane_id, 0.0), d.sessions.wait_s[r],
+                d.sessions.session.get(r, "").rpartition(".")[0], wait_is_own=lane_id == r)
 
 
 _processes: dict[int, psutil.Process] = {}  # by pid: a Process is made once (it reads /proc to know its process)

@@ -40,6 +40,8 @@ class Sessions:
         self.pid: dict[int, int] = {}  # the trainer's pid, from its last record
         self.pid_identity: dict[int, tuple[int, int]] = {}  # and its (start, pid namespace)
         self.live: set[int] = set()  # ranks with a record read since the daemon started
+        self.closed: set[int] = set()  # ranks whose last record says the trainer is done with them
+        self.waiting_since: dict[int, float] = {}  # ranks whose trainer's next() waits, since (wall clock)
         self.consumed = {r: 0 for r in ranks}  # batches passed going forward, since the daemon started
         self._warned: dict[int, str] = {}
         self._pairs: dict[int, frozenset] = {}  # rank -> the two trainers' pids last said to share it
@@ -70,6 +72,14 @@ class Sessions:
         self.wait_s[r] = p.wait_s
         self.echoed[r] = p.echoed
         self.gpu_fallbacks[r] = p.gpu_fallbacks
+        if p.closed:
+            self.closed.add(r)
+        else:
+            self.closed.discard(r)
+        if p.waiting_since and not p.closed:
+            self.waiting_since[r] = p.waiting_since
+        else:
+            self.waiting_since.pop(r, None)
         if new < old and not initial and not jump and p.session and p.session == self.session.get(r):
             if self._warned.get(r) != p.session:
                 log.warning("%s's progress went back from epoch %d batch %d to epoch %d batch %d within one "

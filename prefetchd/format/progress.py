@@ -19,7 +19,9 @@ by default ``progress/`` inside the buffer directory), replaced atomically (writ
      "gpu_fallbacks": 0,                      # hybrid decode: samples the client's GPU decoder
                                               # failed on, decoded on its CPU instead (or replaced)
      "reading": true,                         # false: the trainer reads nothing of this stream now
-     "offset": 0}                             # where the segment of `epoch` starts (resumed epochs)
+     "offset": 0,                             # where the segment of `epoch` starts (resumed epochs)
+     "waiting_since": 0.0,                    # > 0: blocked in next() for a batch since this time
+     "closed": false}                         # true: the trainer is done with this lane (finished)
 
 Resumed epochs (``offset``, optional, 0 when left out). A job resumed at another world size or
 batch size than the one that saved its position reads the rest of that epoch as a *segment*: the
@@ -38,13 +40,27 @@ The validation stream (``validation:`` in the config) has its own files per rank
 while it iterates a pass and ``false`` when the pass ends or is abandoned; the daemon makes
 validation batches only for lanes that read. Train progress leaves ``reading`` out (true).
 
+What the trainer is doing (``waiting_since``, ``closed``; both optional, an older client's file
+leaves them out and reads as 0 and false). ``waiting_since`` is the wall-clock time at which the
+trainer's ``next()`` began to wait for the batch it asks for, written once that wait outlasts the
+client's first poll (``_QUEUE_POLL_S``, 50 ms: a batch that is ready costs no write) and set back
+to 0 by the record written when the batch arrives (or the wait ends in a timeout), whose
+``wait_s`` then counts the whole wait. While it is set, the daemon counts the wait in progress
+(``daemon.stalls``): a trainer starved by the daemon is waiting, not stalled. ``closed`` is true
+in the last record of a client its trainer closed (``close()``, the end of a ``with`` block left
+without an exception) or of a process that exited without an uncaught exception (the client's
+``atexit`` hook: Python cannot tell it ``sys.exit(1)`` from ``sys.exit(0)``, so a script that
+exits with a status of its own after catching its error is said finished too); a trainer killed by
+a signal, ended by an uncaught exception or by ``os._exit`` leaves ``closed`` false, and the
+daemon says it is gone. Its position is the last record's: a closed record moves nothing.
+
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
 whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
-``pid``, ``pid_start``, ``pid_ns``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time`` and ``wait_s`` finite
-non-negative numbers; ``fingerprint`` and ``session`` strings of at most 128 characters. Fields
-not named here are ignored; the optional ones may be left out. Only a regular file is read: a
+``pid``, ``pid_start``, ``pid_ns``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time``, ``wait_s`` and
+``waiting_since`` finite non-negative numbers; ``reading`` and ``closed`` true or false;
+``fingerprint`` and ``session`` strings of at most 128 characters. Fields not named here are ignored; the optional ones may be left out. Only a regular file is read: a
 FIFO, a symlink, a directory or a socket at a progress file's name is refused the same way,
 without being waited on (``read``). The file's mode is 0644 (``FILE_MODE``) whatever the
 writer's umask, so a daemon running as another user reads it.
@@ -120,6 +136,8 @@ class Progress:
     offset: int = 0  # the first sample of the segment of ``epoch`` this rank reads (0: the whole epoch)
     pid_start: int = 0  # the writer's procstate.identity() (0: not said)
     pid_ns: int = 0
+    waiting_since: float = 0.0  # > 0: the trainer's next() waits for a batch since this wall-clock time
+    closed: bool = False  # the trainer closed its client, or its process exited cleanly: finished
 
     @property
     def position(self) -> tuple[int, int]:
@@ -177,7 +195,7 @@ def decode(data: bytes) -> Progress:
     for k in ("pid", "pid_start", "pid_ns", "batches", "echoed", "gpu_fallbacks", "offset"):
         if k in d:
             vals[k] = _int(d, k, _I64)
-    for k in ("time", "wait_s"):
+    for k in ("time", "wait_s", "waiting_since"):
         if k in d:
             v = d[k]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v < 1e300:
@@ -190,10 +208,11 @@ def decode(data: bytes) -> Progress:
                 raise ProgressError(f"field {k!r} must be a string of at most {_MAX_STR} characters, "
                                     f"got {_short(repr(v))}")
             vals[k] = v
-    if "reading" in d:
-        if not isinstance(d["reading"], bool):
-            raise ProgressError(f"field 'reading' must be true or false, got {_short(repr(d['reading']))}")
-        vals["reading"] = d["reading"]
+    for k in ("reading", "closed"):
+        if k in d:
+            if not isinstance(d[k], bool):
+                raise ProgressError(f"field {k!r} must be true or false, got {_short(repr(d[k]))}")
+            vals[k] = d[k]
     return Progress(**vals)
 
 

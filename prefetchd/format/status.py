@@ -189,6 +189,24 @@ def describe_stall(st: dict[str, Any]) -> str:
     return f"no progress for {st.get('age_s') or 0:.0f} s (since {since}; {pid})"
 
 
+def describe_waiting(w: dict[str, Any]) -> str:
+    """A rank's ``waiting`` record as said: ``WAITING for data: its next() has waited 12 s for a
+    batch (since 22:36:17)``, the time local: the daemon starves it, the trainer is not to blame."""
+    since = time.strftime("%H:%M:%S", time.localtime(w.get("since") or 0))
+    return f"WAITING for data: its next() has waited {w.get('for_s') or 0:.0f} s for a batch (since {since})"
+
+
+def _trainer_said(rs: dict[str, Any]) -> str:
+    """The end of a rank's line: what its trainer is doing, when that is news."""
+    if rs.get("stalled"):
+        return f"; STALLED: {describe_stall(rs['stalled'])}"
+    if rs.get("waiting"):
+        return f"; {describe_waiting(rs['waiting'])}"
+    if rs.get("trainer") == "finished" and not rs.get("done"):
+        return "; trainer finished (it closed its loader or exited cleanly)"
+    return ""
+
+
 def _rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -298,7 +316,7 @@ def format_status(s: dict[str, Any], alive: bool | None) -> str:
                      + (f"; {rs['echoed']} echoed" if rs.get("echoed") else "")
                      + (f"; {rs['gpu_fallbacks']} samples its GPU could not decode, decoded on its CPU"
                         if rs.get("gpu_fallbacks") else "") + ("; done" if rs.get("done") else "")
-                     + (f"; STALLED: {describe_stall(rs['stalled'])}" if rs.get("stalled") else ""))
+                     + _trainer_said(rs))
     shares = [(r, rs) for r, rs in sorted(s.get("ranks", {}).items(), key=lambda kv: int(kv[0]))
               if rs.get("waited_share") is not None]
     if shares:  # daemon/autosize.py: the share of the last minute each trainer waited for a batch
