@@ -52,15 +52,18 @@ without an exception) or of a process that exited without an uncaught exception 
 ``atexit`` hook: Python cannot tell it ``sys.exit(1)`` from ``sys.exit(0)``, so a script that
 exits with a status of its own after catching its error is said finished too); a trainer killed by
 a signal, ended by an uncaught exception or by ``os._exit`` leaves ``closed`` false, and the
-daemon says it is gone. Its position is the last record's: a closed record moves nothing.
+daemon says it is gone. The records that set or clear ``waiting_since`` or set ``closed`` repeat
+the last record's position: they move nothing. A daemon that does not know the fields ignores them
+(version 1 is kept): it says such a trainer stalled, as before.
 
 Every batch before ``(epoch, batch)`` has been consumed and may be deleted; the daemon keeps
 ``capacity`` batches ready from that position on. A file that is not exactly this is rejected
 whole, with one reason, and the last good value is kept: at most ``MAX_BYTES`` of UTF-8 JSON
 whose top level is an object; ``rank``, ``epoch``, ``batch`` integers in ``[0, 2**32)``;
-``pid``, ``pid_start``, ``pid_ns``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``; ``time``, ``wait_s`` and
-``waiting_since`` finite non-negative numbers; ``reading`` and ``closed`` true or false;
-``fingerprint`` and ``session`` strings of at most 128 characters. Fields not named here are ignored; the optional ones may be left out. Only a regular file is read: a
+``pid``, ``pid_start``, ``pid_ns``, ``batches``, ``echoed``, ``gpu_fallbacks``, ``offset`` integers in ``[0, 2**63)``;
+``time``, ``wait_s`` and ``waiting_since`` finite non-negative numbers; ``reading`` and
+``closed`` true or false; ``fingerprint`` and ``session`` strings of at most 128 characters.
+Fields not named here are ignored; the optional ones may be left out. Only a regular file is read: a
 FIFO, a symlink, a directory or a socket at a progress file's name is refused the same way,
 without being waited on (``read``). The file's mode is 0644 (``FILE_MODE``) whatever the
 writer's umask, so a daemon running as another user reads it.
