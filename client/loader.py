@@ -44,6 +44,7 @@ from prefetchd.core.streamkeys import differences, stream_settings
 from prefetchd.format import procstate, progress, status
 
 from .common import (
+    _OWNERS,
     _PASSING_ERRNOS,
     _POLL_MIN_S,
     BatchInfo,
@@ -518,12 +519,18 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
                 _log.info("the progress file in %s is written again", self.progress_dir)
                 self._unsaved = None
 
-    def _say_waiting(self, since: float) -> None:
+    def _say_waiting(self, since: float, block: bool = True) -> bool:
         """Tell the daemon that the trainer's ``next()`` waits for a batch since ``since`` (wall
-        clock), or (0) no longer; only after a first poll missed, never for a batch that is ready."""
-        with self._progress_lock:
+        clock), or (0) no longer; only after a first poll missed, never for a batch that is ready.
+        ``block=False``: not while the reader writes a record (False; the next poll tries again)."""
+        if not self._progress_lock.acquire(blocking=block):
+            return False
+        try:
             self._waiting_since = since
             self._rewrite_last()
+        finally:
+            self._progress_lock.release()
+        return True
 
     def _rewrite_last(self) -> None:
         """The last record again with what the trainer does now (its wait counter, waiting,
@@ -594,16 +601,12 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
         try:
             self._close(finished=False)
             if not self._finished and self._last_record is not None:  # said at a clean exit (_at_exit)
-                with _LEFT_LOCK:
-                    _LEFT.append(self._last_record_if_mine())
+                key = (self.progress_dir, self._lane)
+                ref = _OWNERS.get(key)  # no lock here: the collector may run while this thread holds it
+                if ref is None or ref() in (None, self):
+                    _LEFT[key] = self._last_record
         except Exception:
             pass
-
-    def _last_record_if_mine(self) -> tuple | None:
-        """``(progress dir, record)`` of a lane this client moved last in this process, else None."""
-        if self._last_record is None or not _owns_lane((self.progress_dir, self._lane), self):
-            return None
-        return (self.progress_dir, self._last_record)
 
 
 # Clients whose trainer has not said it is done with them, and the last records of those the
@@ -611,8 +614,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
 # without an uncaught exception says them closed (progress.py: ``closed``), so its ranks are
 # finished, not gone. Not for os._exit, a signal, or an uncaught exception (sys.last_value set).
 _UNFINISHED: weakref.WeakSet = weakref.WeakSet()
-_LEFT: list = []
-_LEFT_LOCK = threading.Lock()
+_LEFT: dict[tuple[str, int], progress.Progress] = {}  # (progress dir, lane) -> its last record
 
 
 @atexit.register
@@ -624,10 +626,8 @@ def _at_exit() -> None:
             c._close(finished=True)
         except Exception:
             pass
-    with _LEFT_LOCK:
-        left, _LEFT[:] = [x for x in _LEFT if x is not None], []
-    for directory, p in left:
-        key = (directory, p.rank)
+    for key, p in list(_LEFT.items()):
+        directory = key[0]
         if p.pid != os.getpid() or not _owns_lane(key, None):  # another (live) client took the lane since
             continue
         try:

@@ -119,8 +119,7 @@ class ReadAhead:
                     kind, value = self._q.get(timeout=_QUEUE_POLL_S)
                 except queue.Empty:
                     if not announced:  # a wait, not a handover: the daemon counts it while it lasts
-                        announced = True
-                        self._client._say_waiting(time.time() - clock.tick())
+                        announced = self._client._say_waiting(time.time() - clock.tick(), block=False)
                     if self.stop.is_set():
                         raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
                                             "close() or a newer iteration of the same client, or by another "

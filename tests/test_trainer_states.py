@@ -202,6 +202,10 @@ def test_a_trainer_starved_by_a_hung_worker_is_waiting_and_its_wait_counts_while
         assert re.search(r"  rank 0: .*; trainer waited \d+\.\d s; WAITING for data: its next\(\) has waited \d+ s "
                          r"for a batch \(since [\d:]+\)$", text, re.M), text
         assert "STALLED" not in text
+        # the share of the last minute it waited (status's "trainers waited, last minute") sees the wait too
+        wait_until(lambda: (_rank(buf, 0).get("waited_share") or 0) >= 0.5, 30, "rank 0's waited share")
+        assert re.search(r"trainers waited, last minute: rank 0 \d+% \(data-bound\)",
+                         _cli("status", "--config", cfg).stdout)
         m = wait_until(lambda: (x := _scrape(port)) and _metric(x, "prefetchd_rank_waiting_seconds", rank=0)
                        and x, 15, "metrics")
         assert _metric(m, "prefetchd_rank_trainer", rank=0, state="waiting") == 1.0
