@@ -281,6 +281,10 @@ def test_the_wait_in_progress_is_counted_while_the_process_runs_and_the_counter_
     assert look(143.0, wait_s=0.5, client="b")["wait_s"] == 0.5  # another client: its own counter
     assert look(144.0, closed=True)["trainer"] == "finished"
     assert look(145.0, done=True, since=144.0)["trainer"] == "finished"
+    # waiting for a validation batch (its lane's record the newest): said, not added to the train counter
+    x = w.trainer(1, 145.0, Seen(140.0, me, procstate.identity(), True, False, 141.0, 2.0, "a", wait_is_own=False),
+                  False)
+    assert x["trainer"] == "waiting" and x["waiting"]["for_s"] == 4.0 and x["wait_s"] == 2.0
 
 
 def test_a_waiting_trainer_whose_process_is_stopped_is_not_waiting():

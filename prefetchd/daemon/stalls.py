@@ -29,9 +29,9 @@ neither stalls every rank at once nor hides a stalled one for as long as a step 
 passes its ``RunClock``, which leaves out the time it was stopped itself: a job suspended whole
 (trainers and daemon) is not taken on resuming for trainers that stopped moving.
 
-Not stalled: a finished rank, a waiting one, a rank no trainer has written to since the daemon started whose last trainer is
-not known to run (gone, or unknown: a progress file left by an earlier run, nobody is reading),
-and a rank that is done.
+Not stalled: a finished rank, a waiting one, a rank no trainer has written to since the daemon
+started whose last trainer is not known to run (gone, or unknown: a progress file left by an
+earlier run, nobody is reading), and a rank that is done.
 """
 
 from __future__ import annotations
@@ -99,8 +99,10 @@ class StallWatch:
         if seen.waiting_since and not seen.closed and not done:
             proc = procstate.state(seen.pid, *seen.identity) if seen.pid else procstate.UNKNOWN
             counting = proc in (procstate.RUNNING, procstate.UNKNOWN)  # stopped or gone: no wait of the daemon's
-        for_s, wait_s = self._count_wait(rank, now, seen, counting and seen.wait_is_own)
-        if counting and not seen.wait_is_own:
+        if seen.wait_is_own:
+            for_s, wait_s = self._count_wait(rank, now, seen.waiting_since, seen, counting)
+        else:  # a validation wait: said, not added to the train counter
+            wait_s = self._count_wait(rank, now, 0.0, seen, False)[1]
             for_s = max(0.0, now - seen.waiting_since)
         if counting:
             waiting = {"since": seen.waiting_since, "for_s": for_s}
@@ -120,18 +122,18 @@ class StallWatch:
             state = READING
         return {"trainer": state, "stalled": stall, "waiting": waiting, "wait_s": wait_s}
 
-    def _count_wait(self, rank: int, now: float, seen: Seen, counting: bool) -> tuple[float, float]:
+    def _count_wait(self, rank: int, now: float, since: float, seen: Seen, counting: bool) -> tuple[float, float]:
         """(seconds of the wait in progress, the wait counter to show): the record's ``wait_s``
-        plus the wait in progress, counted on the monotonic clock while ``counting`` (from its
-        ``waiting_since`` when first seen), never less than last shown for the same client."""
+        plus the wait in progress since ``since`` (0: none), counted on the monotonic clock while
+        ``counting`` (from ``since`` when first seen), never less than last shown for the same client."""
         mono = self._clock()
         w = self._waits.get(rank)
-        if not seen.waiting_since or seen.closed:
+        if not since or seen.closed:
             self._waits.pop(rank, None)
             pending = 0.0
-        elif w is None or w[0] != seen.waiting_since:  # a new wait
-            pending = max(0.0, now - seen.waiting_since) if counting else 0.0
-            self._waits[rank] = [seen.waiting_since, pending, mono]
+        elif w is None or w[0] != since:  # a new wait
+            pending = max(0.0, now - since) if counting else 0.0
+            self._waits[rank] = [since, pending, mono]
         else:
             if counting:
                 w[1] += max(0.0, mono - w[2])
