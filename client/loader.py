@@ -539,6 +539,8 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles):
         last = self._last_record
         if last is None or last.pid != os.getpid() or not _owns_lane((self.progress_dir, self._lane), self):
             return
+        if self._finished and not _still_ours(self.progress_dir, last):
+            return
         p = self._last_record = replace(last, time=time.time(), wait_s=round(self.wait_s, 6),
                                         waiting_since=self._waiting_since, closed=self._finished)
         try:
@@ -617,6 +619,16 @@ _UNFINISHED: weakref.WeakSet = weakref.WeakSet()
 _LEFT: dict[tuple[str, int], progress.Progress] = {}  # (progress dir, lane) -> its last record
 
 
+def _still_ours(directory: str, last: progress.Progress) -> bool:
+    """Whether the lane's progress file still holds this client's session: a closing record
+    written over another process's newer one (the rank's next trainer, already started) would
+    move the daemon back to this one's position, as a jump."""
+    try:
+        return progress.read(progress.progress_path(directory, last.rank)).session == last.session
+    except progress.ProgressError:
+        return False
+
+
 @atexit.register
 def _at_exit() -> None:
     if getattr(sys, "last_value", None) is not None:  # ended by an uncaught exception: not finished
@@ -628,8 +640,8 @@ def _at_exit() -> None:
             pass
     for key, p in list(_LEFT.items()):
         directory = key[0]
-        if p.pid != os.getpid() or not _owns_lane(key, None):  # another (live) client took the lane since
-            continue
+        if p.pid != os.getpid() or not _owns_lane(key, None) or not _still_ours(directory, p):
+            continue  # another client of this process, or another process, took the lane since
         try:
             progress.write(directory, replace(p, time=time.time(), waiting_since=0.0, closed=True))
         except OSError:

@@ -35,6 +35,14 @@ def read(c):
         next(it)
     return it
 
+if how == "epoch":  # reads all of epoch 0, then exits 0 (its loader open) when told
+    c = PrefetchClient(cfg, rank=rank, as_numpy=True, timeout=timeout)
+    for _ in c.iter_epoch(0):
+        pass
+    print("read", flush=True)
+    sys.stdin.readline()
+    sys.exit(0)
+
 if how == "gc":  # the loader made in a function that returned: the garbage collector closes it
     def main():
         read(PrefetchClient(cfg, rank=rank, as_numpy=True, timeout=timeout))
@@ -62,7 +70,8 @@ class Trainer:
     def __init__(self, cfg: str, rank: int, how: str, n: int = 1, timeout: float = 60.0):
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-c", _TRAINER, cfg, str(rank), how, str(n), str(timeout)],
-                                     stdout=subprocess.PIPE, stderr=self.err, text=True, start_new_session=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err, text=True,
+                                     start_new_session=True)
 
     def said(self, what: str) -> str:
         line = self.proc.stdout.readline()
@@ -159,6 +168,30 @@ def test_finished_stopped_and_gone_trainers_are_told_apart_in_status_json_and_me
             if t.proc.poll() is None:
                 os.kill(t.proc.pid, signal.SIGCONT)
             t.kill()
+    assert d.stop() == 0
+
+
+def test_a_trainer_exiting_after_its_ranks_next_trainer_started_leaves_the_rank_to_it(tmp_path, image_root,
+                                                                                       daemon_factory):
+    cfg = small_config(tmp_path, image_root)
+    d = daemon_factory(cfg)
+    path = progress.progress_path(str(tmp_path / "buffer" / "progress"), 0)
+    old = Trainer(cfg, 0, "epoch")
+    new = None
+    try:
+        old.said("read")
+        new = Trainer(cfg, 0, "hold")  # the rank's next trainer, from epoch 0 batch 0
+        new.said("read")
+        old.proc.stdin.write("\n")
+        old.proc.stdin.flush()
+        assert old.proc.wait(60) == 0, old.stderr()
+        # its exit said nothing over the new trainer's record: the rank stays the new trainer's
+        p = progress.read(path)
+        assert p.pid == new.proc.pid and not p.closed and p.epoch == 0, p
+    finally:
+        old.kill()
+        if new is not None:
+            new.kill()
     assert d.stop() == 0
 
 
