@@ -84,7 +84,8 @@ def _value(rnd: random.Random, depth: int = 0) -> str:
 
 
 _GOOD = {"format": "prefetchd-progress", "version": 1, "rank": 0, "epoch": 0, "batch": 5, "fingerprint": "",
-         "pid": 1, "time": 1.0, "wait_s": 0.0, "batches": 5, "session": "s", "echoed": 0}
+         "pid": 1, "time": 1.0, "wait_s": 0.0, "batches": 5, "session": "s", "echoed": 0, "waiting_since": 0.0,
+         "closed": False}
 
 
 def bad_file(rnd: random.Random) -> bytes:
@@ -93,7 +94,8 @@ def bad_file(rnd: random.Random) -> bytes:
         fields = {k: json.dumps(v) for k, v in _GOOD.items()}
         key = rnd.choice([k for k in fields if k not in ("format", "version")])
         fields[key] = str(1 << 32) if key in ("rank", "epoch", "batch") and rnd.random() < 0.2 else \
-            _num(rnd, key in ("time", "wait_s")) if key not in ("fingerprint", "session") else rnd.choice(
+            rnd.choice(["1", "0", '"true"', "null", "[]"]) if key == "closed" else \
+            _num(rnd, key in ("time", "wait_s", "waiting_since")) if key not in ("fingerprint", "session") else rnd.choice(
             [_num(rnd), json.dumps("s" * rnd.randint(129, 5000)), "[]", "{}"])
         return ("{" + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}").encode()
     if kind == 1:  # wrong types in the required fields
