@@ -320,6 +320,22 @@ def test_the_wait_in_progress_is_counted_while_the_process_runs_and_the_counter_
     assert x["trainer"] == "waiting" and x["waiting"]["for_s"] == 4.0 and x["wait_s"] == 2.0
 
 
+def test_a_stalled_trainer_that_finishes_is_said_finished_once(caplog):
+    from prefetchd.daemon.stalls import Seen, StallWatch
+
+    mono = [0.0]
+    w = StallWatch(after_s=30, clock=lambda: mono[0])
+    me = os.getpid()
+    with caplog.at_level("INFO", logger="prefetchd"):
+        for now, seen, closed in ((100.0, 60.0, False), (101.0, 60.0, False), (102.0, 101.5, True), (103.0, 101.5, True)):
+            mono[0] = now
+            x = w.trainer(0, now, Seen(seen, me, procstate.identity(), True, closed, 0.0, 0.0, "a"), False)
+            assert x["trainer"] == ("finished" if closed else "stalled"), (now, x)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("rank 0: no progress for 40 s")
+    assert said[1] == "rank 0's trainer finished after 42 s without progress"
+
+
 def test_a_waiting_trainer_whose_process_is_stopped_is_not_waiting():
     from prefetchd.daemon.stalls import Seen, StallWatch
 

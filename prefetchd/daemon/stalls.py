@@ -166,5 +166,6 @@ class StallWatch:
         elif stall is None and was is not None:
             del self._stalled[rank]
             if seen is not None and self._zero[rank][1] > was:
-                log.info("rank %d moves again after %.0f s without progress", rank, self._zero[rank][1] - was)
+                log.info("rank %d%s after %.0f s without progress", rank,
+                         "'s trainer finished" if done else " moves again", self._zero[rank][1] - was)
         return stall
