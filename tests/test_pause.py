@@ -248,10 +248,10 @@ def test_a_stalled_rank_is_named_with_since_when_and_its_trainers_state_in_statu
         assert not stall()
     finally:
         t.kill()
-    # said once each way: stall and move lines alternate (a loaded machine may add a spell as the
-    # trainer reads on or exits), the first of the Python pause, while its process ran
+    # said once each way: stall and move (or finished) lines alternate (a loaded machine may add a
+    # spell as the trainer reads on or exits), the first of the Python pause, while its process ran
     said = re.findall(rf"rank 0: no progress for \d+ s \(since [\d:]+; pid {t.proc.pid} (\w+)\)|"
-                      r"rank 0 (moves again) after \d+ s without progress", d.log())
+                      r"rank 0( moves again|'s trainer finished) after \d+ s without progress", d.log())
     kinds = ["stall" if x else "move" for x, _ in said]
     assert kinds[:2] == ["stall", "move"] and said[0][0] == "running", d.log()
     assert all(a != b for a, b in zip(kinds, kinds[1:], strict=False)), d.log()
