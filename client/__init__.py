@@ -13,8 +13,11 @@
 Modules by role: ``loader`` (``PrefetchClient``, the public loader), ``reader`` (the reader thread
 and batch files), ``memory`` (pinned buffers and device copies), ``normalize``, ``gpudecode``
 (compact batches decoded on the GPU), ``clock`` (waiting time, less the process's own stops),
-``child`` (``serve()``: the daemon as a child process for a ``with`` block), ``common`` (errors,
-``BatchInfo``, constants; imports nothing of the client).
+``child`` (``serve()``: the daemon as a child process for a ``with`` block), ``shapes`` (the
+DataLoader-shaped ``dataset``, ``sampler``, ``batch_sampler``), ``lifetime`` (``close()`` and what
+the daemon is told of a finished or waiting trainer), ``jobenv`` (rank and world size from
+torchrun's or Slurm's environment), ``common`` (errors, ``BatchInfo``, constants; imports nothing
+of the client).
 """
 
 from __future__ import annotations
