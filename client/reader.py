@@ -134,7 +134,7 @@ class ReadAhead:
                     raise value
                 return value
         finally:
-            self.waited = clock.tick()
+            self.waited = clock.tick(final=True)
 
     def close(self) -> None:
         self.stop.set()
