@@ -140,7 +140,7 @@ class ReadAhead:
                     raise value
                 return value
         finally:
-            self.waited = clock.tick()
+            self.waited = clock.tick(final=True)
             self.announced = announced
 
     def close(self) -> None:

@@ -72,8 +72,11 @@ class WaitClock:
         self.waited = 0.0
         self.frozen = 0.0
 
-    def tick(self) -> float:
-        """Count the time since the last tick; returns ``waited``."""
+    def tick(self, final: bool = False) -> float:
+        """Count the time since the last tick; returns ``waited``. ``final``: the wait is over, so
+        no run-queue baseline is read for a tick to come (a wait that found its batch at once, the
+        trainer's fast path, then reads nothing: the read opens a /proc file, and that system
+        call hands the GIL to the reader thread, which the trainer then waits to get back)."""
         t = self._now()
         step, self._last = t - self._last, t
         if step > STOPPED_STEP_S:
@@ -85,7 +88,7 @@ class WaitClock:
             self._base = d
         elif step > 0:
             self.waited += step
-        if t - self._base_at >= _DELAY_EVERY_S:  # first read at the first tick: the fast path reads nothing
+        if not final and t - self._base_at >= _DELAY_EVERY_S:  # first read at the first tick
             self._base, self._base_at = self._delay(), t
         return self.waited
 

@@ -95,7 +95,7 @@ class Daemon:
         self._stop = False
         self._reload = False
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._fdwait = FdWait()  # the loop's wait: the same descriptors turn after turn
+        self._fdwait = (FdWait(), FdWait())  # the loop's wait, without and with the watcher's: the same fds turn after turn
         self.waiting = Waiting()  # why each stream waits: the status, one log line per spell
         self.produced_batches = 0
         self.produced_images = 0
@@ -319,10 +319,10 @@ class Daemon:
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = min(TICK_S, max(0.0, min(t for t in due if t is not None) - self.clock()))
-            waitables = [self._wake_r, *self.watcher.waitables(), *self.pool.waitables()]
-            if self.remote is not None:
-                waitables += self.remote.waitables()
-            if self._wake_r in self._fdwait.ready(tuple(map(fd_of, waitables)), timeout):
+            # progress wakes the loop only while a slot is free; else the next result reads it too (README: The loop)
+            watch = self.watcher.waitables() if any(ex.idle() for ex in self._executors()) else []
+            waitables = [self._wake_r, *watch, *self.pool.waitables(), *(self.remote.waitables() if self.remote is not None else ())]
+            if self._wake_r in self._fdwait[bool(watch)].ready(tuple(map(fd_of, waitables)), timeout):
                 self._drain_wake()
             for ex in self._executors():
                 try:
