@@ -439,3 +439,27 @@ def test_a_bridge_hung_or_killed_mid_stream_leaves_local_workers_serving_and_a_n
     finally:
         if psutil.pid_exists(old):
             os.kill(old, signal.SIGKILL)
+
+
+def test_sigterm_to_the_daemons_group_leaves_the_ray_bridge_to_the_daemon(tmp_path, image_root, daemon_factory,
+                                                                           cluster):
+    """``scancel`` or ``kill -TERM -PGID`` with ``executor: ray``: the bridge, in the daemon's group,
+    died of the signal, and the daemon's loop said a lost cluster and started a new bridge during
+    its stop. Born with the group's stop signals blocked, it is the daemon's to stop."""
+    c, _ = cluster
+    cfg = small_config(tmp_path, image_root, workers={"executor": "ray", "ray": {"address": c.loopback_address,
+                                                                                 "workers": 2, **LOOP}},
+                       loader={"epochs": None}, buffer={"capacity": 40, "refill_at": 39})
+    buf = str(tmp_path / "buffer")
+    d = daemon_factory(cfg)
+    st = wait_until(lambda: _ray_status(buf).get("where") and _ray_status(buf), 120, "remote workers")
+    bridge = st["bridge"]["pid"]
+    with open(f"/proc/{bridge}/status") as f:
+        blocked = int(next(ln for ln in f if ln.startswith("SigBlk")).split()[1], 16)
+    assert all(blocked >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)), hex(blocked)
+    os.killpg(d.pid, signal.SIGTERM)
+    wait_until(lambda: d.proc.poll() is not None, 60, "the daemon to stop")
+    log = d.log()
+    assert d.proc.returncode == 0, log
+    assert " ERROR " not in log and "ray: unavailable" not in log, log
+    assert (status.read_json(buf, status.STATUS_NAME) or {})["ray"]["bridge"]["starts"] == 1

@@ -101,6 +101,11 @@ class RayPool:
         self._down = None
         self.workers = {}
         ours, theirs = socket.socketpair()
+        # born with the group's stop signals blocked, as the forkserver is (helpers.GROUP_SIGNALS): a
+        # SIGTERM to the daemon's whole group (scancel, timeout) is the daemon's to act on, not the
+        # bridge's to die of (said as a lost cluster and a new bridge, during the stop); it is
+        # stopped with SIGKILL, and dies with the daemon (PR_SET_PDEATHSIG, SIGKILL)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, helpers.GROUP_SIGNALS)
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "prefetchd.executors.raybridge", str(theirs.fileno()), str(os.getpid())],
@@ -111,6 +116,7 @@ class RayPool:
             self._fail(f"cannot start the Ray bridge process ({e.strerror or e})", lost_cluster=False)
             return
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             theirs.close()
         self.bridge_starts += 1
         self._conn = Connection(ours.detach())
