@@ -398,11 +398,24 @@ def _left_by_a_killed_start(buffer_dir: str, ours: tuple[str, ...]) -> dict[str,
     config's own directories, each with an outermost parent at or above it), or nothing."""
     rec = status.read_json(buffer_dir, status.CREATED_NAME)
     made = rec.get("made") if isinstance(rec, dict) and rec.get("format") == "prefetchd-created" else None
-    if not isinstance(made, list):
-        return {}
+    if not isinstance(made, list) or _maker_alive(rec.get("pid")):
+        return {}  # a start that still runs (its daemon between two tries, say) removes its own
     return {path: top for pair in made if isinstance(pair, list) and len(pair) == 2
             and all(isinstance(x, str) for x in pair) and (path := pair[0]) in ours
             and (top := pair[1]) and (path == top or path.startswith(top.rstrip("/") + "/"))}
+
+
+def _maker_alive(pid) -> bool:
+    """Whether the start that wrote a ``status.CREATED_NAME`` (``pid``) runs, in another process."""
+    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 @contextlib.contextmanager

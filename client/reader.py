@@ -345,7 +345,11 @@ class BatchFiles:
         if self.as_numpy:
             return pad
         mask = torch.from_numpy(pad)
-        return mask.to(self.device) if self.device is not None else mask
+        if self.device is None:
+            return mask
+        if self.device.type == "cuda":  # no sync of the trainer's stream for a pageable copy
+            return mask.pin_memory().to(self.device, non_blocking=True)
+        return mask.to(self.device)
 
     def _give_back(self, host, event) -> None:
         if host is not None and self._copy and self.pin_memory:

@@ -96,3 +96,23 @@ def test_the_stop_line_names_the_way_to_free_the_ring_unless_a_live_launch_remov
     gone.wait()
     (tmp_path / status.CREATED_NAME).write_text(json.dumps({"pid": gone.pid}))
     assert not _made_by_a_live_start(str(tmp_path))  # killed outright: clean is the way
+
+
+def test_a_directory_made_by_a_start_that_still_runs_is_not_taken_over(tmp_path):
+    """Its launch's daemon between two tries (no lock held) is no leftover: another start of the
+    config must not take the directory, and remove that launch's ring at its own end."""
+    from prefetchd_client.child import _left_by_a_killed_start
+
+    buf = str(tmp_path / "buffer")
+    os.makedirs(buf)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        for pid, taken in ((alive.pid, {}), (dead.pid, {buf: buf}), (os.getpid(), {buf: buf})):
+            status.write_json(buf, status.CREATED_NAME, {"format": "prefetchd-created", "version": 1, "pid": pid,
+                                                         "made": [[buf, buf]]})
+            assert _left_by_a_killed_start(buf, (buf,)) == taken, pid
+    finally:
+        alive.kill()
+        alive.wait()

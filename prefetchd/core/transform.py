@@ -51,11 +51,17 @@ _REASON_CHARS = 300
 
 
 class TransformRaised(augment.SampleError):
-    """The user's transform raised on this sample: the sample is quarantined."""
+    """The user's transform raised on this sample, with this draw: a replacement stands in for it
+    in this batch (the draw's failure, not the file's: the next epoch's draw may succeed, so it is
+    not quarantined for good, which would make later epochs depend on which worker saw it)."""
+
+    per_draw = True
 
 
 class OutputError(augment.SampleError):
     """The transform's output cannot be a sample of the batch; the message says what to change."""
+
+    per_draw = True
 
 
 class SizeError(OutputError):

@@ -439,6 +439,8 @@ class Daemon:
             if res.rank >= VAL_LANE:  # val indices are not train indices: said, not in the train quarantine
                 log.warning("validation sample %d (%s) cannot be used: %s; replaced in this pass", q.index, q.path,
                             q.reason)
+            elif q.per_draw:  # augment.transform failed with this epoch's draw: not quarantined for good
+                log.warning("sample %d (%s), epoch %d: %s; a deterministic replacement stands in for it", q.index, q.path, res.epoch, q.reason)
             else:
                 self.quarantine.add(q, res.epoch)
         if not current:  # made for a segmentation no longer read (the trainers resumed elsewhere)

@@ -7,10 +7,12 @@ the pipe. Only the daemon publishes (renames) a batch, so a worker killed mid-ba
 most a temp file that the daemon removes.
 
 With ``augment.transform``, each sample is made by the user's transform (``core.transform``,
-made once per worker) into the same array. A sample whose file cannot be read or decoded, or
-that the transform raises on or makes into something the batch cannot hold, is quarantined
-and replaced by another sample chosen from ``(seed, epoch, index, attempt)`` alone, so batch
-shapes and the bytes of every batch stay independent of which worker made it.
+made once per worker) into the same array. A sample whose file cannot be read or decoded is
+quarantined; one that the transform raises on or makes into something the batch cannot hold
+with this epoch's draw is replaced in that batch only (``Quarantined.per_draw``: said, not
+quarantined for good, since another draw may succeed). Either way the replacement is chosen
+from ``(seed, epoch, index, attempt)`` alone, so batch shapes and the bytes of every batch stay
+independent of which worker made it.
 
 Each batch is filled through a builder (``prefetchd.executors.builders``), chosen once per batch:
 pixels, or (``augment.decode: hybrid | gpu``, for the batches ``hybrid.on_gpu`` gives the
@@ -84,6 +86,9 @@ class Quarantined:
     index: int
     path: str
     reason: str
+    # a user transform's failure with this draw, (epoch, sample): replaced in this batch, said, but
+    # not quarantined for good (a later draw may succeed; workers that never saw it must agree)
+    per_draw: bool = False
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,9 @@ class BatchMaker:
                     self._load(i, images[k], epoch, builder)
                     break
                 except augment.SampleError as e:
-                    if i not in self.bad:
+                    if getattr(e, "per_draw", False):  # the transform's with this draw: not self.bad
+                        quarantined.append(Quarantined(i, self.index.path(i), clean_reason(str(e)), per_draw=True))
+                    elif i not in self.bad:
                         self.bad[i] = clean_reason(str(e))
                         quarantined.append(Quarantined(i, self.index.path(i), self.bad[i]))
                     attempt += 1
