@@ -101,6 +101,15 @@ USER_MODULE = textwrap.dedent('''
         return lazy
 
 
+    def make_own_generator(size=64):
+        rng = np.random.default_rng()  # its own generator, as albumentations' Compose keeps one
+
+        def jitter(im):
+            a = np.asarray(im.resize((size, size))).astype(np.int16) + rng.integers(-30, 31)
+            return np.clip(a, 0, 255).astype(np.uint8)
+        return jitter
+
+
     def make_flaky(size=64):
         def flaky(im):  # fails with some draws: a failure of (epoch, sample), not of the file
             if random.random() < 0.3:
@@ -301,6 +310,8 @@ def test_bad_transform_keys_are_one_line_errors_at_load(tmp_path, augment, words
     ("{}:make", {"size": 48}, "augment.output_size is 64 but augment.transform returns 48x48 images: set "
                               "augment.output_size: 48, or end the transform with a 64x64 crop"),
     ("{}:make", {"raise_on_width": 120}, "augment.transform {}:make failed on each of the first"),
+    ("{}:make_own_generator", {}, "augment.transform {}:make_own_generator made sample 0 twice from one seed and got "
+                                  "other pixels: it draws from a generator of its own"),
 ])
 def test_prefetchd_check_runs_the_transform_and_says_what_is_wrong_in_one_line(tmp_path, factory, args, words):
     name = f"ux_check_{abs(hash((factory, json.dumps(args)))) % 10**8}"

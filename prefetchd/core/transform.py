@@ -265,7 +265,12 @@ def probe(t: UserTransform, samples: Iterable[tuple[int, bytes]], seed: int) -> 
             break
         tried += 1
         try:
-            t.make(data, seed, 0, index)
+            first = t.make(data, seed, 0, index)
+            if made == 0 and not np.array_equal(first, t.make(data, seed, 0, index)):
+                raise ConfigError(_KEY, f"{t.cfg.transform} made sample {index} twice from one seed and got other pixels: "
+                                  "it draws from a generator of its own, which prefetchd cannot seed (the stream would "
+                                  "depend on the worker); draw from random, numpy.random or torch's generator, or take "
+                                  "rng= (a numpy Generator of the sample's key)")
         except SizeError as e:
             raise ConfigError("augment.output_size", _size_advice(e, t.cfg.output_size)) from None
         except OutputError as e:
