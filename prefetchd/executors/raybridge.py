@@ -298,7 +298,9 @@ class Bridge:
                 self.refs[ref] = (a, seq, task)
                 return
             self._last_up = None  # the daemon forgets its workers at this answer: the next UP is said, whatever it is
-        self.send(Msg.LOST, seq, NO_WORKER_READY)
+            # sent under the lock: an UP that another thread says (an actor ready just now) comes after
+            # it, never before it (the daemon would drop the workers that UP named, and no UP would follow)
+            self.send(Msg.LOST, seq, NO_WORKER_READY)
         self._up()  # none ready now: the daemon stops sending until an UP says one is
 
     def _up(self) -> None:
