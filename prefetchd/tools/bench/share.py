@@ -385,6 +385,19 @@ def _set_workers_policy(daemon_pid: int, policy: int) -> None:
                 raise RuntimeError(f"a worker thread ({tid}) did not take the policy asked for")
 
 
+def _wait_serving(buffer: str, proc, timeout_s: float = 120.0) -> None:
+    """Until the daemon has made a few batches (its status says), or the deadline."""
+    from prefetchd.format import status
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ((status.read_json(buffer, status.STATUS_NAME) or {}).get("produced_batches") or 0) >= 4:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the daemon made no batch in {timeout_s:.0f} s" if proc.poll() is None else
+                       f"the daemon exited with status {proc.returncode} before it made a batch")
+
+
 def gpu_paired_run(root: str, work: str, batch_size: int, step_ms: float, cycles: int, phase_s: float = 1.0,
                    pin: bool = False) -> list[float]:
     """The GPU-like figure, paired in time: one daemon, two GPU-like trainers reading throughout,
@@ -402,7 +415,8 @@ def gpu_paired_run(root: str, work: str, batch_size: int, step_ms: float, cycles
         for p in readers:
             p.start()
         start.set()
-        time.sleep(2.0)
+        _wait_serving(buffer, proc)  # a slow start (a loaded machine) must not starve the first phase
+        time.sleep(1.0)
         for i in range(2 * cycles):
             _set_workers_policy(proc.pid, os.SCHED_IDLE if i % 2 == 0 else os.SCHED_OTHER)
             t0 = time.monotonic()
