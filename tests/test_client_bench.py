@@ -225,7 +225,7 @@ def test_share_bench_gpu_paired_switches_the_workers_phase_by_phase_and_pools_th
     if os.geteuid() != 0:
         pytest.skip("switching a thread out of SCHED_IDLE needs root")
     out = _bench("--share", "--share-only", "gpu-paired", "--repeats", "2", "--share-cycles", "2", "--share-phase-s",
-                 "0.5", "--images", "64", "--image-side", "64", "--step-ms", "1", "-q")
+                 "1.5", "--images", "64", "--image-side", "64", "--step-ms", "1", "-q")
     assert len(re.findall(r"^round \d: GPU-like img/s, workers idle against normal phase by phase: [\d.]+ x "
                           r"\[[\d.]+-[\d.]+\] over 2 pairs", out, re.M)) == 2, out
     assert re.search(r"^summary: GPU-like img/s, workers idle against normal: [\d.]+ x \[[\d.]+-[\d.]+\] \(geometric "
