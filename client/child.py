@@ -407,15 +407,7 @@ def _left_by_a_killed_start(buffer_dir: str, ours: tuple[str, ...]) -> dict[str,
 
 def _maker_alive(pid) -> bool:
     """Whether the start that wrote a ``status.CREATED_NAME`` (``pid``) runs, in another process."""
-    if not isinstance(pid, int) or pid <= 0 or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return pid != os.getpid() and procstate.exists(pid)
 
 
 @contextlib.contextmanager

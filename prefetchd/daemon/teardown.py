@@ -5,11 +5,10 @@ Daemon's public attributes (``watcher``, ``pool``, ``lock``, ... each None until
 from __future__ import annotations
 
 import logging
-import os
 import shlex
 
 from prefetchd.core.config import format_size
-from prefetchd.format import status
+from prefetchd.format import procstate, status
 
 log = logging.getLogger("prefetchd")
 
@@ -56,16 +55,7 @@ def teardown(d) -> None:
 def _made_by_a_live_start(buffer_dir: str) -> bool:
     """A ``launch`` or ``serve()`` that runs made the buffer directory (``status.CREATED_NAME``) and
     removes it when it ends; one killed outright leaves it to the next start, or to ``clean``."""
-    pid = (status.read_json(buffer_dir, status.CREATED_NAME) or {}).get("pid")
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+    return procstate.exists((status.read_json(buffer_dir, status.CREATED_NAME) or {}).get("pid"))
 
 
 def left_behind(batches: int, nbytes: int, buffer_dir: str, config: str | None, created: bool) -> str | None:

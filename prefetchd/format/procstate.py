@@ -96,6 +96,11 @@ def _start(pid: int) -> int:
         return 0
 
 
+def exists(pid) -> bool:
+    """Whether a process ``pid`` exists (another user's too); False for anything not a pid."""
+    return isinstance(pid, int) and pid > 0 and _by_signal(pid) != GONE
+
+
 def _by_signal(pid: int) -> str:
     try:
         os.kill(pid, 0)
