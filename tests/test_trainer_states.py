@@ -9,15 +9,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import pytest
 from conftest import small_config, wait_until
+from test_pause import _free_port, _scrape
 
 from prefetchd.format import procstate, progress, status
 
@@ -86,19 +85,6 @@ class Trainer:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scrape(port: int) -> str:
-    try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    except OSError:
-        return ""
 
 
 def _metric(text: str, name: str, **labels) -> float | None:
