@@ -31,6 +31,7 @@ decoder is made).
 from __future__ import annotations
 
 import logging
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -96,13 +97,20 @@ def load_nvimgcodec():
     return nvimgcodec
 
 
+# the nvJPEG library under any name the dynamic loader gives it: libnvjpeg.so.13 (the nvidia-nvjpeg
+# wheel, the CUDA toolkit), or a wheel's bundled copy renamed by auditwheel, libnvjpeg.36e11081.so.13
+# (torchvision's: with torchvision imported first, nvImageCodec's dlopen of the soname finds that
+# copy, and the back-end works on it). Not nvJPEG2000 (libnvjpeg2k) nor the extension itself.
+_NVJPEG_LIB = re.compile(r"/libnvjpeg(\.[0-9a-f]{8})?\.so(\.\d+)*$")
+
+
 def nvjpeg_registered(maps_path: str = "/proc/self/maps") -> bool | None:
     """Whether nvImageCodec's nvJPEG extension loaded the nvJPEG library, which it does as the
     module is imported (registering its decoders only if that works): the library is mapped in
     this process. None where that cannot be told (no /proc)."""
     try:
         with open(maps_path) as f:
-            return any("/libnvjpeg.so" in line for line in f)
+            return any(_NVJPEG_LIB.search(line.rstrip("\n")) for line in f)
     except OSError:
         return None
 

@@ -518,8 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "least these, then until the feed's backlog is drained or holds)")
     k.add_argument("--warmup-max-s", type=float, default=30.0, help="--train: the longest a steady row warms up "
                    "after its first batch before it is measured anyway (and says so)")
-    k.add_argument("--decodes", default="cpu,hybrid,gpu", help="--train: the augment.decode of each prefetchd "
-                   "row (default cpu,hybrid,gpu; without a GPU, hybrid and gpu decode with a CPU stand-in)")
+    k.add_argument("--decodes", default=None, help="--train: the augment.decode of each prefetchd "
+                   "row (default cpu,hybrid,gpu, the GPU rows left out with a note where nvImageCodec cannot run; without a GPU, "
+                   "hybrid and gpu decode with a CPU stand-in)")
     k.add_argument("--gpu-share", type=float, default=0.5, help="--train: augment.gpu_share of the hybrid row")
     k.add_argument("--freeze-daemon", action="store_true", help="--train: SIGSTOP the daemon once the ring holds "
                    "every measured batch (few cores: its refills would compete with the training)")

@@ -310,3 +310,21 @@ def test_hybrid_decode_through_the_client_on_the_gpu_matches_the_cpu_path(tmp_pa
             diff = np.abs(got[k] - ref[key][0][k].astype(int))
             assert diff.mean() < MEAN_TOL and np.percentile(diff, 99) <= P99_TOL, (key, k, diff.mean())
     assert d.stop() == 0
+
+
+@pytest.mark.skipif(not _has_nvimgcodec(), reason="needs CUDA and nvImageCodec (pip install 'prefetchd[gpu]')")
+def test_the_gpu_decoder_starts_in_a_trainer_that_imported_torchvision_first():
+    """Seen on an H100 (torchvision 0.26): a trainer that imports torchvision before the client
+    has torchvision's own copy of nvJPEG mapped under a hashed name, which nvImageCodec's back-end
+    then uses; the start-up check took that for a missing back-end and refused hybrid and gpu
+    decoding in every such trainer. In a fresh process, as a trainer starts."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchvision")
+    code = ("import torch, torchvision\n"
+            "from prefetchd_client.gpudecode import DecodeStage, nvjpeg_registered\n"
+            "DecodeStage('cuda')\n"
+            "print('registered', nvjpeg_registered())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "registered True" in r.stdout, r.stderr[-2000:]

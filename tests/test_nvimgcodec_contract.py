@@ -55,6 +55,15 @@ def test_the_start_up_check_finds_the_nvjpeg_back_end_and_refuses_without_it(mon
     assert gpudecode.nvjpeg_registered(str(maps)) is False  # the extension alone registers nothing
     maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 00:00 0 /x/nvidia/cu13/lib/libnvjpeg.so.13\n")
     assert gpudecode.nvjpeg_registered(str(maps)) is True
+    # torchvision imported first: its bundled copy (as an H100 machine's torchvision 0.26 maps it)
+    # is the one nvImageCodec's dlopen of libnvjpeg.so.13 finds
+    maps.write_text("7f00-7f01 r-xp 0 00:00 0 /x/nvidia/nvimgcodec/extensions/libnvjpeg_ext.so.0.9.0\n"
+                    "7f02-7f03 r-xp 0 00:00 0 /v/site-packages/torchvision.libs/libnvjpeg.36e11081.so.13\n")
+    assert gpudecode.nvjpeg_registered(str(maps)) is True
+    for other in ("/x/nvidia/nvimgcodec/extensions/libnvjpeg2k_ext.so.0.9.0", "/x/lib/libnvjpeg2k.so.0",
+                  "/x/nvidia/nvimgcodec/extensions/libnvjpeg_ext.so.0.9.0"):
+        maps.write_text(f"7f00-7f01 r-xp 0 00:00 0 {other}\n")
+        assert gpudecode.nvjpeg_registered(str(maps)) is False, other
     assert gpudecode.nvjpeg_registered(str(tmp_path / "none")) is None
     monkeypatch.setattr(gpudecode, "nvjpeg_registered", lambda: False)
     with pytest.raises(DecodeUnavailable, match=r"nvJPEG back-end is not registered.*pip install 'prefetchd\[gpu\]'"):

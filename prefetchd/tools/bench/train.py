@@ -353,10 +353,23 @@ def run_train_bench(args) -> int:
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     batch = args.batch_size or 256
-    decodes = [d.strip() for d in args.decodes.split(",") if d.strip()]
+    decodes = [d.strip() for d in (args.decodes or "cpu,hybrid,gpu").split(",") if d.strip()]
     if not decodes or set(decodes) - {"cpu", "hybrid", "gpu"}:
         print(f"--decodes takes a comma-separated list of cpu, hybrid, gpu; got {args.decodes!r}", file=sys.stderr)
         return 2
+    if device.type == "cuda" and set(decodes) & {"hybrid", "gpu"}:
+        # the GPU rows need nvImageCodec: checked before any daemon starts, in the way the client
+        # checks it (after torch and torchvision, as a trainer imports them)
+        from prefetchd_client.gpudecode import DecodeUnavailable, load_nvimgcodec
+
+        try:
+            load_nvimgcodec()
+        except DecodeUnavailable as e:
+            if args.decodes is not None:  # asked for by name: say why it cannot run
+                print(f"--decodes {args.decodes}: {e}", file=sys.stderr)
+                return 2
+            print(f"the hybrid and gpu rows are left out: {e}", file=sys.stderr, flush=True)
+            decodes = [d for d in decodes if d == "cpu"]
     root = args.root[0] if args.root else None
     if root is not None and not os.path.isdir(root):
         print(f"--train reads an ImageFolder (the DataLoader row needs one); {root} is not a directory",
