@@ -77,7 +77,7 @@ def _round_u8(x: torch.Tensor) -> torch.Tensor:
 
 def resample(x: torch.Tensor, hh: int, ww: int, interpolation: str) -> torch.Tensor:
     """float ``[1, 3, h, w]`` holding whole numbers -> ``[1, 3, hh, ww]``, rounded, as
-    ``prefetchd.core.augment._resample`` does it with OpenCV: one sample at a time, the reference
+    ``prefetchd.core.augment.modes._resample`` does it with OpenCV: one sample at a time, the reference
     that ``resample_batch`` computes for a batch at once (tests compare the two)."""
     if interpolation not in ("nearest", "area"):
         while x.shape[2] >= 2 * hh and x.shape[3] >= 2 * ww:

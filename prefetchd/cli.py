@@ -166,7 +166,7 @@ def cmd_check(args) -> int:
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
     transform_said: list[str] = []  # augment.transform made and run on the first samples, as the daemon's start does
     if cfg.augment.transform is not None:
-        from prefetchd.core import transform
+        from prefetchd.core.augment import transform
 
         try:
             transform.check(cfg.augment, index, L.seed, transform_said.append)

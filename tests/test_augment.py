@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefetchd.core import augment as A
+from prefetchd.core.augment import modes as A
 from prefetchd.core.config import AugmentConfig
 from prefetchd.tools.samples import jpeg_bytes, photo_like
 

@@ -18,7 +18,7 @@ from prefetchd.core.config import ConfigError
 def test_importing_the_client_loads_no_daemon_pillow_or_opencv():
     code = ("import sys, prefetchd_client; bad = [m for m in sys.modules if m.split('.')[0] in "
             "('PIL', 'cv2', 'simplejpeg', 'watchdog', 'psutil') or m.startswith(('prefetchd.daemon', "
-            "'prefetchd.executors', 'prefetchd.tools', 'prefetchd.cli')) or m in ('prefetchd.core.augment', "
+            "'prefetchd.executors', 'prefetchd.tools', 'prefetchd.cli')) or m in ('prefetchd.core.augment.modes', 'prefetchd.core.augment.transform', "
             "'multiprocessing.pool')]; print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -16,7 +16,8 @@ from PIL import Image, ImageOps
 from prefetchd_client import gpudecode, gpuops
 from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 
-from prefetchd.core import augment, hybrid
+from prefetchd.core import hybrid
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig, ConfigError, from_dict
 from prefetchd.core.dataset import load_index
 from prefetchd.executors import builders

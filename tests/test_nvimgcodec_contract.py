@@ -20,7 +20,8 @@ from prefetchd_client import gpudecode, gpuops
 from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 from test_hybrid import _BASE, _RST, CORRUPT_JPEGS, META, PHOTO, enc, with_orientation
 
-from prefetchd.core import augment, hybrid
+from prefetchd.core import hybrid
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig
 from prefetchd.executors import builders
 from prefetchd.format import jpegbatch

@@ -1,4 +1,4 @@
-"""A user's transform in the workers (``augment.transform``, ``core.transform``): unit tests of the
+"""A user's transform in the workers (``augment.transform``, ``core.augment.transform``): unit tests of the
 per-sample seeding and the output rules, then the real daemon with transforms written in Pillow,
 numpy and torch (torchvision does not install in the test venv: its wheel pulls CUDA torch)."""
 
@@ -19,11 +19,11 @@ from PIL import Image
 from prefetchd_client import PrefetchClient, PrefetchError
 from test_daemon import collect, published, reference_batches
 
-from prefetchd.core import transform
+from prefetchd.core.augment import transform
+from prefetchd.core.augment.seeds import sample_key
 from prefetchd.core.config import ConfigError
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index
-from prefetchd.core.sampleseed import sample_key
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import status
 from prefetchd.tools.samples import jpeg_bytes, photo_like
@@ -192,7 +192,7 @@ def test_torch_is_not_imported_for_a_transform_that_does_not_use_it(tmp_path):
         import sys
         from prefetchd.core.configsections import AugmentConfig
         from prefetchd.executors.worker import BatchMaker  # what a worker imports
-        from prefetchd.core import transform
+        from prefetchd.core.augment import transform
         from prefetchd.tools.samples import jpeg_bytes, photo_like
         import numpy as np
         t = transform.load(AugmentConfig(output_size=64, transform="ux_notorch:make", transform_path={d!r}), worker=True)
@@ -210,7 +210,7 @@ def test_a_transform_that_imports_torch_in_its_first_call_is_seeded_as_in_later_
         import sys
         import numpy as np
         from prefetchd.core.configsections import AugmentConfig
-        from prefetchd.core import transform
+        from prefetchd.core.augment import transform
         from prefetchd.tools.samples import jpeg_bytes, photo_like
         assert "torch" not in sys.modules
         t = transform.load(AugmentConfig(output_size=64, transform="ux_lazy:make_lazy_torch", transform_path={d!r}),

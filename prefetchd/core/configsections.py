@@ -252,7 +252,7 @@ class AugmentConfig:
     decoder: str = "auto"
     decode: str = "cpu"
     gpu_share: float = 0.5
-    # a user's transform, run in the workers instead of the built-in modes (core.transform)
+    # a user's transform, run in the workers instead of the built-in modes (core.augment.transform)
     transform: str | None = None  # "package.module:factory"
     transform_args: dict = field(default_factory=dict)  # keyword arguments to the factory
     transform_path: str | None = None  # a directory put on the workers' sys.path

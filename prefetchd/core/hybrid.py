@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefetchd.core import augment
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig
 
 _SOF_BASELINE = 0xC0

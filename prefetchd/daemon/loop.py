@@ -9,10 +9,9 @@ per-batch back-off); this module is the shell that carries its plans out. Each t
 2. asks the planner for as many batches as the executors have free slots and submits them
    (``pool.Pool``, and ``raypool.RayPool`` with ``workers.executor: ray | mixed``, behind one
    interface: ``idle``, ``submit``, ``results``, ``waitables``, ``stop``);
-3. waits for results, deaths, signals or the next timer; publishes each made batch that is
-   still wanted, by rename; a failed batch is retried after its back-off, a lost one (its
-   worker died or was killed at its deadline) at once; samples that fail are quarantined
-   (``quarantine``);
+3. waits for results, deaths, signals or the next timer; publishes each made batch still wanted,
+   by rename; a failed batch is retried after its back-off, a lost one (its worker died or was
+   killed at its deadline) at once; samples that fail are quarantined (``quarantine``);
 4. rewrites ``status.json`` from counters once a second.
 
 The validation stream (``validation.enabled``) runs in the same loop: a second planner whose
@@ -40,7 +39,8 @@ import threading
 import time
 from dataclasses import replace
 
-from prefetchd.core import hybrid, transform
+from prefetchd.core import hybrid
+from prefetchd.core.augment.transform import check as check_transform
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
 from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
@@ -137,7 +137,7 @@ class Daemon:
             raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
                               f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")
         # augment.transform made and run on the first samples before any worker starts: if broken, a ConfigError (exit 78)
-        self.transform_file = transform.check(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
+        self.transform_file = check_transform(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
         self.fingerprint_hex = status.stream_id(cfg.stream_fingerprint(), self.index.fingerprint,  # the stream's name
                                                 self.transform_file.code)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from prefetchd.core import augment, hybrid
+from prefetchd.core import hybrid
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig
 from prefetchd.format import batchfile, jpegbatch
 from prefetchd.format.batchfile import BatchMeta

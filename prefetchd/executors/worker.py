@@ -6,7 +6,7 @@ name (``O_CREAT|O_EXCL|O_NOFOLLOW``) and answers with a ``Result``. Pixel data n
 the pipe. Only the daemon publishes (renames) a batch, so a worker killed mid-batch leaves at
 most a temp file that the daemon removes.
 
-With ``augment.transform``, each sample is made by the user's transform (``core.transform``,
+With ``augment.transform``, each sample is made by the user's transform (``core.augment.transform``,
 made once per worker) into the same array. A sample whose file cannot be read or decoded is
 quarantined; one that the transform raises on or makes into something the batch cannot hold
 with this epoch's draw is replaced in that batch only (``Quarantined.per_draw``: said, not
@@ -31,7 +31,8 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from prefetchd.core import augment, hybrid
+from prefetchd.core import hybrid
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import Config
 from prefetchd.core.dataset import Index, open_index_files
 from prefetchd.executors import priority
@@ -161,7 +162,7 @@ class BatchMaker:
         self.compact = CompactBuilder(self.cfg.augment)
         self.transform = None  # a user's transform (augment.transform): made once, here
         if self.cfg.augment.transform is not None:
-            from prefetchd.core import transform
+            from prefetchd.core.augment import transform
 
             self.transform = transform.load(self.cfg.augment, worker=True)
             want = setup.transform_code

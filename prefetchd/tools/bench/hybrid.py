@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from prefetchd.core import augment, hybrid
+from prefetchd.core import hybrid
+from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig
 from prefetchd.executors import builders
 from prefetchd.format import batchfile, jpegbatch

@@ -272,7 +272,7 @@ class _PeerDataset:
         im = self._decodable(i, Image)
         w, h = im.size
         if self.mode == "random_resized_crop":
-            from prefetchd.core.augment import Draws, crop_for
+            from prefetchd.core.augment.modes import Draws, crop_for
             from prefetchd.core.config import AugmentConfig
             c = crop_for(AugmentConfig(mode="random_resized_crop"), w, h,
                          Draws(np.random.random(48), np.zeros(3)))

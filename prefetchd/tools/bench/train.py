@@ -110,7 +110,7 @@ class _RRCFolder:
         import torch
         from PIL import Image
 
-        from prefetchd.core.augment import Draws, crop_for
+        from prefetchd.core.augment.modes import Draws, crop_for
         from prefetchd.core.config import AugmentConfig
 
         with open(self.paths[i], "rb") as f:

@@ -4,7 +4,7 @@ One key per sample, ``SeedSequence([AUG_TAG, seed, epoch, index])``, whatever ma
 
 * the built-in augmentation draws its fixed set of uniforms and normals from a ``PCG64`` seeded
   with the key itself (``augment.draws``);
-* a user's transform (``core.transform``) runs after ``seed_sample`` has seeded Python's
+* a user's transform (``core.augment.transform``) runs after ``seed_sample`` has seeded Python's
   ``random``, numpy's global ``RandomState`` and, when torch is loaded in the process, torch's
   CPU generator from words 4 to 8 of the key's state (``generate_state``), and a callable that
   takes ``rng=`` gets the very generator the built-in draws come from (``PCG64`` of the key,

@@ -38,8 +38,8 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from prefetchd.core.augment.seeds import sample_key
 from prefetchd.core.config import AugmentConfig
-from prefetchd.core.sampleseed import sample_key
 
 try:  # libjpeg-turbo through its own small wheel: faster than Pillow's decode to numpy
     import simplejpeg
@@ -75,7 +75,7 @@ class Draws:
 
 
 def draws(seed: int, epoch: int, index: int) -> Draws:
-    """The sample's draws, from its key (``sampleseed.sample_key``: the one a user's transform is seeded from)."""
+    """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded from)."""
     rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index)))
     return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3))
 

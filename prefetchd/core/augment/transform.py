@@ -10,7 +10,7 @@ Per sample (``UserTransform.make``, a function of ``(bytes, seed, epoch, index)`
 
 1. the file is decoded whole by Pillow, RGB and upright (``augment.decode_image``), and handed
    over as a PIL image, or with ``augment.transform_input: numpy`` as a writable HWC uint8 array;
-2. ``sampleseed.seed_sample`` seeds Python's ``random``, numpy's global generator and torch's
+2. ``seeds.seed_sample`` seeds Python's ``random``, numpy's global generator and torch's
    (when the process has loaded torch) from the sample's key; a callable with an ``rng``
    parameter also gets a ``numpy.random.Generator`` from the same key. A call that loads torch
    itself (the first in a worker) is made once more, seeded as every later one;
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from prefetchd.core import augment
+from prefetchd.core.augment import modes as augment
+from prefetchd.core.augment.seeds import loaded_torch, seed_sample
 from prefetchd.core.configsections import AugmentConfig
 from prefetchd.core.configvalues import ConfigError
-from prefetchd.core.sampleseed import loaded_torch, seed_sample
 
 _KEY = "augment.transform"
 _PROBE_SAMPLES = 2  # outputs the probe checks...
