@@ -240,7 +240,7 @@ def test_a_worker_started_after_the_module_file_changed_refuses_to_make_batches(
     (np.zeros((3, 64, 64), np.float32), "returns float32 pixels (a Normalize or ToDtype(float) left in?): end the "
                                         "pipeline in uint8; normalise in the trainer with normalize=True"),
     (np.zeros((64, 64, 3), np.int64), "returns int64 pixels: end the pipeline in uint8"),
-    ((np.zeros((64, 64, 3), np.uint8),) * 2, "returns a tuple of 2: several views are not supported yet"),
+    ((np.zeros((64, 64, 3), np.uint8),) * 2, "returns a tuple inside its output: return one image, or a flat tuple"),
     (np.zeros((64, 64), np.uint8), "returns one channel (shape [64, 64])"),
     ("a string", "returns a builtins.str: return a uint8 array or tensor (HWC or CHW) or an RGB PIL image"),
     (np.zeros((3, 48, 48), np.uint8), "returned a 48x48 image where the batch holds 64x64 (augment.output_size)"),
