@@ -82,7 +82,9 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
 
     * ``images``: uint8 ``[B, 3, H, W]`` (channels-last in memory), ``labels``: int64 ``[B]``;
       torch tensors (on ``device`` when given) or numpy arrays when torch is absent or
-      ``as_numpy=True``. ``normalize=True`` yields ``(x / 255 - mean) / std`` in ``dtype`` (default
+      ``as_numpy=True``. A stream of several views (a transform returning a tuple, or
+      ``augment.views``) yields ``(view_0, ..., view_k-1, labels)``, each view ``[B, 3, H_v, W_v]``
+      and handled as ``images`` is (``docs/views.md``). ``normalize=True`` yields ``(x / 255 - mean) / std`` in ``dtype`` (default
       float32; ``mean=``, ``std=``: ImageNet's by default) on the images' device instead of uint8.
     * ``config``: the daemon's config file (or a loaded ``Config``); None takes the path in
       ``$PREFETCHD_CONFIG``, which ``prefetchd launch`` and ``prefetchd_client.serve`` set.
@@ -405,11 +407,12 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
                 self._say_waiting(0.0)
         images, labels, event, info = item
         self.last_batch = info
+        views = images if isinstance(images, tuple) else (images,)  # several views: one tensor each
         if event is not None:
-            self._transfer.wait(event, self.device, (images, labels))
+            self._transfer.wait(event, self.device, views + (labels,))
         if self.padding_mask:
-            return images, labels, self._mask(info)
-        return images, labels
+            return (*views, labels, self._mask(info))
+        return (*views, labels)
 
     def _stop_reader(self) -> None:
         r, self._reader = self._reader, None

@@ -357,40 +357,47 @@ class BatchFiles:
 
     def _convert(self, b: batchfile.Batch | jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
         """(images, labels, event or None) as the trainer gets them; ``replaced`` (the batch's, a
-        copy) is marked where the decode stage had to put a stand-in in place of a sample."""
+        copy) is marked where the decode stage had to put a stand-in in place of a sample. A batch
+        of several views gives ``images`` as a tuple of one [N, C, H_v, W_v] per view."""
         if isinstance(b, jpegbatch.JpegBatch):
             return self._convert_compact(b, host, replaced)
+        views = b.views or (b.images,)
+        several = len(views) > 1
         if self.as_numpy:
-            images = b.images.transpose(0, 3, 1, 2)
+            out = [v.transpose(0, 3, 1, 2) for v in views]
             if self.normalize:
-                images = _normalize_numpy(images, self.dtype, self.mean, self.std)
-            return (images, b.labels.copy(), None)
+                out = [_normalize_numpy(v, self.dtype, self.mean, self.std) for v in out]
+            return (tuple(out) if several else out[0], b.labels.copy(), None)
         if host is None:
-            images = torch.from_numpy(b.images).permute(0, 3, 1, 2)  # [N, C, H, W], channels-last strides
+            out = [torch.from_numpy(v).permute(0, 3, 1, 2) for v in views]  # [N, C, H, W], channels-last strides
             labels = torch.from_numpy(b.labels.astype(np.int64))
         else:  # views of the pinned tensor itself (not of its numpy alias), so torch sees pinned memory
-            lay = batchfile.Layout(*b.images.shape)
-            images = host[lay.images_offset: lay.images_offset + lay.images_nbytes].view(*b.images.shape)
-            images = images.permute(0, 3, 1, 2)
-            labels = host[lay.labels_offset: lay.labels_offset + 8 * lay.n].view(torch.int64)
+            start = b.indices.ctypes.data - batchfile.HEADER_SIZE  # the file's first byte (host's too)
+            out = []
+            for v in views:
+                at = v.ctypes.data - start
+                out.append(host[at: at + v.nbytes].view(*v.shape).permute(0, 3, 1, 2))
+            lo = b.labels.ctypes.data - start
+            labels = host[lo: lo + 8 * len(b.labels)].view(torch.int64)
         if not self._copy:
             if self.normalize:
-                images = _normalize_torch(images, self.dtype, self.mean, self.std)
-            return (images, labels, None)
+                out = [_normalize_torch(v, self.dtype, self.mean, self.std) for v in out]
+            return (tuple(out) if several else out[0], labels, None)
         # pinned or pageable (host is None), the copies and the normalize run on the side stream:
-        # the trainer's stream waits on the event recorded after them and marks the outputs as
-        # used there (record_stream), else it could read them early and the allocator reuse them
+        # the trainer's stream waits on the event recorded after them and marks the outputs (every
+        # view's and the labels) as used there (record_stream), else it could read them early and
+        # the allocator reuse them
         try:
-            gi = self._transfer.to_device(images, self.device)
+            gv = [self._transfer.to_device(v, self.device) for v in out]
             gl = self._transfer.to_device(labels, self.device)
-            if self.normalize:
-                gi = _normalize_torch(gi, self.dtype, self.mean, self.std)  # on the side stream, after the copy
+            if self.normalize:  # on the side stream, after the copies
+                gv = [_normalize_torch(v, self.dtype, self.mean, self.std) for v in gv]
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)
             raise
-        self._give_back(host, ev)  # reused only once ev (after both copies) has completed
-        return (gi, gl, ev)
+        self._give_back(host, ev)  # reused only once ev (after every copy) has completed
+        return (tuple(gv) if several else gv[0], gl, ev)
 
     def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
         """A compact batch decoded by the stage: in the reader thread, on the side stream when

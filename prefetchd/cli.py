@@ -165,15 +165,14 @@ def cmd_check(args) -> int:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
     transform_said: list[str] = []  # augment.transform made and run on the first samples, as the daemon's start does
-    if cfg.augment.transform is not None:
-        from prefetchd.core.augment import transform
+    from prefetchd.core.augment import transform
 
-        try:
-            transform.check(cfg.augment, index, L.seed, transform_said.append)
-        except ConfigError as e:
-            return _fail_config(e)
+    try:  # each view's (height, width): the transform's, learned by the probe, or the config's
+        shapes = transform.check(cfg.augment, index, L.seed, transform_said.append).shapes
+    except ConfigError as e:
+        return _fail_config(e)
     s = cfg.augment.output_size
-    per_batch = batchfile.max_file_size(L.batch_size, s, s)
+    per_batch = batchfile.views_file_size(L.batch_size, shapes)
     need = per_batch * B.capacity * len(L.ranks)
     print(f"config {cfg.source}: ok")
     print(f"dataset: {plural(len(index), 'sample')}, {plural(len(index.classes), 'class', 'classes')} "
@@ -188,7 +187,8 @@ def cmd_check(args) -> int:
                   f"with drop_last: false its one batch holds {first})")
     print(f"stream: {sizes} per epoch for each of ranks {list(L.ranks)} (world size {L.world_size}), seed {L.seed}, "
           f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment "
-          f"{'transform' if transform_said else cfg.augment.mode} -> {s}x{s}")
+          f"{'transform' if transform_said else 'views' if cfg.augment.views else cfg.augment.mode} -> "
+          f"{', '.join(f'{h}x{w}' for h, w in shapes)}")
     for said in transform_said:
         print(f"transform: {said}")
     V = cfg.validation

@@ -68,6 +68,62 @@ def test_imagenet_example_trains_a_few_steps_on_cpu(tmp_path, image_root, daemon
     assert daemon.stop() == 0
 
 
+# the daemon's half of --recipe randaugment, without torchvision (which does not import beside this
+# venv's torch): a random crop and flip in numpy, uint8 CHW out, as recipes.randaugment ends
+_RECIPE = """
+import random
+
+import numpy as np
+
+
+def make(size=64):
+    def crop_flip(im):
+        a = np.asarray(im)
+        h, w = a.shape[:2]
+        y, x = random.randrange(h - size + 1), random.randrange(w - size + 1)
+        a = a[y:y + size, x:x + size]
+        return np.ascontiguousarray((a[:, ::-1] if random.random() < 0.5 else a).transpose(2, 0, 1))
+    return crop_flip
+"""
+
+
+def test_imagenet_example_recipe_randaugment_mixes_batches_of_a_daemon_transform(tmp_path, image_root,
+                                                                                  daemon_factory):
+    plain = _stream(tmp_path, "plain", image_root, loader={"epochs": 1})
+    r = subprocess.run([sys.executable, IMAGENET, plain, "--arch", "tiny", "--recipe", "randaugment"], cwd=str(tmp_path),
+                       env=_ENV, capture_output=True, text=True, timeout=_RUN_TIMEOUT_S)
+    assert r.returncode != 0 and "--recipe randaugment runs RandAugment in the daemon: set augment.transform" in r.stderr
+    (tmp_path / "ex_recipe.py").write_text(_RECIPE)
+    cfg = _stream(tmp_path, "recipe", image_root, loader={"epochs": 1},
+                  augment={"transform": "ex_recipe:make", "transform_path": str(tmp_path)})
+    daemon = daemon_factory(cfg)
+    r = _run([sys.executable, IMAGENET, cfg, "--arch", "tiny", "--epochs", "1", "--max-steps", "3", "--print-freq", "1",
+              "--recipe", "randaugment", "--checkpoint", str(tmp_path / "ckpt.pt")], cwd=str(tmp_path))
+    assert "=> recipe randaugment: ex_recipe:make in the daemon, mixup/CutMix in plain torch" in r.stdout, r.stdout
+    assert r.stdout.count("Epoch: [0][") == 3 and "loss nan" not in r.stdout, r.stdout
+    assert daemon.stop() == 0
+
+
+def test_the_recipes_mixup_and_cutmix_keep_shapes_and_soft_targets_that_sum_to_one():
+    sys.path.insert(0, os.path.dirname(IMAGENET))
+    try:
+        import recipes
+    finally:
+        sys.path.remove(os.path.dirname(IMAGENET))
+    torch.manual_seed(0)
+    x = torch.rand(6, 3, 16, 16)
+    y = torch.tensor([0, 1, 2, 3, 0, 1])
+    kinds = set()
+    for _ in range(20):
+        mx, my = recipes.mix_batch(x, y, 4)
+        assert mx.shape == x.shape and my.shape == (6, 4) and torch.allclose(my.sum(1), torch.ones(6))
+        mixed = ~torch.isclose(mx, x)
+        kinds.add("cutmix" if mixed.any() and torch.equal(mx[mixed], x.roll(1, 0)[mixed]) else "mixup")
+        lam = my[0, 0].item()  # sample 0 is class 0 mixed with sample 5 (class 1): lam is sample 0's share
+        assert 0.0 <= lam <= 1.0 and abs(my[0, 1].item() - (1 - lam)) < 1e-6
+    assert kinds == {"cutmix", "mixup"}
+
+
 def test_imagenet_example_validates_each_epoch_under_torchrun(tmp_path, image_root, val_image_root, daemon_factory):
     # a held-out set of the train set's class folders: 48 samples over 2 ranks in
     # batches of 5, so each rank's last val batch is partial; the sums count each sample once.

@@ -85,13 +85,6 @@ USER_MODULE = textwrap.dedent('''
         return to_float
 
 
-    def make_views(size=64):
-        def two(im):
-            a = np.asarray(im.resize((size, size)))
-            return a, a
-        return two
-
-
     def make_lazy_torch(size=64):
         def lazy(im):  # imports torch in its first call, as a transform may
             import torch
@@ -240,7 +233,7 @@ def test_a_worker_started_after_the_module_file_changed_refuses_to_make_batches(
     (np.zeros((3, 64, 64), np.float32), "returns float32 pixels (a Normalize or ToDtype(float) left in?): end the "
                                         "pipeline in uint8; normalise in the trainer with normalize=True"),
     (np.zeros((64, 64, 3), np.int64), "returns int64 pixels: end the pipeline in uint8"),
-    ((np.zeros((64, 64, 3), np.uint8),) * 2, "returns a tuple of 2: several views are not supported yet"),
+    ((np.zeros((64, 64, 3), np.uint8),) * 2, "returns a tuple inside its output: return one image, or a flat tuple"),
     (np.zeros((64, 64), np.uint8), "returns one channel (shape [64, 64])"),
     ("a string", "returns a builtins.str: return a uint8 array or tensor (HWC or CHW) or an RGB PIL image"),
     (np.zeros((3, 48, 48), np.uint8), "returned a 48x48 image where the batch holds 64x64 (augment.output_size)"),
@@ -305,8 +298,6 @@ def test_bad_transform_keys_are_one_line_errors_at_load(tmp_path, augment, words
                               "unexpected keyword argument 'sizes'"),
     ("{}:make_float", {}, "augment.transform {}:make_float: augment.transform returns float32 pixels (a Normalize or "
                           "ToDtype(float) left in?): end the pipeline in uint8; normalise in the trainer with normalize=True"),
-    ("{}:make_views", {}, "augment.transform {}:make_views: augment.transform returns a tuple of 2: several views are "
-                          "not supported yet"),
     ("{}:make", {"size": 48}, "augment.output_size is 64 but augment.transform returns 48x48 images: set "
                               "augment.output_size: 48, or end the transform with a 64x64 crop"),
     ("{}:make", {"raise_on_width": 120}, "augment.transform {}:make failed on each of the first"),

@@ -29,6 +29,11 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
   batch, its dataset indices): how the tests check that a resumed run sees the straight run's
   batches, and that a run resumed on another number of ranks reads no sample of the epoch twice.
 
+Recipes: ``--recipe randaugment`` trains with RandAugment made in the daemon (the config's
+``augment.transform`` names ``recipes:randaugment``; ``recipes.py`` shows the YAML) and mixup or
+CutMix on each batch on the trainer's device (torchvision's v2 where it imports, else plain
+torch); the targets are then soft. ``--recipe config`` (the default) trains on what the config makes.
+
 Validation: ``--val`` validates after every epoch on prefetchd's validation stream
 (``PrefetchClient(config, split="val")``, with ``validation.enabled`` and ``validation.root`` in the
 config: eval augmentation, every rank the same batch count (padded as DistributedSampler pads;
@@ -49,6 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from prefetchd_client import PrefetchClient
+from recipes import batch_mixer
 
 try:
     import torchvision.models as tv_models
@@ -109,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop after this many steps in this run, saving a checkpoint (for tests and trials)")
     p.add_argument("--val", action="store_true", help="validate after each epoch (needs validation: in the config)")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights")
+    p.add_argument("--recipe", default="config", choices=["config", "randaugment"],
+                   help="randaugment: the config's augment.transform runs RandAugment in the daemon "
+                        "(recipes.py), mixup/CutMix here")
     p.add_argument("-p", "--print-freq", type=int, default=10)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a batch before giving up")
     p.add_argument("--log-batches", default=None, help="append a JSON line per step and rank (batch digests)")
@@ -194,6 +203,8 @@ def train_one_epoch(loader, model, criterion, optimizer, scaler, epoch: int, sta
                 f.write(json.dumps({"rank": rank, "epoch": epoch, "step": state["steps"],
                                     "digest": batch_digest(images, target),
                                     "indices": loader.last_batch.indices.tolist()}) + "\n")
+        if getattr(args, "mix", None) is not None:  # --recipe randaugment: soft targets from here on
+            images, target = args.mix(images, target)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
             output = model(images)
             loss = criterion(output, target)
@@ -209,7 +220,7 @@ def train_one_epoch(loader, model, criterion, optimizer, scaler, epoch: int, sta
         state["steps"] += 1
         state["run_steps"] += 1
         if rank == 0 and (i % args.print_freq == 0 or i + 1 == n):
-            top1, _ = accuracy(output.float(), target)
+            top1, _ = accuracy(output.float(), target.argmax(1) if target.ndim == 2 else target)
             dt = time.monotonic() - t0
             print(f"Epoch: [{epoch}][{i + 1}/{n}]\tloss {loss.item():.4f}\tacc@1 {100 * top1.item() / len(target):6.2f}"
                   f"\t{seen / max(dt, 1e-9):,.0f} img/s per rank\tdata {data_s:.2f} s of {dt:.2f} s", flush=True)
@@ -277,8 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     device, rank, world = setup_distributed(args)
     amp = amp_settings(device, args.amp)
     train_loader = make_train_loader(args, device)
+    if args.recipe == "randaugment" and train_loader.cfg.augment.transform is None:
+        train_loader.close()
+        raise SystemExit(f"--recipe randaugment runs RandAugment in the daemon: set augment.transform: "
+                         f"\"recipes:randaugment\" and augment.transform_path: {os.path.dirname(os.path.abspath(__file__))} "
+                         f"in {args.config} (recipes.py shows the keys), then restart the daemon")
     val_loader = make_val_loader(args, device)
     num_classes = args.num_classes or int(train_loader.meta()["num_classes"])
+    args.mix, mixed_by = batch_mixer(num_classes) if args.recipe == "randaugment" else (None, "")
+    if rank == 0 and mixed_by:
+        print(f"=> recipe randaugment: {train_loader.cfg.augment.transform} in the daemon, {mixed_by} here",
+              flush=True)
     if rank == 0:
         print(f"=> {args.arch} for {num_classes} classes on {device}, world size {world}, batch "
               f"{train_loader.batch_size} per rank, {len(train_loader)} steps per epoch, amp "

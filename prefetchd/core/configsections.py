@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, parse_views
 from prefetchd.core.configvalues import (
     ConfigError,
     _bool,
@@ -257,6 +258,8 @@ class AugmentConfig:
     transform_args: dict = field(default_factory=dict)  # keyword arguments to the factory
     transform_path: str | None = None  # a directory put on the workers' sys.path
     transform_input: str = "pil"  # what the callable gets: a PIL image, or numpy (HWC uint8)
+    # several views of each sample, built in (core.augment.viewspec): one crop group per entry
+    views: tuple[ViewGroup, ...] = ()
 
     def __post_init__(self) -> None:
         _choice(self.mode, "augment.mode", AUGMENT_MODES)
@@ -285,6 +288,13 @@ class AugmentConfig:
             raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
         object.__setattr__(self, "gpu_share", share)
         self._check_transform()
+        object.__setattr__(self, "views", parse_views(self.views))
+        if self.views and self.transform is not None:
+            raise ConfigError("augment.views", "and augment.transform are exclusive: a transform makes its own views "
+                              "(return a tuple of images); remove one of them")
+        if self.views and self.decode != "cpu":
+            raise ConfigError("augment.decode", f"must be cpu with augment.views (several views are made on the CPU, "
+                              f"in the workers), got {self.decode}")
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:
@@ -321,6 +331,9 @@ class AugmentConfig:
         """The keys that change the stream's bytes; the decode keys only where they are used, so
         configs written before they existed keep their fingerprint."""
         d = dataclasses.asdict(self)
+        d.pop("views")  # configs without views keep the fingerprint they had
+        if self.views:
+            d["views"] = as_dicts(self.views)
         if self.transform is None:  # configs without a transform keep the fingerprint they had
             for k in _TRANSFORM_KEYS:
                 d.pop(k)

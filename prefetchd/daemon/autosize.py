@@ -72,8 +72,9 @@ class Pacer:
         if not self.capacity_auto or fastest is None or now - self._tuned_at < _RETUNE_S:
             return []
         self._tuned_at = now
-        B, s = d.cfg.buffer, d.cfg.augment.output_size
-        cap, why = auto_capacity(B.max_bytes, batchfile.max_file_size(d.cfg.loader.batch_size, s, s), len(d.ranks),
+        B = d.cfg.buffer
+        cap, why = auto_capacity(B.max_bytes, batchfile.views_file_size(d.cfg.loader.batch_size, d.view_shapes),
+                                 len(d.ranks),
                                  B.lead_s, fastest if fastest > 0 else None, None if self.refill_auto else B.refill_at)
         self.why = d.sizing.why["capacity"] = why
         if abs(cap - B.capacity) <= max(1, B.capacity // 10):

@@ -137,7 +137,7 @@ class Daemon:
             raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
                               f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")
         # augment.transform made and run on the first samples before any worker starts: if broken, a ConfigError (exit 78)
-        self.transform_file = check_transform(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
+        self.transform_file, self.view_shapes = check_transform(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
         self.fingerprint_hex = status.stream_id(cfg.stream_fingerprint(), self.index.fingerprint,  # the stream's name
                                                 self.transform_file.code)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
@@ -171,7 +171,7 @@ class Daemon:
             self.metrics.start()
         setup = WorkerSetup(cfg, self.index.files_dir, None if self.index.files_dir else self.index,
                             self.fingerprint, cfg.buffer.dir, frozenset(self.quarantine.records),
-                            index_fingerprint=self.index.fingerprint, transform_code=self.transform_file.code)
+                            index_fingerprint=self.index.fingerprint, transform_code=self.transform_file.code, view_shapes=self.view_shapes)
         if self.val:
             setup = replace(setup, val=self.val.worker_setup(cfg, setup))
         W = cfg.workers
@@ -235,7 +235,7 @@ class Daemon:
         status.write_json(c.buffer.dir, status.META_NAME, {
             "format": "prefetchd-meta", "version": 1, "pid": os.getpid(), "fingerprint": self.fingerprint_hex,
             "stream_fingerprint": c.stream_fingerprint(), "stream": stream_settings(c), "config": c.source,
-            "num_samples": len(self.index),
+            "num_samples": len(self.index), "views": [list(v) for v in self.view_shapes],  # each view's [h, w]
             "num_classes": len(self.index.classes), "batch_size": c.loader.batch_size,
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
@@ -420,7 +420,7 @@ class Daemon:
         key = r, e, b, o = self.segments.real(key)  # o: the segment of a resumed epoch, else 0
         size = self.cfg.augment.output_size
         if not hybrid.on_gpu(self.cfg.augment, e, b):
-            return batchfile.max_file_size(self.sampler.batch_len(b, o), size, size)
+            return batchfile.views_file_size(self.sampler.batch_len(b, o), self.view_shapes)
         bound = self._bounds.get(key)
         if bound is None:
             bound = builders.compact_bound(self.index.sample_size, self.sampler.batch_indices(e, r, b, o), size)

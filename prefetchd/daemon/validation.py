@@ -74,7 +74,7 @@ class ValStream:
         vcfg = replace(cfg, augment=cfg.val_augment(),
                        loader=replace(cfg.loader, batch_size=cfg.validation.batch_size))
         return replace(train, config=vcfg, index_dir=None, index=self.index, fingerprint=self.fingerprint,
-                       bad=frozenset())
+                       bad=frozenset(), view_shapes=None)  # one centre crop, whatever train's views
 
     def task(self, r: int, e: int, b: int) -> Task:
         rank = r - VAL_LANE

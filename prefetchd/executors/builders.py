@@ -59,7 +59,8 @@ class PixelBuilder(Builder):
         self.cfg = cfg
         self._images: np.ndarray | None = None
 
-    def reset(self, images: np.ndarray) -> None:
+    def reset(self, images) -> None:
+        """``images``: the batch's array, or (several views) a tuple of one per view."""
         self._images = images
 
     def add(self, data: bytes, d: augment.Draws, out: np.ndarray) -> None:
@@ -71,6 +72,8 @@ class PixelBuilder(Builder):
     def encode(self, meta: BatchMeta, used: np.ndarray, labels: np.ndarray, replaced: np.ndarray) -> list:
         if self._images is None:
             raise RuntimeError("reset() first")
+        if isinstance(self._images, tuple):  # several views: one image section each
+            return batchfile.encode(meta, used, labels, replaced, tuple(np.ascontiguousarray(v) for v in self._images))
         return batchfile.encode(meta, used, labels, replaced, np.ascontiguousarray(self._images))
 
 

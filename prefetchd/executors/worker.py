@@ -17,6 +17,11 @@ independent of which worker made it.
 Each batch is filled through a builder (``prefetchd.executors.builders``), chosen once per batch:
 pixels, or (``augment.decode: hybrid | gpu``, for the batches ``hybrid.on_gpu`` gives the
 trainer's GPU) a compact batch. Reading, quarantine and replacement are the same for both.
+
+Several views (a transform returning a tuple, or ``augment.views``): one reused array per view,
+``[B, H_v, W_v, 3]`` each; a sample fills its slot of every view, and the batch is written with
+one image section per view (``batchfile`` version 2). Their shapes are the stream's
+(``WorkerSetup.view_shapes``: the daemon's probe of the transform, or the config's views).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import numpy as np
 
 from prefetchd.core import hybrid
 from prefetchd.core.augment import modes as augment
-from prefetchd.core.config import Config
+from prefetchd.core.config import Config, ConfigError
 from prefetchd.core.dataset import Index, open_index_files
 from prefetchd.executors import priority
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
@@ -118,6 +123,8 @@ class WorkerSetup:
     val: WorkerSetup | None = None  # the validation stream's (validation.enabled)
     index_fingerprint: str | None = None  # the index the files in index_dir must hold (the daemon's)
     transform_code: str | None = None  # augment.transform's module file as the daemon probed it (its stream's)
+    # each view's (height, width), as the daemon's probe of augment.transform learned them (None: the config's)
+    view_shapes: tuple[tuple[int, int], ...] | None = None
 
 
 def tmp_name(task: Task | Result, worker_id: int, pid: int | None = None) -> str:
@@ -156,10 +163,8 @@ class BatchMaker:
         self._setup = setup
         self._val: BatchMaker | None = None
 
-        s = self.cfg.augment.output_size
-        self._images = np.empty((self.cfg.loader.batch_size, s, s, 3), dtype=np.uint8)
-        self.pixels = PixelBuilder(self.cfg.augment)
-        self.compact = CompactBuilder(self.cfg.augment)
+        from prefetchd.core.augment import views
+
         self.transform = None  # a user's transform (augment.transform): made once, here
         if self.cfg.augment.transform is not None:
             from prefetchd.core.augment import transform
@@ -170,12 +175,25 @@ class BatchMaker:
                 raise RuntimeError(f"augment.transform's module file {self.transform.module.path} changed since the "
                                    f"daemon started (sha256 {want}, now {self.transform.code}): restart the daemon "
                                    "to serve the edited transform (a new stream), or restore the file")
+            if setup.view_shapes is None:  # made in-process (tools, tests): its views learned as the daemon learns them
+                try:
+                    transform.probe(self.transform, transform.first_samples(self.index), self.cfg.loader.seed)
+                except ConfigError:  # said by the samples themselves, as they are made
+                    self.transform.shapes = None
+            self.transform.shapes = setup.view_shapes or self.transform.shapes or views.stream_shapes(self.cfg.augment)
+        self.shapes = self.transform.shapes if self.transform else (setup.view_shapes or
+                                                                    views.stream_shapes(self.cfg.augment))
+        self._views = [np.empty((self.cfg.loader.batch_size, h, w, 3), dtype=np.uint8) for h, w in self.shapes]
+        self._images = self._views[0]
+        self.view_cfgs = views.view_configs(self.cfg.augment) if self.cfg.augment.views else None
+        self.pixels = PixelBuilder(self.cfg.augment)
+        self.compact = CompactBuilder(self.cfg.augment)
 
     def builder_for(self, epoch: int, batch: int) -> Builder:
         """The builder that makes this batch: compact where ``hybrid.on_gpu`` says so."""
         return self.compact if hybrid.on_gpu(self.cfg.augment, epoch, batch) else self.pixels
 
-    def _load(self, i: int, out: np.ndarray, epoch: int, builder: Builder) -> None:
+    def _load(self, i: int, out, epoch: int, builder: Builder) -> None:
         path = self.index.path(i)
         if self.current is not None:
             self.current[0] = i  # if this sample kills the process, the daemon learns which
@@ -191,6 +209,10 @@ class BatchMaker:
             raise augment.SampleError("empty file")
         if self.transform is not None:  # pixels always (augment.decode: cpu, checked with the config)
             self.transform.make(data, self.cfg.loader.seed, epoch, i, out)
+        elif self.view_cfgs is not None:  # augment.views (pixels too)
+            from prefetchd.core.augment import views
+
+            views.make_views(data, self.view_cfgs, self.cfg.loader.seed, epoch, i, out)
         else:
             builder.add(data, augment.draws(self.cfg.loader.seed, epoch, i), out)
 
@@ -198,10 +220,11 @@ class BatchMaker:
             np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Quarantined]]:
         """Make ``indices`` through ``builder`` (default: pixels) into the reused image array
         (which holds every sample of a pixel batch, and the CPU-made ones of a compact batch);
-        the batch is then written by the same builder."""
+        the batch is then written by the same builder. Several views: ``images`` is a tuple of
+        one array per view."""
         builder = builder or self.pixels
         n = len(indices)
-        images = self._images[:n]
+        images = self._images[:n] if len(self._views) == 1 else tuple(v[:n] for v in self._views)
         builder.reset(images)
         used = np.array(indices, dtype=np.int64)
         replaced = np.full(n, -1, dtype=np.int64)
@@ -216,7 +239,7 @@ class BatchMaker:
         return images, used, labels, replaced, quarantined
 
     def _fill(self, epoch: int, used: np.ndarray, replaced: np.ndarray, quarantined: list[Quarantined],
-              images: np.ndarray, builder: Builder) -> None:
+              images, builder: Builder) -> None:
         for k in range(len(used)):
             i = int(used[k])
             attempt = 0
@@ -224,7 +247,8 @@ class BatchMaker:
                 try:
                     if i in self.bad:
                         raise augment.SampleError(self.bad[i])
-                    self._load(i, images[k], epoch, builder)
+                    slot = images[k] if not isinstance(images, tuple) else tuple(v[k] for v in images)
+                    self._load(i, slot, epoch, builder)
                     break
                 except augment.SampleError as e:
                     if getattr(e, "per_draw", False):  # the transform's with this draw: not self.bad

@@ -41,8 +41,18 @@ Layout, all integers little-endian::
        112    8  file_size        the whole file, for a length check before reading
        120    8  reserved         0
 
+Version 2, several views (a transform returning k >= 2 images per sample, or ``augment.views``):
+the same header with ``version`` 2 and the two bytes at offset 70 holding ``views``, k; ``height``,
+``width``, ``images_offset`` and ``images_nbytes`` are view 0's. The view table follows the three
+int64 arrays, at ``HEADER_SIZE + 24 * n``: k entries of 24 bytes (u32 height, u32 width, u64
+offset, u64 nbytes), then each view's uint8 ``[n, height, width, channels]`` at its offset, in
+order, each 4096-byte aligned after the one before; ``file_size`` is the end of the last view.
+A batch of one view is always written as version 1 (byte for byte what it was before views
+existed), so both versions are read and a reader of version 1 alone refuses a file of several
+views by its version rather than misreading it.
+
 A file is valid when the magic, version, header size, offsets and file size agree with each
-other and with the file's length, and the checksum matches.
+other and with the file's length, and the checksum (which covers the view table) matches.
 """
 
 from __future__ import annotations
@@ -62,6 +72,9 @@ from prefetchd.format.progress import lane, split_lane
 
 MAGIC = b"PFDBATCH"
 VERSION = 1
+VERSION_VIEWS = 2  # several image sections (views), with a view table
+VIEW = struct.Struct("<IIQQ")  # a view table entry: height, width, offset, nbytes
+MAX_VIEWS = 64
 HEADER = struct.Struct("<8sHHIQQIIQIIIIIBBHQQQQQQQ")
 assert HEADER.size == 128
 HEADER_SIZE = HEADER.size
@@ -122,6 +135,35 @@ class Layout:
     height: int
     width: int
     channels: int = 3
+    more: tuple[tuple[int, int], ...] = ()  # views 1..k-1's (height, width); () for one view
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each view's (height, width), view 0 first."""
+        return ((self.height, self.width),) + tuple(self.more)
+
+    @property
+    def version(self) -> int:
+        return VERSION_VIEWS if self.more else VERSION
+
+    @property
+    def table_offset(self) -> int:
+        return HEADER_SIZE + 24 * self.n
+
+    @property
+    def view_offsets(self) -> tuple[int, ...]:
+        """Where each view's pixels start (view 0's is ``images_offset``)."""
+        at = self.table_offset + (VIEW.size * len(self.shapes) if self.more else 0)
+        out = []
+        for h, w in self.shapes:
+            at = _align(at, IMAGE_ALIGN)
+            out.append(at)
+            at += self.n * h * w * self.channels
+        return tuple(out)
+
+    def view_nbytes(self, v: int) -> int:
+        h, w = self.shapes[v]
+        return self.n * h * w * self.channels
 
     @property
     def indices_offset(self) -> int:
@@ -137,7 +179,7 @@ class Layout:
 
     @property
     def images_offset(self) -> int:
-        return _align(HEADER_SIZE + 24 * self.n, IMAGE_ALIGN)
+        return self.view_offsets[0]
 
     @property
     def images_nbytes(self) -> int:
@@ -145,12 +187,27 @@ class Layout:
 
     @property
     def file_size(self) -> int:
-        return self.images_offset + self.images_nbytes
+        return self.view_offsets[-1] + self.view_nbytes(len(self.shapes) - 1)
+
+    def table(self) -> bytes:
+        """The view table (version 2; empty for one view)."""
+        if not self.more:
+            return b""
+        return b"".join(VIEW.pack(h, w, o, self.view_nbytes(v))
+                        for v, ((h, w), o) in enumerate(zip(self.shapes, self.view_offsets, strict=True)))
 
 
 @functools.lru_cache(maxsize=256)
-def max_file_size(batch_size: int, height: int, width: int, channels: int = 3) -> int:
-    return Layout(batch_size, height, width, channels).file_size  # (cached: the daemon asks once per batch)
+def max_file_size(batch_size: int, height: int, width: int, channels: int = 3,
+                  more: tuple[tuple[int, int], ...] = ()) -> int:
+    """The file of a batch of ``batch_size`` samples; ``more``: views 1..k-1's (height, width)."""
+    return Layout(batch_size, height, width, channels, tuple(more)).file_size  # (cached: asked once per batch)
+
+
+def views_file_size(batch_size: int, shapes) -> int:
+    """``max_file_size`` for views of these (height, width) shapes, view 0 first."""
+    (h, w), *more = [tuple(x) for x in shapes]
+    return max_file_size(batch_size, h, w, 3, tuple(more))
 
 
 @dataclass(frozen=True)
@@ -164,35 +221,49 @@ class BatchMeta:
 
 def encode_header(meta: BatchMeta, layout: Layout, flags: int, checksum: int = 0) -> bytes:
     return HEADER.pack(
-        MAGIC, VERSION, HEADER_SIZE, flags, checksum, meta.fingerprint,
+        MAGIC, layout.version, HEADER_SIZE, flags, checksum, meta.fingerprint,
         meta.rank, meta.epoch, meta.batch, meta.batches_in_epoch,
-        layout.n, layout.height, layout.width, layout.channels, DTYPE_UINT8, LAYOUT_NHWC, 0,
+        layout.n, layout.height, layout.width, layout.channels, DTYPE_UINT8, LAYOUT_NHWC,
+        len(layout.shapes) if layout.more else 0,
         layout.indices_offset, layout.labels_offset, layout.replaced_offset,
         layout.images_offset, layout.images_nbytes, layout.file_size, 0,
     )
 
 
 def encode(meta: BatchMeta, indices: np.ndarray, labels: np.ndarray, replaced: np.ndarray,
-           images: np.ndarray) -> list:
+           images) -> list:
     """The file as a list of buffers to write in order; ``images`` (uint8 ``[n, h, w, c]``,
-    C-contiguous) is not copied."""
-    n, h, w, c = images.shape
-    if images.dtype != np.uint8 or not images.flags.c_contiguous:
-        raise ValueError("images must be a C-contiguous uint8 array [n, h, w, c]")
-    layout = Layout(n, h, w, c)
+    C-contiguous, or a tuple or list of such arrays, one per view, of one ``n`` and ``c``) is not
+    copied. One view makes a version 1 file, several a version 2 file."""
+    views = tuple(images) if isinstance(images, (tuple, list)) else (images,)
+    if not views or len(views) > MAX_VIEWS:
+        raise ValueError(f"a batch holds 1 to {MAX_VIEWS} views, got {len(views)}")
+    for v in views:
+        if v.dtype != np.uint8 or not v.flags.c_contiguous or v.ndim != 4:
+            raise ValueError("images must be a C-contiguous uint8 array [n, h, w, c] (one per view)")
+    n, h, w, c = views[0].shape
+    if any(v.shape[0] != n or v.shape[3] != c for v in views):
+        raise ValueError(f"every view must have the batch's {n} samples of {c} channels, got "
+                         f"{[list(v.shape) for v in views]}")
+    layout = Layout(n, h, w, c, tuple(v.shape[1:3] for v in views[1:]))
     arrays = b"".join(np.ascontiguousarray(a, dtype="<i8").tobytes() for a in (indices, labels, replaced))
     if len(arrays) != 24 * n:
         raise ValueError("indices, labels and replaced must each have one entry per image")
-    pad = bytes(layout.images_offset - HEADER_SIZE - len(arrays))
     flags = FLAG_REPLACED if bool((replaced >= 0).any()) else 0
-    body = memoryview(images).cast("B")
+    parts: list = [arrays + layout.table()]
+    at = HEADER_SIZE + len(parts[0])
+    for v, off in zip(views, layout.view_offsets, strict=True):
+        parts.append(bytes(off - at))
+        parts.append(memoryview(v).cast("B"))
+        at = off + v.nbytes
     h_ = xxhash.xxh3_64()
-    header0 = encode_header(meta, layout, flags, 0)
-    h_.update(header0)
-    h_.update(arrays)
-    h_.update(pad)
-    h_.update(body)
-    return [encode_header(meta, layout, flags, h_.intdigest()), arrays + pad, body]
+    h_.update(encode_header(meta, layout, flags, 0))
+    for p in parts:
+        h_.update(p)
+    # (buffers: header, then the arrays and table with view 0's padding, then each view and the next padding)
+    head, *rest = parts
+    joined = [head + rest[0]] + rest[1:]
+    return [encode_header(meta, layout, flags, h_.intdigest())] + [p for p in joined if memoryview(p).nbytes]
 
 
 def write_batch(fd: int, meta: BatchMeta, indices: np.ndarray, labels: np.ndarray,
@@ -228,24 +299,33 @@ class Batch:
     indices: np.ndarray
     labels: np.ndarray
     replaced: np.ndarray
-    images: np.ndarray  # uint8 [n, h, w, c]
+    images: np.ndarray  # uint8 [n, h, w, c]: view 0's
     file_size: int
+    views: tuple[np.ndarray, ...] = ()  # every view's uint8 [n, h_v, w_v, c], view 0 (``images``) first
+
+    @property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """Each view's (height, width)."""
+        return tuple(v.shape[1:3] for v in self.views)
 
 
 def read_header(buf) -> tuple:
-    return check_header(buf, HEADER, MAGIC, VERSION, "")
+    return check_header(buf, HEADER, MAGIC, (VERSION, VERSION_VIEWS), "")
 
 
-def check_header(buf, header: struct.Struct, magic: bytes, version: int, kind: str) -> tuple:
-    """The header's fields, after checking its length, magic, version and header size (shared by
-    both kinds of batch file; ``kind`` names the kind in the errors: "" or "compact ")."""
+def check_header(buf, header: struct.Struct, magic: bytes, version, kind: str) -> tuple:
+    """The header's fields, after checking its length, magic, version (one, or a tuple of those
+    known) and header size (shared by both kinds of batch file; ``kind`` names the kind in the
+    errors: "" or "compact ")."""
     if len(buf) < header.size:
         raise BatchFileError(f"file of {len(buf)} bytes is shorter than the {header.size}-byte header")
     fields = header.unpack_from(buf, 0)
     if fields[0] != magic:
         raise BatchFileError(f"bad magic {fields[0]!r}; not a prefetchd {kind}batch file")
-    if fields[1] != version:
-        raise BatchFileError(f"{kind}batch format version {fields[1]} is not supported (this reader knows {version})")
+    known = version if isinstance(version, tuple) else (version,)
+    if fields[1] not in known:
+        said = " and ".join(str(v) for v in known)
+        raise BatchFileError(f"{kind}batch format version {fields[1]} is not supported (this reader knows {said})")
     if fields[2] != header.size:
         raise BatchFileError(f"header size {fields[2]} is not {header.size}")
     return fields
@@ -283,25 +363,47 @@ def parse(buf, verify: bool = True) -> Batch:
     """Parse and check a whole batch file held in ``buf`` (bytes, bytearray, memoryview or a
     uint8 numpy array). Raises BatchFileError on any inconsistency."""
     mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(buf.reshape(-1))
-    (_, _, _, flags, checksum, fp, rank, epoch, batch, bie, n, h, w, c, dtype, layout_code, _,
+    (_, version, _, flags, checksum, fp, rank, epoch, batch, bie, n, h, w, c, dtype, layout_code, k,
      io, lo, ro, imo, imn, fsize, _) = read_header(mv)
     if dtype != DTYPE_UINT8 or layout_code != LAYOUT_NHWC:
         raise BatchFileError(f"unsupported dtype {dtype} or layout {layout_code}")
-    lay = Layout(n, h, w, c)
+    lay = Layout(n, h, w, c, _view_table(mv, version, k, n, (h, w)))
     if (io, lo, ro, imo, imn, fsize) != (lay.indices_offset, lay.labels_offset, lay.replaced_offset,
                                          lay.images_offset, lay.images_nbytes, lay.file_size):
         raise BatchFileError("header offsets disagree with its shape")
     if len(mv) != fsize:
         raise BatchFileError(f"file is {len(mv)} bytes, its header says {fsize} (torn or truncated)")
+    if lay.more and lay.table() != bytes(mv[lay.table_offset: lay.table_offset + VIEW.size * k]):
+        raise BatchFileError("view table offsets disagree with its shapes")
     if verify:
         verify_checksum(mv, checksum, "")
     arr = np.frombuffer(mv, dtype=np.uint8)
     ints = arr[io: io + 24 * n].view("<i8")
+    views = tuple(arr[o: o + lay.view_nbytes(v)].reshape(n, vh, vw, c)
+                  for v, ((vh, vw), o) in enumerate(zip(lay.shapes, lay.view_offsets, strict=True)))
     return Batch(
         rank=rank, epoch=epoch, batch=batch, batches_in_epoch=bie, fingerprint=fp, flags=flags,
         indices=ints[:n], labels=ints[n: 2 * n], replaced=ints[2 * n: 3 * n],
-        images=arr[imo: imo + imn].reshape(n, h, w, c), file_size=fsize,
+        images=views[0], file_size=fsize, views=views,
     )
+
+
+def _view_table(mv: memoryview, version: int, k: int, n: int, first: tuple[int, int]) -> tuple:
+    """Views 1..k-1's (height, width) from a version 2 file's table (checked against the header's
+    view 0); () for version 1."""
+    if version == VERSION:
+        if k:
+            raise BatchFileError(f"a version 1 batch says {k} views")
+        return ()
+    if not 2 <= k <= MAX_VIEWS:
+        raise BatchFileError(f"a version 2 batch says {k} views (2 to {MAX_VIEWS})")
+    at = HEADER_SIZE + 24 * n
+    if len(mv) < at + VIEW.size * k:
+        raise BatchFileError(f"file of {len(mv)} bytes ends inside its view table (torn or truncated)")
+    shapes = [VIEW.unpack_from(mv, at + VIEW.size * v)[:2] for v in range(k)]
+    if tuple(shapes[0]) != tuple(first):
+        raise BatchFileError(f"view table's view 0 is {shapes[0]}, the header's {first}")
+    return tuple(tuple(s) for s in shapes[1:])
 
 
 def read_file(path: str, verify: bool = True) -> Batch:

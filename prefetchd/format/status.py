@@ -3,7 +3,7 @@
 ``meta.json`` (written once per start, before any batch is published) tells a client what the
 daemon serves: ``{"format": "prefetchd-meta", "version": 1, "pid", "fingerprint" (16 hex
 digits, the batch header's u64, ``stream_id``), "num_samples", "num_classes", "batch_size",
-"batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "started",
+"batches_per_epoch", "world_size", "ranks", "epochs", "output_size", "views" (each view's [height, width]), "started",
 "dataset_fingerprint", "identity" ({"start", "ns"}: the daemon's process, ``procstate.identity``), ...}``.
 A daemon that starts takes the lock, then removes the last daemon's meta.json: a reader may have
 read that one first, so it trusts a meta.json only while its ``pid`` holds the lock

@@ -24,7 +24,7 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
             b = batchfile.read_file(os.path.join(cfg.buffer.dir, name))
         except (OSError, batchfile.BatchFileError):
             continue  # consumed or replaced meanwhile: try the next
-        return b.images, b.labels, b.indices, f"{name} from the buffer"
+        return b.images, b.labels, b.indices, f"{name} from the buffer" + (" (view 0)" if len(b.views) > 1 else "")
     from prefetchd.core.dataset import load_index
     from prefetchd.core.sampler import Sampler
     from prefetchd.executors.worker import BatchMaker, WorkerSetup
@@ -35,7 +35,9 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
     maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None if index.files_dir else index, 0, cfg.buffer.dir))
     images, used, labels, _, _ = maker.fill(0, sampler.batch_indices(0, rank, 0))
-    return images, labels, used, "epoch 0 batch 0, made in-process (no batch ready in the buffer)"
+    several = isinstance(images, tuple)  # several views (augment.views): the first is shown
+    return (images[0] if several else images, labels, used,
+            "epoch 0 batch 0" + (" (view 0)" if several else "") + ", made in-process (no batch ready in the buffer)")
 
 
 def class_names(cfg: Config) -> tuple[str, ...]:

@@ -74,9 +74,10 @@ class Draws:
     z: np.ndarray  # float64 [3] standard normal (PCA lighting)
 
 
-def draws(seed: int, epoch: int, index: int) -> Draws:
-    """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded from)."""
-    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index)))
+def draws(seed: int, epoch: int, index: int, view: int | None = None) -> Draws:
+    """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded
+    from); ``view``: that view's of the sample (``augment.views``)."""
+    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index, view)))
     return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3))
 
 
@@ -238,26 +239,35 @@ def decode_image(data: bytes) -> Image.Image:
 def _decode_region(data: bytes, cfg: AugmentConfig, d: Draws) -> tuple[np.ndarray, Crop]:
     """Decode just enough of the image: an RGB uint8 array [h, w, 3] (possibly DCT-reduced)
     and the crop in its coordinates. Which decoder runs depends on the bytes alone."""
+    arr, (crop,) = decode_regions(data, [(cfg, d)])
+    return arr, crop
+
+
+def decode_regions(data: bytes, plans: list[tuple[AugmentConfig, Draws]]) -> tuple[np.ndarray, list[Crop]]:
+    """Decode the image once for several crops (``plans``: each crop's config and draws, the
+    first's decoder used): the array, DCT-reduced only as far as every crop keeps its
+    ``output_size``, and each crop in its coordinates."""
     im, orientation, w, h = probe(data)
-    crop = crop_for(cfg, w, h, d)
+    crops = [crop_for(cfg, w, h, d) for cfg, d in plans]
+    cfg = plans[0][0]
     try:
         if orientation != 1:
             with warnings.catch_warnings():
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
                 im.load()
             from PIL import ImageOps
-            return np.asarray(_to_rgb(ImageOps.exif_transpose(im))), crop
-        r = _draft_factor(crop, cfg.output_size)
+            return np.asarray(_to_rgb(ImageOps.exif_transpose(im))), crops
+        r = min(_draft_factor(c, pc.output_size) for c, (pc, _) in zip(crops, plans, strict=True))
         if im.format == "JPEG":
             if simplejpeg is not None and cfg.decoder == "auto" and im.mode in ("RGB", "L"):
                 arr = _simplejpeg(data, w, h, r)
                 if arr is not None:
-                    return arr, _scaled(crop, arr.shape[1] / w, arr.shape[0] / h)
+                    return arr, [_scaled(c, arr.shape[1] / w, arr.shape[0] / h) for c in crops]
             if r > 1:
                 im.draft("RGB" if im.mode in ("RGB", "YCbCr") else im.mode, (-(-w // r), -(-h // r)))
         im.load()
         arr = np.asarray(_to_rgb(im))
-        return arr, _scaled(crop, arr.shape[1] / w, arr.shape[0] / h)
+        return arr, [_scaled(c, arr.shape[1] / w, arr.shape[0] / h) for c in crops]
     except SampleError:
         raise
     except Exception as e:
@@ -366,6 +376,12 @@ def make_sample(data: bytes, cfg: AugmentConfig, d: Draws, out: np.ndarray | Non
     """Decode and augment one image into ``out`` (uint8 [S, S, 3], written in place) or a new
     array. Raises SampleError if the bytes are not a usable image."""
     arr, crop = _decode_region(data, cfg, d)
+    return finish(arr, crop, cfg, d, out)
+
+
+def finish(arr: np.ndarray, crop: Crop, cfg: AugmentConfig, d: Draws, out: np.ndarray | None = None) -> np.ndarray:
+    """The crop of the decoded ``arr`` resampled to ``output_size``, jittered, lit and flipped as
+    ``cfg`` and the draws say, into ``out`` or a new array."""
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:  # pragma: no cover - _to_rgb guards
         raise SampleError(f"decoded to an unexpected array {arr.shape} {arr.dtype}")
     img = _resample(_roi(arr, crop), cfg.output_size, cfg.interpolation)

@@ -8,7 +8,9 @@ One key per sample, ``SeedSequence([AUG_TAG, seed, epoch, index])``, whatever ma
   ``random``, numpy's global ``RandomState`` and, when torch is loaded in the process, torch's
   CPU generator from words 4 to 8 of the key's state (``generate_state``), and a callable that
   takes ``rng=`` gets the very generator the built-in draws come from (``PCG64`` of the key,
-  which reads words 0 to 3).
+  which reads words 0 to 3);
+* each view of ``augment.views`` draws as the built-in augmentation does, from the key of
+  ``(seed, epoch, index, view)``.
 
 So a sample's bytes depend on neither the worker that makes it, nor what that worker made
 before, nor restarts and resumes. Pure apart from the global generators ``seed_sample`` sets.
@@ -24,9 +26,10 @@ import numpy as np
 AUG_TAG = 0x41554730  # "AUG0": separates the augmentation's streams from the sampler's
 
 
-def sample_key(seed: int, epoch: int, index: int) -> np.random.SeedSequence:
-    """The sample's key; the root of everything random about it."""
-    return np.random.SeedSequence([AUG_TAG, seed, epoch, index])
+def sample_key(seed: int, epoch: int, index: int, view: int | None = None) -> np.random.SeedSequence:
+    """The sample's key; the root of everything random about it. ``view``: the key of that view
+    of the sample (``augment.views``), the sample's key with the view's number appended."""
+    return np.random.SeedSequence([AUG_TAG, seed, epoch, index] + ([] if view is None else [view]))
 
 
 def seed_sample(seed: int, epoch: int, index: int, torch=None, rng: bool = False) -> np.random.Generator | None:

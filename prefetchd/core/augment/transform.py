@@ -15,12 +15,17 @@ Per sample (``UserTransform.make``, a function of ``(bytes, seed, epoch, index)`
    parameter also gets a ``numpy.random.Generator`` from the same key. A call that loads torch
    itself (the first in a worker) is made once more, seeded as every later one;
 3. the result, a uint8 array or tensor (HWC or CHW) or an RGB PIL image, becomes the batch's
-   HWC slot (``to_hwc``).
+   HWC slot (``to_hwc``); a tuple or list of k >= 2 of them is k views (``to_views``), each
+   into its own image section of the batch (``format.batchfile`` version 2).
+
+Several views: their number and each one's height and width are the stream's, learned by
+``probe`` from the first sample it makes (``Probed.shapes``; the daemon hands them to the
+workers); a sample whose views differ in number or shape raises ``OutputError`` naming what
+changed. One view must be ``output_size`` square, as before.
 
 A transform that raises on a sample raises ``TransformRaised`` (a ``SampleError``, one line: the
 worker quarantines the sample as an undecodable file); an output the batch cannot hold raises
-``OutputError`` (quarantined too; ``probe`` at start turns it into a ``ConfigError``). A tuple
-(several views) is refused for now.
+``OutputError`` (quarantined too; ``probe`` at start turns it into a ``ConfigError``).
 
 The transform's module file is hashed (``UserTransform.code``): the daemon adds it to its stream's
 identity, so batches and loader states made before the file changed are not taken for today's.
@@ -35,6 +40,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -76,6 +82,14 @@ class SizeError(OutputError):
 class ModuleFile:
     path: str | None  # the file of the module holding the factory (None: it has none)
     code: str | None  # 16 hex digits of its bytes' SHA-256
+
+
+class Probed(NamedTuple):
+    """What ``check`` learned at start: the transform's module file and the (height, width) of
+    each view a batch holds (the transform's, or without one the config's)."""
+
+    module: ModuleFile
+    shapes: tuple[tuple[int, int], ...]
 
 
 def module_file(module) -> ModuleFile:
@@ -132,6 +146,9 @@ class UserTransform:
         self.module = module
         self.takes_rng = _takes_rng(fn)
         self.worker = worker  # torch on one thread (see ``load``)
+        # each view's (height, width), fixed for the stream: None until ``probe`` learns them
+        # (the daemon's workers are given the probe's, ``WorkerSetup.view_shapes``)
+        self.shapes: tuple[tuple[int, int], ...] | None = None
 
     @property
     def code(self) -> str | None:
@@ -159,13 +176,19 @@ class UserTransform:
             y = self._once(data, seed, epoch, index, torch)
         return y
 
-    def make(self, data: bytes, seed: int, epoch: int, index: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``index`` of ``epoch``, into ``out`` (uint8 [S, S, 3]) or a new array. Raises
-        SampleError (its subclasses TransformRaised and OutputError included)."""
-        arr = to_hwc(self._call(data, seed, epoch, index), self.cfg.output_size)
+    def make(self, data: bytes, seed: int, epoch: int, index: int, out=None):
+        """Sample ``index`` of ``epoch``, into ``out`` (uint8 [S, S, 3]; several views: a tuple of
+        one slot per view) or a new array (several views: a tuple of them). Raises SampleError
+        (its subclasses TransformRaised and OutputError included)."""
+        views = to_views(self._call(data, seed, epoch, index), self.cfg.output_size, self.shapes)
         if out is None:
-            return np.ascontiguousarray(arr)
-        np.copyto(out, arr)
+            made = tuple(np.ascontiguousarray(v) for v in views)
+            return made[0] if len(made) == 1 else made
+        slots = out if isinstance(out, (tuple, list)) else (out,)
+        if len(slots) != len(views):  # (to_views checked the views against the stream's shapes)
+            raise OutputError(f"augment.transform returned {len(views)} views where the batch holds {len(slots)}")
+        for slot, v in zip(slots, views, strict=True):
+            np.copyto(slot, v)
         return out
 
 
@@ -187,8 +210,8 @@ def load(cfg: AugmentConfig, worker: bool = False) -> UserTransform:
     except Exception as e:
         raise ConfigError(_KEY, f"{cfg.transform}(**augment.transform_args) raised {_one_line(e)}") from None
     if isinstance(fn, tuple):
-        raise ConfigError(_KEY, f"{cfg.transform} returned a tuple: several views are not supported yet; return one "
-                          "transform")
+        raise ConfigError(_KEY, f"{cfg.transform} returned a tuple: return one transform (a callable), which returns "
+                          "a tuple of images for several views")
     if not callable(fn):
         raise ConfigError(_KEY, f"{cfg.transform} returned a {type(fn).__name__}, which is not callable: the factory "
                           "must return the transform (a callable taking one image)")
@@ -208,12 +231,50 @@ def _quiet_torch(torch) -> None:
 # --- the output ----------------------------------------------------------------------------------
 
 
-def to_hwc(y, size: int) -> np.ndarray:
-    """The transform's output as a uint8 [size, size, 3] array (a view where it can be), or
-    OutputError saying what to change."""
+def _said(shapes) -> str:
+    return ", ".join(f"{h}x{w}" for h, w in shapes)
+
+
+def to_views(y, size: int, shapes: tuple[tuple[int, int], ...] | None = None) -> tuple[np.ndarray, ...]:
+    """The transform's output as one uint8 HWC array per view: one image (``output_size`` square,
+    ``to_hwc``) or a tuple or list of k >= 2 (each its own height and width). ``shapes``: the
+    stream's views, which the output must match (None: any, as at the probe's first sample);
+    OutputError names what changed."""
+    if not isinstance(y, (tuple, list)):
+        views = (to_hwc(y, size),)
+    elif len(y) == 0:
+        raise OutputError(f"augment.transform returns an empty {type(y).__name__}: return one image, or a tuple "
+                          "of images for several views")
+    elif len(y) == 1:
+        views = (to_hwc(y[0], size),)
+    else:
+        out = []
+        for k, v in enumerate(y):
+            try:
+                out.append(to_hwc(v, None))
+            except OutputError as e:
+                raise OutputError(f"view {k} of {len(y)}: {e}") from None
+        views = tuple(out)
+    if shapes is not None:
+        got = tuple(v.shape[:2] for v in views)
+        if len(got) != len(shapes):
+            raise OutputError(f"augment.transform returned {len(got)} view(s) ({_said(got)}) where the stream has "
+                              f"{len(shapes)} ({_said(shapes)}, from the first samples at start): the number of views "
+                              "is fixed for the stream; return as many views for every sample")
+        for k, (g, w) in enumerate(zip(got, shapes, strict=True)):
+            if tuple(g) != tuple(w):
+                raise OutputError(f"augment.transform returned view {k} of {g[0]}x{g[1]} where the stream's view {k} "
+                                  f"is {w[0]}x{w[1]} (from the first samples at start): each view's size is fixed for "
+                                  "the stream; end each view with a crop or resize of a fixed size")
+    return views
+
+
+def to_hwc(y, size: int | None) -> np.ndarray:
+    """The transform's output as a uint8 [size, size, 3] array (a view where it can be; ``size``
+    None: of any height and width), or OutputError saying what to change."""
     if isinstance(y, (tuple, list)):
-        raise OutputError(f"augment.transform returns a {type(y).__name__} of {len(y)}: several views are not "
-                          "supported yet; return one image")
+        raise OutputError(f"augment.transform returns a {type(y).__name__} inside its output: return one image, or "
+                          "a flat tuple of images for several views")
     if isinstance(y, Image.Image):
         y = np.asarray(y if y.mode == "RGB" else y.convert("RGB"))
     torch = loaded_torch()
@@ -240,7 +301,7 @@ def to_hwc(y, size: int) -> np.ndarray:
         raise OutputError(f"augment.transform returns shape {list(y.shape)}: return one image, HWC [H, W, 3] or "
                           "CHW [3, H, W]")
     h, w = hwc.shape[:2]
-    if (h, w) != (size, size):
+    if size is not None and (h, w) != (size, size):
         raise SizeError(f"augment.transform returned a {h}x{w} image where the batch holds {size}x{size} "
                         "(augment.output_size)", h, w)
     return hwc
@@ -258,15 +319,20 @@ def probe(t: UserTransform, samples: Iterable[tuple[int, bytes]], seed: int) -> 
     """Run the transform on the first samples (``(index, bytes)``, epoch 0) as a worker would;
     a fault every sample would have (wrong type, float pixels, another size) or a transform
     that raises on every one of them is a ``ConfigError`` in one line naming what to change.
-    Files that do not decode are skipped (the workers quarantine them). Returns what was seen."""
+    Files that do not decode are skipped (the workers quarantine them). The first sample made
+    sets ``t.shapes`` (the stream's views), which the others must match. Returns what was seen."""
     made, raised, tried = 0, [], 0
+    t.shapes = None
     for index, data in samples:
         if made >= _PROBE_SAMPLES or tried >= _PROBE_TRIES:
             break
         tried += 1
         try:
             first = t.make(data, seed, 0, index)
-            if made == 0 and not np.array_equal(first, t.make(data, seed, 0, index)):
+            first = first if isinstance(first, tuple) else (first,)
+            again = t.make(data, seed, 0, index)
+            again = again if isinstance(again, tuple) else (again,)
+            if made == 0 and not all(np.array_equal(a, b) for a, b in zip(first, again, strict=False)):
                 raise ConfigError(_KEY, f"{t.cfg.transform} made sample {index} twice from one seed and got other pixels: "
                                   "it draws from a generator of its own, which prefetchd cannot seed (the stream would "
                                   "depend on the worker); draw from random, numpy.random or torch's generator, or take "
@@ -280,27 +346,35 @@ def probe(t: UserTransform, samples: Iterable[tuple[int, bytes]], seed: int) -> 
             continue
         except augment.SampleError:  # the file, not the transform: a worker quarantines it
             continue
+        if t.shapes is None:
+            t.shapes = tuple(v.shape[:2] for v in first)
         made += 1
     if made == 0 and raised:
         raise ConfigError(_KEY, f"{t.cfg.transform} failed on each of the first {len(raised)} samples ({raised[0]}); "
                           "fix the transform, then start again")
     where = f"{t.module.path} sha256 {t.code}" if t.module.path else "no module file"
+    shapes = t.shapes or ((t.cfg.output_size, t.cfg.output_size),)
+    seen = (f"{_said(shapes)} uint8" if len(shapes) == 1 else f"{len(shapes)} views ({_said(shapes)}) uint8")
     return (f"{t.cfg.transform} ({where}) made {made} of the first {tried} samples, "
-            f"{t.cfg.output_size}x{t.cfg.output_size} uint8" + ("; rng= given" if t.takes_rng else ""))
+            f"{seen}" + ("; rng= given" if t.takes_rng else ""))
 
 
-def check(cfg: AugmentConfig, index, seed: int, say: Callable[[str], object]) -> ModuleFile:
+def check(cfg: AugmentConfig, index, seed: int, say: Callable[[str], object]) -> Probed:
     """What ``prefetchd check`` and the daemon's start do: make the transform ``cfg`` names,
     ``probe`` it on the first readable samples of ``index`` and ``say`` what it saw. Returns its
-    module file (no transform: none); ``ConfigError`` if it cannot be made or no sample gets through."""
+    module file and views (no transform: none, and the config's views); ``ConfigError`` if it cannot be made or no sample
+    gets through."""
+    from prefetchd.core.augment.views import stream_shapes
+
     if cfg.transform is None:
-        return ModuleFile(None, None)
+        return Probed(ModuleFile(None, None), stream_shapes(cfg))
     t = load(cfg)
-    say(probe(t, _first_samples(index), seed))
-    return t.module
+    say(probe(t, first_samples(index), seed))
+    return Probed(t.module, t.shapes or stream_shapes(cfg))
 
 
-def _first_samples(index):
+def first_samples(index):
+    """``(index, bytes)`` of the dataset's readable samples, in order (what ``probe`` takes)."""
     for i in range(len(index)):
         try:
             yield i, index.read(i)

@@ -1,0 +1,91 @@
+"""``augment.views``: the built-in multi-crop (SimCLR's two crops, DINO's 2 x 224 + 6 x 96), as
+written in the config and checked there. Pure, standard library only (the trainer's client reads
+the config too; the pixels are ``core.augment.views``').
+
+Each entry is a group of ``count`` views made alike: a random-resized crop of ``rrc_scale`` (area
+fraction) and ``rrc_ratio`` (aspect) to ``output_size`` square, a horizontal flip (``flip``) and
+colour jitter (``brightness``, ``contrast``, ``saturation``: factors in ``[1-x, 1+x]``), what
+``augment.mode: random_resized_crop`` does to one image. The groups' views are numbered in order
+(DINO's two global crops are views 0 and 1, its six local ones 2 to 7); each view draws from its
+sample's key and its number (``seeds.sample_key``), so it is a pure function of ``(seed, epoch,
+sample, view)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
+
+MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
+
+
+@dataclass(frozen=True)
+class ViewGroup:
+    """One entry of ``augment.views``: ``count`` views made alike."""
+
+    output_size: int
+    count: int = 1
+    rrc_scale: tuple[float, float] = (0.08, 1.0)
+    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip: bool = True
+    brightness: float = 0.0
+    contrast: float = 0.0
+    saturation: float = 0.0
+
+
+_KEYS = [f.name for f in fields(ViewGroup)]
+
+
+def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
+    """``augment.views`` as written (a list of mappings, or already ``ViewGroup``s), checked;
+    ``ConfigError`` in one line naming the entry and key."""
+    if raw is None or raw == () or raw == []:
+        return ()
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError("augment.views", f"must be a list of view groups such as [{{count: 2, output_size: 224, "
+                          f"rrc_scale: [0.4, 1.0]}}, {{count: 6, output_size: 96, rrc_scale: [0.05, 0.4]}}], got {raw!r}")
+    groups = []
+    for i, g in enumerate(raw):
+        where = f"augment.views[{i}]"
+        if isinstance(g, ViewGroup):
+            g = {k: getattr(g, k) for k in _KEYS}
+        if not isinstance(g, dict):
+            raise ConfigError(where, f"must be a mapping such as {{count: 2, output_size: 224}}, got {g!r}")
+        for k in g:
+            if k not in _KEYS:
+                raise _unknown(str(k), _KEYS, where)
+        if "output_size" not in g:
+            raise ConfigError(f"{where}.output_size", "is required (each view group's crop size, such as 224)")
+        groups.append(ViewGroup(
+            output_size=_int(g["output_size"], f"{where}.output_size", 8, 4096),
+            count=_int(g.get("count", 1), f"{where}.count", 1, MAX_VIEWS),
+            rrc_scale=_pair(g.get("rrc_scale", (0.08, 1.0)), f"{where}.rrc_scale", 1e-6, 1.0),
+            rrc_ratio=_pair(g.get("rrc_ratio", (3 / 4, 4 / 3)), f"{where}.rrc_ratio", 1e-3, 1e3),
+            flip=_bool(g.get("flip", True), f"{where}.flip"),
+            **{k: _float(g.get(k, 0.0), f"{where}.{k}", 0.0, 1.0) for k in ("brightness", "contrast", "saturation")},
+        ))
+    total = sum(g.count for g in groups)
+    if total < 2:
+        raise ConfigError("augment.views", f"makes {total} view: list two or more (count: 2 for SimCLR's pair), or "
+                          "leave augment.views out for one crop per sample (augment.mode)")
+    if total > MAX_VIEWS:
+        raise ConfigError("augment.views", f"makes {total} views; a batch holds at most {MAX_VIEWS}")
+    return tuple(groups)
+
+
+def expand(groups: tuple[ViewGroup, ...]) -> tuple[ViewGroup, ...]:
+    """One entry per view, in view order (a group of ``count`` k is k entries)."""
+    return tuple(g for g in groups for _ in range(g.count))
+
+
+def shapes(groups: tuple[ViewGroup, ...]) -> tuple[tuple[int, int], ...]:
+    """Each view's (height, width), in view order."""
+    return tuple((g.output_size, g.output_size) for g in expand(groups))
+
+
+def as_dicts(groups: tuple[ViewGroup, ...]) -> list[dict]:
+    """The groups as plain values (for the stream's fingerprint)."""
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(g, k)) for k in _KEYS)}
+            for g in groups]
