@@ -32,12 +32,13 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
 from PIL import Image
 
+from prefetchd.core.augment import policies
 from prefetchd.core.augment.seeds import sample_key
 from prefetchd.core.config import AugmentConfig
 
@@ -48,6 +49,7 @@ except ImportError:  # pragma: no cover - a hard dependency, but the Pillow path
 
 ALLOWED_FORMATS = ("JPEG", "PNG")
 _N_UNIFORM = 48  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46], flip u[45]
+_NO_DRAWS = np.zeros(0)
 _EXIF_ORIENTATION = 0x0112
 _CV_INTER = {
     "nearest": cv2.INTER_NEAREST,
@@ -72,12 +74,14 @@ class SampleError(Exception):
 class Draws:
     u: np.ndarray  # float64 [_N_UNIFORM] in [0, 1)
     z: np.ndarray  # float64 [3] standard normal (PCA lighting)
+    p: np.ndarray = field(default_factory=lambda: _NO_DRAWS)  # float64 [N_POLICY_DRAWS] in [0, 1): policies, ops, erasing (core.augment.policies)
 
 
 def draws(seed: int, epoch: int, index: int) -> Draws:
-    """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded from)."""
+    """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded from).
+    The policies' fixed block comes after the crop's and lighting's, so those stay as they were."""
     rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index)))
-    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3))
+    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3), rng.random(policies.N_POLICY_DRAWS))
 
 
 # --- geometry: a pure function of the source size and the draws -------------------------------
@@ -373,6 +377,8 @@ def make_sample(data: bytes, cfg: AugmentConfig, d: Draws, out: np.ndarray | Non
         img = _jitter(img, cfg, d)
     if cfg.lighting:
         img = _lighting(img, cfg.lighting, d)
+    if cfg.extras_set():  # augment.policy, ops, random_erasing (core.augment.policies)
+        img = policies.apply_extras(img, cfg, d.p)
     if out is None:
         out = np.empty_like(img)
     if crop.flip:
