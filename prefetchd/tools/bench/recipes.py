@@ -13,7 +13,9 @@ timm's ``rand-m9-mstd0.5-inc1``, torchvision has no magnitude std), colour jitte
 erasing 0.25 (the fast path per-pixel noise, torchvision value 0)); ``trivialaugment`` (the
 same with TrivialAugmentWide in place of RandAugment). The rows are run in turns (``--rounds``),
 so a machine's changing load falls on all of them; images/s from each row's first batch to its
-last (the daemon's start-up and the DataLoader's first batch are left out). Needs torchvision.
+last (the daemon's start-up and the DataLoader's first batch are left out). ``--cpu-only``: the
+CPU time per sample of the fast path and of torchvision's transform in one process instead.
+Needs torchvision.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ import time
 def torchvision_recipe(recipe: str = "deit", size: int = 224):
     """torchvision's transform for ``recipe``: PIL image -> uint8 tensor [3, size, size]."""
     import torch
-    from torchvision.transforms import InterpolationMode
-    from torchvision.transforms import v2
+    from torchvision.transforms import InterpolationMode, v2
 
     policy = (v2.RandAugment(num_ops=2, magnitude=9, interpolation=InterpolationMode.BICUBIC) if recipe == "deit"
               else v2.TrivialAugmentWide(interpolation=InterpolationMode.BICUBIC))
@@ -69,16 +70,46 @@ class _Folder:
         return self.transform(im), i % 1000
 
 
-def dataloader_img_s(paths: list[str], workers: int, batch_size: int, recipe: str) -> float:
+def dataloader_img_s(paths: list[str], workers: int, batch_size: int, recipe: str, epochs: int) -> float:
     import torch
 
     dl = torch.utils.data.DataLoader(_Folder(paths, torchvision_recipe(recipe)), batch_size=batch_size,
-                                     shuffle=True, num_workers=workers, drop_last=True)
-    it = iter(dl)
-    next(it)  # workers started, first batch made: left out as the daemon's start-up is
-    t = time.perf_counter()
-    n = sum(x.shape[0] for x, _ in it)
+                                     shuffle=True, num_workers=workers, drop_last=True, persistent_workers=True)
+    n, t = 0, None
+    for _ in range(epochs):
+        for x, _ in dl:
+            if t is None:  # workers started, first batch made: left out as the daemon's start-up is
+                t = time.perf_counter()
+                continue
+            n += x.shape[0]
     return n / (time.perf_counter() - t)
+
+
+def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int) -> dict[str, list[float]]:
+    """CPU time per sample in this one process (``time.process_time``, so other processes'
+    load counts less than in wall time): the fast path's ``make_sample`` against Pillow's open
+    and torchvision's transform, in alternated blocks of ``samples``."""
+    import io
+
+    from PIL import Image
+
+    from prefetchd.core.augment import modes
+    from prefetchd.core.configsections import AugmentConfig
+
+    datas = [open(p, "rb").read() for p in paths[:samples]]
+    cfg = AugmentConfig(**fast_path_augment(recipe))
+    tv = torchvision_recipe(recipe)
+    out: dict[str, list[float]] = {"fast path": [], "torchvision": []}
+    for r in range(rounds):
+        t = time.process_time()
+        for i, x in enumerate(datas):
+            modes.make_sample(x, cfg, modes.draws(r, 0, i))
+        out["fast path"].append((time.process_time() - t) / len(datas) * 1e3)
+        t = time.process_time()
+        for x in datas:
+            tv(Image.open(io.BytesIO(x)).convert("RGB"))
+        out["torchvision"].append((time.process_time() - t) / len(datas) * 1e3)
+    return out
 
 
 def main(argv=None) -> int:
@@ -92,8 +123,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recipe", choices=("deit", "trivialaugment"), default="deit")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--cpu-only", action="store_true", help="only the per-sample CPU time in one process")
     args = ap.parse_args(argv)
     paths = list_images(args.root)
+    if args.cpu_only:
+        ms = per_sample_cpu(paths, args.recipe, 100, args.rounds)
+        f, t = statistics.median(ms["fast path"]), statistics.median(ms["torchvision"])
+        print(f"{args.recipe}: CPU ms per sample, one process, {args.rounds} alternated rounds of 100 (median): "
+              f"fast path {f:.2f} (runs {', '.join(f'{x:.1f}' for x in ms['fast path'])}), torchvision {t:.2f} "
+              f"(runs {', '.join(f'{x:.1f}' for x in ms['torchvision'])}): {t / f:.2f}x")
+        return 0
     work = tempfile.mkdtemp(prefix="prefetchd-recipes-")
     parent = _buffer_parent()
     user = {"mode": "random_resized_crop", "output_size": 224,
@@ -104,7 +143,7 @@ def main(argv=None) -> int:
                                             fast_path_augment(args.recipe), work, parent)["img_s"])
         rows["user transform"].append(daemon_run(args.root, args.workers, args.batch_size, args.epochs, user,
                                                  work, parent)["img_s"])
-        rows["DataLoader"].append(dataloader_img_s(paths, args.workers, args.batch_size, args.recipe))
+        rows["DataLoader"].append(dataloader_img_s(paths, args.workers, args.batch_size, args.recipe, args.epochs))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} img/s" for k, v in rows.items()), flush=True)
     fast = statistics.median(rows["fast path"])
     print(f"\n{args.recipe}: {len(paths)} images, {args.workers} workers, batch {args.batch_size}, "
