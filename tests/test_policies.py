@@ -210,3 +210,22 @@ def test_make_sample_with_a_policy_is_a_function_of_the_key(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert sum(not np.array_equal(x, y) for x, y in zip(a, c, strict=True)) > 25
     assert all(x.shape == (64, 64, 3) and x.dtype == np.uint8 for x in a)
+
+
+def test_single_ops_fire_on_their_draws_in_order():
+    from prefetchd.core.augment import ops
+    img = np.random.default_rng(2).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    cfg = AugmentConfig(ops={"vflip": 0.5, "grayscale": 0.5, "blur": 0.5, "blur_sigma": [1.0, 1.0], "blur_kernel": 5,
+                             "solarize": 0.5, "solarize_threshold": 100, "posterize": 0.5, "posterize_bits": 3})
+    off = np.full(256, 0.9)
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, off), img)
+    on = off.copy()
+    on[32:38] = 0.1
+    want = ops.solarize(img, 100)
+    want = ops.posterize(want, 3)
+    want = ops.grayscale(want)
+    want = ops.gaussian_blur(want, 5, 1.0)
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, on), want[::-1])
+    only_flip = off.copy()
+    only_flip[32] = 0.1
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, only_flip), img[::-1])

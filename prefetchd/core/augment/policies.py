@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from statistics import NormalDist
 
+import cv2
 import numpy as np
 
 from prefetchd.core.augment import erasing
@@ -197,7 +198,7 @@ def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
         lo, hi = o.blur_sigma
         img = gaussian_blur(img, o.blur_kernel, lo + p[35] * (hi - lo))
     if o.vflip and p[32] < o.vflip:
-        img = img[::-1]
+        img = cv2.flip(img, 0)  # a copy: later steps (cv2, in-place erasing) want a plain array
     if cfg.random_erasing.p:
         img = erasing.erase(img, cfg.random_erasing, p)
     return img
