@@ -76,7 +76,8 @@ class Config:
         pixel batch's fixed size, so ``max_bytes`` holds exactly)."""
         return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False, decode="cpu",
                        brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0,
-                       transform=None, transform_args={}, transform_path=None, views=())
+                       transform=None, transform_args={}, transform_path=None, views=(),
+                       policy="none", policy_args={}, random_erasing=None, ops=None)
 
     def val_stream_fingerprint(self) -> str:
         """As ``stream_fingerprint`` for the validation stream (the val dataset is added by the daemon)."""

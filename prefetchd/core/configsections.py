@@ -27,6 +27,13 @@ from prefetchd.core.configvalues import (
     _unknown,
     parse_size,
 )
+from prefetchd.core.policyspec import (
+    ErasingConfig,
+    OpsConfig,
+    erasing_config,
+    ops_config,
+    policy_spec,
+)
 
 
 @dataclass(frozen=True)
@@ -232,6 +239,7 @@ DECODERS = ("auto", "pillow")
 DECODE_MODES = ("cpu", "hybrid", "gpu")
 TRANSFORM_INPUTS = ("pil", "numpy")
 _TRANSFORM_KEYS = ("transform", "transform_args", "transform_path", "transform_input")
+_POLICY_KEYS = ("policy", "policy_args", "random_erasing", "ops")
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
@@ -260,6 +268,11 @@ class AugmentConfig:
     transform_input: str = "pil"  # what the callable gets: a PIL image, or numpy (HWC uint8)
     # several views of each sample, built in (core.augment.viewspec): one crop group per entry
     views: tuple[ViewGroup, ...] = ()
+    # policies, single ops and random erasing after the crop (core.policyspec, core.augment.policies)
+    policy: str = "none"  # none | randaugment | trivialaugment | autoaugment | "rand-m9-mstd0.5-inc1"
+    policy_args: dict = field(default_factory=dict)
+    random_erasing: Any = None  # a mapping, checked into a policyspec.ErasingConfig
+    ops: Any = None  # a mapping, checked into a policyspec.OpsConfig
 
     def __post_init__(self) -> None:
         _choice(self.mode, "augment.mode", AUGMENT_MODES)
@@ -288,6 +301,7 @@ class AugmentConfig:
             raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
         object.__setattr__(self, "gpu_share", share)
         self._check_transform()
+        self._check_policy()
         object.__setattr__(self, "views", parse_views(self.views))
         if self.views and self.transform is not None:
             raise ConfigError("augment.views", "and augment.transform are exclusive: a transform makes its own views "
@@ -295,6 +309,34 @@ class AugmentConfig:
         if self.views and self.decode != "cpu":
             raise ConfigError("augment.decode", f"must be cpu with augment.views (several views are made on the CPU, "
                               f"in the workers), got {self.decode}")
+        if self.views and self._extras_on:
+            raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
+                              "random-resized crop with its own flip and jitter; remove one of them")
+
+    def _check_policy(self) -> None:
+        object.__setattr__(self, "policy_spec", policy_spec(self.policy, self.policy_args))
+        object.__setattr__(self, "policy_args", dict(self.policy_args or {}))
+        object.__setattr__(self, "random_erasing", erasing_config(self.random_erasing))
+        object.__setattr__(self, "ops", ops_config(self.ops))
+        on = not (self.policy == "none" and self.random_erasing == ErasingConfig() and self.ops == OpsConfig())
+        object.__setattr__(self, "_extras_on", on)  # read per sample: computed once
+        if on:
+            if self.transform is not None:
+                raise ConfigError("augment.policy", "and augment.random_erasing/ops are the built-in path's; with "
+                                  "augment.transform put them in your transform")
+            if self.decode != "cpu":
+                raise ConfigError("augment.decode", f"must be cpu with augment.policy, random_erasing or ops (they run "
+                                  f"on the workers' uint8 arrays), got {self.decode}")
+
+    def extras_set(self) -> bool:
+        """Whether a policy, random erasing or a single op is set (core.augment.policies)."""
+        return self._extras_on
+
+    def stream_extras(self) -> dict[str, Any] | None:
+        if not self._extras_on:
+            return None
+        return {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
+                "random_erasing": dataclasses.asdict(self.random_erasing), "ops": dataclasses.asdict(self.ops)}
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:
@@ -334,9 +376,14 @@ class AugmentConfig:
         d.pop("views")  # configs without views keep the fingerprint they had
         if self.views:
             d["views"] = as_dicts(self.views)
+        for k in _POLICY_KEYS:  # configs without a policy keep the fingerprint they had
+            d.pop(k)
         if self.transform is None:  # configs without a transform keep the fingerprint they had
             for k in _TRANSFORM_KEYS:
                 d.pop(k)
+            extras = self.stream_extras()
+            if extras is not None:
+                d.update(extras)
         else:  # the built-in modes' keys do nothing then; the module's file is added by the daemon
             d = {k: d[k] for k in ("output_size", "transform", "transform_args", "transform_input")}
             d["transform_args"] = json.loads(json.dumps(d["transform_args"], sort_keys=True))

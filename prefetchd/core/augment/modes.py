@@ -32,12 +32,13 @@ from __future__ import annotations
 import io
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import cv2
 import numpy as np
 from PIL import Image
 
+from prefetchd.core.augment import policies
 from prefetchd.core.augment.seeds import sample_key
 from prefetchd.core.config import AugmentConfig
 
@@ -48,6 +49,7 @@ except ImportError:  # pragma: no cover - a hard dependency, but the Pillow path
 
 ALLOWED_FORMATS = ("JPEG", "PNG")
 _N_UNIFORM = 48  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46], flip u[45]
+_NO_DRAWS = np.zeros(0)
 _EXIF_ORIENTATION = 0x0112
 _CV_INTER = {
     "nearest": cv2.INTER_NEAREST,
@@ -72,13 +74,15 @@ class SampleError(Exception):
 class Draws:
     u: np.ndarray  # float64 [_N_UNIFORM] in [0, 1)
     z: np.ndarray  # float64 [3] standard normal (PCA lighting)
+    p: np.ndarray = field(default_factory=lambda: _NO_DRAWS)  # float64 [N_POLICY_DRAWS] in [0, 1): policies, ops, erasing (core.augment.policies)
 
 
 def draws(seed: int, epoch: int, index: int, view: int | None = None) -> Draws:
     """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded
-    from); ``view``: that view's of the sample (``augment.views``)."""
+    from); ``view``: that view's of the sample (``augment.views``). The policies' fixed block comes
+    after the crop's and lighting's, so those stay as they were."""
     rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index, view)))
-    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3))
+    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3), rng.random(policies.N_POLICY_DRAWS))
 
 
 # --- geometry: a pure function of the source size and the draws -------------------------------
@@ -389,6 +393,8 @@ def finish(arr: np.ndarray, crop: Crop, cfg: AugmentConfig, d: Draws, out: np.nd
         img = _jitter(img, cfg, d)
     if cfg.lighting:
         img = _lighting(img, cfg.lighting, d)
+    if cfg.extras_set():  # augment.policy, ops, random_erasing (core.augment.policies)
+        img = policies.apply_extras(img, cfg, d.p)
     if out is None:
         out = np.empty_like(img)
     if crop.flip:

@@ -1,0 +1,231 @@
+"""Policies' settings, plans and draws: torchvision's magnitude tables, the op frequencies and
+magnitude histograms of many seeded samples against the distributions written from
+torchvision's and timm's source, timm's string parse, erasing boxes, and make_sample's use."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from statistics import NormalDist
+
+import numpy as np
+import pytest
+from conftest import small_config
+
+from prefetchd.core.augment import erasing, modes, policies
+from prefetchd.core.config import ConfigError
+from prefetchd.core.config import load as load_config
+from prefetchd.core.configsections import AugmentConfig
+from prefetchd.core.policyspec import ErasingConfig, erasing_config, parse_timm, policy_spec
+
+N_SAMPLES = 6000
+
+
+def _chi2_limit(df: int, alpha: float = 1e-4) -> float:
+    """Wilson-Hilferty's chi-square quantile: a true distribution fails 1 run in 10,000."""
+    z = NormalDist().inv_cdf(1 - alpha)
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def _chi2(counts: Counter, expected: dict) -> tuple[float, int]:
+    total = sum(counts.values())
+    assert set(counts) <= set(expected), set(counts) - set(expected)
+    stat = sum((counts.get(k, 0) - total * p) ** 2 / (total * p) for k, p in expected.items() if p > 0)
+    return stat, len([p for p in expected.values() if p > 0]) - 1
+
+
+def _plans(policy: str, args=None, h=224, w=224):
+    spec = policy_spec(policy, args or {})
+    return [policies.policy_plan(spec, modes.draws(11, 3, i).p, h, w) for i in range(N_SAMPLES)]
+
+
+def test_magnitude_tables_are_torch_linspace_to_the_bit():
+    torch = pytest.importorskip("torch")
+    for start, end, n in ((0.0, 0.3, 31), (0.0, 150.0 / 331.0 * 224, 31), (0.0, 30.0, 10), (255.0, 0.0, 31),
+                          (0.0, 0.99, 31), (0.0, 135.0, 31), (0.0, 0.9, 10), (0.0, 150.0 / 331.0 * 177, 31),
+                          (0.0, 150.0 / 331.0 * 384, 31), (0.0, 150.0 / 331.0 * 333, 10), (0.0, 32.0, 31), (0.0, 0.3, 200), (0.0, 7.3, 1000)):
+        want = torch.linspace(start, end, n).numpy()
+        np.testing.assert_array_equal(policies.linspace_f32(start, end, n), want, err_msg=f"{start}, {end}, {n}")
+    for bins, div in ((31, 4), (10, 4), (31, 6)):
+        want = (8 - (torch.arange(bins) / ((bins - 1) / div)).round().int()).numpy()
+        kind = "trivialaugment" if div == 6 else "randaugment"
+        np.testing.assert_array_equal(policies.magnitude_table(kind, bins, 224, 224)["Posterize"][0], want)
+
+
+def test_randaugment_ops_are_uniform_with_fair_signs_and_the_fixed_bin():
+    plans = _plans("randaugment", {"num_ops": 2, "magnitude": 9})
+    assert all(len(p) == 2 for p in plans)
+    ops = Counter(name for p in plans for name, _ in p)
+    stat, df = _chi2(ops, {k: 1 / 14 for k in policies.RANDAUGMENT_OPS})
+    assert stat < _chi2_limit(df), ops
+    table = policies.magnitude_table("randaugment", 31, 224, 224)
+    rot = [m for p in plans for name, m in p if name == "Rotate"]
+    assert set(rot) == {float(table["Rotate"][0][9]), -float(table["Rotate"][0][9])}
+    neg = sum(m < 0 for m in rot)
+    assert abs(neg - len(rot) / 2) < 4 * math.sqrt(len(rot) / 4)  # a fair coin, within 4 sigma
+    assert {m for p in plans for name, m in p if name == "TranslateX"} == {float(int(table["TranslateX"][0][9])) * s for s in (1, -1)}
+    assert {m for p in plans for name, m in p if name == "Posterize"} == {float(table["Posterize"][0][9])}
+
+
+def test_trivialaugment_bins_are_uniform_over_31():
+    plans = _plans("trivialaugment")
+    assert all(len(p) == 1 for p in plans)
+    ops = Counter(p[0][0] for p in plans)
+    stat, df = _chi2(ops, {k: 1 / 14 for k in policies.RANDAUGMENT_OPS})
+    assert stat < _chi2_limit(df), ops
+    table = policies.magnitude_table("trivialaugment", 31, 224, 224)
+    # the magnitude histogram of the enhance ops (one table, 31 bins, signed): |m| -> its bin
+    bins = {float(v): i for i, v in enumerate(table["Brightness"][0])}
+    hist = Counter(bins[abs(m)] for p in plans for name, m in p if name in ("Brightness", "Color", "Contrast", "Sharpness"))
+    stat, df = _chi2(hist, {i: 1 / 31 for i in range(31)})
+    assert stat < _chi2_limit(df), hist
+    assert any(m == 90.0 for p in plans for name, m in p if name == "Rotate")  # 135 / 30 * 20: a transpose
+
+
+def test_autoaugment_applies_each_op_as_often_as_imagenets_table_says():
+    plans = _plans("autoaugment")
+    expected = Counter()
+    for sub in policies.IMAGENET_POLICY:
+        for name, prob, _ in sub:
+            expected[name] += prob / len(policies.IMAGENET_POLICY)
+    expected["(skipped)"] = 2 - sum(expected.values())
+    got = Counter(name for p in plans for name, _ in p)
+    got["(skipped)"] = 2 * len(plans) - sum(got.values())
+    stat, df = _chi2(got, {k: v / 2 for k, v in expected.items()})
+    assert stat < _chi2_limit(df), got
+    assert {m for p in plans for name, m in p if name == "Color"} <= {float(v) * s for v in
+                                                                     policies.magnitude_table("autoaugment", 10, 1, 1)["Color"][0][[0, 2, 4, 8]] for s in (1, -1)}
+
+
+def test_timm_rand_string_ops_probability_and_magnitude_distribution():
+    plans = _plans("rand-m9-mstd0.5-inc1")
+    spec = policy_spec("rand-m9-mstd0.5-inc1", {})
+    assert (spec.kind, spec.magnitude, spec.magnitude_std, spec.num_ops, spec.increasing, spec.prob) == (
+        "timm", 9.0, 0.5, 2, True, 0.5)
+    n_ops = Counter(len(p) for p in plans)  # two ops, each kept with probability 0.5: binomial(2, 0.5)
+    stat, df = _chi2(n_ops, {0: 0.25, 1: 0.5, 2: 0.25})
+    assert stat < _chi2_limit(df), n_ops
+    # timm's rotate level: |degrees| = clip(N(9, 0.5), 0, 10) / 10 * 30, in 8 equiprobable bins of N(9, 0.5)
+    lv = [abs(m) / 3.0 for p in plans for name, m in p if name == "Rotate"]
+    nd = NormalDist(9, 0.5)
+    edges = [nd.inv_cdf(k / 8) for k in range(1, 8)]
+    hist = Counter(sum(v > e for e in edges) for v in lv)
+    probs = {k: 1 / 8 for k in range(8)}
+    stat, df = _chi2(hist, probs)
+    assert stat < _chi2_limit(df), hist
+    assert max(lv) <= 10.0 + 1e-9
+    # the increasing set: PosterizeIncreasing keeps 4 - int(level * 0.4) bits; no plain Posterize levels
+    assert {m for p in plans for name, m in p if name == "Posterize"} <= {0.0, 1.0, 2.0}
+
+
+def test_timm_strings_parse_as_timm_parses_them():
+    assert parse_timm("rand-m9-mstd0.5-inc1")["magnitude"] == 9.0
+    d = parse_timm("rand-n3-m15-mmax20-mstd101-p0.7")
+    assert (d["num_ops"], d["magnitude"], d["magnitude_max"], d["magnitude_std"], d["prob"]) == (3, 15.0, 20.0, math.inf, 0.7)
+    assert parse_timm("rand")["magnitude"] == 10.0 and parse_timm("rand-inc0")["increasing"] is False
+    for bad, words in (("rand-w0", "op weights"), ("rand-q3", "unknown section"), ("augmix-m5", "timm string"),
+                       ("rand-mx", "name and a number"), ("rand-mstdinf", "name and a number")):
+        with pytest.raises(ConfigError, match=words):
+            policy_spec(bad, {})
+
+
+@pytest.mark.parametrize("aug, key, words", [
+    ({"policy": "randomaug"}, "augment.policy", "one of none, randaugment"),
+    ({"policy": "randaugment", "policy_args": {"magnitude": 31}}, "augment.policy_args.magnitude", r"in \[0, 30\]"),
+    ({"policy": "randaugment", "policy_args": {"num_op": 2}}, "augment.policy_args.num_op", "known: num_ops"),
+    ({"policy": "trivialaugment", "policy_args": {"magnitude": 5}}, "augment.policy_args.magnitude", "randaugment parameter"),
+    ({"policy": "rand-m9", "policy_args": {"num_ops": 3}}, "augment.policy_args.num_ops", "timm string"),
+    ({"policy": "none", "policy_args": {"fill": 3}}, "augment.policy_args", "augment.policy is none"),
+    ({"policy": "randaugment", "policy_args": {"fill": [1, 2]}}, "augment.policy_args.fill", r"\[r, g, b\]"),
+    ({"random_erasing": {"p": 1.5}}, "augment.random_erasing.p", r"\[0, 1\]"),
+    ({"random_erasing": {"p": 0.5, "mode": "noise"}}, "augment.random_erasing.mode", "const, rand, pixel"),
+    ({"random_erasing": {"p": 0.5, "count": [2, 1]}}, "augment.random_erasing.count", "min <= max"),
+    ({"random_erasing": {"prob": 0.5}}, "augment.random_erasing.prob", "known: p"),
+    ({"ops": {"blur": 0.5, "blur_kernel": 4}}, "augment.ops.blur_kernel", "odd"),
+    ({"ops": {"hflip": 0.5}}, "augment.ops.hflip", "known: vflip"),
+    ({"policy": "randaugment", "decode": "gpu"}, "augment.decode", "must be cpu with augment.policy"),
+    ({"policy": "randaugment", "transform": "m:f"}, "augment.policy", "put them in your transform"),
+])
+def test_bad_policy_settings_say_the_key_and_what_is_accepted(tmp_path, aug, key, words):
+    with pytest.raises(ConfigError, match=words) as e:
+        load_config(small_config(tmp_path, "/data", augment=aug))
+    assert str(e.value).startswith(key + " ")
+
+
+def test_fingerprints_move_with_the_policy_and_stay_without_one(tmp_path):
+    base = load_config(small_config(tmp_path, "/data"))
+    assert not any(k in base.augment.stream_dict() for k in ("policy", "random_erasing", "ops"))  # as before
+    fps = {base.stream_fingerprint()}
+    for aug in ({"policy": "randaugment"}, {"policy": "randaugment", "policy_args": {"magnitude": 5}},
+                {"policy": "rand-m9-mstd0.5-inc1"}, {"random_erasing": {"p": 0.25}}, {"ops": {"vflip": 0.5}}):
+        fps.add(load_config(small_config(tmp_path, "/data", augment=aug)).stream_fingerprint())
+    assert len(fps) == 6
+    va = load_config(small_config(tmp_path, "/data", augment={"policy": "autoaugment", "random_erasing": {"p": 1}})).val_augment()
+    assert va.policy == "none" and va.random_erasing.p == 0 and not va.extras_set()
+
+
+def test_the_crop_and_lighting_draws_are_unchanged_by_the_policy_block():
+    rng = np.random.Generator(np.random.PCG64(modes.sample_key(5, 1, 42)))
+    d = modes.draws(5, 1, 42)
+    np.testing.assert_array_equal(d.u, rng.random(modes._N_UNIFORM))
+    np.testing.assert_array_equal(d.z, rng.standard_normal(3))
+    assert d.p.shape == (policies.N_POLICY_DRAWS,)
+
+
+def test_erasing_boxes_follow_timms_algorithm_and_fill_modes():
+    cfg = erasing_config({"p": 1.0, "count": [1, 3], "mode": "rand"})
+    counts, fracs = Counter(), []
+    for i in range(2000):
+        bs = erasing.boxes(cfg, modes.draws(1, 0, i).p, 224, 224)
+        counts[len(bs)] += 1
+        for top, left, h, w, _ in bs:
+            assert 0 <= top <= 224 - h and 0 <= left <= 224 - w and h < 224 and w < 224
+            fracs.append(h * w * len(bs) / 224 ** 2)
+    stat, df = _chi2(counts, {1: 1 / 3, 2: 1 / 3, 3: 1 / 3})
+    assert stat < _chi2_limit(df), counts
+    assert 0.015 < min(fracs) and max(fracs) < 0.36 and abs(np.mean(fracs) - (0.02 + 1 / 3) / 2) < 0.02
+    assert sum(bool(erasing.boxes(erasing_config({"p": 0.25}), modes.draws(1, 0, i).p, 64, 64)) for i in range(2000)) in range(430, 571)
+    img = np.full((64, 64, 3), 9, np.uint8)
+    p = np.full(256, 0.5)
+    p[40] = 0.0
+    const = erasing.erase(img.copy(), ErasingConfig(p=1.0, value=(1, 2, 3)), p)
+    top, left, h, w, _ = erasing.boxes(ErasingConfig(p=1.0), p, 64, 64)[0]
+    assert (const[top:top + h, left:left + w] == (1, 2, 3)).all() and (const == 9).all(axis=2).sum() == 64 * 64 - h * w
+    pix = erasing.erase(img.copy(), ErasingConfig(p=1.0, mode="pixel"), p)[top:top + h, left:left + w].astype(float)
+    # timm's N(0, 1) in normalised space: per channel mean 255 * mean, std 255 * std
+    assert abs(pix[..., 0].mean() - 255 * 0.485) < 6 and abs(pix[..., 0].std() - 255 * 0.229) < 6
+    np.testing.assert_array_equal(pix, erasing.erase(img.copy(), ErasingConfig(p=1.0, mode="pixel"), p)[top:top + h, left:left + w])
+
+
+def test_make_sample_with_a_policy_is_a_function_of_the_key(tmp_path):
+    from prefetchd.tools.samples import jpeg_bytes, photo_like
+    rng = np.random.default_rng(4)
+    data = jpeg_bytes(photo_like(rng, 200, 150), rng)
+    cfg = AugmentConfig(mode="random_resized_crop", output_size=64, policy="trivialaugment",
+                        random_erasing={"p": 0.5, "mode": "pixel"}, ops={"vflip": 0.5})
+    plain = AugmentConfig(mode="random_resized_crop", output_size=64)
+    a = [modes.make_sample(data, cfg, modes.draws(7, 0, i)) for i in range(40)]
+    b = [modes.make_sample(data, cfg, modes.draws(7, 0, i)) for i in range(40)]
+    c = [modes.make_sample(data, plain, modes.draws(7, 0, i)) for i in range(40)]
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert sum(not np.array_equal(x, y) for x, y in zip(a, c, strict=True)) > 25
+    assert all(x.shape == (64, 64, 3) and x.dtype == np.uint8 for x in a)
+
+
+def test_single_ops_fire_on_their_draws_in_order():
+    from prefetchd.core.augment import ops
+    img = np.random.default_rng(2).integers(0, 256, (40, 48, 3), dtype=np.uint8)
+    cfg = AugmentConfig(ops={"vflip": 0.5, "grayscale": 0.5, "blur": 0.5, "blur_sigma": [1.0, 1.0], "blur_kernel": 5,
+                             "solarize": 0.5, "solarize_threshold": 100, "posterize": 0.5, "posterize_bits": 3})
+    off = np.full(256, 0.9)
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, off), img)
+    on = off.copy()
+    on[32:38] = 0.1
+    want = ops.solarize(img, 100)
+    want = ops.posterize(want, 3)
+    want = ops.grayscale(want)
+    want = ops.gaussian_blur(want, 5, 1.0)
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, on), want[::-1])
+    only_flip = off.copy()
+    only_flip[32] = 0.1
+    np.testing.assert_array_equal(policies.apply_extras(img, cfg, only_flip), img[::-1])
