@@ -185,8 +185,13 @@ _DOTTED = re.compile(r"(?<![\w.])(prefetchd(?:_client)?)\.([a-z_]\w*)")
 _NOT_MODULES = {"yaml", "service", "mount", "conf", "log", "lock", "json", "sock"}  # file names, not modules
 
 
+def _docs() -> list[str]:
+    """The user's and contributor's pages: the README, CONTRIBUTING.md and docs/*.md."""
+    return ["README.md", "CONTRIBUTING.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
 def _texts():
-    for rel in ("README.md", "BENCHMARKS.md", "config.example.yaml"):
+    for rel in (*_docs(), "BENCHMARKS.md", "config.example.yaml"):
         yield rel, (ROOT / rel).read_text()
     for top in ("prefetchd", "client", "tests", "examples"):
         for path in sorted((ROOT / top).rglob("*.py")):
@@ -216,3 +221,4 @@ def test_every_path_and_module_the_docs_and_code_name_exists():
                 if not ok:
                     bad.append(f"{rel}: {pkg}.{name}")
     assert not bad, "stale names:\n" + "\n".join(sorted(set(bad)))
+

@@ -1,6 +1,6 @@
 """What ``prefetchd check`` says about a deployment: users, groups, modes, the RAM disk.
 
-The model it checks (README, "Run it as a service"): the daemon runs as its own user with the
+The model it checks (docs/systemd.md): the daemon runs as its own user with the
 group ``buffer.group`` (the unit's ``Group=``); trainers of other users are members of that
 group. The buffer directory is the daemon's, mode 0750 (0700 without a group), its files 0640;
 the progress directory is 0770 (trainers replace their files there), progress files 0644. A
@@ -182,7 +182,7 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
         if not _can_act_as(daemon) and not daemon.may(pst, 3) and not inside:  # else ``try_dirs`` tries
             problem(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
                     f"`prefetchd run` as {daemon.name} would fail; the unit's RuntimeDirectory= must make it "
-                    f"(README), or make it yourself")
+                    f"(docs/systemd.md), or make it yourself")
         return
     except OSError as e:
         problem(f"{key} {path}: {e.strerror}")
