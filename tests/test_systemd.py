@@ -1,4 +1,4 @@
-"""The service under a real systemd: PID 1 in private namespaces, the README's steps, a trainer
+"""The service under a real systemd: PID 1 in private namespaces, docs/systemd.md's steps, a trainer
 of another user.
 
 Isolation comes first. systemd's boot empties ``/tmp`` (``systemd-tmpfiles --remove``) and
@@ -294,7 +294,7 @@ class Machine:
         return out
 
 
-# --- the machine and the README's deployment, once per module --------------------------------------
+# --- the machine and docs/systemd.md's deployment, once per module --------------------------------------
 
 
 def _wheel(dest: str) -> str:
@@ -374,7 +374,7 @@ def machine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployed(machine):
-    """README, "Run it as a service", steps 1 to 6, verbatim where the README gives a command."""
+    """docs/systemd.md, steps 1 to 6, verbatim where the page gives a command."""
     m = machine
     wheel = next(n for n in os.listdir(m.share) if n.endswith(".whl"))
     m.run(readme_command("useradd --system"))
