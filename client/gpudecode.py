@@ -51,7 +51,7 @@ from .gpuops import (
 
 _log = logging.getLogger(__name__)
 
-GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see README, Hybrid decode)"
+GPU_EXTRA_HINT = "install the GPU extra: pip install 'prefetchd[gpu]' (nvImageCodec; see docs/hybrid-decode.md)"
 _WARN_EVERY = 1000  # after the first fallback, one log line per this many more
 # Every nvImageCodec name this module uses (tests/test_nvimgcodec_contract.py checks them against
 # the installed wheel: ColorSpec.RGB, say, was renamed SRGB in nvImageCodec 0.7)

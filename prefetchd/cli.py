@@ -108,7 +108,7 @@ def cmd_run(args) -> int:
     except OSError as e:  # e.g. the metrics port is taken
         hint = ""
         if e.errno == errno.EAFNOSUPPORT and cfg.metrics.enabled:  # the shipped unit allows AF_UNIX only
-            hint = ("; the metrics endpoint needs AF_INET: add the drop-in of README.md, \"Metrics under "
+            hint = ("; the metrics endpoint needs AF_INET: add the drop-in of docs/systemd.md, \"Metrics under "
                     "systemd\" (RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6, PrivateNetwork=no), "
                     "or set metrics.enabled: false")
         log.error("cannot run: %s%s", e, hint)

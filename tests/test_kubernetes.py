@@ -34,7 +34,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "kubernetes"
 CONFIG = "/etc/prefetchd/train.yaml"  # where the pod mounts the config
 PROBE_TIMEOUT_S = 5  # a Python start on a busy node: the kubelet's default 1 s counts it as a failure
-_WORKER_BYTES = 60 * 2**20  # README, "Run it as a service": about 60 MB per worker, plus a batch array
+_WORKER_BYTES = 60 * 2**20  # docs/systemd.md: about 60 MB per worker, plus a batch array
 
 
 class _Response:  # what ApiClient.deserialize read before kubernetes 34: a response with the body in .data

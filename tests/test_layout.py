@@ -185,8 +185,13 @@ _DOTTED = re.compile(r"(?<![\w.])(prefetchd(?:_client)?)\.([a-z_]\w*)")
 _NOT_MODULES = {"yaml", "service", "mount", "conf", "log", "lock", "json", "sock"}  # file names, not modules
 
 
+def _docs() -> list[str]:
+    """The user's and contributor's pages: the README, CONTRIBUTING.md and docs/*.md."""
+    return ["README.md", "CONTRIBUTING.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))]
+
+
 def _texts():
-    for rel in ("README.md", "BENCHMARKS.md", "config.example.yaml"):
+    for rel in (*_docs(), "BENCHMARKS.md", "config.example.yaml"):
         yield rel, (ROOT / rel).read_text()
     for top in ("prefetchd", "client", "tests", "examples"):
         for path in sorted((ROOT / top).rglob("*.py")):
@@ -216,3 +221,19 @@ def test_every_path_and_module_the_docs_and_code_name_exists():
                 if not ok:
                     bad.append(f"{rel}: {pkg}.{name}")
     assert not bad, "stale names:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_each_docs_page_opens_with_what_it_is_for_and_the_readme_stays_short():
+    """docs/*.md: a title, then one sentence saying what the page is for; the README is a first hour
+    (under 250 lines) whose table of where to go next names every docs page."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 250, len(readme.splitlines())
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert pages
+    for page in pages:
+        paras = [p.strip() for p in page.read_text().split("\n\n") if p.strip()]
+        assert paras[0].startswith("# ") and "\n" not in paras[0], f"{page.name}: no title line"
+        first = paras[1]
+        assert first[0].isalpha() and first.endswith(".") and not first.startswith(("- ", "|", "```")), \
+            f"{page.name}: the first paragraph is not a sentence saying what the page is for: {first[:80]!r}"
+        assert f"docs/{page.name}" in readme, f"the README's table of where to go next does not name docs/{page.name}"

@@ -268,7 +268,7 @@ def test_check_that_cannot_act_as_the_daemon_user_judges_by_the_mode_bits(tmp_pa
     problems = [x for x in deploy.check_deployment(cfg, deploy.Account.lookup("nobody"), []) if x.startswith("problem:")]
     assert problems == [f"problem: buffer.dir {buf} does not exist and nobody cannot create it in {closed_parent} "
                         f"(root:root 0755): `prefetchd run` as nobody would fail; the unit's RuntimeDirectory= must "
-                        f"make it (README), or make it yourself"], problems
+                        f"make it (docs/systemd.md), or make it yourself"], problems
 
 
 @needs_root

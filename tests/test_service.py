@@ -64,7 +64,7 @@ def test_units_have_what_an_admin_relies_on():
     for line in ("Type=notify", "NotifyAccess=main", "Restart=on-failure", "RestartPreventExitStatus=78",
                  "KillMode=mixed", "WatchdogSec=", "StartLimitBurst=", "MemoryMax=", "Nice=", "IOSchedulingClass=",
                  "ExecReload=/bin/kill -HUP $MAINPID", "Requires=run-prefetchd.mount",
-                 # the cross-user model (README, "Run it as a service"): systemd makes the buffer
+                 # the cross-user model (docs/systemd.md): systemd makes the buffer
                  # directory for User=/Group=, the daemon needs no chown (which @privileged refuses)
                  "RuntimeDirectory=prefetchd/buffer", "RuntimeDirectoryMode=0750", "Group=prefetchd"):
         assert line in text, line

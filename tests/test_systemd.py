@@ -1,4 +1,4 @@
-"""The service under a real systemd: PID 1 in private namespaces, the README's steps, a trainer
+"""The service under a real systemd: PID 1 in private namespaces, docs/systemd.md's steps, a trainer
 of another user.
 
 Isolation comes first. systemd's boot empties ``/tmp`` (``systemd-tmpfiles --remove``) and
@@ -294,7 +294,7 @@ class Machine:
         return out
 
 
-# --- the machine and the README's deployment, once per module --------------------------------------
+# --- the machine and docs/systemd.md's deployment, once per module --------------------------------------
 
 
 def _wheel(dest: str) -> str:
@@ -306,15 +306,14 @@ def _wheel(dest: str) -> str:
 
 
 def _readme_section() -> str:
-    text = open(os.path.join(REPO, "README.md")).read()
-    return text[text.index("## Run it as a service"):text.index("## Failure behaviour")]
+    return open(os.path.join(REPO, "docs", "systemd.md")).read()  # the service's steps, moved from the README
 
 
 def readme_command(prefix: str) -> str:
-    """The README's inline command that starts with ``prefix``, verbatim."""
+    """docs/systemd.md's inline command that starts with ``prefix``, verbatim."""
     spans = re.findall(r"`([^`\n]+)`", _readme_section())
     found = [s for s in spans if s.startswith(prefix)]
-    assert found, f"README's 'Run it as a service' has no command starting {prefix!r}"
+    assert found, f"docs/systemd.md has no command starting {prefix!r}"
     return found[0]
 
 
@@ -375,7 +374,7 @@ def machine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def deployed(machine):
-    """README, "Run it as a service", steps 1 to 6, verbatim where the README gives a command."""
+    """docs/systemd.md, steps 1 to 6, verbatim where the page gives a command."""
     m = machine
     wheel = next(n for n in os.listdir(m.share) if n.endswith(".whl"))
     m.run(readme_command("useradd --system"))
@@ -653,10 +652,10 @@ def test_metrics_through_the_documented_drop_in(deployed):
     m.run("systemctl restart prefetchd", check=False, timeout=60)
     refusal = wait_until(lambda: [e["MESSAGE"] for e in journal(m, since=mark)
                                   if "cannot run" in str(e.get("MESSAGE", ""))], 30, "the refusal")
-    assert "Address family not supported" in refusal[0] and 'drop-in of README.md, "Metrics under systemd"' \
+    assert "Address family not supported" in refusal[0] and 'drop-in of docs/systemd.md, "Metrics under systemd"' \
         in refusal[0], refusal  # the one line says how to fix it
     m.run("systemctl stop prefetchd && systemctl reset-failed prefetchd", check=False)
-    m.run(readme_block("### Metrics under systemd"), timeout=120)
+    m.run(readme_block("## Metrics under systemd"), timeout=120)
     wait_until(lambda: show(m, "ActiveState") == "active", 60, "the service with metrics")
     out = wait_until(lambda: m.run(fetch, check=False).stdout, 30, "the metrics endpoint")
     assert "prefetchd_" in out

@@ -15,7 +15,7 @@ first (``prefetchd run --config train.yaml``, or the systemd unit), then:
   the DataLoader loop (``for images, target in train_loader``, one epoch per pass).
 * Checkpoints (``--checkpoint``, written atomically by rank 0 after every epoch, and when
   ``--max-steps`` stops a run early) hold the model, optimizer, scheduler, scaler and rank 0's
-  loader ``state_dict()``, which every rank loads (the ranks step in lock-step; the README's
+  loader ``state_dict()``, which every rank loads (the ranks step in lock-step; docs/trainer.md's
   rule): ``--resume`` continues from the very next batch, mid-epoch too. The epoch loop starts
   from ``train_loader.epoch`` (a counter of the script's own that lags the loader, say after a
   run stopped on an epoch's last batch, would have ``set_epoch`` replay that epoch). On
@@ -267,7 +267,7 @@ def validate(loader, model, criterion, args, amp, device, world: int) -> float:
 def save_checkpoint(path: str, epoch: int, model, optimizer, scheduler, scaler, loader, best_acc1: float, args,
                     world: int, rank: int, steps: int) -> None:
     """Rank 0's loader state (the ranks step in lock-step: every rank resumes from it, the
-    README's rule) and the rest, from rank 0; written to a temporary file and renamed into place."""
+    rule of docs/trainer.md) and the rest, from rank 0; written to a temporary file and renamed into place."""
     if rank != 0:
         return
     state = loader.state_dict()
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             scaler.load_state_dict(ckpt["scaler"])
         # continues at the very next batch; saved by another number of ranks (all saved the same
         # step), the rest of that epoch is shared out among this job's ranks
-        train_loader.load_state_dict(ckpt["loader"][0])  # rank 0's state on every rank (the README's rule)
+        train_loader.load_state_dict(ckpt["loader"][0])  # rank 0's state on every rank (docs/trainer.md's rule)
         start_epoch, best_acc1 = train_loader.epoch, ckpt["best_acc1"]
         if rank == 0:
             print(f"=> resumed from {args.resume} at epoch {start_epoch}"

@@ -18,7 +18,7 @@
   position (the ranks step in lock-step, so it is every rank's), and ``ckpt_path=`` resumes every
   rank from it at its next batch, mid-epoch too; on another number of devices too (a config
   whose ``loader.world_size`` is the new one): the rest of the epoch is shared out among the new
-  ranks. The README's rule: rank 0's state, loaded on every rank.
+  ranks. docs/trainer.md's rule: rank 0's state, loaded on every rank.
 
 * With ``validation.enabled`` in the config, ``val_dataloader`` is the validation stream
   (``PrefetchClient(config, split="val", padding_mask=True)``): each validation run is one pass,

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from prefetchd.core.bufferdir import default_buffer_dir
 from prefetchd.core.configsections import (  # noqa: F401 - re-exported: the public names stay here
     AUGMENT_MODES,
     DECODE_MODES,
@@ -145,6 +146,10 @@ def from_dict(data: Any, source: str | None = None) -> Config:
             raise ConfigError(name, str(e)) from None
     if "dataset" not in sections:
         raise ConfigError("dataset.root", "is required (an ImageFolder root/<class>/<image>)")
+    buffer = sections.get("buffer", BufferConfig())
+    if buffer.dir is None:  # per user and config under $XDG_RUNTIME_DIR, root's /run/prefetchd, or one line
+        real = os.path.realpath(source) if source else None
+        sections["buffer"] = replace(buffer, dir=default_buffer_dir(os.environ, os.geteuid(), real))
     return Config(**sections, source=source)
 
 

@@ -188,7 +188,7 @@ class WorkersConfig:
 
 @dataclass(frozen=True)
 class BufferConfig:
-    dir: str = "/run/prefetchd"
+    dir: str | None = None  # None: core.bufferdir.default_buffer_dir, resolved by core.config.from_dict
     capacity: int | str = 64  # or "auto": lead_s of consumption (core.limits.auto_capacity)
     refill_at: int | None = None
     max_bytes: int | str = "auto"  # core.limits.auto_max_bytes: least of the disk and memory limits
@@ -197,7 +197,8 @@ class BufferConfig:
     lead_s: float = 60.0  # capacity: auto keeps this many seconds of each rank's consumption ready
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dir", _path(self.dir, "buffer.dir"))
+        if self.dir is not None:
+            object.__setattr__(self, "dir", _path(self.dir, "buffer.dir"))
         _float(self.lead_s, "buffer.lead_s", 1.0, 86400)
         refill = self.refill_at
         if self.capacity == "auto":  # made a number by core.sizing, refill_at with it unless set

@@ -319,7 +319,7 @@ class Daemon:
                 next_status = now + _STATUS_INTERVAL_S
             due = [next_poll, next_status, self.pool.wake_due(), *(p.next_retry(now) for p in self._planners())]
             timeout = min(TICK_S, max(0.0, min(t for t in due if t is not None) - self.clock()))
-            # progress wakes the loop only while a slot is free; else the next result reads it too (README: The loop)
+            # progress wakes the loop only while a slot is free; else the next result reads it too (docs/internals.md: The loop)
             watch = self.watcher.waitables() if any(ex.idle() for ex in self._executors()) else []
             waitables = [self._wake_r, *watch, *self.pool.waitables(), *(self.remote.waitables() if self.remote is not None else ())]
             if self._wake_r in self._fdwait[bool(watch)].ready(tuple(map(fd_of, waitables)), timeout):

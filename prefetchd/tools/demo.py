@@ -25,8 +25,12 @@ from prefetchd.tools.samples import make_image_folder
 
 
 def _buffer_parent() -> str:
-    # a RAM disk keeps the demo honest about what the daemon is for; fall back to /tmp
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    # a RAM disk keeps the demo honest about what the daemon is for: the login session's own
+    # ($XDG_RUNTIME_DIR, where a config without buffer.dir puts its ring), else /dev/shm, else /tmp
+    for d in (os.environ.get("XDG_RUNTIME_DIR") or "", "/dev/shm"):
+        if os.path.isabs(d) and os.path.isdir(d) and os.access(d, os.W_OK):
+            return d
+    return tempfile.gettempdir()
 
 
 def write_config(path: str, data: str, buffer: str, cache: str, batch_size: int, epochs: int | None,

@@ -1,6 +1,6 @@
 """What ``prefetchd check`` says about a deployment: users, groups, modes, the RAM disk.
 
-The model it checks (README, "Run it as a service"): the daemon runs as its own user with the
+The model it checks (docs/systemd.md): the daemon runs as its own user with the
 group ``buffer.group`` (the unit's ``Group=``); trainers of other users are members of that
 group. The buffer directory is the daemon's, mode 0750 (0700 without a group), its files 0640;
 the progress directory is 0770 (trainers replace their files there), progress files 0644. A
@@ -141,7 +141,7 @@ def check_deployment(cfg: Config, daemon: Account, trainers: list[Account]) -> l
         if not any(msg.split(":", 1)[0] in line and "cannot" in line for line in out):  # said once per directory
             problem(msg)
     _check_files(cfg, daemon, problem)
-    _check_mount(cfg, problem, warning)
+    _check_mount(cfg, problem, warning, note)
     _check_progress_fs(cfg, note)
     return out
 
@@ -182,7 +182,7 @@ def _check_dir(path, key, progress, cfg, gid, daemon, trainers, problem, warning
         if not _can_act_as(daemon) and not daemon.may(pst, 3) and not inside:  # else ``try_dirs`` tries
             problem(f"{key} {path} does not exist and {daemon.name} cannot create it in {parent} ({_who(pst)}): "
                     f"`prefetchd run` as {daemon.name} would fail; the unit's RuntimeDirectory= must make it "
-                    f"(README), or make it yourself")
+                    f"(docs/systemd.md), or make it yourself")
         return
     except OSError as e:
         problem(f"{key} {path}: {e.strerror}")
@@ -353,7 +353,13 @@ def _check_files(cfg: Config, daemon: Account, problem) -> None:
                     f"must write it {PROGRESS_MODE:04o} (prefetchd >= this version does)")
 
 
-def _check_mount(cfg: Config, problem, warning) -> None:
+def _shared_tmpfs(mp: str) -> bool:
+    """A RAM disk made for everyone or for a login session (``/dev/shm``, ``/run/user/<uid>``), which
+    a user cannot remount: its options are said as notes, not as warnings to act on."""
+    return mp == "/dev/shm" or os.path.dirname(mp) == "/run/user"
+
+
+def _check_mount(cfg: Config, problem, warning, note) -> None:
     path = cfg.buffer.dir
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
@@ -373,9 +379,11 @@ def _check_mount(cfg: Config, problem, warning) -> None:
         warning(f"the RAM disk {mp} is writable by everyone ({_who(mst)}): anyone can fill it or squat names "
                 f"there; mount it with mode=0755 (X-mount.mode is ignored by util-linux 2.38)")
     huge = next((o.split("=", 1)[1] for o in opts if o.startswith("huge=")), "never")
+    shared = _shared_tmpfs(mp)
     if huge not in HUGE_OK:
-        warning(f"the RAM disk {mp} has no huge pages (huge={huge}): mount it with huge=within_size, about 5x "
-                f"faster batch writes (BENCHMARKS.md)")
+        (note if shared else warning)(
+            f"the RAM disk {mp} has no huge pages (huge={huge}): a tmpfs of its own mounted with huge=within_size "
+            f"writes batches faster (systemd/run-prefetchd.mount; BENCHMARKS.md)")
     else:
         try:
             thp = open(_THP_SHMEM).read()
@@ -390,8 +398,9 @@ def _check_mount(cfg: Config, problem, warning) -> None:
             warning(f"the RAM disk {mp} holds {format_size(nbytes)}, less than buffer.max_bytes "
                     f"({format_size(cfg.buffer.max_bytes)}) plus min_free_bytes: the disk, not max_bytes, will bound "
                     f"the buffer")
-    if mp == "/dev/shm":
-        warning("buffer.dir is on /dev/shm, which the trainer's DataLoader and NCCL also use: use its own tmpfs "
-                "(systemd/run-prefetchd.mount)")
+    if mp == "/dev/shm":  # the Slurm example's choice and the demo's without a login session: fine, if counted
+        note("buffer.dir is on /dev/shm, which the trainer's DataLoader and NCCL also use: keep buffer.max_bytes "
+             "(auto: a quarter of memory) clear of what they need; a service gets a tmpfs of its own "
+             "(systemd/run-prefetchd.mount)")
     if not any(o == "nosuid" for o in opts) or not any(o == "nodev" for o in opts):
-        warning(f"the RAM disk {mp} lacks nosuid or nodev")
+        (note if shared else warning)(f"the RAM disk {mp} lacks nosuid or nodev")

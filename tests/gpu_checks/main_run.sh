@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# pytorch/examples imagenet/main.py with the README's port: resnet50, 6 epochs of 37 steps (222), validation each epoch.
+# pytorch/examples imagenet/main.py with the port of docs/porting.md: resnet50, 6 epochs of 37 steps (222), validation each epoch.
 mkdir -p /etc/prefetchd /tmp/in && ln -sfn /tmp/corpus /tmp/in/train && ln -sfn /tmp/val /tmp/in/val
 cat > /etc/prefetchd/prefetchd.yaml <<Y
 dataset: {root: /tmp/corpus}
