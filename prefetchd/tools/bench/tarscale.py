@@ -26,10 +26,10 @@ import time
 
 _CHILD = r"""
 import json, os, resource, sys, time
-from prefetchd.core import tarindex
+from prefetchd.sources import imagenet
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.monotonic()
-index, _ = tarindex.load(sys.argv[1], None, (".jpeg", ".jpg", ".png"), sys.argv[2], use_cache=True)
+index, _ = imagenet.load(sys.argv[1], None, (".jpeg", ".jpg", ".png"), sys.argv[2], use_cache=True)
 dt = time.monotonic() - t
 print(json.dumps({"samples": len(index), "classes": len(index.classes), "scan_s": dt,
                   "rss_before_mib": before / 1024,
