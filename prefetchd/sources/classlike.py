@@ -113,7 +113,7 @@ def refuse_unless_classlike(load):
     @functools.wraps(load)
     def wrapper(root, file_list, *args, section: str = "dataset", one_class: bool = False, **kwargs):
         index, cached = load(root, file_list, *args, section=section, **kwargs)
-        if file_list is None and getattr(index, "kind", "folder") not in ("list", "webdataset") and len(index.classes) <= len(SPLIT_NAMES):
+        if file_list is None and getattr(index, "kind", "folder") not in ("list", "webdataset", "parquet") and len(index.classes) <= len(SPLIT_NAMES):
             folder = getattr(index, "layout", None) is None  # archives (archive.TarIndex) have a layout
             subs = _sub_folders(index) if folder and len(index.classes) == 1 else []
             problem = judge(index.root, f"{section}.root", index.classes, class_counts(index), subs, folder, one_class)

@@ -6,11 +6,13 @@ the cache) and never imports this one:
 * an ImageFolder or a file list: ``prefetchd.sources.folder``;
 * tar archives read in place (ImageNet's train tar of class tars, a folder of class tars, the
   flat validation tar or folder with the devkit): ``prefetchd.sources.imagenet``;
-* WebDataset shards (a folder of them, a brace pattern, a list file): ``prefetchd.sources.webdataset``.
+* WebDataset shards (a folder of them, a brace pattern, a list file): ``prefetchd.sources.webdataset``;
+* Parquet files (Hugging Face's image datasets): ``prefetchd.sources.parquet``.
 
 ``dataset.layout`` names the layout, or ``auto`` (the default) lets ``detect`` tell: a brace
 pattern, a list of ``.tar`` files, or tars whose first members pair an image with another member
-of its key (a label, a caption) are shards; other tars are ImageNet's; the rest as ``choose`` says.
+of its key (a label, a caption) are shards; ``.parquet`` files (one, a folder of them, a glob) are
+Parquet; other tars are ImageNet's; the rest as ``choose`` says.
 
 ``choose`` decides which kind a root is, ``load_index`` (the entry point: the daemon, ``prefetchd
 check``, the tools) loads its index; the names of
@@ -28,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from prefetchd.core.configsections import IMAGE_EXTENSIONS, LAYOUTS
-from prefetchd.sources import archive, folder, imagenet, shardnames, webdataset
+from prefetchd.sources import archive, folder, imagenet, parquet, shardnames, webdataset
 from prefetchd.sources import devkit as devkit_
 from prefetchd.sources.base import (
     DatasetError,
@@ -144,6 +146,9 @@ def detect(root: str | None, file_list: str | None) -> str:
     docstring), else ``""`` (``choose`` decides among the other layouts)."""
     if root is None or file_list is not None:
         return ""
+    if root.endswith(".parquet") or (os.path.isdir(root) and any(
+            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(e.is_dir() for e in os.scandir(root))):
+        return "parquet"
     if shardnames.is_pattern(root) and not os.path.exists(root):
         return "webdataset"
     exts = tuple(webdataset.DEFAULT_EXTENSIONS)
@@ -168,15 +173,23 @@ def detect(root: str | None, file_list: str | None) -> str:
 @refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: sources/classlike.py
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
-               section: str = "dataset", layout: str = "auto", label: str = "cls") -> tuple[Index, bool]:
+               section: str = "dataset", layout: str = "auto", label: str = "cls", image_column: str = "image",
+               label_column: str = "label") -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
     validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
-    (``LAYOUTS``); ``label``: ``dataset.label`` (shards only)."""
+    (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
+    Parquet's."""
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if layout == "webdataset" or (layout == "auto" and detect(root, file_list) == "webdataset"):
+    found = detect(root, file_list) if layout == "auto" else layout
+    if found == "parquet":
+        if root is None or devkit:
+            raise DatasetError(f"{section}.root must name Parquet files (one, a folder or a glob), without "
+                               "validation.devkit")
+        return parquet.load(root, image_column, label_column, cache_dir, use_cache, key=f"{section}.root")
+    if found == "webdataset":
         if root is None or devkit:
             raise DatasetError(f"{section}.root must name WebDataset shards (a folder, a brace pattern or a list "
                                "file), without validation.devkit")
@@ -271,7 +284,8 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    index = archive.open_files(files_dir) or folder.load_cached(files_dir, validate=False)
+    index = archive.open_files(files_dir) or parquet.open_files(files_dir) or folder.load_cached(files_dir,
+                                                                                                  validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -279,11 +293,19 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     return index
 
 
+def _meta_of(files_dir: str):
+    """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
+    for mod in (archive, parquet):
+        if os.path.exists(os.path.join(files_dir, mod.META)):
+            return mod.META, mod.stamps_valid
+    return folder.META, folder.stamps_valid
+
+
 def index_files_hold(files_dir: str, fingerprint: str) -> bool:
     """Do the cache files in ``files_dir`` still hold the index ``fingerprint`` (cheap: meta.json
     and the files' presence; the arrays are not read)?"""
     try:
-        name = archive.META if os.path.exists(os.path.join(files_dir, archive.META)) else folder.META
+        name = _meta_of(files_dir)[0]
         with open(os.path.join(files_dir, name), encoding="utf-8") as f:
             meta = json.load(f)
         return (meta.get("fingerprint") == fingerprint
@@ -301,12 +323,12 @@ def unchanged_since_scan(files_dir: str | None, fingerprint: str) -> bool:
     if files_dir is None:
         return False
     try:
-        tar = os.path.exists(os.path.join(files_dir, archive.META))
-        with open(os.path.join(files_dir, archive.META if tar else folder.META), encoding="utf-8") as f:
+        name, valid = _meta_of(files_dir)
+        with open(os.path.join(files_dir, name), encoding="utf-8") as f:
             meta = json.load(f)
         if meta.get("fingerprint") != fingerprint:
             return False
-        return archive.stamps_valid(meta["stamps"]) if tar else folder.stamps_valid(meta["stamps"])
+        return valid(meta["stamps"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

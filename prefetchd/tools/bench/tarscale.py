@@ -9,7 +9,10 @@ process's peak RSS (and its RSS before the scan: Python, numpy and prefetchd imp
 deletes the archive.
 
 ``--pack FOLDER --out TAR`` instead packs an ImageFolder as ImageNet's train tar (a tar of
-``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``.
+``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``; ``--pack-shards FOLDER --out DIR``
+as WebDataset shards (``DIR/train-000000.tar`` ...: ``<class>_<stem>.jpg`` and ``.cls``, the class's
+index, ``--per-shard`` samples each, in a fixed shuffled order), for ``prefetchd bench --root FOLDER
+--root 'DIR/train-{000000..N}.tar'``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,29 @@ def pack_train_tar(folder: str, out: str) -> int:
     return n
 
 
+def pack_shards(folder: str, out: str, per_shard: int = 256) -> tuple[int, int]:
+    """Write the ImageFolder ``folder`` as WebDataset shards in ``out``; returns (images, shards)."""
+    import random
+
+    classes = sorted(c for c in os.listdir(folder) if os.path.isdir(os.path.join(folder, c)))
+    files = [(label, cls, name) for label, cls in enumerate(classes)
+             for name in sorted(os.listdir(os.path.join(folder, cls)))]
+    random.Random(0).shuffle(files)  # shards are written shuffled, as webdataset users write them
+    os.makedirs(out, exist_ok=True)
+    shards = 0
+    for s in range(0, len(files), per_shard):
+        with tarfile.open(os.path.join(out, f"train-{shards:06d}.tar"), "w", format=tarfile.GNU_FORMAT) as t:
+            for label, cls, name in files[s:s + per_shard]:
+                key = f"{cls}_{os.path.splitext(name)[0]}"
+                t.add(os.path.join(folder, cls, name), arcname=key + ".jpg")
+                info = tarfile.TarInfo(key + ".cls")
+                data = str(label).encode()
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+        shards += 1
+    return len(files), shards
+
+
 def _drop_cached_pages(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -87,10 +113,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="where to write the archive (local disk; deleted afterwards)")
     ap.add_argument("--pack", metavar="FOLDER", help="pack this ImageFolder as a tar of class tars (--out)")
-    ap.add_argument("--out", help="the tar --pack writes")
+    ap.add_argument("--pack-shards", metavar="FOLDER", help="pack this ImageFolder as WebDataset shards (--out: a folder)")
+    ap.add_argument("--per-shard", type=int, default=256, help="samples per shard (--pack-shards)")
+    ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.pack_shards:
+        if not args.out:
+            ap.error("--pack-shards needs --out")
+        n, shards = pack_shards(args.pack_shards, args.out, args.per_shard)
+        print(f"packed {n} images into {shards} shards: {args.out}/train-{{000000..{shards - 1:06d}}}.tar")
+        return 0
     if args.pack:
         if not args.out:
             ap.error("--pack needs --out")
