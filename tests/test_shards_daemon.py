@@ -127,3 +127,23 @@ def test_a_shard_rewritten_while_the_daemon_runs_waits_and_a_restart_reads_it_an
     for k in ref2:
         assert np.array_equal(got[k][0], ref2[k][0]) and np.array_equal(got[k][1], ref2[k][1]), k
     assert not np.array_equal(ref2[(0, 0, 4)][0], ref[(0, 0, 4)][0])
+
+
+def test_parquet_batches_are_the_in_process_ones_with_2_workers(tmp_path, daemon_factory):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    rows = _rows(30, seed=12)
+    for k in range(2):
+        pq.write_table(hf_table(rows[15 * k:15 * k + 15]), tmp_path / "hf" / f"train-{k:05d}-of-00002.parquet",
+                       row_group_size=5)
+    cfg = _config(tmp_path, "p", str(tmp_path / "hf"))
+    ref, index = reference_batches(cfg)
+    assert index.kind == "parquet" and len(index) == 30
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k

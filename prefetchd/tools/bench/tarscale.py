@@ -12,7 +12,10 @@ deletes the archive.
 ``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``; ``--pack-shards FOLDER --out DIR``
 as WebDataset shards (``DIR/train-000000.tar`` ...: ``<class>_<stem>.jpg`` and ``.cls``, the class's
 index, ``--per-shard`` samples each, in a fixed shuffled order), for ``prefetchd bench --root FOLDER
---root 'DIR/train-{000000..N}.tar'``.
+--root 'DIR/train-{000000..N}.tar'``; ``--pack-parquet FOLDER --out FILE`` as one Parquet file in
+Hugging Face's schema (``--per-shard`` rows a row group; HF's own default for images is 100), and
+``--amplification FILE`` reads it in a random permutation in-process and prints the bytes read
+per image byte.
 """
 
 from __future__ import annotations
@@ -100,6 +103,48 @@ def pack_shards(folder: str, out: str, per_shard: int = 256) -> tuple[int, int]:
     return len(files), shards
 
 
+def pack_parquet(folder: str, out: str, row_group: int = 100) -> int:
+    """Write the ImageFolder ``folder`` as one Parquet file in the HF schema; returns the row count."""
+    import json as json_
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    classes = sorted(c for c in os.listdir(folder) if os.path.isdir(os.path.join(folder, c)))
+    rows = [(label, os.path.join(folder, cls, name)) for label, cls in enumerate(classes)
+            for name in sorted(os.listdir(os.path.join(folder, cls)))]
+    import random
+
+    random.Random(0).shuffle(rows)
+    images = []
+    for _, path in rows:
+        with open(path, "rb") as f:
+            images.append({"bytes": f.read(), "path": os.path.basename(path)})
+    features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
+    table = pa.table({"image": pa.array(images, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      "label": pa.array([lab for lab, _ in rows], pa.int64())})
+    table = table.replace_schema_metadata({b"huggingface": json_.dumps({"info": {"features": features}}).encode()})
+    pq.write_table(table, out, row_group_size=row_group)
+    return len(rows)
+
+
+def amplification(path: str) -> dict:
+    """Read every row of the Parquet ``path`` in a random permutation in-process: bytes read per
+    image byte, and the time per sample."""
+    import numpy as np
+
+    from prefetchd.sources import parquet
+
+    index, _ = parquet.load(path, "image", "label", None, use_cache=False)
+    order = np.random.default_rng(0).permutation(len(index))
+    parquet._read_bytes[0] = 0
+    t = time.monotonic()
+    image_bytes = sum(len(index.read(int(i))) for i in order)
+    dt = time.monotonic() - t
+    return {"rows": len(index), "image_bytes": image_bytes, "read_bytes": parquet._read_bytes[0],
+            "amplification": parquet._read_bytes[0] / image_bytes, "ms_per_sample": 1000 * dt / len(index)}
+
+
 def _drop_cached_pages(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -114,11 +159,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", help="where to write the archive (local disk; deleted afterwards)")
     ap.add_argument("--pack", metavar="FOLDER", help="pack this ImageFolder as a tar of class tars (--out)")
     ap.add_argument("--pack-shards", metavar="FOLDER", help="pack this ImageFolder as WebDataset shards (--out: a folder)")
-    ap.add_argument("--per-shard", type=int, default=256, help="samples per shard (--pack-shards)")
+    ap.add_argument("--pack-parquet", metavar="FOLDER", help="pack this ImageFolder as one Parquet file (--out)")
+    ap.add_argument("--amplification", metavar="PARQUET", help="read this Parquet file in a random order: bytes read")
+    ap.add_argument("--per-shard", type=int, default=256, help="samples per shard, or rows per row group")
     ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.pack_parquet:
+        if not args.out:
+            ap.error("--pack-parquet needs --out")
+        print(f"packed {pack_parquet(args.pack_parquet, args.out, args.per_shard)} images into {args.out}")
+        return 0
+    if args.amplification:
+        r = amplification(args.amplification)
+        print(f"{r['rows']} rows read in a random permutation: {r['read_bytes'] / 2**20:.1f} MiB read for "
+              f"{r['image_bytes'] / 2**20:.1f} MiB of images ({r['amplification']:.1f} x), "
+              f"{r['ms_per_sample']:.2f} ms a sample")
+        return 0
     if args.pack_shards:
         if not args.out:
             ap.error("--pack-shards needs --out")
