@@ -117,3 +117,18 @@ def test_a_file_rewritten_after_indexing_is_never_read_as_other_rows(tmp_path):
     pq.write_table(hf_table(rows[::-1]), path, row_group_size=4)  # the rows in another order
     with pytest.raises(StorageChanged, match="changed since it was indexed"):
         index.read(0)
+
+
+def test_check_says_it_found_parquet_and_what_a_read_costs(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import small_config
+
+    pq.write_table(hf_table(_rows(12, seed=6)), tmp_path / "x.parquet", row_group_size=4)
+    cfg = small_config(tmp_path, str(tmp_path / "x.parquet"))
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 Parquet file(s)" in r.stdout and "3 row groups of ~4 rows" in r.stdout and "dataset: 12 samples" in r.stdout
+    assert "classes: 3 classes: tench, goldfish, shark" in r.stdout

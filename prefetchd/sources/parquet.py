@@ -224,8 +224,11 @@ class ParquetIndex(Index):
         return 0  # not known without reading its row group
 
     def describe(self) -> str:
+        groups = len(np.unique(np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group)))
         return (f"{os.path.basename(self.root.rstrip('/')) or self.root}, {len(self.files)} Parquet file(s) "
-                f"(indexed in {self.scan_s:.1f} s)")
+                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{len(self) // max(groups, 1)} rows: a "
+                f"sample's read is its row group's image column, so a shuffled epoch reads ~{len(self) // max(groups, 1)}"
+                " x the image bytes (loader.shuffle is a full permutation; no block shuffle yet)")
 
     @property
     def nbytes(self) -> int:
