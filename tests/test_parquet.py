@@ -132,3 +132,20 @@ def test_check_says_it_found_parquet_and_what_a_read_costs(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "1 Parquet file(s)" in r.stdout and "3 row groups of ~4 rows" in r.stdout and "dataset: 12 samples" in r.stdout
     assert "classes: 3 classes: tench, goldfish, shark" in r.stdout
+
+
+def test_one_corpus_as_folder_shards_and_parquet_gives_one_multiset_of_labels_and_bytes(tmp_path):
+    """The packers of ``prefetchd.tools.bench.tarscale`` (what BENCHMARKS.md compares) write the same
+    images and labels in each layout: per class name, the same multiset of image bytes."""
+    from prefetchd.tools.bench.tarscale import pack_parquet, pack_shards
+    from prefetchd.tools.samples import make_image_folder
+
+    make_image_folder(str(tmp_path / "f"), classes=3, per_class=7, seed=2, long_side=48)
+    pack_shards(str(tmp_path / "f"), str(tmp_path / "wds"), per_shard=5)
+    pack_parquet(str(tmp_path / "f"), str(tmp_path / "p.parquet"), row_group=4)
+    seen = []
+    for root in ("f", "wds", "p.parquet"):
+        index, _ = load_index(str(tmp_path / root), None, EXTS, None, use_cache=False)
+        seen.append(sorted((index.classes[int(index.labels[i])] if root != "wds" else
+                            f"n{int(index.labels[i]):08d}", index.read(i)) for i in range(len(index))))
+    assert len(seen[0]) == 21 and seen[0] == seen[1] == seen[2]

@@ -15,7 +15,8 @@ index, ``--per-shard`` samples each, in a fixed shuffled order), for ``prefetchd
 --root 'DIR/train-{000000..N}.tar'``; ``--pack-parquet FOLDER --out FILE`` as one Parquet file in
 Hugging Face's schema (``--per-shard`` rows a row group; HF's own default for images is 100), and
 ``--amplification FILE`` reads it in a random permutation in-process and prints the bytes read
-per image byte.
+per image byte. ``--wds-scale N --dir D`` writes N tiny samples (a 3-byte ``.jpg`` and a ``.cls``)
+in ``--shards`` WebDataset shards in ``D`` and indexes them in a fresh process (then deletes them).
 """
 
 from __future__ import annotations
@@ -145,6 +146,33 @@ def amplification(path: str) -> dict:
             "amplification": parquet._read_bytes[0] / image_bytes, "ms_per_sample": 1000 * dt / len(index)}
 
 
+_WDS_CHILD = r"""
+import json, resource, sys, time
+from prefetchd.sources import webdataset
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.monotonic()
+index, _ = webdataset.load(sys.argv[1], webdataset.DEFAULT_EXTENSIONS, "cls", sys.argv[2])
+print(json.dumps({"samples": len(index), "scan_s": time.monotonic() - t, "index_mib": index.nbytes / 2**20,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "rss_before_mib": before / 1024}))
+"""
+
+
+def wds_scale(work: str, n: int, shards: int) -> dict:
+    """Write ``n`` tiny samples in ``shards`` shards under ``work`` and index them in a fresh process."""
+    per = -(-n // shards)
+    for s in range(shards):
+        with tarfile.open(os.path.join(work, f"train-{s:06d}.tar"), "w", format=tarfile.GNU_FORMAT) as t:
+            for k in range(s * per, min(n, (s + 1) * per)):
+                for ext, data in (("jpg", b"\xff\xd8\xff"), ("cls", str(k % 1000).encode())):
+                    info = tarfile.TarInfo(f"n{k:08d}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+    cache = tempfile.mkdtemp(prefix="cache-", dir=work)
+    return json.loads(subprocess.run([sys.executable, "-c", _WDS_CHILD, work, cache], check=True,
+                                     capture_output=True, text=True).stdout)
+
+
 def _drop_cached_pages(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -163,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--amplification", metavar="PARQUET", help="read this Parquet file in a random order: bytes read")
     ap.add_argument("--per-shard", type=int, default=256, help="samples per shard, or rows per row group")
     ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
+    ap.add_argument("--wds-scale", type=int, metavar="N", help="index N tiny samples in --shards shards (--dir)")
+    ap.add_argument("--shards", type=int, default=1024)
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
     args = ap.parse_args(argv)
@@ -176,6 +206,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['rows']} rows read in a random permutation: {r['read_bytes'] / 2**20:.1f} MiB read for "
               f"{r['image_bytes'] / 2**20:.1f} MiB of images ({r['amplification']:.1f} x), "
               f"{r['ms_per_sample']:.2f} ms a sample")
+        return 0
+    if args.wds_scale:
+        if not args.dir:
+            ap.error("--wds-scale needs --dir")
+        work = tempfile.mkdtemp(prefix="wdsscale-", dir=args.dir)
+        try:
+            r = wds_scale(work, args.wds_scale, args.shards)
+        finally:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"{r['samples']:,} samples in {args.shards} shards indexed in {r['scan_s']:.1f} s; peak RSS "
+              f"{r['peak_rss_mib']:.0f} MiB (before the scan {r['rss_before_mib']:.0f} MiB); index arrays "
+              f"{r['index_mib']:.1f} MiB")
         return 0
     if args.pack_shards:
         if not args.out:
