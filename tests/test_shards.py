@@ -235,8 +235,12 @@ def test_check_says_it_found_shards(tmp_path):
     import sys
 
     write_shards(tmp_path / "wds", _samples(12, seed=9))
+    with tarfile.open(tmp_path / "wds" / "train-000002.tar", "a") as t:
+        _add(t, "orphan.cls", b"1")  # a sample with no image: said by check
     cfg = small_config(tmp_path, str(tmp_path / "wds" / "train-{000000..000002}.tar"))
     r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "WebDataset shards" in r.stdout and "dataset: 12 samples" in r.stdout
+    assert "dataset: 1 sample or member not indexed (a sample needs one image and a readable label" in r.stdout
+    assert "skipped " + str(tmp_path / "wds" / "train-000002.tar") + ": orphan (no image member" in r.stdout

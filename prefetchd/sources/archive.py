@@ -74,10 +74,21 @@ class TarIndex(Index):
     # read (its offsets hold for that file only); a 0 other than the size: that field is not checked
     # (another node's copy, ``sizes_only``); (): no check
     identity: tuple[tuple[int, int, int, int, int], ...] = ()
-    skipped_what = ("archive member or folder", "archive members or folders")
-    skipped_rule = ("only regular members with a relative path are read; of a duplicate name, the last copy; "
+    _skipped_tar = (("archive member or folder", "archive members or folders"),
+                    "only regular members with a relative path are read; of a duplicate name, the last copy; "
                     "a flat set's images without a devkit label; beside class tars, lost+found and folders "
                     "extracted from them")
+    _skipped_wds = (("sample or member", "samples or members"),
+                    "a sample needs one image and a readable label; only regular members with a relative path "
+                    "are read")
+
+    @property
+    def skipped_what(self) -> tuple[str, str]:  # what ``skipped`` holds, for ``prefetchd check``
+        return (self._skipped_wds if self.layout == "webdataset" else self._skipped_tar)[0]
+
+    @property
+    def skipped_rule(self) -> str:
+        return (self._skipped_wds if self.layout == "webdataset" else self._skipped_tar)[1]
 
     def archive(self, i: int) -> str:
         a = self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]
