@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from prefetchd.core.configsections import IMAGE_EXTENSIONS, LAYOUTS
-from prefetchd.sources import archive, folder, imagenet, parquet, shardnames, webdataset
+from prefetchd.sources import archive, folder, imagenet
 from prefetchd.sources import devkit as devkit_
 from prefetchd.sources.base import (
     DatasetError,
@@ -131,6 +131,8 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
 
 
 def _first_tar_is_shard(path: str, exts: tuple[str, ...]) -> bool:
+    from prefetchd.sources import webdataset
+
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -144,6 +146,9 @@ def _first_tar_is_shard(path: str, exts: tuple[str, ...]) -> bool:
 def detect(root: str | None, file_list: str | None) -> str:
     """``dataset.layout: auto``: ``webdataset`` when ``root`` names shards (see the module
     docstring), else ``""`` (``choose`` decides among the other layouts)."""
+    # imported here: a worker opening its index needs neither
+    from prefetchd.sources import shardnames, webdataset
+
     if root is None or file_list is not None:
         return ""
     if root.endswith(".parquet") or (os.path.isdir(root) and any(
@@ -181,6 +186,8 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
     validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
     (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
     Parquet's."""
+    from prefetchd.sources import parquet, webdataset
+
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     found = detect(root, file_list) if layout == "auto" else layout
@@ -284,6 +291,8 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
+    from prefetchd.sources import parquet
+
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or folder.load_cached(files_dir,
                                                                                                   validate=False)
     if index is None:
@@ -295,6 +304,8 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
+    from prefetchd.sources import parquet
+
     for mod in (archive, parquet):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
