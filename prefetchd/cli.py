@@ -75,8 +75,8 @@ def cmd_run(args) -> int:
                 print(f"prefetchd: {procstate.PARENT_ENV} {why}; it is set by the client's serve() for the daemon "
                       "it starts: unset it to start a daemon by hand", file=sys.stderr, flush=True)
             return EX_CONFIG
-    from prefetchd.core.dataset import DatasetError
     from prefetchd.daemon.ring import BufferBusy, RingError
+    from prefetchd.sources.dataset import DatasetError
 
     try:
         cfg = _load(args.config)
@@ -125,7 +125,7 @@ def cmd_run(args) -> int:
 
 def _print_skipped(section: str, index) -> None:
     """What the index of ``section`` left out and why, as its cache keeps it (the rules:
-    prefetchd/core/dataset.py's and tarindex.py's docstrings)."""
+    prefetchd/sources/dataset.py's and imagenet.py's docstrings)."""
     if not index.skipped:
         return
     print(f"{section}: {len(index.skipped)} {index.skipped_what[len(index.skipped) != 1]} not indexed "
@@ -137,18 +137,18 @@ def _print_skipped(section: str, index) -> None:
 
 
 def cmd_check(args) -> int:
-    from prefetchd.core.classlike import class_counts, describe_classes
-    from prefetchd.core.dataset import DatasetError, load_index, val_labels
     from prefetchd.core.sampler import Sampler
     from prefetchd.core.words import plural
     from prefetchd.daemon.ring import is_tmpfs
     from prefetchd.format import batchfile
+    from prefetchd.sources.classlike import class_counts, describe_classes
+    from prefetchd.sources.dataset import DatasetError, load_index, val_labels
 
     try:
         cfg = _load(args.config)
         t0 = time.monotonic()
         index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
-                                   cfg.dataset.cache_dir, one_class=cfg.dataset.one_class)
+                                   cfg.dataset.cache_dir, **cfg.dataset.index_options())
         dt = time.monotonic() - t0
     except (ConfigError, DatasetError) as e:
         return _fail_config(e)
@@ -197,7 +197,7 @@ def cmd_check(args) -> int:
 
         try:
             val, _ = load_index(V.root, V.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir, devkit=V.devkit,
-                                section="validation", one_class=cfg.dataset.one_class)
+                                section="validation", **cfg.dataset.index_options(validation=True))
             val = val_labels(val, index)
         except DatasetError as e:
             return _fail_config(e)
@@ -364,7 +364,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_preview(args) -> int:
-    from prefetchd.core.dataset import DatasetError
+    from prefetchd.sources.dataset import DatasetError
     from prefetchd.tools.preview import run_preview
 
     try:

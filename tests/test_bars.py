@@ -6,7 +6,7 @@ import io
 import subprocess
 import sys
 
-from prefetchd.core.dataset import scan_image_folder
+from prefetchd.sources.dataset import scan_image_folder
 
 
 class _Terminal(io.StringIO):

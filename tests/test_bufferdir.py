@@ -123,7 +123,7 @@ def test_a_user_without_a_session_gets_exit_78_and_one_line(tmp_path, image_root
         # the interpreter lives under /root, which nobody cannot read: import first, then become nobody
         r = subprocess.run([sys.executable, "-c", "import locale, os, sys; from prefetchd.cli import build_parser, main\n"
                             "build_parser().format_help()\n"
-                            "import prefetchd.core.classlike, prefetchd.core.dataset, prefetchd.core.sampler, "
+                            "import prefetchd.sources.classlike, prefetchd.sources.dataset, prefetchd.core.sampler, "
                             "prefetchd.daemon.ring, prefetchd.format.batchfile\n"
                             f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
                             "sys.exit(main(['check', '--config', sys.argv[1]]))", cfg],

@@ -12,9 +12,9 @@ import sys
 import pytest
 from conftest import small_config
 
-from prefetchd.core.classlike import describe_classes, judge
-from prefetchd.core.dataset import DatasetError, load_index
 from prefetchd.core.words import plural
+from prefetchd.sources.classlike import describe_classes, judge
+from prefetchd.sources.dataset import DatasetError, load_index
 
 
 def _split_root(tmp_path, image_root, splits=("train", "val")) -> str:

@@ -17,10 +17,10 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchTimeout
 
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index
 from prefetchd.core.sampler import Sampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status
+from prefetchd.sources.dataset import load_index
 
 
 def reference_batches(cfg_path: str, epochs: int = 2):

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from prefetchd.core.dataset import DatasetError, load_index, scan_image_folder
+from prefetchd.sources.dataset import DatasetError, load_index, scan_image_folder
 
 
 def touch(path, data=b"x"):
@@ -121,7 +121,7 @@ def test_every_index_describes_itself_and_the_cache_keeps_what_it_is(tmp_path):
 
 
 def test_a_cache_write_that_fails_leaves_no_temp_file_and_the_old_cache(tmp_path):
-    from prefetchd.core.dataset import read_cache, write_cache
+    from prefetchd.sources.dataset import read_cache, write_cache
 
     cdir = str(tmp_path / "c")
     write_cache(cdir, "meta.json", {"a": np.arange(3)}, {"version": 1, "fingerprint": "f1"})

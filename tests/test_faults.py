@@ -146,8 +146,8 @@ def test_progress_polling_works_without_inotify(tmp_path, image_root, daemon_fac
 def test_a_sample_that_kills_its_worker_every_time_is_quarantined_after_a_second_try(tmp_path, image_root,
                                                                                        daemon_factory):
     cfg = small_config(tmp_path, image_root)
-    from prefetchd.core.dataset import load_index
     from prefetchd.core.sampler import Sampler
+    from prefetchd.sources.dataset import load_index
 
     index, _ = load_index(image_root, None, (".jpeg", ".jpg", ".png"), str(tmp_path / "cache"))
     victim = int(Sampler(len(index), 6, seed=7).batch_indices(0, 0, 2)[3])  # in batch 2 of epoch 0
@@ -203,9 +203,9 @@ def test_a_full_tmpfs_leaves_no_partial_file_and_recovers(tmp_path, image_root, 
     import subprocess
 
     from prefetchd.core.config import load as load_config
-    from prefetchd.core.dataset import load_index
     from prefetchd.core.sampler import Sampler
     from prefetchd.executors.worker import BatchMaker, Task, WorkerSetup
+    from prefetchd.sources.dataset import load_index
 
     mnt = tmp_path / "small"
     if not _mount_small_tmpfs(mnt):  # needs root (CI and this project's machines run as root)
@@ -361,8 +361,8 @@ def test_write_temp_leaves_nothing_behind_whatever_fails(tmp_path):
 
 def test_a_death_while_writing_blames_no_sample(tmp_path, image_root, monkeypatch):
     from prefetchd.core.config import load as load_config
-    from prefetchd.core.dataset import load_index
     from prefetchd.executors import worker
+    from prefetchd.sources.dataset import load_index
 
     cfg = load_config(small_config(tmp_path, image_root))
     index, _ = load_index(image_root, None, (".jpg", ".jpeg"), str(tmp_path / "cache"))
@@ -424,7 +424,7 @@ def test_teardown_releases_the_lock_even_if_a_step_raises(tmp_path, image_root):
 def test_images_are_read_with_a_buffer_sized_to_the_file(tmp_path):
     import tracemalloc
 
-    from prefetchd.core.dataset import read_all as _read_all
+    from prefetchd.sources.dataset import read_all as _read_all
 
     path = tmp_path / "img"
     data = os.urandom(100_000)

@@ -19,11 +19,11 @@ from prefetchd_client.gpudecode import DecodeStage, DecodeUnavailable
 from prefetchd.core import hybrid
 from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import AugmentConfig, ConfigError, from_dict
-from prefetchd.core.dataset import load_index
 from prefetchd.executors import builders
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, jpegbatch
 from prefetchd.format.batchfile import BatchFileError, BatchMeta
+from prefetchd.sources.dataset import load_index
 from prefetchd.tools.samples import photo_like
 
 META = BatchMeta(rank=1, epoch=2, batch=3, batches_in_epoch=9, fingerprint=0xABCDEF)

@@ -22,12 +22,12 @@ from prefetchd_client.gpudecode import DecodeStage
 
 from prefetchd.core import hybrid
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index
 from prefetchd.core.sampler import Sampler
 from prefetchd.executors import builders
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import jpegbatch, status
 from prefetchd.format.batchfile import BatchMeta
+from prefetchd.sources.dataset import load_index
 from prefetchd.tools.samples import make_image_folder, photo_like
 
 # test_hybrid.py's bounds against the CPU path's pixels, per sample: the mean difference, and the

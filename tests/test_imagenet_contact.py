@@ -19,7 +19,7 @@ import pytest
 from conftest import small_config, wait_until
 from PIL import Image
 
-from prefetchd.core.dataset import load_index
+from prefetchd.sources.dataset import load_index
 
 EXTS = (".jpeg", ".jpg", ".png")
 _LEVELS = (30, 128, 225)
@@ -174,7 +174,7 @@ def test_a_quarantine_line_made_for_other_content_is_not_held_against_the_new(tm
 def test_a_kept_descriptor_of_an_archive_rewritten_in_place_is_not_read_from(tmp_path):
     """The worker keeps archives open: the same inode rewritten at the same size is caught at the
     next read (fstat against the indexed identity), not served at the old offsets."""
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources.base import StorageChanged
 
     root = str(tmp_path / "tars")
     class_tars(root, classes=1, per_class=4)
@@ -194,7 +194,7 @@ def test_an_archive_whose_ctime_alone_moved_with_every_member_in_place_is_read_o
     every read. On the tree before, its batches waited for a restart."""
     import logging
 
-    from prefetchd.core import tarrecheck
+    from prefetchd.sources import tarrecheck
 
     root = str(tmp_path / "tars")
     class_tars(root, classes=2, per_class=3)
@@ -240,7 +240,7 @@ def test_an_archive_rewritten_with_its_mtime_put_back_and_members_moved_waits(tm
     """A rewrite in place that puts the mtime back (``touch -d``, ``rsync --inplace -t``) moves ctime
     alone too: with its members moved (same size, another order), no read is served from it, and
     the line names the first sample out of place."""
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources.base import StorageChanged
 
     root = str(tmp_path / "tars")
     class_tars(root, classes=1, per_class=3)
@@ -265,7 +265,7 @@ def test_long_names_alike_in_their_first_100_bytes_swapped_with_the_mtime_put_ba
     member's own header holds; the rest is in the GNU long-name or PAX header before it), swapped by
     a rewrite in place that puts the mtime back: the check reads the whole name, so no sample is
     served with the other's pixels. On the tree before, a 90-byte prefix vouched for them."""
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources.base import StorageChanged
 
     root = tmp_path / "tars"
     root.mkdir()
@@ -299,8 +299,8 @@ def test_an_archive_found_with_its_members_moved_is_not_checked_again_at_every_t
     """A batch that waits is tried again every half second, and the check of a train tar reads all
     its headers (about 1 s per 200,000 members): an archive found with its members moved is not
     checked again until it changes again. On the tree before, every try checked it again."""
-    from prefetchd.core import tarrecheck
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources import tarrecheck
+    from prefetchd.sources.base import StorageChanged
 
     root = str(tmp_path / "tars")
     class_tars(root, classes=1, per_class=3)
@@ -336,7 +336,7 @@ def test_class_tars_of_one_size_swapped_in_a_train_tar_with_the_mtime_put_back_w
     with its name and size, but under the other class: the check finds each sample outside the
     class tar it was indexed in, so no sample is served under the other class's label. On the tree
     before, they were served so."""
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources.base import StorageChanged
 
     classes = [(f"n{c}.tar", tar_of([(f"{k}.JPEG", solid_jpeg(COLOURS[c * 2 + k])) for k in range(2)]))
                for c in range(2)]
@@ -527,7 +527,7 @@ def test_a_folder_of_more_class_tars_than_open_files_allowed_is_indexed(tmp_path
         with open(os.path.join(root, f"n{c:04d}.tar"), "wb") as f:
             f.write(one)
     code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (100, resource.getrlimit("
-            "resource.RLIMIT_NOFILE)[1])); from prefetchd.core.dataset import load_index; "
+            "resource.RLIMIT_NOFILE)[1])); from prefetchd.sources.dataset import load_index; "
             f"i, _ = load_index({root!r}, None, ('.jpeg',), None, use_cache=False); print(len(i), len(i.classes))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["150", "150"], r.stderr[-2000:]
@@ -566,7 +566,7 @@ def test_a_damaged_meta_mat_is_a_one_line_error_rc_78(imagenet, tmp_path):
 
 
 def test_an_imagefolder_without_images_names_the_config_key_not_a_directory_id(tmp_path):
-    from prefetchd.core.dataset import DatasetError
+    from prefetchd.sources.dataset import DatasetError
 
     root = tmp_path / "root"
     (root / "a" / "sub").mkdir(parents=True)
@@ -689,7 +689,7 @@ def test_a_file_restored_in_place_with_its_old_times_is_tried_again(tmp_path):
 
 
 def _load(root: str, section: str = "dataset"):
-    from prefetchd.core.dataset import DatasetError
+    from prefetchd.sources.dataset import DatasetError
 
     try:
         return load_index(root, None, EXTS, None, use_cache=False, section=section)[0]

@@ -1,6 +1,6 @@
 """The package layout is the architecture: each layer imports only the layers below it.
 
-format < core < executors < daemon < tools < the top level (cli); the client (``prefetchd_client``,
+format < core < sources < executors < daemon < tools < the top level (cli); the client (``prefetchd_client``,
 in ``client/``) imports only ``format`` and ``core``. Checked on the source (every import
 statement, also those inside functions), so a violation fails here before it ships.
 """
@@ -14,7 +14,7 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-LAYERS = ["format", "core", "executors", "daemon", "tools"]
+LAYERS = ["format", "core", "sources", "executors", "daemon", "tools"]
 MAX_LINES = 600
 
 

@@ -57,10 +57,10 @@ def test_remote_setup_maps_a_tar_dataset_and_checks_only_sizes_there(tmp_path):
     import numpy as np
     from PIL import Image
 
-    from prefetchd.core.dataset import load_index
-    from prefetchd.core.tarindex import TarIndex
     from prefetchd.executors.raybridge import remote_setup
     from prefetchd.executors.worker import WorkerSetup
+    from prefetchd.sources.archive import TarIndex
+    from prefetchd.sources.dataset import load_index
 
     root = tmp_path / "tars"
     root.mkdir()
@@ -90,10 +90,10 @@ def test_another_nodes_copy_repacked_at_the_same_size_is_never_read_at_the_index
     import shutil
     import tarfile
 
-    from prefetchd.core.dataset import load_index
-    from prefetchd.core.indexbase import StorageChanged
     from prefetchd.executors.raybridge import remote_setup
     from prefetchd.executors.worker import WorkerSetup
+    from prefetchd.sources.base import StorageChanged
+    from prefetchd.sources.dataset import load_index
 
     root, copy = tmp_path / "tars", tmp_path / "node2"
     root.mkdir()

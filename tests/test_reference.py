@@ -27,8 +27,8 @@ import aptools
 import numpy as np
 import pytest
 
-from prefetchd.core.dataset import DatasetError, load_index
-from prefetchd.core.tarheaders import members
+from prefetchd.sources.dataset import DatasetError, load_index
+from prefetchd.sources.tarheaders import members
 
 EXTS = (".jpeg", ".jpg", ".png")
 
@@ -269,7 +269,7 @@ def test_mat_reader_agrees_with_scipy_on_generated_and_fuzzed_files(tmp_path):
     from scipy.io import loadmat as scipy_loadmat
     from scipy.io import savemat
 
-    from prefetchd.core.devkit import MatError, loadmat
+    from prefetchd.sources.devkit import MatError, loadmat
 
     rng = np.random.default_rng(8)
     path = str(tmp_path / "m.mat")
@@ -357,7 +357,7 @@ class _Members:
 
 
 def _recheck(path: str, found) -> str | None:
-    from prefetchd.core import tarrecheck
+    from prefetchd.sources import tarrecheck
 
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -16,10 +16,10 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index
 from prefetchd.core.sampler import Sampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status
+from prefetchd.sources.dataset import load_index
 
 SOAK_S = float(os.environ.get("PREFETCHD_SOAK_S", "60"))
 MAX_BYTES = 6 * 81920  # six of these batches: max_bytes, not capacity, bounds the buffer

@@ -123,8 +123,8 @@ def test_a_sighup_rescan_scans_only_a_dataset_whose_cache_stamps_changed_and_com
 
     from imagenet_archives import make_imagenet
 
-    from prefetchd.core.dataset import load_index, unchanged_since_scan
     from prefetchd.daemon import rescan
+    from prefetchd.sources.dataset import load_index, unchanged_since_scan
 
     root = tmp_path / "root"
     make_image_folder(str(root), classes=3, per_class=4, seed=5, long_side=64)

@@ -19,13 +19,14 @@ from conftest import small_config
 from imagenet_archives import make_imagenet, tar_bytes
 
 from prefetchd.core import config as C
-from prefetchd.core import tarindex
-from prefetchd.core.dataset import DatasetError, load_index, val_labels
-from prefetchd.core.devkit import loadmat, read_devkit
 from prefetchd.core.sampler import Sampler
-from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
+from prefetchd.sources import archive, store
+from prefetchd.sources import imagenet as imagenet_tars
+from prefetchd.sources.archive import TarIndex
+from prefetchd.sources.dataset import DatasetError, load_index, val_labels
+from prefetchd.sources.devkit import loadmat, read_devkit
 from prefetchd.tools.samples import jpeg_bytes, photo_like
 
 EXTS = (".jpeg", ".jpg", ".png")
@@ -325,7 +326,7 @@ def test_an_archive_cut_or_replaced_after_indexing_makes_the_batch_wait_blaming_
     assert not maker.bad
     with open(root, "wb") as f:  # as it was: the batch is made, nothing was quarantined
         f.write(original)
-    index = replace(index, identity=(tarindex.identity_of(os.stat(root)),))  # (the test cannot restore inode, ctime)
+    index = replace(index, identity=(store.identity_of(os.stat(root)),))  # (the test cannot restore inode, ctime)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
     _, used, _, _, quarantined = maker.fill(0, np.array([last, 1]))
     assert not quarantined and used.tolist() == [last, 1]
@@ -339,7 +340,7 @@ def test_a_stale_archive_descriptor_is_dropped_and_the_read_tried_again(imagenet
     index, _ = load_index(root, None, EXTS, None, use_cache=False)
     maker = BatchMaker(WorkerSetup(_cfg(root, str(tmp_path)), None, index, 0, str(tmp_path)))
     maker.fill(0, np.array([0]))
-    dead = set(tarindex._fds.values())
+    dead = set(store.LOCAL._fds.values())
     assert dead
     real_pread, real_close = os.pread, os.close
 
@@ -364,15 +365,15 @@ def test_kept_archive_descriptors_are_evicted_least_recently_used_first(tmp_path
     for k in range(3):
         paths.append(str(tmp_path / f"{k}.tar"))
         open(paths[-1], "wb").close()
-    monkeypatch.setattr(tarindex, "_MAX_OPEN", 2)
-    monkeypatch.setattr(tarindex, "_fds", {})
-    fd0 = tarindex._open(paths[0])
-    tarindex._open(paths[1])
-    assert tarindex._open(paths[0]) == fd0  # used again: now the most recent
-    tarindex._open(paths[2])  # evicts paths[1], the least recently used
-    assert list(tarindex._fds) == [paths[0], paths[2]]
-    for p in list(tarindex._fds):
-        tarindex._forget(p)
+    monkeypatch.setattr(store.LOCAL, "max_open", 2)
+    monkeypatch.setattr(store.LOCAL, "_fds", {})
+    fd0 = archive._open(paths[0])
+    archive._open(paths[1])
+    assert archive._open(paths[0]) == fd0  # used again: now the most recent
+    archive._open(paths[2])  # evicts paths[1], the least recently used
+    assert list(store.LOCAL._fds) == [paths[0], paths[2]]
+    for p in list(store.LOCAL._fds):
+        store.LOCAL.forget(p)
 
 
 def test_a_flat_tar_without_the_devkit_says_to_set_it(imagenet):
@@ -389,7 +390,7 @@ def test_cache_is_keyed_by_the_archive_identity(imagenet, tmp_path):
     i1, c1 = load_index(root, None, EXTS, cache)
     i2, c2 = load_index(root, None, EXTS, cache)
     assert (c1, c2) == (False, True) and isinstance(i2.block, np.memmap) and i2.scan_s == i1.scan_s
-    assert i2.identity == i1.identity == (tarindex.identity_of(os.stat(root)),)
+    assert i2.identity == i1.identity == (store.identity_of(os.stat(root)),)
     st = os.stat(root)
     os.utime(root, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert load_index(root, None, EXTS, cache)[1] is False  # a new mtime
@@ -478,7 +479,7 @@ def test_an_archive_rewritten_while_it_is_indexed_is_refused_not_read_at_old_off
         old, new = (tar_bytes([(f"n1_{i}.JPEG", c * (500 + i)) for i in order]) for c, order in
                     ((b"n1", (0, 1, 2)), (b"xx", (2, 1, 0))))
         open(path, "wb").write(old)  # a class tar re-packed as its headers are read
-    real, calls = tarindex.members, []
+    real, calls = imagenet_tars.members, []
 
     def members(fd, *args, **kwargs):
         out = real(fd, *args, **kwargs)
@@ -489,9 +490,9 @@ def test_an_archive_rewritten_while_it_is_indexed_is_refused_not_read_at_old_off
         calls.append(1)
         return out
 
-    monkeypatch.setattr(tarindex, "members", members)
+    monkeypatch.setattr(imagenet_tars, "members", members)
     with pytest.raises(DatasetError, match="changed while it was being indexed.*start again once it is complete"):
-        index, _ = tarindex.scan(root, None, EXTS, kind=kind)
+        index, _ = imagenet_tars.scan(root, None, EXTS, kind=kind)
         for i in range(len(index)):  # before the fix: no StorageChanged, other members' bytes
             assert index.read(i)[:2] == index.relpath(i)[:2].encode(), (index.relpath(i), index.read(i)[:2])
 
@@ -499,18 +500,18 @@ def test_an_archive_rewritten_while_it_is_indexed_is_refused_not_read_at_old_off
 def test_an_archive_on_a_remounted_share_is_the_same_archive_but_a_rewritten_one_is_not(tmp_path):
     """NFS gives a mount a new device number at a remount: the file (inode, size, times) is the
     one indexed and reads on; a changed inode, size or time is another file's bytes and raises."""
-    from prefetchd.core.indexbase import StorageChanged
+    from prefetchd.sources.base import StorageChanged
 
     path = tmp_path / "a.tar"
     path.write_bytes(b"x" * 1024)
     fd = os.open(path, os.O_RDONLY)
     try:
-        ident = tarindex.identity_of(os.fstat(fd))
-        tarindex._check(fd, str(path), (ident[0] + 1, *ident[1:]))  # another device number: same file
+        ident = store.identity_of(os.fstat(fd))
+        archive._check(fd, str(path), (ident[0] + 1, *ident[1:]))  # another device number: same file
         for i in (1, 2, 3, 4):  # inode, size, mtime, ctime
             other = list(ident)
             other[i] += 1
             with pytest.raises(StorageChanged):
-                tarindex._check(fd, str(path), tuple(other))
+                archive._check(fd, str(path), tuple(other))
     finally:
         os.close(fd)

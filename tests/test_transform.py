@@ -23,9 +23,9 @@ from prefetchd.core.augment import transform
 from prefetchd.core.augment.seeds import sample_key
 from prefetchd.core.config import ConfigError
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import status
+from prefetchd.sources.dataset import load_index
 from prefetchd.tools.samples import jpeg_bytes, photo_like
 
 # A trainer's own module: random.random() and numpy's global RNG, as torchvision's and timm's

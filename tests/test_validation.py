@@ -21,10 +21,10 @@ from test_daemon import collect, reference_batches
 
 from prefetchd.core.config import ConfigError
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index, val_labels
 from prefetchd.core.sampler import ValSampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status
+from prefetchd.sources.dataset import load_index, val_labels
 from prefetchd.tools.samples import make_image_folder
 
 
@@ -570,7 +570,7 @@ def test_a_val_index_read_after_the_train_index_is_waited_for(tmp_path, image_ro
 def test_a_devkit_that_is_a_fifo_is_refused_in_one_line(tmp_path, image_root):
     fifo = str(tmp_path / "devkit.tar.gz")
     os.mkfifo(fifo)
-    from prefetchd.core.devkit import DevkitError, read_devkit
+    from prefetchd.sources.devkit import DevkitError, read_devkit
 
     with pytest.raises(DevkitError, match="not a regular file or a folder"):
         read_devkit(fifo)

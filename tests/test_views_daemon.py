@@ -13,7 +13,7 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index
+from prefetchd.sources.dataset import load_index
 from prefetchd.core.sampler import Sampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status

@@ -35,17 +35,35 @@ from prefetchd.core.policyspec import (
     policy_spec,
 )
 
+IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png")  # dataset.extensions' default
+LAYOUTS = ("auto", "imagefolder", "imagenet_tars", "webdataset", "parquet")  # dataset.layout (sources/dataset.py)
+
 
 @dataclass(frozen=True)
 class DatasetConfig:
     root: str | None = None
     file_list: str | None = None
-    extensions: tuple[str, ...] = (".jpeg", ".jpg", ".png")
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS  # shards: .jpg .jpeg .png .webp unless set (sources/webdataset.py)
     cache_dir: str | None = None
     one_class: bool = False  # an ImageFolder of one class folder on purpose (labels unused): not refused
+    layout: str = "auto"  # LAYOUTS: auto tells them apart (prefetchd check says what it found)
+    label: str = "cls"  # shards' label: cls (the .cls/.txt member), json:KEY, or none (-1)
+    image_column: str = "image"  # Parquet: the image column (struct<bytes, path> or binary)
+    label_column: str = "label"  # Parquet: the label column (integers)
 
     def __post_init__(self) -> None:
         _bool(self.one_class, "dataset.one_class")
+        if self.layout not in LAYOUTS:
+            raise ConfigError("dataset.layout", f"must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        lab = self.label
+        if not isinstance(lab, str) or not (lab in ("cls", "none") or (lab.startswith("json:") and len(lab) > 5)):
+            raise ConfigError("dataset.label", f"must be cls, json:KEY (the label's key in each sample's .json) or "
+                              f"none (unlabelled: -1), got {lab!r}")
+        for k in ("image_column", "label_column"):
+            if not isinstance(getattr(self, k), str) or not getattr(self, k):
+                raise ConfigError(f"dataset.{k}", f"must be a column name, got {getattr(self, k)!r}")
+        if self.layout == "webdataset" and self.file_list is not None:
+            raise ConfigError("dataset.layout", "webdataset reads shards named by dataset.root, not dataset.file_list")
         if self.root is None and self.file_list is None:
             raise ConfigError("dataset.root", "is required (an ImageFolder, ImageNet's train tar or a folder of class tars), or set dataset.file_list")
         if self.root is not None and self.file_list is not None:
@@ -62,6 +80,12 @@ class DatasetConfig:
             e = _str(e, "dataset.extensions").lower()
             norm.append(e if e.startswith(".") else "." + e)
         object.__setattr__(self, "extensions", tuple(norm))
+
+    def index_options(self, validation: bool = False) -> dict:
+        """``sources.dataset.load_index``'s keyword arguments from this section (the validation set's
+        layout is told by itself: ``auto``)."""
+        return {"one_class": self.one_class, "label": self.label, "image_column": self.image_column,
+                "label_column": self.label_column, **({} if validation else {"layout": self.layout})}
 
 
 @dataclass(frozen=True)

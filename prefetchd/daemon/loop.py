@@ -43,7 +43,6 @@ from prefetchd.core import hybrid
 from prefetchd.core.augment.transform import check as check_transform
 from prefetchd.core.config import Config, ConfigError, format_size, reload_blockers
 from prefetchd.core.config import load as load_config
-from prefetchd.core.dataset import load_index, unchanged_since_scan, val_labels
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.runclock import TICK_S, RunClock
 from prefetchd.core.sampler import Sampler
@@ -70,6 +69,7 @@ from prefetchd.executors.storage import STORAGE_RETRY_S
 from prefetchd.executors.worker import Result, WorkerSetup
 from prefetchd.format import batchfile, status
 from prefetchd.format.progress import VAL_LANE
+from prefetchd.sources.dataset import load_index, unchanged_since_scan, val_labels
 
 log = logging.getLogger("prefetchd")
 
@@ -205,10 +205,10 @@ class Daemon:
 
         def scan():  # the box is filled once, when every index is read: the main thread waits for that
             try:
-                found = {"index": load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, one_class=cfg.one_class)}
+                found = {"index": load_index(cfg.root, cfg.file_list, cfg.extensions, cfg.cache_dir, **cfg.index_options())}
                 if V.enabled:
                     found["val"] = load_index(V.root, V.file_list, cfg.extensions, cfg.cache_dir, devkit=V.devkit,
-                                              section="validation", one_class=cfg.one_class)
+                                              section="validation", **cfg.index_options(validation=True))
             except BaseException as e:  # handed to the main thread
                 found = {"error": e}
             box.update(found)
@@ -576,7 +576,7 @@ class Daemon:
             D, index = self.cfg.dataset, self.index
             self._rescan = Rescan(index, lambda: unchanged_since_scan(index.files_dir, index.fingerprint),
                                   lambda: load_index(D.root, D.file_list, D.extensions, D.cache_dir,
-                                                     use_cache=False, one_class=D.one_class)[0], self._wake)
+                                                     use_cache=False, **D.index_options())[0], self._wake)
 
     def _finish_rescan(self) -> None:
         if self._rescan is not None and self._rescan.done():

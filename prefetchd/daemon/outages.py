@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 
-from prefetchd.core.indexbase import StorageChanged
 from prefetchd.executors.storage import STORAGE_RETRY_S
+from prefetchd.sources.base import StorageChanged
 
 log = logging.getLogger("prefetchd")
 

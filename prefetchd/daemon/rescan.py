@@ -8,7 +8,7 @@ a function of it, and trainers check the stream's fingerprint. A sample gone sin
 unreadable when a batch reaches it and replaced, as any unreadable one; samples added are
 served after a restart (a new stream). Archives rewritten in place with the same members are
 named, not called unchanged: their batches wait for a restart (unless only
-the ctime moved and every member is where it was: ``core.tarrecheck``). Workers never look at the
+the ctime moved and every member is where it was: ``sources.tarrecheck``). Workers never look at the
 dataset to start (``executors.pool.Pool._worker_setup``).
 """
 
@@ -57,7 +57,7 @@ def _verdict(current, unchanged: Callable[[], bool], scan: Callable[[], object])
     new = scan()  # no cache write: the daemon's workers map the cache files of the running index
     if new.fingerprint == current.fingerprint:
         moved = changed_archives(current, new)
-        if moved:  # same members, other bytes possible: the workers' reads of them wait (tarindex._check)
+        if moved:  # same members, other bytes possible: the workers' reads of them wait (archive._check)
             return logging.WARNING, (
                 f"dataset rescan (SIGHUP): the same {len(new)} samples, but {len(moved)} archive(s) changed since "
                 f"this daemon indexed them ({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}: rewritten in "

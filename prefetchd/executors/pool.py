@@ -54,11 +54,11 @@ from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
-from prefetchd.core.dataset import index_files_hold
 from prefetchd.executors import helpers
 from prefetchd.executors.fdwait import FdWait
 from prefetchd.executors.helpers import SpawnError, describe_exit
 from prefetchd.executors.worker import Result, Task, WorkerSetup, tmp_name, worker_main
+from prefetchd.sources.dataset import index_files_hold
 
 log = logging.getLogger("prefetchd.pool")
 

@@ -43,15 +43,14 @@ import time
 from enum import IntEnum
 from multiprocessing.connection import Connection
 
-from prefetchd.core import tarindex
 from prefetchd.core.config import RayConfig
-from prefetchd.core.tarindex import TarIndex
 from prefetchd.executors.builders import Packed
 from prefetchd.executors.storage import StorageUnavailable
 from prefetchd.executors.worker import Result, Task, WorkerSetup, write_temp
 from prefetchd.format import procstate
 from prefetchd.format.batchfile import BatchMeta, segment_fingerprint
 from prefetchd.format.progress import VAL_LANE
+from prefetchd.sources.archive import TarIndex, sizes_only
 
 _WAIT_S = 0.1
 _MAX_FAILURES = 3  # consecutive lost batches: an actor that keeps failing is dropped
@@ -150,7 +149,7 @@ def remote_setup(setup: WorkerSetup, cfg: RayConfig) -> WorkerSetup:
                                                 for k in ("archive_ids", "block", "size")})
         # another node's copy has its own device, inodes and times: its size is known, and each sample is
         # checked in place when a process first opens it (tarrecheck.vouch_copy)
-        mapped = dataclasses.replace(mapped, identity=tarindex.sizes_only(mapped.identity))
+        mapped = dataclasses.replace(mapped, identity=sizes_only(mapped.identity))
     val = remote_setup(setup.val, cfg) if setup.val is not None else None
     return dataclasses.replace(setup, index=mapped, index_dir=None, val=val)
 

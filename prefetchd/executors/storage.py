@@ -28,7 +28,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from prefetchd.core.indexbase import StorageChanged
+from prefetchd.sources.base import StorageChanged
 
 # errnos a storage hiccup gives for a moment (NFS, Lustre, a flaky disk or network)
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN,

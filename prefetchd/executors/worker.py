@@ -39,7 +39,6 @@ import numpy as np
 from prefetchd.core import hybrid
 from prefetchd.core.augment import modes as augment
 from prefetchd.core.config import Config, ConfigError
-from prefetchd.core.dataset import Index, open_index_files
 from prefetchd.executors import priority
 from prefetchd.executors.builders import Builder, CompactBuilder, PixelBuilder
 from prefetchd.executors.helpers import GROUP_SIGNALS
@@ -47,6 +46,7 @@ from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, re
 from prefetchd.format import batchfile
 from prefetchd.format.progress import VAL_LANE
 from prefetchd.format.status import FILE_MODE
+from prefetchd.sources.dataset import Index, open_index_files
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
 MAX_REPLACEMENT_TRIES = 16

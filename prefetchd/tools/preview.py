@@ -25,12 +25,12 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
         except (OSError, batchfile.BatchFileError):
             continue  # consumed or replaced meanwhile: try the next
         return b.images, b.labels, b.indices, f"{name} from the buffer" + (" (view 0)" if len(b.views) > 1 else "")
-    from prefetchd.core.dataset import load_index
     from prefetchd.core.sampler import Sampler
     from prefetchd.executors.worker import BatchMaker, WorkerSetup
+    from prefetchd.sources.dataset import load_index
 
     index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir,
-                          one_class=cfg.dataset.one_class)
+                          **cfg.dataset.index_options())
     L = cfg.loader
     sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
     maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None if index.files_dir else index, 0, cfg.buffer.dir))
@@ -41,11 +41,11 @@ def _batch(cfg: Config, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 
 
 def class_names(cfg: Config) -> tuple[str, ...]:
-    from prefetchd.core.dataset import load_index
+    from prefetchd.sources.dataset import load_index
 
     try:
         index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir,
-                              one_class=cfg.dataset.one_class)
+                              **cfg.dataset.index_options())
         return index.classes
     except Exception:  # labels alone are still worth showing
         return ()

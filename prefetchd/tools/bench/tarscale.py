@@ -9,7 +9,14 @@ process's peak RSS (and its RSS before the scan: Python, numpy and prefetchd imp
 deletes the archive.
 
 ``--pack FOLDER --out TAR`` instead packs an ImageFolder as ImageNet's train tar (a tar of
-``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``.
+``<class>.tar``), for ``prefetchd bench --root FOLDER --root TAR``; ``--pack-shards FOLDER --out DIR``
+as WebDataset shards (``DIR/train-000000.tar`` ...: ``<class>_<stem>.jpg`` and ``.cls``, the class's
+index, ``--per-shard`` samples each, in a fixed shuffled order), for ``prefetchd bench --root FOLDER
+--root 'DIR/train-{000000..N}.tar'``; ``--pack-parquet FOLDER --out FILE`` as one Parquet file in
+Hugging Face's schema (``--per-shard`` rows a row group; HF's own default for images is 100), and
+``--amplification FILE`` reads it in a random permutation in-process and prints the bytes read
+per image byte. ``--wds-scale N --dir D`` writes N tiny samples (a 3-byte ``.jpg`` and a ``.cls``)
+in ``--shards`` WebDataset shards in ``D`` and indexes them in a fresh process (then deletes them).
 """
 
 from __future__ import annotations
@@ -26,10 +33,10 @@ import time
 
 _CHILD = r"""
 import json, os, resource, sys, time
-from prefetchd.core import tarindex
+from prefetchd.sources import imagenet
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 t = time.monotonic()
-index, _ = tarindex.load(sys.argv[1], None, (".jpeg", ".jpg", ".png"), sys.argv[2], use_cache=True)
+index, _ = imagenet.load(sys.argv[1], None, (".jpeg", ".jpg", ".png"), sys.argv[2], use_cache=True)
 dt = time.monotonic() - t
 print(json.dumps({"samples": len(index), "classes": len(index.classes), "scan_s": dt,
                   "rss_before_mib": before / 1024,
@@ -74,6 +81,98 @@ def pack_train_tar(folder: str, out: str) -> int:
     return n
 
 
+def pack_shards(folder: str, out: str, per_shard: int = 256) -> tuple[int, int]:
+    """Write the ImageFolder ``folder`` as WebDataset shards in ``out``; returns (images, shards)."""
+    import random
+
+    classes = sorted(c for c in os.listdir(folder) if os.path.isdir(os.path.join(folder, c)))
+    files = [(label, cls, name) for label, cls in enumerate(classes)
+             for name in sorted(os.listdir(os.path.join(folder, cls)))]
+    random.Random(0).shuffle(files)  # shards are written shuffled, as webdataset users write them
+    os.makedirs(out, exist_ok=True)
+    shards = 0
+    for s in range(0, len(files), per_shard):
+        with tarfile.open(os.path.join(out, f"train-{shards:06d}.tar"), "w", format=tarfile.GNU_FORMAT) as t:
+            for label, cls, name in files[s:s + per_shard]:
+                key = f"{cls}_{os.path.splitext(name)[0]}"
+                t.add(os.path.join(folder, cls, name), arcname=key + ".jpg")
+                info = tarfile.TarInfo(key + ".cls")
+                data = str(label).encode()
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+        shards += 1
+    return len(files), shards
+
+
+def pack_parquet(folder: str, out: str, row_group: int = 100) -> int:
+    """Write the ImageFolder ``folder`` as one Parquet file in the HF schema; returns the row count."""
+    import json as json_
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    classes = sorted(c for c in os.listdir(folder) if os.path.isdir(os.path.join(folder, c)))
+    rows = [(label, os.path.join(folder, cls, name)) for label, cls in enumerate(classes)
+            for name in sorted(os.listdir(os.path.join(folder, cls)))]
+    import random
+
+    random.Random(0).shuffle(rows)
+    images = []
+    for _, path in rows:
+        with open(path, "rb") as f:
+            images.append({"bytes": f.read(), "path": os.path.basename(path)})
+    features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
+    table = pa.table({"image": pa.array(images, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      "label": pa.array([lab for lab, _ in rows], pa.int64())})
+    table = table.replace_schema_metadata({b"huggingface": json_.dumps({"info": {"features": features}}).encode()})
+    pq.write_table(table, out, row_group_size=row_group)
+    return len(rows)
+
+
+def amplification(path: str) -> dict:
+    """Read every row of the Parquet ``path`` in a random permutation in-process: bytes read per
+    image byte, and the time per sample."""
+    import numpy as np
+
+    from prefetchd.sources import parquet
+
+    index, _ = parquet.load(path, "image", "label", None, use_cache=False)
+    order = np.random.default_rng(0).permutation(len(index))
+    parquet._read_bytes[0] = 0
+    t = time.monotonic()
+    image_bytes = sum(len(index.read(int(i))) for i in order)
+    dt = time.monotonic() - t
+    return {"rows": len(index), "image_bytes": image_bytes, "read_bytes": parquet._read_bytes[0],
+            "amplification": parquet._read_bytes[0] / image_bytes, "ms_per_sample": 1000 * dt / len(index)}
+
+
+_WDS_CHILD = r"""
+import json, resource, sys, time
+from prefetchd.sources import webdataset
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.monotonic()
+index, _ = webdataset.load(sys.argv[1], webdataset.DEFAULT_EXTENSIONS, "cls", sys.argv[2])
+print(json.dumps({"samples": len(index), "scan_s": time.monotonic() - t, "index_mib": index.nbytes / 2**20,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "rss_before_mib": before / 1024}))
+"""
+
+
+def wds_scale(work: str, n: int, shards: int) -> dict:
+    """Write ``n`` tiny samples in ``shards`` shards under ``work`` and index them in a fresh process."""
+    per = -(-n // shards)
+    for s in range(shards):
+        with tarfile.open(os.path.join(work, f"train-{s:06d}.tar"), "w", format=tarfile.GNU_FORMAT) as t:
+            for k in range(s * per, min(n, (s + 1) * per)):
+                for ext, data in (("jpg", b"\xff\xd8\xff"), ("cls", str(k % 1000).encode())):
+                    info = tarfile.TarInfo(f"n{k:08d}.{ext}")
+                    info.size = len(data)
+                    t.addfile(info, io.BytesIO(data))
+    cache = tempfile.mkdtemp(prefix="cache-", dir=work)
+    return json.loads(subprocess.run([sys.executable, "-c", _WDS_CHILD, work, cache], check=True,
+                                     capture_output=True, text=True).stdout)
+
+
 def _drop_cached_pages(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -87,10 +186,47 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", help="where to write the archive (local disk; deleted afterwards)")
     ap.add_argument("--pack", metavar="FOLDER", help="pack this ImageFolder as a tar of class tars (--out)")
-    ap.add_argument("--out", help="the tar --pack writes")
+    ap.add_argument("--pack-shards", metavar="FOLDER", help="pack this ImageFolder as WebDataset shards (--out: a folder)")
+    ap.add_argument("--pack-parquet", metavar="FOLDER", help="pack this ImageFolder as one Parquet file (--out)")
+    ap.add_argument("--amplification", metavar="PARQUET", help="read this Parquet file in a random order: bytes read")
+    ap.add_argument("--per-shard", type=int, default=256, help="samples per shard, or rows per row group")
+    ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
+    ap.add_argument("--wds-scale", type=int, metavar="N", help="index N tiny samples in --shards shards (--dir)")
+    ap.add_argument("--shards", type=int, default=1024)
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.pack_parquet:
+        if not args.out:
+            ap.error("--pack-parquet needs --out")
+        print(f"packed {pack_parquet(args.pack_parquet, args.out, args.per_shard)} images into {args.out}")
+        return 0
+    if args.amplification:
+        r = amplification(args.amplification)
+        print(f"{r['rows']} rows read in a random permutation: {r['read_bytes'] / 2**20:.1f} MiB read for "
+              f"{r['image_bytes'] / 2**20:.1f} MiB of images ({r['amplification']:.1f} x), "
+              f"{r['ms_per_sample']:.2f} ms a sample")
+        return 0
+    if args.wds_scale:
+        if not args.dir:
+            ap.error("--wds-scale needs --dir")
+        work = tempfile.mkdtemp(prefix="wdsscale-", dir=args.dir)
+        try:
+            r = wds_scale(work, args.wds_scale, args.shards)
+        finally:
+            import shutil
+
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"{r['samples']:,} samples in {args.shards} shards indexed in {r['scan_s']:.1f} s; peak RSS "
+              f"{r['peak_rss_mib']:.0f} MiB (before the scan {r['rss_before_mib']:.0f} MiB); index arrays "
+              f"{r['index_mib']:.1f} MiB")
+        return 0
+    if args.pack_shards:
+        if not args.out:
+            ap.error("--pack-shards needs --out")
+        n, shards = pack_shards(args.pack_shards, args.out, args.per_shard)
+        print(f"packed {n} images into {shards} shards: {args.out}/train-{{000000..{shards - 1:06d}}}.tar")
+        return 0
     if args.pack:
         if not args.out:
             ap.error("--pack needs --out")

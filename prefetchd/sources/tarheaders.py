@@ -3,7 +3,7 @@
 ``members`` lists the regular members of a tar (or of a tar inside one, by its byte range) with
 each one's data offset and size, applying GNU long names and PAX ``path``/``size`` records to the
 member they describe; what it skips, and why, goes to a list. What is read, skipped or an error,
-member by member, is stated in ``prefetchd.core.tarindex``'s docstring.
+member by member, is stated in ``prefetchd.sources.imagenet``'s docstring.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import zlib
 
-from prefetchd.core.indexbase import DatasetError
+from prefetchd.sources.base import DatasetError
 
 BLOCK = 512
 _ZERO = bytes(BLOCK)

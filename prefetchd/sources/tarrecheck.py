@@ -2,7 +2,7 @@
 
 A chmod, a chown or a hard link moves an archive's ctime and nothing else; so does a rewrite in
 place that puts its mtime back (``touch -d``, ``rsync --inplace -t``), which may move members.
-The two cannot be told apart from the identity, so ``tarindex`` asks this module before it makes
+The two cannot be told apart from the identity, so ``archive`` asks this module before it makes
 the archive's batches wait for a restart: every sample of the archive still has, in the 512 bytes
 right before its data, a valid regular-member header of its own name and size. Then each
 indexed offset still reads that member, whatever else changed, and the worker reads on with the
@@ -16,7 +16,7 @@ same size would be read under the wrong name. Anything else (a header that is no
 name or size, no extension header holding the whole name) is not vouched for: the archive's
 batches wait as for any change.
 
-**Another node's copy** (a Ray actor's, ``tarindex.sizes_only``: its device, inode and times are
+**Another node's copy** (a Ray actor's, ``archive.sizes_only``: its device, inode and times are
 its own, only the size was known) is checked the same way when a process first opens it
 (``vouch_copy``): a copy re-packed in another order at the same size would otherwise be read at
 the indexed offsets, other members' pixels under the indexed labels. Vouched for, it is then held
@@ -31,8 +31,16 @@ import os
 
 import numpy as np
 
-from prefetchd.core.indexbase import DatasetError, StorageChanged
-from prefetchd.core.tarheaders import _REGULAR, BLOCK, _header, _pax_records, members, show, unique
+from prefetchd.sources.base import DatasetError, StorageChanged
+from prefetchd.sources.tarheaders import (
+    _REGULAR,
+    BLOCK,
+    _header,
+    _pax_records,
+    members,
+    show,
+    unique,
+)
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -57,7 +65,7 @@ def unverified_copy(identity: tuple) -> bool:
 
 def vouch_copy(fd: int, path: str, recheck: tuple, now: tuple) -> None:
     """Accept this node's copy ``path`` (open as ``fd``, its identity ``now``) if its size is the
-    indexed one and every sample is in place (``recheck``: as ``tarindex._check`` has it); else
+    indexed one and every sample is in place (``recheck``: as ``archive._check`` has it); else
     raise ``StorageChanged``: its batches wait."""
     indexed, misplaced_in = recheck
     why = f"{now[2]} bytes, not {indexed[2]}" if now[2] != indexed[2] else judged(path, indexed, now,
@@ -89,6 +97,7 @@ def misplaced(fd: int, index, archive: int) -> str | None:
     ids = index.archive_ids
     chosen = np.arange(len(index)) if ids is None else np.flatnonzero(ids == archive)
     inner = index.layout in ("tar", "tars")  # relpath is "<class>/<member>"; a flat tar's is the member
+    shard = os.fsencode(index.archives[archive]) + b"/" if index.layout == "webdataset" else b""
     within = _class_tars(fd) if index.layout == "tar" else None
     if isinstance(within, str):
         return within
@@ -96,6 +105,8 @@ def misplaced(fd: int, index, archive: int) -> str | None:
         data = int(index.block[i]) * BLOCK
         hdr = os.pread(fd, BLOCK, data - BLOCK)
         want = os.fsencode(index.relpath(int(i)))
+        if shard:  # a shard's sample is "<shard>/<member>"
+            want = want[len(shard):]
         if inner:
             cls, _, want = want.partition(b"/")
             if within is not None:

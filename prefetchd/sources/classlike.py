@@ -27,8 +27,8 @@ import functools
 import os
 from collections.abc import Sequence
 
-from prefetchd.core.indexbase import DatasetError
 from prefetchd.core.words import plural
+from prefetchd.sources.base import DatasetError
 
 SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "dev",
                          "images", "imgs", "img", "data", "dataset", "all"})
@@ -78,7 +78,7 @@ def describe_classes(classes: Sequence[str], counts: Sequence[int], first: int =
     """The first class names and the smallest and largest class, in one line (``prefetchd check``)."""
     names = [str(c) for c in classes]
     if not names:
-        return "no classes"
+        return "no classes (unlabelled: every label -1)"
     head = ", ".join(names[:first]) + (", ..." if len(names) > first else "")
     lo = min(range(len(names)), key=lambda i: (counts[i], i))
     hi = max(range(len(names)), key=lambda i: (counts[i], -i))
@@ -87,10 +87,11 @@ def describe_classes(classes: Sequence[str], counts: Sequence[int], first: int =
 
 
 def class_counts(index) -> list[int]:
-    """How many samples each of ``index``'s classes holds."""
+    """How many samples each of ``index``'s classes holds (unlabelled samples, -1, in none)."""
     import numpy as np
 
-    return np.bincount(np.asarray(index.labels), minlength=len(index.classes)).tolist()
+    labels = np.asarray(index.labels)
+    return np.bincount(labels[labels >= 0], minlength=len(index.classes)).tolist()
 
 
 def _sub_folders(index, samples: int = 1000) -> list[str]:
@@ -112,8 +113,8 @@ def refuse_unless_classlike(load):
     @functools.wraps(load)
     def wrapper(root, file_list, *args, section: str = "dataset", one_class: bool = False, **kwargs):
         index, cached = load(root, file_list, *args, section=section, **kwargs)
-        if file_list is None and getattr(index, "kind", "folder") != "list" and len(index.classes) <= len(SPLIT_NAMES):
-            folder = getattr(index, "layout", None) is None  # archives (tarindex.TarIndex) have a layout
+        if file_list is None and getattr(index, "kind", "folder") not in ("list", "webdataset", "parquet") and len(index.classes) <= len(SPLIT_NAMES):
+            folder = getattr(index, "layout", None) is None  # archives (archive.TarIndex) have a layout
             subs = _sub_folders(index) if folder and len(index.classes) == 1 else []
             problem = judge(index.root, f"{section}.root", index.classes, class_counts(index), subs, folder, one_class)
             if problem:

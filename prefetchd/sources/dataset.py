@@ -1,15 +1,22 @@
 """The dataset index: which kind of dataset a root is, chosen in one place, and its index loaded.
 
-The kinds, each in its own module that builds on ``indexbase`` (the errors, the ``Index`` record,
+The kinds, each in its own module that builds on ``base`` (the errors, the ``Index`` record,
 the cache) and never imports this one:
 
-* an ImageFolder or a file list: ``prefetchd.core.folderindex``;
+* an ImageFolder or a file list: ``prefetchd.sources.folder``;
 * tar archives read in place (ImageNet's train tar of class tars, a folder of class tars, the
-  flat validation tar or folder with the devkit): ``prefetchd.core.tarindex``.
+  flat validation tar or folder with the devkit): ``prefetchd.sources.imagenet``;
+* WebDataset shards (a folder of them, a brace pattern, a list file): ``prefetchd.sources.webdataset``;
+* Parquet files (Hugging Face's image datasets): ``prefetchd.sources.parquet``.
+
+``dataset.layout`` names the layout, or ``auto`` (the default) lets ``detect`` tell: a brace
+pattern, a list of ``.tar`` files, or tars whose first members pair an image with another member
+of its key (a label, a caption) are shards; ``.parquet`` files (one, a folder of them, a glob) are
+Parquet; other tars are ImageNet's; the rest as ``choose`` says.
 
 ``choose`` decides which kind a root is, ``load_index`` (the entry point: the daemon, ``prefetchd
 check``, the tools) loads its index; the names of
-``indexbase`` and ``folderindex`` that callers used from here are re-exported.
+``base`` and ``folder`` that callers used from here are re-exported.
 """
 
 from __future__ import annotations
@@ -22,11 +29,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from prefetchd.core import devkit as devkit_
-from prefetchd.core import folderindex, tarindex
-from prefetchd.core.classlike import refuse_unless_classlike
-from prefetchd.core.folderindex import scan_file_list, scan_image_folder
-from prefetchd.core.indexbase import (
+from prefetchd.core.configsections import IMAGE_EXTENSIONS, LAYOUTS
+from prefetchd.sources import archive, folder, imagenet
+from prefetchd.sources import devkit as devkit_
+from prefetchd.sources.base import (
     DatasetError,
     Index,
     StorageChanged,
@@ -38,6 +44,8 @@ from prefetchd.core.indexbase import (
     read_cache,
     write_cache,
 )
+from prefetchd.sources.classlike import refuse_unless_classlike
+from prefetchd.sources.folder import scan_file_list, scan_image_folder
 
 __all__ = ["DatasetError", "Index", "StorageChanged", "cache_path", "default_cache_dir", "index_fingerprint",
            "read_all", "read_cache", "write_cache", "scan_file_list", "scan_image_folder", "load_index",
@@ -47,7 +55,7 @@ log = logging.getLogger("prefetchd.dataset")
 
 
 _LEFTOVERS = {"lost+found": "a file system's lost+found folder, not a class",
-              folderindex.MACOSX: "a Mac zip's metadata folder, not a class"}
+              folder.MACOSX: "a Mac zip's metadata folder, not a class"}
 _DEVKIT_NOTE = "ImageNet's devkit extracted, not a class"
 
 
@@ -122,24 +130,96 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
     return "flat-folder", left
 
 
-@refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: core/classlike.py
+def _first_tar_is_shard(path: str, exts: tuple[str, ...]) -> bool:
+    from prefetchd.sources import webdataset
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return webdataset.looks_like_shards(fd, os.fstat(fd).st_size, tuple(e.encode() for e in exts))
+    finally:
+        os.close(fd)
+
+
+def detect(root: str | None, file_list: str | None) -> str:
+    """``dataset.layout: auto``: ``webdataset`` when ``root`` names shards (see the module
+    docstring), else ``""`` (``choose`` decides among the other layouts)."""
+    # imported here: a worker opening its index needs neither
+    from prefetchd.sources import shardnames, webdataset
+
+    if root is None or file_list is not None:
+        return ""
+    if root.endswith(".parquet") or (os.path.isdir(root) and any(
+            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(e.is_dir() for e in os.scandir(root))):
+        return "parquet"
+    if shardnames.is_pattern(root) and not os.path.exists(root):
+        return "webdataset"
+    exts = tuple(webdataset.DEFAULT_EXTENSIONS)
+    try:
+        if os.path.isdir(root):
+            tars = sorted(e.name for e in os.scandir(root) if e.name.lower().endswith(".tar") and e.is_file()
+                          and not e.name.startswith("."))
+            dirs = any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))
+            return "webdataset" if tars and not dirs and _first_tar_is_shard(os.path.join(root, tars[0]), exts) else ""
+        if not os.path.isfile(root):
+            return ""
+        if root.lower().endswith(".tar"):
+            return "webdataset" if _first_tar_is_shard(root, exts) else ""
+        with open(root, "rb") as f:
+            head = f.read(4096)
+        lines = [ln.strip() for ln in head.splitlines()[:20] if ln.strip() and not ln.startswith(b"#")]
+        return "webdataset" if lines and all(ln.lower().endswith(b".tar") for ln in lines[:-1] or lines) else ""
+    except OSError:
+        return ""
+
+
+@refuse_unless_classlike  # a root one level too high (only train/ and val/) is refused: sources/classlike.py
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
-               section: str = "dataset") -> tuple[Index, bool]:
+               section: str = "dataset", layout: str = "auto", label: str = "cls", image_column: str = "image",
+               label_column: str = "label") -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
-    validation set), so a message names the key the user wrote."""
+    validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
+    (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
+    Parquet's."""
+    from prefetchd.sources import parquet, webdataset
+
+    if layout not in LAYOUTS:
+        raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    found = detect(root, file_list) if layout == "auto" else layout
+    if found == "parquet":
+        if root is None or devkit:
+            raise DatasetError(f"{section}.root must name Parquet files (one, a folder or a glob), without "
+                               "validation.devkit")
+        return parquet.load(root, image_column, label_column, cache_dir, use_cache, key=f"{section}.root")
+    if found == "webdataset":
+        if root is None or devkit:
+            raise DatasetError(f"{section}.root must name WebDataset shards (a folder, a brace pattern or a list "
+                               "file), without validation.devkit")
+        exts = webdataset.DEFAULT_EXTENSIONS if tuple(extensions) == IMAGE_EXTENSIONS else extensions
+        return webdataset.load(root, exts, label, cache_dir, use_cache, key=f"{section}.root")
     kind, notes = choose(root, file_list, devkit, tuple(e.lower() for e in extensions), section)
+    if layout == "imagefolder" and kind not in ("folder", "list"):
+        raise DatasetError(f"dataset.layout is imagefolder, but {section}.root {root} is not an ImageFolder (it is "
+                           f"{_KIND_WORDS[kind]}): set dataset.layout to auto or to what it is")
+    if layout == "imagenet_tars" and kind not in ("tar", "tars", "flat-folder"):
+        raise DatasetError(f"dataset.layout is imagenet_tars, but {section}.root {root} is {_KIND_WORDS[kind]}: set "
+                           "dataset.layout to auto or to what it is")
     if kind in ("tar", "tars", "flat-folder"):
         assert root is not None
-        return tarindex.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root", kind=kind,
+        return imagenet.load(root, devkit, extensions, cache_dir, use_cache, key=f"{section}.root", kind=kind,
                              notes=notes)
     source = file_list if kind == "list" else root
     assert source is not None
-    return folderindex.load(source, kind, extensions, cache_dir, use_cache, section)
+    return folder.load(source, kind, extensions, cache_dir, use_cache, section)
 
 
+_KIND_WORDS = {"list": "a file list", "folder": "an ImageFolder", "tar": "a tar file", "tars": "a folder of tars",
+               "flat-folder": "a flat folder of images"}
 _TWIN_PROBES = 16  # validation samples, spread over the set, looked for in the train set
 
 
@@ -211,7 +291,10 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    index = tarindex.open_files(files_dir) or folderindex.load_cached(files_dir, validate=False)
+    from prefetchd.sources import parquet
+
+    index = archive.open_files(files_dir) or parquet.open_files(files_dir) or folder.load_cached(files_dir,
+                                                                                                  validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -219,11 +302,21 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     return index
 
 
+def _meta_of(files_dir: str):
+    """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
+    from prefetchd.sources import parquet
+
+    for mod in (archive, parquet):
+        if os.path.exists(os.path.join(files_dir, mod.META)):
+            return mod.META, mod.stamps_valid
+    return folder.META, folder.stamps_valid
+
+
 def index_files_hold(files_dir: str, fingerprint: str) -> bool:
     """Do the cache files in ``files_dir`` still hold the index ``fingerprint`` (cheap: meta.json
     and the files' presence; the arrays are not read)?"""
     try:
-        name = tarindex.META if os.path.exists(os.path.join(files_dir, tarindex.META)) else folderindex.META
+        name = _meta_of(files_dir)[0]
         with open(os.path.join(files_dir, name), encoding="utf-8") as f:
             meta = json.load(f)
         return (meta.get("fingerprint") == fingerprint
@@ -241,12 +334,12 @@ def unchanged_since_scan(files_dir: str | None, fingerprint: str) -> bool:
     if files_dir is None:
         return False
     try:
-        tar = os.path.exists(os.path.join(files_dir, tarindex.META))
-        with open(os.path.join(files_dir, tarindex.META if tar else folderindex.META), encoding="utf-8") as f:
+        name, valid = _meta_of(files_dir)
+        with open(os.path.join(files_dir, name), encoding="utf-8") as f:
             meta = json.load(f)
         if meta.get("fingerprint") != fingerprint:
             return False
-        return tarindex.stamps_valid(meta["stamps"]) if tar else folderindex.stamps_valid(meta["stamps"])
+        return valid(meta["stamps"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
 

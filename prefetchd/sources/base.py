@@ -1,9 +1,9 @@
 """The bottom of the dataset index: what every dataset kind shares and the chooser imports.
 
 The errors, the index record (``Index``: every sample's path and label in three numpy arrays), its
-content hash, and the on-disk cache's reader and writer. Each dataset kind (``folderindex``: an
-ImageFolder or a file list; ``tarindex``: archives read in place) builds on this module and never
-on ``dataset``, which chooses among them.
+content hash, and the on-disk cache's reader and writer. Each dataset kind (``folder``: an
+ImageFolder or a file list; ``imagenet`` and ``archive``: archives read in place) builds on this
+module and never on ``dataset``, which chooses among them.
 
 The index is three numpy arrays: a byte blob of the paths relative to the root, an int64 offset
 array and an int32 label array (about 40 bytes per sample for ImageNet, instead of ~150 for a

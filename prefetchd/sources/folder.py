@@ -24,9 +24,9 @@ import logging
 import os
 from dataclasses import replace
 
-from prefetchd.core import devkit as dk
 from prefetchd.core.bars import bar
-from prefetchd.core.indexbase import (
+from prefetchd.sources import devkit as dk
+from prefetchd.sources.base import (
     CACHE_VERSION,
     DatasetError,
     Index,

@@ -1,0 +1,335 @@
+"""Parquet files as Hugging Face ``datasets`` stores images: the ``parquet`` layout's index and read.
+
+**Which files**: ``dataset.root`` is one ``.parquet`` file, a folder of them (its top level, by
+name) or a glob (``/data/hf/train-*.parquet``, by name). Samples are the rows, file by file.
+
+**Columns**: ``dataset.image_column`` (default ``image``) is a struct with a ``bytes`` field (the
+``Image()`` feature: ``struct<bytes: binary, path: string>``) or a binary column;
+``dataset.label_column`` (default ``label``) an integer column. Class names come from the
+``ClassLabel`` feature in the file's ``huggingface`` schema metadata where present, else
+``"0" .. str(max label)``. A row whose label is null or negative (Hugging Face writes -1 for an
+unlabelled row) is skipped with its reason. A file without either column, with a column of
+another type, or whose footer cannot be read is a one-line error naming it.
+
+**Index**: from each file's footer (row groups and their row counts) and its label column alone
+(the images are not read): per sample, the file, the row group and the row within it.
+
+**Reading**: Parquet's smallest unit that pyarrow reads cheaply is a row group's column chunk,
+so a sample's read is that of its row group's image column (pages are compressed together); a
+worker keeps the ``_GROUPS_KEPT`` most recently read row groups, so samples of one row group in
+one batch cost one read. The read amplification (bytes read per image byte) under a random
+permutation is about the rows per row group, measured in BENCHMARKS.md. Each file's identity
+(``store.identity_of``) is taken before its footer is read and checked after every read: a file
+rewritten or replaced since it was indexed raises ``StorageChanged`` (its batches wait), never
+another row's bytes. Reading needs ``pyarrow`` (``pip install 'prefetchd[parquet]'``).
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import json
+import logging
+import os
+import stat
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from prefetchd.sources.base import (
+    DatasetError,
+    Index,
+    StorageChanged,
+    build_index,
+    cache_path,
+    read_cache,
+    write_cache,
+)
+from prefetchd.sources.store import LOCAL, identity_of
+
+log = logging.getLogger("prefetchd.dataset")
+
+META = "parquetmeta.json"
+_VERSION = 1
+_GROUPS_KEPT = 4  # row groups' image columns a worker keeps (the batch's samples of one group: one read)
+_ARRAYS = ("blob", "offsets", "labels", "file_ids", "group", "row")
+
+
+def pyarrow_parquet():
+    """``pyarrow.parquet``, or a one-line DatasetError saying how to install it."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DatasetError("reading Parquet needs pyarrow, which is not installed: pip install 'prefetchd[parquet]' "
+                           "(or pip install pyarrow)") from None
+    return pq
+
+
+def files_of(root: str, key: str = "dataset.root") -> tuple[str, list[str]]:
+    """(base folder, the ``.parquet`` files ``root`` names, relative to it, in order)."""
+    if any(c in root for c in "*?[") and not os.path.exists(root):
+        found = sorted(glob.glob(root))
+        if not found:
+            raise DatasetError(f"{key} {root} matches no files")
+        base = os.path.dirname(root[:min(root.index(c) for c in "*?[" if c in root)])
+        return base, [os.path.relpath(p, base) for p in found]
+    try:
+        st = os.stat(root)
+    except OSError as e:
+        raise DatasetError(f"{key} {root} cannot be read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        names = sorted(e.name for e in os.scandir(root) if e.name.endswith(".parquet") and e.is_file()
+                       and not e.name.startswith("."))
+        if not names:
+            raise DatasetError(f"{key} {root} holds no .parquet files")
+        return root, names
+    return os.path.dirname(root), [os.path.basename(root)]
+
+
+def _class_names(schema, label_column: str) -> list[str] | None:
+    """The ``ClassLabel`` names of ``label_column`` in a file's Hugging Face metadata, if any."""
+    raw = (schema.metadata or {}).get(b"huggingface")
+    try:
+        feature = json.loads(raw)["info"]["features"][label_column]
+        names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+        return [str(n) for n in names] if names else None
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return None
+
+
+def _check_columns(schema, path: str, image_column: str, label_column: str) -> None:
+    import pyarrow as pa
+
+    names = schema.names
+    for col, what in ((image_column, "image_column"), (label_column, "label_column")):
+        if col not in names:
+            raise DatasetError(f"{path} has no column {col!r} (its columns: {', '.join(names[:8])}): set "
+                               f"dataset.{what} to the one that holds the {what.split('_')[0]}s")
+    t = schema.field(image_column).type
+    ok = pa.types.is_binary(t) or pa.types.is_large_binary(t) or (
+        pa.types.is_struct(t) and t.get_field_index("bytes") >= 0
+        and (pa.types.is_binary(t.field("bytes").type) or pa.types.is_large_binary(t.field("bytes").type)))
+    if not ok:
+        raise DatasetError(f"{path}: column {image_column!r} is {t}, not binary nor struct<bytes: binary, ...> "
+                           "(Hugging Face's Image feature): set dataset.image_column to the image column")
+    if not pa.types.is_integer(schema.field(label_column).type):
+        raise DatasetError(f"{path}: column {label_column!r} is {schema.field(label_column).type}, not an integer "
+                           "column: set dataset.label_column to the labels' column")
+
+
+def scan(root: str, image_column: str = "image", label_column: str = "label",
+         key: str = "dataset.root") -> tuple[ParquetIndex, list]:
+    """Index the Parquet files ``root`` names (see the module docstring). Returns the index and the
+    stamps (each file's identity) that validate a cache of it."""
+    pq = pyarrow_parquet()
+    import pyarrow as pa
+
+    base, files = files_of(root, key)
+    if len(files) > 65535:
+        raise DatasetError(f"{key} {root} names {len(files)} files; at most 65535 are supported")
+    rel, labels, fids, groups, rows, identity, stamps, skipped = [], [], [], [], [], [], [], []
+    names: list[str] | None = None
+    for a, name in enumerate(files):
+        path = os.path.join(base, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise DatasetError(f"the Parquet file {path} cannot be opened: {e.strerror}") from None
+        try:
+            ident = identity_of(os.fstat(fd))
+            with os.fdopen(os.dup(fd), "rb") as f:
+                try:
+                    pf = pq.ParquetFile(f)
+                    _check_columns(pf.schema_arrow, path, image_column, label_column)
+                    col = pf.read(columns=[label_column]).column(0)
+                except (pa.ArrowException, OSError) as e:
+                    raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
+                                       "corrupt copy? write it again") from None
+                names = names or _class_names(pf.schema_arrow, label_column)
+                sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            if identity_of(os.fstat(fd)) != ident:
+                raise DatasetError(f"{path} changed while it was being indexed: is a copy still writing it?")
+        finally:
+            os.close(fd)
+        values = col.to_numpy(zero_copy_only=False)
+        valid = np.asarray(col.is_valid())
+        k = 0
+        for g, n in enumerate(sizes):
+            for r in range(n):
+                lab = values[k]
+                if not valid[k] or lab < 0:
+                    skipped.append(f"{path}: row {k} (label {'null' if not valid[k] else int(lab)}: unlabelled)")
+                else:
+                    rel.append(os.fsencode(f"{name}#{k}"))
+                    labels.append(int(lab))
+                    fids.append(a)
+                    groups.append(g)
+                    rows.append(r)
+                k += 1
+        identity.append(ident)
+        stamps.append([path, *ident])
+    if not rel:
+        raise DatasetError(f"{key} {root}: its {len(files)} file(s) hold no labelled rows")
+    top = max(labels)
+    if names is not None and top >= len(names):
+        raise DatasetError(f"{key} {root}: labels go up to {top}, but the ClassLabel metadata names {len(names)} "
+                           "classes")
+    index = build_index(base, names or [str(i) for i in range(top + 1)], rel, labels)
+    index = ParquetIndex(**{f: getattr(index, f) for f in ("root", "classes", "blob", "offsets", "labels",
+                                                           "fingerprint")},
+                         skipped=tuple(skipped[:1000]), kind="parquet", files=tuple(files),
+                         file_ids=np.asarray(fids, np.uint16), group=np.asarray(groups, np.uint32),
+                         row=np.asarray(rows, np.uint32), identity=tuple(identity), image_column=image_column)
+    return index, stamps
+
+
+@dataclass(frozen=True)
+class ParquetIndex(Index):
+    """An ``Index`` whose samples are rows of Parquet files."""
+
+    layout: str = "parquet"
+    files: tuple[str, ...] = ()  # relative to root
+    file_ids: np.ndarray | None = None  # uint16 [n]
+    group: np.ndarray | None = None  # uint32 [n]: the row group
+    row: np.ndarray | None = None  # uint32 [n]: the row within its row group
+    identity: tuple = ()  # each file's (dev, inode, size, mtime_ns, ctime_ns) when indexed
+    image_column: str = "image"
+    scan_s: float = 0.0
+    skipped_what = ("row", "rows")
+    skipped_rule = "a row whose label is null or negative is unlabelled"
+
+    def file(self, i: int) -> str:
+        return os.path.join(self.root, self.files[int(self.file_ids[i])])
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.relpath(i))
+
+    def read(self, i: int) -> bytes:
+        """Row ``i``'s image bytes (its row group's image column read, or kept from a read before)."""
+        a, g = int(self.file_ids[i]), int(self.group[i])
+        column = _group(self.file(i), a, g, self.identity[a], self.image_column)
+        value = column[int(self.row[i])].as_py()
+        data = value.get("bytes") if isinstance(value, dict) else value
+        if not data:
+            raise OSError(errno.ENODATA, "the row holds no image bytes (an image kept by path only?)")
+        return data
+
+    def content_stamp(self, i: int) -> str:
+        a = int(self.file_ids[i])
+        return ":".join(map(str, (*self.identity[a], int(self.group[i]), int(self.row[i]))))
+
+    def sample_size(self, i: int) -> int:
+        return 0  # not known without reading its row group
+
+    def describe(self) -> str:
+        groups = len(np.unique(np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group)))
+        return (f"{os.path.basename(self.root.rstrip('/')) or self.root}, {len(self.files)} Parquet file(s) "
+                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{len(self) // max(groups, 1)} rows: a "
+                f"sample's read is its row group's image column, so a shuffled epoch reads ~{len(self) // max(groups, 1)}"
+                " x the image bytes (loader.shuffle is a full permutation; no block shuffle yet)")
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + sum(a.nbytes for a in (self.file_ids, self.group, self.row) if a is not None)
+
+
+_groups: OrderedDict = OrderedDict()  # (path, group) -> the image column of that row group
+_groups_pid = 0
+_read_bytes = [0]  # compressed bytes of the row groups read by this process (the amplification's numerator)
+
+
+def _group(path: str, a: int, g: int, identity: tuple, column: str):
+    global _groups_pid
+    if _groups_pid != os.getpid():
+        _groups.clear()
+        _groups_pid = os.getpid()
+    hit = _groups.get((path, g))
+    if hit is not None:
+        _groups.move_to_end((path, g))
+        return hit
+    pq = pyarrow_parquet()
+    fd = LOCAL.open(path)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            pf = pq.ParquetFile(f)
+            got = pf.read_row_group(g, columns=[column]).column(0)
+            md = pf.metadata.row_group(g)
+            _read_bytes[0] += sum(md.column(c).total_compressed_size for c in range(md.num_columns)
+                                  if md.column(c).path_in_schema.split(".")[0] == column)
+        now = LOCAL.identity(fd)
+    except OSError:
+        LOCAL.forget(path)
+        raise
+    except Exception as e:  # pyarrow's own errors: the file is not what was indexed
+        LOCAL.forget(path)
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} (its row group {g} cannot be "
+                             f"read: {str(e).splitlines()[0]}): batches from it wait; restart the daemon") from None
+    changed = [n for n, was, is_ in zip(("device", "inode", "size", "mtime_ns", "ctime_ns"), identity, now, strict=True)
+               if was != is_ and n != "device"]
+    if changed:
+        LOCAL.forget(path)
+        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)} moved): "
+                             "its rows may be others now, so batches from it wait; restart the daemon to index it again")
+    _groups[(path, g)] = got
+    while len(_groups) > _GROUPS_KEPT:
+        _groups.popitem(last=False)
+    return got
+
+
+# --- the cache -------------------------------------------------------------------------------------
+
+
+def stamps_valid(stamps: list) -> bool:
+    try:
+        return all([s[0], *identity_of(os.stat(s[0]))] == s for s in stamps)
+    except OSError:
+        return False
+
+
+def load_cached(cdir: str, validate: bool = True) -> ParquetIndex | None:
+    def build(meta: dict, arrays: dict) -> ParquetIndex:
+        return ParquetIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                            meta["fingerprint"], files_dir=cdir, skipped=tuple(meta.get("skipped", ())),
+                            kind="parquet", files=tuple(meta["files_"]), file_ids=arrays["file_ids"],
+                            group=arrays["group"], row=arrays["row"],
+                            identity=tuple(tuple(x) for x in meta["identity"]), image_column=meta["image_column"],
+                            scan_s=meta["scan_s"])
+
+    return read_cache(cdir, META, _VERSION, build, stamps_valid if validate else None)
+
+
+def open_files(files_dir: str) -> ParquetIndex | None:
+    """The cached Parquet index in ``files_dir`` (what workers open), or None if it is not one."""
+    if not os.path.exists(os.path.join(files_dir, META)):
+        return None
+    index = load_cached(files_dir, validate=False)
+    if index is None:
+        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
+    return index
+
+
+def load(root: str, image_column: str, label_column: str, cache_dir: str | None, use_cache: bool = True,
+         key: str = "dataset.root") -> tuple[ParquetIndex, bool]:
+    """As ``dataset.load_index`` for Parquet: (index, from_cache)."""
+    cdir = cache_path(cache_dir, f"{root}|{image_column}|{label_column}", "parquet", ())
+    if use_cache:
+        cached = load_cached(cdir)
+        if cached is not None:
+            return cached, True
+    t0 = time.monotonic()
+    index, stamps = scan(root, image_column, label_column, key)
+    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
+    if use_cache:
+        try:
+            write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
+                        {"version": _VERSION, "root": index.root, "classes": list(index.classes),
+                         "fingerprint": index.fingerprint, "stamps": stamps, "count": len(index),
+                         "skipped": list(index.skipped), "files_": list(index.files),
+                         "identity": [list(x) for x in index.identity], "image_column": index.image_column,
+                         "scan_s": index.scan_s})
+            index = load_cached(cdir) or index
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start scans again", cdir, e.strerror)
+    return index, False

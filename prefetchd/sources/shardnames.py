@@ -1,0 +1,101 @@
+"""Which shards ``dataset.root`` names: a folder, a brace pattern, a list file, or one shard.
+
+``resolve(root, key)`` returns (the folder the shard names are relative to, the shard names in
+order, the stamps that validate a cache: the folder's or the list file's). The forms:
+
+* a folder: its top-level ``*.tar`` files (not hidden), sorted by name;
+* a brace pattern, as webdataset's ``braceexpand`` writes it: ``train-{000000..001023}.tar`` (a
+  numeric range, inclusive, zero-padded to the width of a bound written with a leading zero),
+  ``{a,b,c}`` (alternatives), several braces multiplied out left to right;
+* a text file (any regular file that is not a tar: ``.txt``, ``.list``, ``.lst``, ...): one shard a
+  line, relative to the file's folder or absolute; blank lines and ``#`` comments skipped;
+* one ``.tar`` file: a set of one shard.
+
+Every named shard must exist: a pattern or list naming shards that are not there is one error
+saying how many and which (a set missing some shards trains on part of the data without a word).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from prefetchd.sources.archive import stamp_of
+from prefetchd.sources.base import DatasetError
+
+_BRACE = re.compile(r"\{([^{}]*)\}")
+_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+MAX_SHARDS = 1 << 20  # a pattern expanding past this is a mistake, not a data set
+
+
+def is_pattern(root: str) -> bool:
+    return bool(_BRACE.search(os.path.basename(root)) or _BRACE.search(root))
+
+
+def expand(pattern: str) -> list[str]:
+    """The names a brace pattern stands for, in order (``braceexpand``'s rules for ranges and lists)."""
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    head, body, tail = pattern[:m.start()], m.group(1), pattern[m.end():]
+    r = _RANGE.match(body)
+    if r:
+        lo, hi = r.group(1), r.group(2)
+        width = max(len(lo), len(hi)) if (len(lo) > 1 and lo.startswith("0")) or (len(hi) > 1 and hi.startswith("0")) else 0
+        a, b = int(lo), int(hi)
+        step = 1 if b >= a else -1
+        if abs(b - a) + 1 > MAX_SHARDS:
+            raise DatasetError(f"the brace pattern {pattern} names {abs(b - a) + 1} shards: more than {MAX_SHARDS}")
+        items = [str(k).zfill(width) for k in range(a, b + step, step)]
+    elif "," in body:
+        items = body.split(",")
+    else:  # not a brace expression: a literal {...} in the name
+        return [head + "{" + body + "}" + t for t in expand(tail)]
+    tails = expand(tail)
+    return [head + i + t for i in items for t in tails]
+
+
+def _missing(key: str, root: str, paths: list[str], absent: list[str], what: str) -> DatasetError:
+    if len(absent) == len(paths):
+        return DatasetError(f"{key} {root}: none of the {len(paths)} shard(s) {what} exists (e.g. {absent[0]}): "
+                            "check the path and the range")
+    shown = ", ".join(absent[:3]) + (" ..." if len(absent) > 3 else "")
+    return DatasetError(f"{key} {root}: {len(absent)} of the {len(paths)} shards {what} are missing ({shown}): "
+                        "a set without them trains on part of the data; restore them, or name only those present")
+
+
+def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]:
+    """(base folder, shard names relative to it, cache stamps) of ``root``: see the module docstring."""
+    if is_pattern(root) and not os.path.exists(root):
+        base = os.path.dirname(root[:root.index("{")])  # a brace may stand for folders too
+        names = [os.path.relpath(p, base) for p in expand(root)]
+        absent = [n for n in names if not os.path.isfile(os.path.join(base, n))]
+        if absent:
+            raise _missing(key, root, names, absent, "the pattern names")
+        return base, names, []
+    try:
+        st = os.stat(root)
+    except OSError as e:
+        raise DatasetError(f"{key} {root} cannot be read: {e.strerror}") from None
+    if stat.S_ISDIR(st.st_mode):
+        names = sorted(e.name for e in os.scandir(root)
+                       if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
+        if not names:
+            raise DatasetError(f"{key} {root} holds no .tar shards")
+        return root, names, [stamp_of(root)]
+    if root.lower().endswith(".tar"):
+        return os.path.dirname(root), [os.path.basename(root)], []
+    base = os.path.dirname(root)
+    try:
+        with open(root, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f]
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{key} {root} is not a readable list of shards: {e}") from None
+    names = [ln for ln in lines if ln and not ln.startswith("#")]
+    if not names:
+        raise DatasetError(f"{key} {root} lists no shards")
+    absent = [n for n in names if not os.path.isfile(os.path.join(base, n))]
+    if absent:
+        raise _missing(key, root, names, absent, "the list names")
+    return base, names, [stamp_of(root)]

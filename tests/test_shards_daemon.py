@@ -1,0 +1,149 @@
+"""The real daemon on WebDataset shards: the batches made in-process, byte for byte, with 1 or 2
+workers and across a restart; a resume on another world size reads each sample once with the
+one-rank pixels; a shard rewritten in place while it runs makes its batches wait (said in the
+log), never gives another sample's pixels, and a restart reads it anew."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+from prefetchd_client import PrefetchClient
+from test_daemon import collect, published, reference_batches
+from test_shards import _add, _samples, write_shards
+
+N = 36  # samples: 3 shards of 12
+
+
+@pytest.fixture
+def shards(tmp_path):
+    samples = _samples(N, seed=11, classes=4)
+    paths = write_shards(tmp_path / "wds", samples, per_shard=12)
+    return str(tmp_path / "wds" / "train-{000000..000002}.tar"), paths, samples
+
+
+def _config(tmp_path, name: str, root: str, **loader) -> str:
+    d = tmp_path / name
+    d.mkdir()
+    return small_config(d, root, loader={"epochs": 2, **loader}, buffer={"dir": str(tmp_path / "buffer")},
+                        dataset={"cache_dir": str(tmp_path / "cache")})
+
+
+def test_shards_batches_are_the_in_process_ones_with_1_or_2_workers_and_after_a_restart(tmp_path, shards,
+                                                                                       daemon_factory):
+    root, _, _ = shards
+    cfg = _config(tmp_path, "a", root)
+    ref, index = reference_batches(cfg)
+    assert index.layout == "webdataset" and len(index) == N
+    for workers in (2, 1):
+        c = small_config(tmp_path / "a", root, loader={"epochs": 2}, workers={"count": workers},
+                         buffer={"dir": str(tmp_path / "buffer")}, dataset={"cache_dir": str(tmp_path / "cache")})
+        d = daemon_factory(c)
+        got = collect(c)
+        assert d.stop() == 0
+        assert sorted(got) == sorted(ref)
+        for k in ref:
+            assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), (workers, k)
+
+
+def _read(loader, steps, seen: dict) -> None:
+    for k, (x, _) in enumerate(iter(loader)):
+        for i, img in zip(loader.last_batch.indices.tolist(), x, strict=True):
+            seen.setdefault(i, []).append(np.array(img))
+        if steps is not None and k + 1 == steps:
+            break
+
+
+def test_a_resume_on_another_world_size_reads_each_sample_once_with_the_one_rank_pixels(tmp_path, shards,
+                                                                                        daemon_factory):
+    root, _, _ = shards
+    one = _config(tmp_path, "one", root, world_size=1, ranks=[0], batch_size=6)
+    d = daemon_factory(one)
+    reference: dict = {}
+    with PrefetchClient(one, timeout=60, as_numpy=True) as loader:
+        _read(loader, None, reference)
+    assert d.stop() == 0 and sorted(reference) == list(range(N))
+    two = _config(tmp_path, "two", root, world_size=2, ranks=[0, 1], batch_size=5)
+    d = daemon_factory(two)
+    seen: dict = {}
+    states = []
+    for r in (0, 1):
+        with PrefetchClient(two, rank=r, timeout=60, as_numpy=True) as loader:
+            _read(loader, 2, seen)
+            states.append(loader.state_dict())
+    assert d.stop() == 0
+    single = _config(tmp_path, "single", root, world_size=1, ranks=[0], batch_size=4)
+    d = daemon_factory(single)
+    with PrefetchClient(single, timeout=60, as_numpy=True) as loader:
+        loader.load_state_dict(states[0])
+        _read(loader, None, seen)
+    assert d.stop() == 0
+    assert all(len(v) == 1 for v in seen.values()), "a sample read twice in one epoch"
+    assert len(seen) == N  # 20 before the resume, 16 after (4 batches of 4)
+    for i, (img,) in seen.items():
+        assert np.array_equal(img, reference[i][0]), i
+
+
+def _rewrite_reversed(path: str, samples) -> None:
+    """``path`` rewritten in place with its members in reverse order: the same size and inode,
+    other bytes at every indexed offset."""
+    size = os.path.getsize(path)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+        for key, jpg, lab in samples[::-1]:
+            _add(t, key + ".jpg", jpg)
+            _add(t, key + ".cls", str(lab).encode())
+    data = buf.getvalue()
+    assert len(data) <= size
+    with open(path, "r+b") as f:
+        f.write(data.ljust(size, b"\0"))
+
+
+def test_a_shard_rewritten_while_the_daemon_runs_waits_and_a_restart_reads_it_anew(tmp_path, shards,
+                                                                                  daemon_factory):
+    root, paths, samples = shards
+    cfg = _config(tmp_path, "a", root, epochs=1, shuffle=False)  # batches 0-3: shards 0 and 1; 4-5: shard 2
+    ref, _ = reference_batches(cfg, epochs=1)
+    d = daemon_factory(cfg)
+    wait_until(lambda: len(published(str(tmp_path / "buffer"))) >= 4, 60, "4 batches in the buffer")
+    _rewrite_reversed(paths[2], samples[24:])
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+        for b, (x, _) in enumerate(loader.iter_epoch(0)):
+            assert np.array_equal(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), ref[(0, 0, b)][0])
+            if b == 3:
+                break
+        wait_until(lambda: "changed since it was indexed" in d.log(), 60, "the daemon to say the shard changed")
+        assert not published(str(tmp_path / "buffer"))  # batch 4 waits: nothing made of the moved bytes
+    assert d.stop() == 0
+    ref2, index = reference_batches(cfg, epochs=1)  # indexed anew: shard 2's samples in their new order
+    assert index.relpath(24) == "train-000002.tar/" + samples[-1][0] + ".jpg"
+    d = daemon_factory(cfg)
+    got = collect(cfg, epochs=(0,))
+    assert d.stop() == 0
+    for k in ref2:
+        assert np.array_equal(got[k][0], ref2[k][0]) and np.array_equal(got[k][1], ref2[k][1]), k
+    assert not np.array_equal(ref2[(0, 0, 4)][0], ref[(0, 0, 4)][0])
+
+
+def test_parquet_batches_are_the_in_process_ones_with_2_workers(tmp_path, daemon_factory):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    rows = _rows(30, seed=12)
+    for k in range(2):
+        pq.write_table(hf_table(rows[15 * k:15 * k + 15]), tmp_path / "hf" / f"train-{k:05d}-of-00002.parquet",
+                       row_group_size=5)
+    cfg = _config(tmp_path, "p", str(tmp_path / "hf"))
+    ref, index = reference_batches(cfg)
+    assert index.kind == "parquet" and len(index) == 30
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
