@@ -13,10 +13,10 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
 
 from prefetchd.core.config import load as load_config
-from prefetchd.sources.dataset import load_index
 from prefetchd.core.sampler import Sampler
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status
+from prefetchd.sources.dataset import load_index
 
 # 2 x 64 + 6 x 32: DINO's multi-crop (2 x 224 + 6 x 96) at a size the tests make quickly
 VIEWS = [{"count": 2, "output_size": 64, "rrc_scale": [0.4, 1.0], "brightness": 0.4},
