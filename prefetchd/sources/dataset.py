@@ -30,7 +30,16 @@ from dataclasses import replace
 import numpy as np
 
 from prefetchd.core.configsections import IMAGE_EXTENSIONS, LAYOUTS
-from prefetchd.sources import archive, folder, imagenet, parquet, shardnames, webdataset
+from prefetchd.sources import (
+    archive,
+    bucketfolder,
+    folder,
+    imagenet,
+    objectstore,
+    parquet,
+    shardnames,
+    webdataset,
+)
 from prefetchd.sources import devkit as devkit_
 from prefetchd.sources.base import (
     DatasetError,
@@ -183,6 +192,12 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
     Parquet's."""
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketfolder.py
+        if file_list is not None or devkit or layout not in ("auto", "imagefolder"):
+            raise DatasetError(f"{section}.root {root or file_list}: a bucket is read as an ImageFolder only so far "
+                               "(dataset.layout auto or imagefolder, no file_list or devkit); copy other layouts "
+                               "to a local disk")
+        return bucketfolder.load(root, extensions, cache_dir, use_cache, section)
     found = detect(root, file_list) if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:

@@ -1,0 +1,239 @@
+"""Object storage (``s3://bucket/prefix``, ``gs://bucket/prefix``) behind the store interface of
+``prefetchd.sources.store``: the same calls as ``LocalStore``, over obstore.
+
+Why obstore (the ``s3`` and ``gcs`` extras), not fsspec with s3fs or gcsfs: its client is Rust
+(``object_store``, the crate DataFusion and Polars read buckets with), so a ranged GET costs no
+Python per byte and releases the GIL while it waits; it retries 5xx, timeouts and resets with
+exponential back-off and jitter itself; one wheel of a few MB with no dependencies, where s3fs
+brings aiobotocore, botocore and an event loop per process.
+
+* a key is the root's URL joined with the relative path (``Index.path``): ``s3://b/p/cls/x.jpg``;
+* ``read(url)``: the whole object, one GET;
+* ``open(url, on_open)``: a ``Handle`` of the object's size and ETag (one HEAD), the ``MAX_OPEN``
+  most recently used kept; ``pread(handle, size, offset)``: one ranged GET sent with
+  ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
+  ``StorageChanged`` instead of another sample's bytes;
+* ``identity(handle)``: ``(size, ETag)``;
+* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client).
+
+Credentials and endpoint come the provider's standard way: obstore reads ``AWS_*`` (the key
+pair, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, a web
+identity or an instance's metadata service) and ``GOOGLE_*`` variables (``GOOGLE_APPLICATION_
+CREDENTIALS``, the metadata server). Nothing here logs, returns or writes a secret: ``describe``
+names the key id by its last four characters only. A Rust client does not survive ``fork``: each
+process makes its own on first use.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from datetime import timedelta
+
+from prefetchd.sources.base import DatasetError, StorageChanged
+
+MAX_OPEN = 1024  # handles (a HEAD's size and ETag) a worker keeps: a few bytes each, no descriptor
+SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> the extra that reads it
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://([^/]*)/?(.*)$")
+
+
+def is_url(path: str | None) -> bool:
+    """Is ``path`` a URL (``scheme://...``) rather than a local path?"""
+    return bool(path) and _URL.match(path) is not None
+
+
+def split(url: str, key: str = "dataset.root") -> tuple[str, str, str]:
+    """``(scheme, bucket, prefix)`` of ``url`` (prefix without leading or trailing ``/``)."""
+    m = _URL.match(url)
+    if m is None or m.group(1) not in SCHEMES or not m.group(2):
+        raise DatasetError(f"{key} {url} is not a bucket URL prefetchd reads: use s3://BUCKET/PREFIX or "
+                           "gs://BUCKET/PREFIX")
+    return m.group(1), m.group(2), m.group(3).strip("/")
+
+
+def _obstore(scheme: str, key: str):
+    try:
+        import obstore
+    except ImportError:
+        raise DatasetError(f"{key} is a {scheme}:// URL, which needs the '{SCHEMES[scheme]}' extra: "
+                           f"pip install 'prefetchd[{SCHEMES[scheme]}]'") from None
+    return obstore
+
+
+class Handle:
+    """An opened object: its key in the bucket, size and ETag (``ObjectStore.open``)."""
+
+    __slots__ = ("key", "size", "etag")
+
+    def __init__(self, key: str, size: int, etag: str):
+        self.key, self.size, self.etag = key, size, etag
+
+
+def _os_error(e: Exception, url: str) -> OSError:
+    """obstore's error as the OSError a local read would raise (``executors.storage`` judges it)."""
+    from obstore import exceptions as x
+
+    if isinstance(e, x.PreconditionError):
+        return StorageChanged(f"the archive {url}{StorageChanged.MARK} (its ETag differs)")
+    code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
+        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
+    first = str(e).split("\n", 1)[0][:300]  # obstore's "Debug source" tail is long; no secret is in any of it
+    return OSError(code, first, url)
+
+
+class ObjectStore:
+    """One bucket (see the module docstring for the interface)."""
+
+    def __init__(self, scheme: str, bucket: str, storage_options: dict | None = None, key: str = "dataset.root"):
+        self.scheme, self.bucket, self.key = scheme, bucket, key
+        self.options = dict(storage_options or {})
+        self._obs = _obstore(scheme, key)
+        self._store = None
+        self._pid = 0
+        self._handles: dict[str, Handle] = {}
+
+    def client(self):
+        """This process's client (made on first use, again in a forked child)."""
+        if self._store is None or self._pid != os.getpid():
+            from obstore.store import GCSStore, S3Store
+
+            client_options = {"timeout": "30s", "connect_timeout": "5s"}
+            endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if self.scheme == "s3" else ""
+            if endpoint.startswith("http://") or self.options.get("endpoint", "").startswith("http://"):
+                client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
+            config = {k: v for k, v in self.options.items() if k != "client_options"}
+            client_options.update(self.options.get("client_options", {}))
+            cls = S3Store if self.scheme == "s3" else GCSStore
+            self._store = cls(self.bucket, config=config or None, client_options=client_options,
+                              retry_config={"max_retries": 10, "retry_timeout": _RETRY_TIMEOUT,
+                                            "backoff": {"init_backoff": _BACKOFF_START, "max_backoff": _BACKOFF_MAX,
+                                                        "base": 2}})
+            self._pid, self._handles = os.getpid(), {}
+        return self._store
+
+    def object_key(self, url: str) -> str:
+        scheme, bucket, prefix = split(url, self.key)
+        if (scheme, bucket) != (self.scheme, self.bucket):
+            raise ValueError(f"{url} is not in {self.scheme}://{self.bucket}")
+        return prefix
+
+    def read(self, url: str) -> bytes:
+        try:
+            return bytes(self._obs.get(self.client(), self.object_key(url)).bytes())
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def head(self, url: str) -> Handle:
+        try:
+            meta = self._obs.head(self.client(), self.object_key(url))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        return Handle(url, int(meta["size"]), meta.get("e_tag") or "")
+
+    def open(self, url: str, on_open=None) -> Handle:
+        """The object's ``Handle`` (one HEAD when not kept); ``on_open(handle)`` checks a fresh one."""
+        self.client()
+        h = self._handles.pop(url, None)
+        if h is None:
+            if len(self._handles) >= MAX_OPEN:
+                self._handles.pop(next(iter(self._handles)))
+            h = self.head(url)
+            if on_open is not None:
+                on_open(h)
+        self._handles[url] = h
+        return h
+
+    def pread(self, h: Handle, size: int, offset: int) -> bytes:
+        if size <= 0:
+            return b""
+        options = {"range": (offset, min(offset + size, h.size))}
+        if h.etag:
+            options["if_match"] = h.etag
+        try:
+            return bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes())
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, h.key) from None
+
+    @staticmethod
+    def identity(h: Handle) -> tuple[int, str]:
+        return h.size, h.etag
+
+    def forget(self, url: str) -> None:
+        self._handles.pop(url, None)
+
+    def list(self, url: str):
+        """Yield ``(relative key, size, ETag)`` of every object under the prefix ``url`` names."""
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        try:
+            for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
+                for meta in page:
+                    path = meta["path"]
+                    if path.startswith(base):
+                        yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def describe(self) -> str:
+        """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
+        if self.scheme == "s3":
+            key_id = self.options.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID", "")
+            who = (f"access key ...{key_id[-4:]}" if key_id else
+                   "no AWS_ACCESS_KEY_ID: the instance's or pod's identity, or anonymous")
+            where = self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (no AWS_ENDPOINT_URL)"
+            region = self.options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            return f"{who}, endpoint {where}" + (f", region {region}" if region else "")
+        creds = self.options.get("service_account_path") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+        who = f"service account file {creds}" if creds else "the metadata server's identity"
+        return f"{who}, endpoint Google Cloud Storage"
+
+
+_RETRY_TIMEOUT = timedelta(seconds=120)  # a fault episode (throttling, an endpoint gone) retried this long before a read fails
+_BACKOFF_START = timedelta(milliseconds=100)
+_BACKOFF_MAX = timedelta(seconds=5)
+_STORES: dict[tuple[str, str], ObjectStore] = {}
+
+
+def store_for(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> ObjectStore:
+    """The ``ObjectStore`` of ``url``'s bucket (one per bucket in a process)."""
+    scheme, bucket, _ = split(url, key)
+    s = _STORES.get((scheme, bucket))
+    if s is None or (storage_options is not None and storage_options != s.options):
+        s = _STORES[(scheme, bucket)] = ObjectStore(scheme, bucket, storage_options, key)
+    return s
+
+
+def probe(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> list[str]:
+    """``prefetchd check``'s lines for a bucket root: which identity and endpoint, whether it can
+    list, whether it can read (one line each); a ``DatasetError`` of one line when it cannot."""
+    store = store_for(url, storage_options, key)
+    lines = [f"storage: {url} as {store.describe()}"]
+    first = None
+    try:
+        for rel, size, _ in store.list(url):
+            first = (rel, size)
+            break
+    except OSError as e:
+        raise DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}") from None
+    if first is None:
+        raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
+    lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
+    try:
+        data = store.read(url.rstrip("/") + "/" + first[0])
+    except OSError as e:
+        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
+    lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
+    return lines
+
+
+def _words(e: OSError) -> str:
+    """What an S3 error means, in words (the status code kept)."""
+    text = e.strerror or str(e)
+    if "403" in text or e.errno == errno.EACCES:
+        return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
+    if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
+        return "no such bucket (404)"
+    if e.errno == errno.ENOENT:
+        return "not found (404)"
+    return text

