@@ -144,7 +144,30 @@ def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secr
         assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
     written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names]
     written += [d.log_path]
-    assert any(p.endswith(".json") for p in written)  # the index cache's meta.json among them
+    assert any(p.endswith("bucket-meta.json") for p in written)  # the index cache among them
     for path in written:
         with open(path, "rb") as f:
             assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_an_s3_root_without_the_extra_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore raises ImportError, as when not installed
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        load_index("s3://some-bucket/train", None, EXTS, str(tmp_path / "cache"))
+    assert str(e.value) == ("dataset.root is a s3:// URL, which needs the 's3' extra: pip install 'prefetchd[s3]'")
+
+
+def test_gs_urls_go_through_the_same_client_with_no_secret_in_what_check_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    objectstore._STORES.clear()
+    store = objectstore.store_for("gs://some-bucket/train")
+    assert store.scheme == "gs" and type(store.client()).__name__ == "GCSStore"
+    assert store.describe() == "the metadata server's identity, endpoint Google Cloud Storage"
+    missing = str(tmp_path / "sa.json")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", missing)
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:  # a key file that is not there: one line, before any request
+        objectstore.probe("gs://some-bucket/train")
+    assert "\n" not in str(e.value) and f"service account file {missing}" in str(e.value)
+    assert "Unable to open service account file" in str(e.value)

@@ -63,8 +63,6 @@ class Index:
 
     def read(self, i: int) -> bytes:
         """Sample ``i``'s bytes (OSError when it cannot be read; ``executors.storage`` judges it)."""
-        if "://" in self.root:  # a bucket: one GET (sources/objectstore.py)
-            return _bucket(self.root).read(self.path(i))
         fd = os.open(self.path(i), os.O_RDONLY | os.O_CLOEXEC)
         try:
             return read_all(fd)
@@ -87,9 +85,6 @@ class Index:
         ctime: a file restored in place from a backup, ``cp -p``, has its old size, inode and mtime):
         a quarantine entry made under another stamp is not held against the new content."""
         try:
-            if "://" in self.root:
-                h = _bucket(self.root).head(self.path(i))
-                return f"{h.size}:{h.etag}"
             st = os.stat(self.path(i))
         except OSError as e:
             return f"unreadable:{e.errno}"
@@ -98,21 +93,13 @@ class Index:
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
         try:
-            return _bucket(self.root).head(self.path(i)).size if "://" in self.root else os.stat(self.path(i)).st_size
+            return os.stat(self.path(i)).st_size
         except OSError:
             return 0
 
     @property
     def nbytes(self) -> int:
         return self.blob.nbytes + self.offsets.nbytes + self.labels.nbytes
-
-
-def _bucket(root: str):
-    from prefetchd.sources.objectstore import (
-        store_for,  # imported only for a bucket's root: it imports this module
-    )
-
-    return store_for(root)
 
 
 def index_fingerprint(blob: np.ndarray, offsets: np.ndarray, labels: np.ndarray) -> str:

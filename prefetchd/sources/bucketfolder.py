@@ -17,11 +17,61 @@ from __future__ import annotations
 
 import logging
 import posixpath
+from dataclasses import dataclass
 
 from prefetchd.sources import folder, objectstore
-from prefetchd.sources.base import DatasetError, Index, build_index, cache_path
+from prefetchd.sources.base import (
+    CACHE_VERSION,
+    DatasetError,
+    Index,
+    build_index,
+    cache_path,
+    read_cache,
+    write_cache,
+)
 
 log = logging.getLogger("prefetchd.dataset")
+
+META = "bucket-meta.json"  # not folder's meta.json: ``dataset.open_index_files`` tells the kinds apart by it
+
+
+@dataclass(frozen=True)
+class BucketIndex(Index):
+    """An ``Index`` whose root is a bucket URL: a sample is one GET of its object."""
+
+    def read(self, i: int) -> bytes:
+        return objectstore.store_for(self.root).read(self.path(i))
+
+    def content_stamp(self, i: int) -> str:
+        """The object's size and ETag now (``Index.content_stamp``)."""
+        try:
+            h = objectstore.store_for(self.root).head(self.path(i))
+        except OSError as e:
+            return f"unreadable:{e.errno}"
+        return f"{h.size}:{h.etag}"
+
+    def sample_size(self, i: int) -> int:
+        try:
+            return objectstore.store_for(self.root).head(self.path(i)).size
+        except OSError:
+            return 0
+
+    def describe(self) -> str:
+        return f"{self.root}, an ImageFolder in a bucket"
+
+
+def stamps_valid(stamps: list) -> bool:
+    """A bucket's index is valid until a reload lists again (no directory mtimes to compare)."""
+    return True
+
+
+def open_files(cdir: str) -> BucketIndex | None:
+    """The cached bucket index in ``cdir``, or None (none there, or another kind's cache)."""
+    def build(meta: dict, arrays: dict) -> BucketIndex:
+        return BucketIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                           meta["fingerprint"], files_dir=cdir)
+
+    return read_cache(cdir, META, CACHE_VERSION, build)
 
 
 def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
@@ -64,7 +114,8 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
         log.warning("%d ._* file(s) not indexed: macOS AppleDouble metadata (a copy from a Mac), not images", apple)
     if not rel_paths:
         raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")
-    return build_index(root.rstrip("/"), classes, rel_paths, labels)
+    plain = build_index(root.rstrip("/"), classes, rel_paths, labels)
+    return BucketIndex(plain.root, plain.classes, plain.blob, plain.offsets, plain.labels, plain.fingerprint)
 
 
 def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cache: bool = True,
@@ -73,13 +124,16 @@ def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cach
     objectstore.split(root, f"{section}.root")  # a URL prefetchd cannot read is one line, before any listing
     cdir = cache_path(cache_dir, root.rstrip("/"), "bucket-folder", extensions)
     if use_cache:
-        cached = folder.load_cached(cdir)  # no stamps: valid until a reload lists again
+        cached = open_files(cdir)  # valid until a reload lists again
         if cached is not None:
             return cached, True
     index = scan(root, extensions, f"{section}.root", storage_options)
     if use_cache:
         try:
-            index = folder.save_cache(cdir, index, [])
+            write_cache(cdir, META, {k: getattr(index, k) for k in ("blob", "offsets", "labels")},
+                        {"version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
+                         "fingerprint": index.fingerprint, "stamps": [], "count": len(index)})
+            index = open_files(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start lists again", cdir, e.strerror)
     return index, False

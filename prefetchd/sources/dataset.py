@@ -299,8 +299,8 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    index = archive.open_files(files_dir) or parquet.open_files(files_dir) or folder.load_cached(files_dir,
-                                                                                                  validate=False)
+    index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
+        or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -310,7 +310,7 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    for mod in (archive, parquet):
+    for mod in (archive, parquet, bucketfolder):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid

@@ -105,10 +105,13 @@ class ObjectStore:
             config = {k: v for k, v in self.options.items() if k != "client_options"}
             client_options.update(self.options.get("client_options", {}))
             cls = S3Store if self.scheme == "s3" else GCSStore
-            self._store = cls(self.bucket, config=config or None, client_options=client_options,
-                              retry_config={"max_retries": 10, "retry_timeout": _RETRY_TIMEOUT,
-                                            "backoff": {"init_backoff": _BACKOFF_START, "max_backoff": _BACKOFF_MAX,
-                                                        "base": 2}})
+            try:
+                self._store = cls(self.bucket, config=config or None, client_options=client_options,
+                                  retry_config={"max_retries": 10, "retry_timeout": _RETRY_TIMEOUT,
+                                                "backoff": {"init_backoff": _BACKOFF_START,
+                                                            "max_backoff": _BACKOFF_MAX, "base": 2}})
+            except self._obs.exceptions.BaseError as e:  # credentials that cannot be loaded: a missing key file
+                raise _os_error(e, f"{self.scheme}://{self.bucket}") from None
             self._pid, self._handles = os.getpid(), {}
         return self._store
 
