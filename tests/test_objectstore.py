@@ -14,6 +14,7 @@ import pytest
 import yaml
 from conftest import small_config
 from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, weed_binary
+from s3proxy import FaultProxy
 from test_daemon import collect
 
 obstore = pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
@@ -171,3 +172,51 @@ def test_gs_urls_go_through_the_same_client_with_no_secret_in_what_check_says(mo
         objectstore.probe("gs://some-bucket/train")
     assert "\n" not in str(e.value) and f"service account file {missing}" in str(e.value)
     assert "Unable to open service account file" in str(e.value)
+
+
+@pytest.fixture
+def proxy(s3):
+    p = FaultProxy(s3.port)
+    yield p
+    p.stop()
+
+
+def test_503s_and_resets_are_retried_with_one_line_per_episode(s3, proxy, bucket_root, monkeypatch, caplog):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    first = next(iter(store.list(bucket_root)))[0]
+    want = store.read(f"{bucket_root}/{first}")
+    proxy.faults(n503=6, resets=4)
+    with caplog.at_level("WARNING", logger="prefetchd.objectstore"):
+        assert store.read(f"{bucket_root}/{first}") == want
+        assert store.read(f"{bucket_root}/{first}") == want
+    said = [r.getMessage() for r in caplog.records]
+    assert proxy.faulted == 10
+    assert len(said) == 2 and "retrying with back-off" in said[0] and "answers again" in said[1], said
+    assert SECRET_KEY not in " ".join(said)
+
+
+def test_the_daemon_through_503s_and_resets_makes_the_same_batches_and_quarantines_nothing(
+        s3, proxy, bucket_root, image_root, tmp_path, daemon_factory):
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    cfg = small_config(bucket_dir, bucket_root)
+    proxy.faults(n503=15, resets=10, after_requests=20)  # after the listing, during the first epoch
+    d = daemon_factory(cfg, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert proxy.faulted == 25
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    log = d.log()
+    episodes = log.count("retrying with back-off")
+    assert 1 <= episodes <= 3, log  # one per process that met the fault (2 workers, the daemon), not per request
+    assert log.count("answers again after") == episodes and "quarantin" not in log.lower(), log

@@ -27,11 +27,16 @@ process makes its own on first use.
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import random
 import re
+import time
 from datetime import timedelta
 
 from prefetchd.sources.base import DatasetError, StorageChanged
+
+log = logging.getLogger("prefetchd.objectstore")
 
 MAX_OPEN = 1024  # handles (a HEAD's size and ETag) a worker keeps: a few bytes each, no descriptor
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> the extra that reads it
@@ -78,8 +83,12 @@ def _os_error(e: Exception, url: str) -> OSError:
         return StorageChanged(f"the archive {url}{StorageChanged.MARK} (its ETag differs)")
     code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
-    first = str(e).split("\n", 1)[0][:300]  # obstore's "Debug source" tail is long; no secret is in any of it
-    return OSError(code, first, url)
+    return OSError(code, _first_line(e), url)
+
+
+def _first_line(e: Exception) -> str:
+    """obstore's message without its long "Debug source" tail (no secret is in any of it)."""
+    return str(e).split("\n", 1)[0][:300]
 
 
 class ObjectStore:
@@ -107,7 +116,7 @@ class ObjectStore:
             cls = S3Store if self.scheme == "s3" else GCSStore
             try:
                 self._store = cls(self.bucket, config=config or None, client_options=client_options,
-                                  retry_config={"max_retries": 10, "retry_timeout": _RETRY_TIMEOUT,
+                                  retry_config={"max_retries": 2, "retry_timeout": _RETRY_TIMEOUT,
                                                 "backoff": {"init_backoff": _BACKOFF_START,
                                                             "max_backoff": _BACKOFF_MAX, "base": 2}})
             except self._obs.exceptions.BaseError as e:  # credentials that cannot be loaded: a missing key file
@@ -123,13 +132,13 @@ class ObjectStore:
 
     def read(self, url: str) -> bytes:
         try:
-            return bytes(self._obs.get(self.client(), self.object_key(url)).bytes())
+            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(url)).bytes()))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
 
     def head(self, url: str) -> Handle:
         try:
-            meta = self._obs.head(self.client(), self.object_key(url))
+            meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
         return Handle(url, int(meta["size"]), meta.get("e_tag") or "")
@@ -154,9 +163,41 @@ class ObjectStore:
         if h.etag:
             options["if_match"] = h.etag
         try:
-            return bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes())
+            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
+
+    def _retry(self, call):
+        """``call()``, retried with exponential back-off and full jitter while the fault is
+        transient (5xx, throttling, a timeout, a reset or refused connection), up to
+        ``_RETRY_TIMEOUT_S``; one log line when an episode starts and one when it ends, not one a
+        request. A permanent fault (404, 403, 412) is raised at once."""
+        x = self._obs.exceptions
+        delay, start, tries = _BACKOFF_START_S, None, 0
+        while True:
+            try:
+                out = call()
+            except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
+                    x.InvalidPathError, x.NotSupportedError):
+                raise
+            except x.BaseError as e:
+                now = time.monotonic()
+                if start is None:
+                    start = now
+                    if _FAULT_SINCE.get(self.bucket) is None:
+                        _FAULT_SINCE[self.bucket] = now
+                        log.warning("%s://%s: %s; retrying with back-off (said once until it answers again)",
+                                    self.scheme, self.bucket, _first_line(e))
+                if now - start > _RETRY_TIMEOUT_S:
+                    raise
+                tries += 1
+                time.sleep(random.uniform(0, delay))  # full jitter: workers retrying together do not stampede
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            since = _FAULT_SINCE.pop(self.bucket, None)
+            if since is not None:
+                log.warning("%s://%s answers again after %.1f s", self.scheme, self.bucket, time.monotonic() - since)
+            return out
 
     @staticmethod
     def identity(h: Handle) -> tuple[int, str]:
@@ -192,9 +233,14 @@ class ObjectStore:
         return f"{who}, endpoint Google Cloud Storage"
 
 
-_RETRY_TIMEOUT = timedelta(seconds=120)  # a fault episode (throttling, an endpoint gone) retried this long before a read fails
-_BACKOFF_START = timedelta(milliseconds=100)
-_BACKOFF_MAX = timedelta(seconds=5)
+_RETRY_TIMEOUT_S = 120.0  # a fault episode (throttling, an endpoint gone) retried this long before a read fails
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 5.0
+# the client's own retries: a few quick ones inside each of ours (ours log the episode)
+_RETRY_TIMEOUT = timedelta(seconds=10)
+_BACKOFF_START = timedelta(milliseconds=20)
+_BACKOFF_MAX = timedelta(milliseconds=200)
+_FAULT_SINCE: dict[str, float] = {}  # bucket -> when its fault episode began (this process)
 _STORES: dict[tuple[str, str], ObjectStore] = {}
 
 
