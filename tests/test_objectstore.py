@@ -220,3 +220,33 @@ def test_the_daemon_through_503s_and_resets_makes_the_same_batches_and_quarantin
     episodes = log.count("retrying with back-off")
     assert 1 <= episodes <= 3, log  # one per process that met the fault (2 workers, the daemon), not per request
     assert log.count("answers again after") == episodes and "quarantin" not in log.lower(), log
+
+
+def test_storage_options_alone_reach_the_bucket_and_their_secret_no_file_the_daemon_writes(
+        s3, bucket_root, image_root, tmp_path, daemon_factory, monkeypatch):
+    for k in s3.env():
+        monkeypatch.delenv(k, raising=False)
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "endpoint": s3.endpoint,
+               "region": "us-east-1"}
+    cfg = small_config(bucket_dir, bucket_root, dataset={"storage_options": options})
+    r = _check(cfg, {})
+    assert r.stdout.splitlines()[0] == (f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]}, endpoint "
+                                        f"{s3.endpoint}, region us-east-1"), r.stdout + r.stderr
+    assert SECRET_KEY not in r.stdout + r.stderr
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    assert d.stop() == 0
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names if n != "cfg.yaml"]
+    assert any(p.endswith("bucket-meta.json") for p in written)
+    for path in [*written, d.log_path]:
+        with open(path, "rb") as f:
+            assert SECRET_KEY.encode() not in f.read(), path

@@ -183,13 +183,13 @@ def detect(root: str | None, file_list: str | None) -> str:
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset", layout: str = "auto", label: str = "cls", image_column: str = "image",
-               label_column: str = "label") -> tuple[Index, bool]:
+               label_column: str = "label", storage_options: dict | None = None) -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
     validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
     (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
-    Parquet's."""
+    Parquet's; ``storage_options``: a bucket root's client options (``dataset.storage_options``)."""
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketfolder.py
@@ -197,7 +197,7 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
             raise DatasetError(f"{section}.root {root or file_list}: a bucket is read as an ImageFolder only so far "
                                "(dataset.layout auto or imagefolder, no file_list or devkit); copy other layouts "
                                "to a local disk")
-        return bucketfolder.load(root, extensions, cache_dir, use_cache, section)
+        return bucketfolder.load(root, extensions, cache_dir, use_cache, section, storage_options)
     found = detect(root, file_list) if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
