@@ -2,7 +2,8 @@
 do: latency on every request, 503 SlowDown answers, connections reset without an answer.
 
 Requests are forwarded unchanged (their Host header too, so SigV4 signatures still hold);
-``faults(n503=, resets=)`` makes the next requests fail that way, ``latency_s`` delays each one.
+``faults(n503=, resets=)`` makes the next requests fail that way, ``outage(seconds)`` resets
+every request for a while (the endpoint gone), ``latency_s`` delays each one.
 ``requests`` and ``faulted`` count what went through.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -22,6 +24,8 @@ class FaultProxy:
         self.faulted = 0
         self._plan: list[str] = []  # "503" or "reset", one per coming request
         self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
+        self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
+        self._down_until = 0.0
         self._lock = threading.Lock()
         proxy = self
 
@@ -38,7 +42,11 @@ class FaultProxy:
                     proxy.requests += 1
                     if proxy._armed is not None and proxy.requests >= proxy._armed[0]:
                         proxy._plan, proxy._armed = proxy._armed[1], None
+                    if proxy._outage is not None and proxy.requests >= proxy._outage[0]:
+                        proxy._down_until, proxy._outage = time.monotonic() + proxy._outage[1], None
                     fault = proxy._plan.pop(0) if proxy._plan else None
+                    if fault is None and time.monotonic() < proxy._down_until:
+                        fault = "reset"  # the endpoint gone: every connection reset
                     proxy.faulted += fault is not None
                 if proxy.latency_s:
                     threading.Event().wait(proxy.latency_s)
@@ -95,6 +103,11 @@ class FaultProxy:
                 self._armed = (after_requests, plan)
             else:
                 self._plan = plan
+
+    def outage(self, seconds: float, after_requests: int = 0) -> None:
+        """From request number ``after_requests`` on, every request for ``seconds`` is reset."""
+        with self._lock:
+            self._outage = (max(after_requests, self.requests + 1), seconds)
 
     def stop(self) -> None:
         self.server.shutdown()

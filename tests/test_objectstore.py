@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -199,7 +200,7 @@ def test_503s_and_resets_are_retried_with_one_line_per_episode(s3, proxy, bucket
     assert SECRET_KEY not in " ".join(said)
 
 
-def test_the_daemon_through_503s_and_resets_makes_the_same_batches_and_quarantines_nothing(
+def test_the_daemon_through_503s_resets_and_an_outage_makes_the_same_batches_and_quarantines_nothing(
         s3, proxy, bucket_root, image_root, tmp_path, daemon_factory):
     local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
     local_dir.mkdir()
@@ -210,15 +211,16 @@ def test_the_daemon_through_503s_and_resets_makes_the_same_batches_and_quarantin
     assert d.stop() == 0
     cfg = small_config(bucket_dir, bucket_root)
     proxy.faults(n503=15, resets=10, after_requests=20)  # after the listing, during the first epoch
+    proxy.outage(2.0, after_requests=60)  # then the endpoint gone for 2 s
     d = daemon_factory(cfg, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
     got = collect(cfg)
     assert d.stop() == 0
-    assert proxy.faulted == 25
+    assert proxy.faulted > 25  # the 25 planned, then every request of the outage
     for k in ref:
         assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
     log = d.log()
     episodes = log.count("retrying with back-off")
-    assert 1 <= episodes <= 3, log  # one per process that met the fault (2 workers, the daemon), not per request
+    assert 2 <= episodes <= 6, log  # per process that met it (2 workers, the daemon), per episode (2), not per request
     assert log.count("answers again after") == episodes and "quarantin" not in log.lower(), log
 
 
@@ -250,3 +252,20 @@ def test_storage_options_alone_reach_the_bucket_and_their_secret_no_file_the_dae
     for path in [*written, d.log_path]:
         with open(path, "rb") as f:
             assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_an_outage_of_2_s_is_waited_out_with_one_line_each_way(s3, proxy, bucket_root, monkeypatch, caplog):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    first = next(iter(store.list(bucket_root)))[0]
+    want = store.read(f"{bucket_root}/{first}")
+    proxy.outage(2.0)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefetchd.objectstore"):
+        assert store.read(f"{bucket_root}/{first}") == want
+    assert time.monotonic() - t0 >= 1.9 and proxy.faulted >= 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "retrying with back-off" in said[0] and "answers again after" in said[1], said
