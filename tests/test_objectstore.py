@@ -269,3 +269,22 @@ def test_an_outage_of_2_s_is_waited_out_with_one_line_each_way(s3, proxy, bucket
     assert time.monotonic() - t0 >= 1.9 and proxy.faulted >= 2
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and "retrying with back-off" in said[0] and "answers again after" in said[1], said
+
+
+def test_the_shared_credentials_files_profile_is_used_when_the_environment_has_no_key(s3, bucket_root, tmp_path,
+                                                                                     monkeypatch):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("AWS_ENDPOINT_URL", "AWS_REGION"):
+        monkeypatch.setenv(k, s3.env()[k])
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text(f"[default]\naws_access_key_id = wrong\n\n[train]\n"
+                                                  f"aws_access_key_id = {ACCESS_KEY}\n"
+                                                  f"aws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    objectstore._STORES.clear()
+    lines = objectstore.probe(bucket_root)
+    assert lines[0] == (f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]} from profile train of "
+                        f"{tmp_path}/.aws/credentials, endpoint {s3.endpoint}, region us-east-1")
+    assert lines[2].startswith("read: ok") and SECRET_KEY not in " ".join(lines)

@@ -16,8 +16,9 @@ brings aiobotocore, botocore and an event loop per process.
 * ``identity(handle)``: ``(size, ETag)``;
 * ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client).
 
-Credentials and endpoint come the provider's standard way: obstore reads ``AWS_*`` (the key
-pair, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, a web
+Credentials and endpoint come the provider's standard way: the shared credentials file's
+profile (``~/.aws/credentials``, ``AWS_PROFILE``: read here, ``aws_profile``) when no key is in
+the environment; obstore reads ``AWS_*`` (the key pair, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, a web
 identity or an instance's metadata service) and ``GOOGLE_*`` variables (``GOOGLE_APPLICATION_
 CREDENTIALS``, the metadata server). Nothing here logs, returns or writes a secret: ``describe``
 names the key id by its last four characters only. A Rust client does not survive ``fork``: each
@@ -26,6 +27,7 @@ process makes its own on first use.
 
 from __future__ import annotations
 
+import configparser
 import errno
 import logging
 import os
@@ -112,6 +114,8 @@ class ObjectStore:
             if endpoint.startswith("http://") or self.options.get("endpoint", "").startswith("http://"):
                 client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
             config = {k: v for k, v in self.options.items() if k != "client_options"}
+            if self.scheme == "s3" and "access_key_id" not in config:
+                config.update(aws_profile()[1])
             client_options.update(self.options.get("client_options", {}))
             cls = S3Store if self.scheme == "s3" else GCSStore
             try:
@@ -223,7 +227,9 @@ class ObjectStore:
         """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
         if self.scheme == "s3":
             key_id = self.options.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID", "")
-            who = (f"access key ...{key_id[-4:]}" if key_id else
+            where_from, profile = aws_profile() if not key_id else ("", {})
+            key_id = key_id or profile.get("access_key_id", "")
+            who = (f"access key ...{key_id[-4:]}{where_from}" if key_id else
                    "no AWS_ACCESS_KEY_ID: the instance's or pod's identity, or anonymous")
             where = self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (no AWS_ENDPOINT_URL)"
             region = self.options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
@@ -231,6 +237,29 @@ class ObjectStore:
         creds = self.options.get("service_account_path") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
         who = f"service account file {creds}" if creds else "the metadata server's identity"
         return f"{who}, endpoint Google Cloud Storage"
+
+
+def aws_profile() -> tuple[str, dict]:
+    """The key pair of the shared credentials file's profile (``AWS_PROFILE``, else ``default``;
+    ``AWS_SHARED_CREDENTIALS_FILE``, else ``~/.aws/credentials``) when the environment has none:
+    obstore reads the environment, a web identity and the instance's metadata, not this file.
+    Returns (" from profile P of FILE" for ``describe``, obstore's options), or ("", {})."""
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return "", {}
+    path = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    name = os.environ.get("AWS_PROFILE") or "default"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(path, encoding="utf-8")
+    except (configparser.Error, OSError, UnicodeDecodeError):
+        return "", {}
+    if not parser.has_section(name):
+        return "", {}
+    sec = parser[name]
+    out = {ours: sec[theirs] for theirs, ours in (("aws_access_key_id", "access_key_id"),
+                                                 ("aws_secret_access_key", "secret_access_key"),
+                                                 ("aws_session_token", "token")) if sec.get(theirs)}
+    return (f" from profile {name} of {path}", out) if "access_key_id" in out else ("", {})
 
 
 _RETRY_TIMEOUT_S = 120.0  # a fault episode (throttling, an endpoint gone) retried this long before a read fails
