@@ -288,3 +288,23 @@ def test_the_shared_credentials_files_profile_is_used_when_the_environment_has_n
     assert lines[0] == (f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]} from profile train of "
                         f"{tmp_path}/.aws/credentials, endpoint {s3.endpoint}, region us-east-1")
     assert lines[2].startswith("read: ok") and SECRET_KEY not in " ".join(lines)
+
+
+def test_a_batchs_objects_are_fetched_together_not_one_latency_each(s3, proxy, bucket_root, image_root, tmp_path,
+                                                                    monkeypatch):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    index, _ = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    local, _ = scan_image_folder(image_root, EXTS)
+    proxy.latency_s = 0.1
+    batch = [3, 40, 17, 8, 25, 33, 1, 46]
+    t0 = time.monotonic()
+    index.prefetch(batch)
+    got = [index.read(i) for i in batch]
+    took = time.monotonic() - t0
+    for i, data in zip(batch, got, strict=True):
+        with open(local.path(i), "rb") as f:
+            assert data == f.read()
+    assert took < 0.1 * len(batch) / 2, took  # one at a time it would be >= 0.8 s

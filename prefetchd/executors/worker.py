@@ -250,6 +250,8 @@ class BatchMaker:
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
         builder = self.builder_for(task.epoch, task.batch)
+        if hasattr(self.index, "prefetch"):  # a bucket: the batch's objects fetched together (sources/bucketfolder.py)
+            self.index.prefetch([i for i in task.indices if i not in self.bad])
         _, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, builder)
         builder.fit(task.budget)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault

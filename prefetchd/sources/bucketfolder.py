@@ -16,7 +16,9 @@ scans again (``use_cache=False``); a bucket has no directory mtimes to tell a ch
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prefetchd.sources import folder, objectstore
@@ -32,6 +34,9 @@ from prefetchd.sources.base import (
 
 log = logging.getLogger("prefetchd.dataset")
 
+IN_FLIGHT = 16  # GETs a worker keeps in flight for the batch it makes (obstore releases the GIL while they wait)
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child makes its own
+_AHEAD: dict = {}  # (root, sample) -> (pid, the future of its bytes): the batch being made
 META = "bucket-meta.json"  # not folder's meta.json: ``dataset.open_index_files`` tells the kinds apart by it
 
 
@@ -40,7 +45,21 @@ class BucketIndex(Index):
     """An ``Index`` whose root is a bucket URL: a sample is one GET of its object."""
 
     def read(self, i: int) -> bytes:
+        ahead = _AHEAD.pop((self.root, i), None)
+        if ahead is not None and ahead[0] == os.getpid():
+            return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
         return objectstore.store_for(self.root).read(self.path(i))
+
+    def prefetch(self, indices) -> None:
+        """Start reading the objects of ``indices`` (a batch) with up to ``IN_FLIGHT`` GETs at once;
+        ``read`` then takes each one's bytes. A batch's leftovers (a sample not read) are dropped."""
+        global _POOL
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
+        _AHEAD.clear()
+        store = objectstore.store_for(self.root)
+        for i in dict.fromkeys(int(i) for i in indices):
+            _AHEAD[(self.root, i)] = (os.getpid(), _POOL[1].submit(store.read, self.path(i)))
 
     def content_stamp(self, i: int) -> str:
         """The object's size and ETag now (``Index.content_stamp``)."""
