@@ -146,6 +146,10 @@ def cmd_check(args) -> int:
 
     try:
         cfg = _load(args.config)
+        if "://" in (cfg.dataset.root or ""):  # a bucket: who asks where, can it list, can it read (one line each)
+            from prefetchd.sources.objectstore import probe
+
+            print("\n".join(probe(cfg.dataset.root, cfg.dataset.storage_options or None)))
         t0 = time.monotonic()
         index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
                                    cfg.dataset.cache_dir, **cfg.dataset.index_options())

@@ -181,7 +181,7 @@ def _resolve_relative(data: dict, base: str) -> dict:
         body = out.get(sec)
         if isinstance(body, dict) and isinstance(body.get(key), str):
             p = os.path.expanduser(body[key])
-            if not os.path.isabs(p):
+            if not os.path.isabs(p) and "://" not in p:  # a bucket URL is no path
                 body[key] = os.path.join(base, p)
     return out
 

@@ -50,9 +50,19 @@ class DatasetConfig:
     label: str = "cls"  # shards' label: cls (the .cls/.txt member), json:KEY, or none (-1)
     image_column: str = "image"  # Parquet: the image column (struct<bytes, path> or binary)
     label_column: str = "label"  # Parquet: the label column (integers)
+    # a bucket root's client options beyond the environment's (sources/objectstore.py); may hold a secret: no repr
+    storage_options: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         _bool(self.one_class, "dataset.one_class")
+        so = self.storage_options
+        if so is None:
+            object.__setattr__(self, "storage_options", {})
+        elif not isinstance(so, dict) or not all(isinstance(k, str) and (isinstance(v, (str, int, float, bool)) or (
+                k == "client_options" and isinstance(v, dict))) for k, v in so.items()):
+            raise ConfigError("dataset.storage_options", "must be a mapping of obstore's option names to values "
+                              "(access_key_id, endpoint, region, ...; client_options a mapping), e.g. "
+                              "{endpoint: https://s3.example.com, region: us-east-1}")
         if self.layout not in LAYOUTS:
             raise ConfigError("dataset.layout", f"must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         lab = self.label
@@ -85,7 +95,7 @@ class DatasetConfig:
         """``sources.dataset.load_index``'s keyword arguments from this section (the validation set's
         layout is told by itself: ``auto``)."""
         return {"one_class": self.one_class, "label": self.label, "image_column": self.image_column,
-                "label_column": self.label_column, **({} if validation else {"layout": self.layout})}
+                "label_column": self.label_column, "storage_options": self.storage_options or None, **({} if validation else {"layout": self.layout})}
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,8 @@ def _pair(v: Any, key: str, lo: float, hi: float) -> tuple[float, float]:
 
 def _path(v: Any, key: str) -> str:
     s = _str(v, key)
+    if "://" in s:  # a bucket URL (s3://, gs://): sources/objectstore.py says which it reads
+        return s
     return os.path.abspath(os.path.expanduser(s))
 
 

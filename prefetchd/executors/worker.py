@@ -153,6 +153,10 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
+        if "://" in (self.cfg.dataset.root or ""):  # a bucket: its client made with dataset.storage_options
+            from prefetchd.sources.objectstore import store_for
+
+            store_for(self.cfg.dataset.root, self.cfg.dataset.storage_options or None)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
         self.fingerprint = setup.fingerprint
@@ -270,6 +274,8 @@ class BatchMaker:
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
         builder = self.builder_for(task.epoch, task.batch)
+        if hasattr(self.index, "prefetch"):  # a bucket: the batch's objects fetched together (sources/bucketfolder.py)
+            self.index.prefetch([i for i in task.indices if i not in self.bad])
         _, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, builder)
         builder.fit(task.budget)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault

@@ -1,0 +1,158 @@
+"""An ImageFolder in a bucket (``s3://bucket/prefix/<class>/.../<image>``), indexed from one listing.
+
+The same index as ``folder.scan_image_folder`` gives for the same tree on a disk, so the same
+seed gives the same batches from either: classes are the sorted first path components, a
+class's images in torchvision's order (folders by their whole path, then names); hidden path
+components, ``._*`` files and ``__MACOSX`` are skipped; extensions matched case-insensitively.
+A bucket has no empty folders and no symlinks, so those rules of the local scan have nothing to
+do here. The index's root is the URL, so ``Index.read`` reads each sample as one GET (whole
+object) through ``objectstore``.
+
+Listing a large prefix takes minutes: the index is cached like a local one (the same
+``meta.json`` and ``.npy`` files, written with no credential in them) and kept until a reload
+scans again (``use_cache=False``); a bucket has no directory mtimes to tell a change cheaply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from prefetchd.sources import folder, objectstore
+from prefetchd.sources.base import (
+    CACHE_VERSION,
+    DatasetError,
+    Index,
+    build_index,
+    cache_path,
+    read_cache,
+    write_cache,
+)
+
+log = logging.getLogger("prefetchd.dataset")
+
+IN_FLIGHT = 16  # GETs a worker keeps in flight for the batch it makes (obstore releases the GIL while they wait)
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child makes its own
+_AHEAD: dict = {}  # (root, sample) -> (pid, the future of its bytes): the batch being made
+META = "bucket-meta.json"  # not folder's meta.json: ``dataset.open_index_files`` tells the kinds apart by it
+
+
+@dataclass(frozen=True)
+class BucketIndex(Index):
+    """An ``Index`` whose root is a bucket URL: a sample is one GET of its object."""
+
+    def read(self, i: int) -> bytes:
+        ahead = _AHEAD.pop((self.root, i), None)
+        if ahead is not None and ahead[0] == os.getpid():
+            return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
+        return objectstore.store_for(self.root).read(self.path(i))
+
+    def prefetch(self, indices) -> None:
+        """Start reading the objects of ``indices`` (a batch) with up to ``IN_FLIGHT`` GETs at once;
+        ``read`` then takes each one's bytes. A batch's leftovers (a sample not read) are dropped."""
+        global _POOL
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
+        _AHEAD.clear()
+        store = objectstore.store_for(self.root)
+        for i in dict.fromkeys(int(i) for i in indices):
+            _AHEAD[(self.root, i)] = (os.getpid(), _POOL[1].submit(store.read, self.path(i)))
+
+    def content_stamp(self, i: int) -> str:
+        """The object's size and ETag now (``Index.content_stamp``)."""
+        try:
+            h = objectstore.store_for(self.root).head(self.path(i))
+        except OSError as e:
+            return f"unreadable:{e.errno}"
+        return f"{h.size}:{h.etag}"
+
+    def sample_size(self, i: int) -> int:
+        try:
+            return objectstore.store_for(self.root).head(self.path(i)).size
+        except OSError:
+            return 0
+
+    def describe(self) -> str:
+        return f"{self.root}, an ImageFolder in a bucket"
+
+
+def stamps_valid(stamps: list) -> bool:
+    """A bucket's index is valid until a reload lists again (no directory mtimes to compare)."""
+    return True
+
+
+def open_files(cdir: str) -> BucketIndex | None:
+    """The cached bucket index in ``cdir``, or None (none there, or another kind's cache)."""
+    def build(meta: dict, arrays: dict) -> BucketIndex:
+        return BucketIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
+                           meta["fingerprint"], files_dir=cdir)
+
+    return read_cache(cdir, META, CACHE_VERSION, build)
+
+
+def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
+         storage_options: dict | None = None) -> Index:
+    """The index of the ImageFolder under the bucket URL ``root``."""
+    store = objectstore.store_for(root, storage_options, key)
+    exts = tuple(e.lower() for e in extensions)
+    by_class: dict[str, list[tuple[str, str]]] = {}  # class -> (folder, name) of its images
+    apple = 0
+    try:
+        for rel, _size, _etag in store.list(root):
+            parts = rel.split("/")
+            if len(parts) < 2 or any(p.startswith(".") or not p for p in parts) or parts[0] == folder.MACOSX:
+                continue
+            name = parts[-1]
+            if name.startswith("._"):
+                apple += name.lower().endswith(exts)
+                continue
+            by_class.setdefault(parts[0], [])
+            if name.lower().endswith(exts):
+                by_class[parts[0]].append((posixpath.dirname(rel), name))
+    except OSError as e:
+        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+    classes = sorted(by_class)
+    if not classes:
+        raise DatasetError(f"{key} {root} has no class folders (expected {root.rstrip('/')}/<class>/<image>)")
+    rel_paths: list[bytes] = []
+    labels: list[int] = []
+    empty = []
+    for label, cls in enumerate(classes):
+        images = sorted(by_class[cls])  # torchvision's order: by folder path as str, then by name
+        if not images:
+            empty.append(cls)
+        rel_paths.extend(f"{d}/{n}".encode("utf-8", "surrogateescape") for d, n in images)
+        labels.extend([label] * len(images))
+    if empty:
+        log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
+                    len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
+    if apple:
+        log.warning("%d ._* file(s) not indexed: macOS AppleDouble metadata (a copy from a Mac), not images", apple)
+    if not rel_paths:
+        raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")
+    plain = build_index(root.rstrip("/"), classes, rel_paths, labels)
+    return BucketIndex(plain.root, plain.classes, plain.blob, plain.offsets, plain.labels, plain.fingerprint)
+
+
+def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cache: bool = True,
+         section: str = "dataset", storage_options: dict | None = None) -> tuple[Index, bool]:
+    """(index, from_cache) of the ImageFolder under the bucket URL ``root``."""
+    objectstore.split(root, f"{section}.root")  # a URL prefetchd cannot read is one line, before any listing
+    cdir = cache_path(cache_dir, root.rstrip("/"), "bucket-folder", extensions)
+    if use_cache:
+        cached = open_files(cdir)  # valid until a reload lists again
+        if cached is not None:
+            return cached, True
+    index = scan(root, extensions, f"{section}.root", storage_options)
+    if use_cache:
+        try:
+            write_cache(cdir, META, {k: getattr(index, k) for k in ("blob", "offsets", "labels")},
+                        {"version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
+                         "fingerprint": index.fingerprint, "stamps": [], "count": len(index)})
+            index = open_files(cdir) or index
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start lists again", cdir, e.strerror)
+    return index, False

@@ -1,0 +1,317 @@
+"""Object storage (``s3://bucket/prefix``, ``gs://bucket/prefix``) behind the store interface of
+``prefetchd.sources.store``: the same calls as ``LocalStore``, over obstore.
+
+Why obstore (the ``s3`` and ``gcs`` extras), not fsspec with s3fs or gcsfs: its client is Rust
+(``object_store``, the crate DataFusion and Polars read buckets with), so a ranged GET costs no
+Python per byte and releases the GIL while it waits; it retries 5xx, timeouts and resets with
+exponential back-off and jitter itself; one wheel of a few MB with no dependencies, where s3fs
+brings aiobotocore, botocore and an event loop per process.
+
+* a key is the root's URL joined with the relative path (``Index.path``): ``s3://b/p/cls/x.jpg``;
+* ``read(url)``: the whole object, one GET;
+* ``open(url, on_open)``: a ``Handle`` of the object's size and ETag (one HEAD), the ``MAX_OPEN``
+  most recently used kept; ``pread(handle, size, offset)``: one ranged GET sent with
+  ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
+  ``StorageChanged`` instead of another sample's bytes;
+* ``identity(handle)``: ``(size, ETag)``;
+* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client).
+
+Credentials and endpoint come the provider's standard way: the shared credentials file's
+profile (``~/.aws/credentials``, ``AWS_PROFILE``: read here, ``aws_profile``) when no key is in
+the environment; obstore reads ``AWS_*`` (the key pair, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, a web
+identity or an instance's metadata service) and ``GOOGLE_*`` variables (``GOOGLE_APPLICATION_
+CREDENTIALS``, the metadata server). Nothing here logs, returns or writes a secret: ``describe``
+names the key id by its last four characters only. A Rust client does not survive ``fork``: each
+process makes its own on first use.
+"""
+
+from __future__ import annotations
+
+import configparser
+import errno
+import logging
+import os
+import random
+import re
+import time
+from datetime import timedelta
+
+from prefetchd.sources.base import DatasetError, StorageChanged
+
+log = logging.getLogger("prefetchd.objectstore")
+
+MAX_OPEN = 1024  # handles (a HEAD's size and ETag) a worker keeps: a few bytes each, no descriptor
+SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> the extra that reads it
+_URL = re.compile(r"^([a-z][a-z0-9+.-]*)://([^/]*)/?(.*)$")
+
+
+def is_url(path: str | None) -> bool:
+    """Is ``path`` a URL (``scheme://...``) rather than a local path?"""
+    return bool(path) and _URL.match(path) is not None
+
+
+def split(url: str, key: str = "dataset.root") -> tuple[str, str, str]:
+    """``(scheme, bucket, prefix)`` of ``url`` (prefix without leading or trailing ``/``)."""
+    m = _URL.match(url)
+    if m is None or m.group(1) not in SCHEMES or not m.group(2):
+        raise DatasetError(f"{key} {url} is not a bucket URL prefetchd reads: use s3://BUCKET/PREFIX or "
+                           "gs://BUCKET/PREFIX")
+    return m.group(1), m.group(2), m.group(3).strip("/")
+
+
+def _obstore(scheme: str, key: str):
+    try:
+        import obstore
+    except ImportError:
+        raise DatasetError(f"{key} is a {scheme}:// URL, which needs the '{SCHEMES[scheme]}' extra: "
+                           f"pip install 'prefetchd[{SCHEMES[scheme]}]'") from None
+    return obstore
+
+
+class Handle:
+    """An opened object: its key in the bucket, size and ETag (``ObjectStore.open``)."""
+
+    __slots__ = ("key", "size", "etag")
+
+    def __init__(self, key: str, size: int, etag: str):
+        self.key, self.size, self.etag = key, size, etag
+
+
+def _os_error(e: Exception, url: str) -> OSError:
+    """obstore's error as the OSError a local read would raise (``executors.storage`` judges it)."""
+    from obstore import exceptions as x
+
+    if isinstance(e, x.PreconditionError):
+        return StorageChanged(f"the archive {url}{StorageChanged.MARK} (its ETag differs)")
+    code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
+        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
+    return OSError(code, _first_line(e), url)
+
+
+def _first_line(e: Exception) -> str:
+    """obstore's message without its long "Debug source" tail (no secret is in any of it)."""
+    return str(e).split("\n", 1)[0][:300]
+
+
+class ObjectStore:
+    """One bucket (see the module docstring for the interface)."""
+
+    def __init__(self, scheme: str, bucket: str, storage_options: dict | None = None, key: str = "dataset.root"):
+        self.scheme, self.bucket, self.key = scheme, bucket, key
+        self.options = dict(storage_options or {})
+        self._obs = _obstore(scheme, key)
+        self._store = None
+        self._pid = 0
+        self._handles: dict[str, Handle] = {}
+
+    def client(self):
+        """This process's client (made on first use, again in a forked child)."""
+        if self._store is None or self._pid != os.getpid():
+            from obstore.store import GCSStore, S3Store
+
+            client_options = {"timeout": "30s", "connect_timeout": "5s"}
+            endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if self.scheme == "s3" else ""
+            if endpoint.startswith("http://") or self.options.get("endpoint", "").startswith("http://"):
+                client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
+            config = {k: v for k, v in self.options.items() if k != "client_options"}
+            if self.scheme == "s3" and "access_key_id" not in config:
+                config.update(aws_profile()[1])
+            client_options.update(self.options.get("client_options", {}))
+            cls = S3Store if self.scheme == "s3" else GCSStore
+            try:
+                self._store = cls(self.bucket, config=config or None, client_options=client_options,
+                                  retry_config={"max_retries": 2, "retry_timeout": _RETRY_TIMEOUT,
+                                                "backoff": {"init_backoff": _BACKOFF_START,
+                                                            "max_backoff": _BACKOFF_MAX, "base": 2}})
+            except self._obs.exceptions.BaseError as e:  # credentials that cannot be loaded: a missing key file
+                raise _os_error(e, f"{self.scheme}://{self.bucket}") from None
+            self._pid, self._handles = os.getpid(), {}
+        return self._store
+
+    def object_key(self, url: str) -> str:
+        scheme, bucket, prefix = split(url, self.key)
+        if (scheme, bucket) != (self.scheme, self.bucket):
+            raise ValueError(f"{url} is not in {self.scheme}://{self.bucket}")
+        return prefix
+
+    def read(self, url: str) -> bytes:
+        try:
+            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(url)).bytes()))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def head(self, url: str) -> Handle:
+        try:
+            meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        return Handle(url, int(meta["size"]), meta.get("e_tag") or "")
+
+    def open(self, url: str, on_open=None) -> Handle:
+        """The object's ``Handle`` (one HEAD when not kept); ``on_open(handle)`` checks a fresh one."""
+        self.client()
+        h = self._handles.pop(url, None)
+        if h is None:
+            if len(self._handles) >= MAX_OPEN:
+                self._handles.pop(next(iter(self._handles)))
+            h = self.head(url)
+            if on_open is not None:
+                on_open(h)
+        self._handles[url] = h
+        return h
+
+    def pread(self, h: Handle, size: int, offset: int) -> bytes:
+        if size <= 0:
+            return b""
+        options = {"range": (offset, min(offset + size, h.size))}
+        if h.etag:
+            options["if_match"] = h.etag
+        try:
+            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, h.key) from None
+
+    def _retry(self, call):
+        """``call()``, retried with exponential back-off and full jitter while the fault is
+        transient (5xx, throttling, a timeout, a reset or refused connection), up to
+        ``_RETRY_TIMEOUT_S``; one log line when an episode starts and one when it ends, not one a
+        request. A permanent fault (404, 403, 412) is raised at once."""
+        x = self._obs.exceptions
+        delay, start, tries = _BACKOFF_START_S, None, 0
+        while True:
+            try:
+                out = call()
+            except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
+                    x.InvalidPathError, x.NotSupportedError):
+                raise
+            except x.BaseError as e:
+                now = time.monotonic()
+                if start is None:
+                    start = now
+                    if _FAULT_SINCE.get(self.bucket) is None:
+                        _FAULT_SINCE[self.bucket] = now
+                        log.warning("%s://%s: %s; retrying with back-off (said once until it answers again)",
+                                    self.scheme, self.bucket, _first_line(e))
+                if now - start > _RETRY_TIMEOUT_S:
+                    raise
+                tries += 1
+                time.sleep(random.uniform(0, delay))  # full jitter: workers retrying together do not stampede
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            since = _FAULT_SINCE.pop(self.bucket, None)
+            if since is not None:
+                log.warning("%s://%s answers again after %.1f s", self.scheme, self.bucket, time.monotonic() - since)
+            return out
+
+    @staticmethod
+    def identity(h: Handle) -> tuple[int, str]:
+        return h.size, h.etag
+
+    def forget(self, url: str) -> None:
+        self._handles.pop(url, None)
+
+    def list(self, url: str):
+        """Yield ``(relative key, size, ETag)`` of every object under the prefix ``url`` names."""
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        try:
+            for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
+                for meta in page:
+                    path = meta["path"]
+                    if path.startswith(base):
+                        yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def describe(self) -> str:
+        """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
+        if self.scheme == "s3":
+            key_id = self.options.get("access_key_id") or os.environ.get("AWS_ACCESS_KEY_ID", "")
+            where_from, profile = aws_profile() if not key_id else ("", {})
+            key_id = key_id or profile.get("access_key_id", "")
+            who = (f"access key ...{key_id[-4:]}{where_from}" if key_id else
+                   "no AWS_ACCESS_KEY_ID: the instance's or pod's identity, or anonymous")
+            where = self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (no AWS_ENDPOINT_URL)"
+            region = self.options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+            return f"{who}, endpoint {where}" + (f", region {region}" if region else "")
+        creds = self.options.get("service_account_path") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+        who = f"service account file {creds}" if creds else "the metadata server's identity"
+        return f"{who}, endpoint Google Cloud Storage"
+
+
+def aws_profile() -> tuple[str, dict]:
+    """The key pair of the shared credentials file's profile (``AWS_PROFILE``, else ``default``;
+    ``AWS_SHARED_CREDENTIALS_FILE``, else ``~/.aws/credentials``) when the environment has none:
+    obstore reads the environment, a web identity and the instance's metadata, not this file.
+    Returns (" from profile P of FILE" for ``describe``, obstore's options), or ("", {})."""
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        return "", {}
+    path = os.environ.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.expanduser("~/.aws/credentials")
+    name = os.environ.get("AWS_PROFILE") or "default"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(path, encoding="utf-8")
+    except (configparser.Error, OSError, UnicodeDecodeError):
+        return "", {}
+    if not parser.has_section(name):
+        return "", {}
+    sec = parser[name]
+    out = {ours: sec[theirs] for theirs, ours in (("aws_access_key_id", "access_key_id"),
+                                                 ("aws_secret_access_key", "secret_access_key"),
+                                                 ("aws_session_token", "token")) if sec.get(theirs)}
+    return (f" from profile {name} of {path}", out) if "access_key_id" in out else ("", {})
+
+
+_RETRY_TIMEOUT_S = 120.0  # a fault episode (throttling, an endpoint gone) retried this long before a read fails
+_BACKOFF_START_S = 0.05
+_BACKOFF_MAX_S = 5.0
+# the client's own retries: a few quick ones inside each of ours (ours log the episode)
+_RETRY_TIMEOUT = timedelta(seconds=10)
+_BACKOFF_START = timedelta(milliseconds=20)
+_BACKOFF_MAX = timedelta(milliseconds=200)
+_FAULT_SINCE: dict[str, float] = {}  # bucket -> when its fault episode began (this process)
+_STORES: dict[tuple[str, str], ObjectStore] = {}
+
+
+def store_for(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> ObjectStore:
+    """The ``ObjectStore`` of ``url``'s bucket (one per bucket in a process)."""
+    scheme, bucket, _ = split(url, key)
+    s = _STORES.get((scheme, bucket))
+    if s is None or (storage_options is not None and storage_options != s.options):
+        s = _STORES[(scheme, bucket)] = ObjectStore(scheme, bucket, storage_options, key)
+    return s
+
+
+def probe(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> list[str]:
+    """``prefetchd check``'s lines for a bucket root: which identity and endpoint, whether it can
+    list, whether it can read (one line each); a ``DatasetError`` of one line when it cannot."""
+    store = store_for(url, storage_options, key)
+    lines = [f"storage: {url} as {store.describe()}"]
+    first = None
+    try:
+        for rel, size, _ in store.list(url):
+            first = (rel, size)
+            break
+    except OSError as e:
+        raise DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}") from None
+    if first is None:
+        raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
+    lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
+    try:
+        data = store.read(url.rstrip("/") + "/" + first[0])
+    except OSError as e:
+        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
+    lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
+    return lines
+
+
+def _words(e: OSError) -> str:
+    """What an S3 error means, in words (the status code kept)."""
+    text = e.strerror or str(e)
+    if "403" in text or e.errno == errno.EACCES:
+        return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
+    if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
+        return "no such bucket (404)"
+    if e.errno == errno.ENOENT:
+        return "not found (404)"
+    return text

@@ -1,0 +1,114 @@
+"""A small HTTP proxy between the S3 client and the test's SeaweedFS that adds what real stores
+do: latency on every request, 503 SlowDown answers, connections reset without an answer.
+
+Requests are forwarded unchanged (their Host header too, so SigV4 signatures still hold);
+``faults(n503=, resets=)`` makes the next requests fail that way, ``outage(seconds)`` resets
+every request for a while (the endpoint gone), ``latency_s`` delays each one.
+``requests`` and ``faulted`` count what went through.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FaultProxy:
+    def __init__(self, upstream_port: int, latency_s: float = 0.0):
+        self.upstream_port = upstream_port
+        self.latency_s = latency_s
+        self.requests = 0
+        self.faulted = 0
+        self._plan: list[str] = []  # "503" or "reset", one per coming request
+        self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
+        self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _any(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                with proxy._lock:
+                    proxy.requests += 1
+                    if proxy._armed is not None and proxy.requests >= proxy._armed[0]:
+                        proxy._plan, proxy._armed = proxy._armed[1], None
+                    if proxy._outage is not None and proxy.requests >= proxy._outage[0]:
+                        proxy._down_until, proxy._outage = time.monotonic() + proxy._outage[1], None
+                    fault = proxy._plan.pop(0) if proxy._plan else None
+                    if fault is None and time.monotonic() < proxy._down_until:
+                        fault = "reset"  # the endpoint gone: every connection reset
+                    proxy.faulted += fault is not None
+                if proxy.latency_s:
+                    threading.Event().wait(proxy.latency_s)
+                if fault == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.connection.close()
+                    self.close_connection = True
+                    return
+                if fault == "503":
+                    msg = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    return
+                up = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    up.request(self.command, self.path, body=body or None, headers=headers)
+                    resp = up.getresponse()
+                    data = resp.read()
+                finally:
+                    up.close()
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("connection", "transfer-encoding", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def faults(self, n503: int = 0, resets: int = 0, after_requests: int = 0) -> None:
+        """The next ``n503 + resets`` requests (from request number ``after_requests`` on) fail:
+        503s and resets, interleaved."""
+        plan = []
+        for i in range(max(n503, resets)):
+            plan += (["503"] if i < n503 else []) + (["reset"] if i < resets else [])
+        with self._lock:
+            if after_requests > self.requests:
+                self._armed = (after_requests, plan)
+            else:
+                self._plan = plan
+
+    def outage(self, seconds: float, after_requests: int = 0) -> None:
+        """From request number ``after_requests`` on, every request for ``seconds`` is reset."""
+        with self._lock:
+            self._outage = (max(after_requests, self.requests + 1), seconds)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

