@@ -312,6 +312,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
+    from prefetchd.sources import bucketfolder, parquet
+
+    for mod in (archive, parquet, bucketfolder):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid
