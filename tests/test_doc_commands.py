@@ -101,7 +101,9 @@ def test_the_make_targets_run_the_documented_commands():
     """``make demo`` and ``make bench`` are the set-up and then ``prefetchd demo`` (run as written by
     test_walkthrough.py's README test) and ``prefetchd bench`` (run there with --root)."""
     for target, want in (("demo", "-m prefetchd demo"), ("bench", "-m prefetchd bench")):
-        r = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        # --no-print-directory: under `make test` (MAKELEVEL 1) make would end with "Leaving directory"
+        r = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
         assert r.returncode == 0 and r.stdout.strip().splitlines()[-1].endswith(want), r.stdout + r.stderr
 
 

@@ -308,3 +308,23 @@ def test_a_batchs_objects_are_fetched_together_not_one_latency_each(s3, proxy, b
         with open(local.path(i), "rb") as f:
             assert data == f.read()
     assert took < 0.1 * len(batch) / 2, took  # one at a time it would be >= 0.8 s
+
+
+def test_a_cached_bucket_index_reads_with_the_configs_storage_options(s3, bucket_root, image_root, tmp_path,
+                                                                      monkeypatch):
+    """The second start loads the index from the cache, lists nothing, and must still reach the
+    bucket with the keys and endpoint of ``dataset.storage_options`` (the daemon reads samples
+    itself: the transform's probe, the quarantine's stamps)."""
+    for k in s3.env():
+        monkeypatch.delenv(k, raising=False)
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "endpoint": s3.endpoint,
+               "region": "us-east-1"}
+    objectstore._STORES.clear()
+    index, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"), storage_options=options)
+    assert not cached
+    objectstore._STORES.clear()  # a new process: the daemon's second start
+    again, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"), storage_options=options)
+    assert cached
+    with open(os.path.join(image_root, again.relpath(5)), "rb") as f:
+        assert again.read(5) == f.read()
+    objectstore._STORES.clear()

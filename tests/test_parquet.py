@@ -149,3 +149,18 @@ def test_one_corpus_as_folder_shards_and_parquet_gives_one_multiset_of_labels_an
         seen.append(sorted((index.classes[int(index.labels[i])] if root != "wds" else
                             f"n{int(index.labels[i]):08d}", index.read(i)) for i in range(len(index))))
     assert len(seen[0]) == 21 and seen[0] == seen[1] == seen[2]
+
+
+def test_a_file_added_to_the_folder_or_the_glob_is_indexed_not_hidden_by_the_cache(tmp_path):
+    rows = _rows(12, seed=3)
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(rows[:6]), tmp_path / "hf" / "train-00000.parquet", row_group_size=4)
+    for root in (str(tmp_path / "hf"), str(tmp_path / "hf" / "train-*.parquet")):
+        first, cached = load_index(root, None, EXTS, str(tmp_path / "c"))
+        assert len(first) == 6
+    pq.write_table(hf_table(rows[6:]), tmp_path / "hf" / "train-00001.parquet", row_group_size=4)
+    for root in (str(tmp_path / "hf"), str(tmp_path / "hf" / "train-*.parquet")):
+        again, cached = load_index(root, None, EXTS, str(tmp_path / "c"))
+        assert not cached and _read_all(again) == rows
+        third, cached = load_index(root, None, EXTS, str(tmp_path / "c"))
+        assert cached and len(third) == 12

@@ -419,3 +419,20 @@ def test_a_tar_root_is_storage_that_can_vanish_and_return(tmp_path):
         storage.read_sample(read, str(root), sleep=lambda s: None)
     (tmp_path / "folder").mkdir()
     assert storage.root_unreadable(str(tmp_path / "folder")) is None
+
+
+@pytest.mark.parametrize("code, outcome", [(errno.ENOENT, "sample"), (errno.EACCES, "sample"), (errno.EIO, "bucket")])
+def test_a_bucket_roots_read_faults_are_the_samples_or_the_buckets_never_a_stat_of_the_url(code, outcome):
+    """A bucket URL cannot be stat'ed: an object gone since the listing or refused (404, 403) is that
+    sample's fault (quarantined, training goes on); what the store already retried for minutes is
+    the bucket's (the batch waits). Before, every fault read as 'the root is unreadable' and a
+    missing object held its batch back for good."""
+    def read():
+        raise OSError(code, os.strerror(code), "s3://bucket/train/n01/x.jpg")
+
+    if outcome == "sample":
+        with pytest.raises(storage.SampleUnreadable):
+            storage.read_sample(read, "s3://bucket/train", sleep=lambda s: None)
+    else:
+        with pytest.raises(storage.StorageUnavailable, match="cannot be read now"):
+            storage.read_sample(read, "s3://bucket/train", sleep=lambda s: None)

@@ -147,6 +147,8 @@ def test_views_are_refused_beside_a_transform_and_with_hybrid_decode():
         AugmentConfig(views=DINO_SMALL, transform="m:f")
     with pytest.raises(ConfigError, match=r"^augment.decode must be cpu with augment.views"):
         AugmentConfig(views=DINO_SMALL, decode="hybrid")
+    with pytest.raises(ConfigError, match=r"^augment.lighting is not applied to augment.views"):
+        AugmentConfig(views=DINO_SMALL, lighting=0.1)
     for extra in ({"policy": "randaugment"}, {"random_erasing": {"p": 0.25}}, {"ops": {"vflip": 0.5}}):
         with pytest.raises(ConfigError, match=r"^augment.views and augment.policy/random_erasing/ops do not combine"):
             AugmentConfig(views=DINO_SMALL, **extra)

@@ -344,6 +344,9 @@ class AugmentConfig:
         if self.views and self.decode != "cpu":
             raise ConfigError("augment.decode", f"must be cpu with augment.views (several views are made on the CPU, "
                               f"in the workers), got {self.decode}")
+        if self.views and self.lighting:
+            raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
+                              f"crop with its own flip and jitter), got {self.lighting}; set it to 0")
         if self.views and self._extras_on:
             raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
                               "random-resized crop with its own flip and jitter; remove one of them")

@@ -73,11 +73,15 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
             return read()
         except OSError as e:
             err = e
-        why = root_unreadable(root)
+        bucket = "://" in root  # a bucket URL (sources/objectstore.py): nothing to stat
+        why = None if bucket else root_unreadable(root)
         if why is not None:
             raise StorageUnavailable(f"the dataset root {root} is unreadable ({why})") from None
         if isinstance(err, StorageChanged):
             raise StorageUnavailable(err.strerror) from None
+        if bucket and err.errno not in (*_MISSING, errno.EACCES):
+            # the store already retried it for up to two minutes: the bucket's outage, not the sample's
+            raise StorageUnavailable(f"the dataset root {root} cannot be read now ({err.strerror})") from None
         if err.errno in TRANSIENT_ERRNOS:
             pause = next(pauses, None)
             if pause is not None:

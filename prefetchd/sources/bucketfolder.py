@@ -145,6 +145,9 @@ def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cach
     if use_cache:
         cached = open_files(cdir)  # valid until a reload lists again
         if cached is not None:
+            # the daemon reads with it too (the transform's probe, quarantine stamps): the config's
+            # keys and endpoint, as a listing would have set them up
+            objectstore.store_for(root, storage_options, f"{section}.root")
             return cached, True
     index = scan(root, extensions, f"{section}.root", storage_options)
     if use_cache:

@@ -316,7 +316,9 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
     cdir = cache_path(cache_dir, f"{root}|{image_column}|{label_column}", "parquet", ())
     if use_cache:
         cached = load_cached(cdir)
-        if cached is not None:
+        # the stamps hold each indexed file's identity; a file added to the folder or the glob since
+        # shows only in the listing
+        if cached is not None and tuple(files_of(root, key)[1]) == tuple(cached.files):
             return cached, True
     t0 = time.monotonic()
     index, stamps = scan(root, image_column, label_column, key)

@@ -4,8 +4,11 @@ index) -> one uint8 [S_v, S_v, 3] per view``. Pure.
 The file is decoded once (DCT-reduced only as far as every view's crop keeps its size) and each
 view is made from it as ``augment.mode: random_resized_crop`` makes a sample (``modes.crop_for``,
 ``modes.finish``: resample, jitter, flip), with the view's own parameters and the draws of the
-view's key (``modes.draws(seed, epoch, index, view)``). So a view's pixels depend on the sample's
-bytes and ``(seed, epoch, index, view)`` alone.
+view's key (``modes.draws(seed, epoch, index, view)``). So the sample's views depend on its bytes,
+the config and ``(seed, epoch, index)`` alone: deterministic. A view's crop draws are its own,
+but the decode's DCT reduction is shared (the least any view's crop allows), so a view's pixels
+can change with the other views' crops or with the view groups configured (a new config is a
+new stream: its fingerprint says so).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ fraction) and ``rrc_ratio`` (aspect) to ``output_size`` square, a horizontal fli
 colour jitter (``brightness``, ``contrast``, ``saturation``: factors in ``[1-x, 1+x]``), what
 ``augment.mode: random_resized_crop`` does to one image. The groups' views are numbered in order
 (DINO's two global crops are views 0 and 1, its six local ones 2 to 7); each view draws from its
-sample's key and its number (``seeds.sample_key``), so it is a pure function of ``(seed, epoch,
-sample, view)``.
+sample's key and its number (``seeds.sample_key``); the decode's DCT reduction is shared by the
+sample's views (``views``), so the views together are a pure function of ``(seed, epoch, sample)``.
 """
 
 from __future__ import annotations
