@@ -108,6 +108,10 @@ class Lifetime:
 # without an uncaught exception says them closed (progress.py: ``closed``), so its ranks are
 # finished, not gone. Not for os._exit, a signal, or an uncaught exception (sys.last_value set).
 _UNFINISHED: weakref.WeakSet = weakref.WeakSet()
+# Iterations (iter_epoch's generators) still alive: those left unfinished (it = iter(c); next(it))
+# are ended at exit while the interpreter is whole, not by the garbage collector once module
+# globals are gone (their clean-up then failed, "Exception ignored in: <generator ...>").
+_ITERATIONS: weakref.WeakSet = weakref.WeakSet()
 _LEFT: dict[tuple[str, int], progress.Progress] = {}  # (progress dir, lane) -> its last record
 
 
@@ -129,6 +133,11 @@ def _at_exit() -> None:
         try:
             c._close(finished=True)
         except Exception:
+            pass
+    for it in list(_ITERATIONS):  # after the clients' close: an iteration's clean-up then says nothing
+        try:
+            it.close()
+        except Exception:  # ValueError: one still running (atexit from inside its loop)
             pass
     for key, p in list(_LEFT.items()):
         directory = key[0]

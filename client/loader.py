@@ -53,7 +53,7 @@ from .common import (
     config_from_env,
 )
 from .jobenv import job_rank
-from .lifetime import _UNFINISHED, Lifetime
+from .lifetime import _ITERATIONS, _UNFINISHED, Lifetime
 from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
 from .shapes import DataLoaderShape, check_batch_size, normalize_constants
@@ -332,7 +332,9 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
         """Yield (images, labels) for this rank's batches of ``epoch``, from the sought batch on."""
         if self._closed:
             raise PrefetchError("this PrefetchClient is closed")
-        return self._iter_epoch(int(epoch))
+        it = self._iter_epoch(int(epoch))
+        _ITERATIONS.add(it)  # ended at exit if left unfinished (lifetime.py)
+        return it
 
     def _iter_epoch(self, epoch: int) -> Iterator[tuple[Any, Any]]:
         meta = self.meta()
@@ -385,9 +387,11 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
             mine = self._held is token  # not ended by seek() or a newer iteration, which own the position
             if mine:
                 self._held = None
-            if val and mine:  # done or left early: the pass is over, the daemon deletes what it made
+            # a client closed first (an iteration left unfinished, then close() or the end of its
+            # with block) said its last word: an iteration the garbage collector ends later says none
+            if val and mine and not self._closed:  # done or left early: the pass is over, the daemon deletes what it made
                 self._end_pass(take=False)
-        if not val:
+        if not val and not self._closed:
             self._write_progress(self.epoch, self.batch, take=False)
 
     def _end_pass(self, take: bool = True) -> None:

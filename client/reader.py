@@ -58,6 +58,12 @@ except ImportError:  # numpy arrays only
 class ReadAhead:
     """One epoch's read-ahead: a thread loads batches ``start..n-1`` into a queue of ``depth``."""
 
+    # what close() needs, held by the class: an iteration left unfinished is closed by the garbage
+    # collector, at interpreter exit too, when module globals may already be gone
+    _Empty = queue.Empty
+    _current_thread = staticmethod(threading.current_thread)
+    _join_s = _JOIN_TIMEOUT_S
+
     def __init__(self, client: PrefetchClient, epoch: int, start: int, n: int, depth: int):
         self.epoch = epoch
         self.waited = 0.0  # what the last get() counted as waiting (its WaitClock's)
@@ -148,10 +154,10 @@ class ReadAhead:
         while True:  # drop what was read ahead (and wake a reader blocked on a full queue)
             try:
                 self._q.get_nowait()
-            except queue.Empty:
+            except self._Empty:
                 break
-        if self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_TIMEOUT_S)
+        if self._thread is not self._current_thread():
+            self._thread.join(self._join_s)
 
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -146,3 +147,24 @@ def test_a_trainer_started_while_a_daemon_restarts_waits_for_the_new_daemons_met
     assert "error" not in got, got["error"]
     assert got["meta"]["pid"] == new.pid and got["meta"]["world_size"] == 2, got
     assert new.stop() == 0 and os.path.exists(os.path.join(buf, status.META_NAME))
+
+
+def test_an_iteration_left_unfinished_past_the_with_block_ends_quietly_and_the_rank_stays_closed(
+        tmp_path, image_root, daemon_factory):
+    """``it = iter(...)``, two ``next()``, the ``with`` block ends, the script exits: the iteration is
+    closed by the garbage collector at interpreter exit. Before, its clean-up ran on module globals
+    already gone ("Exception ignored ... TypeError: catching classes that do not inherit from
+    BaseException") and wrote the progress file again after close() had said the rank was done."""
+    import json
+
+    cfg = small_config(tmp_path, image_root)
+    daemon_factory(cfg)
+    code = ("import sys\nfrom prefetchd_client import PrefetchClient\n"
+            "with PrefetchClient(sys.argv[1], timeout=60, as_numpy=True) as c:\n"
+            "    it = c.iter_epoch(0)\n    next(it), next(it)\nprint('read', c.dir)\n")
+    r = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("read"), r.stdout + r.stderr
+    assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+    progress = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path) for f in fs if f.startswith("progress-r")]
+    assert progress, list(os.walk(tmp_path))
+    assert all(json.load(open(p))["closed"] is True for p in progress), [open(p).read() for p in progress]
