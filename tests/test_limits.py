@@ -324,6 +324,7 @@ class _FakeDaemon:
         self.cfg = self.sizing.cfg
         self.ranks = (0, 1)
         self.sampler = SimpleNamespace(batches_per_epoch=100)
+        self.view_shapes = ((64, 64),)  # the daemon's (loop.py): one view of output_size
         B = self.cfg.buffer
         self.planner = _FakePlanner(Limits(B.capacity, B.refill_at, B.max_bytes, B.min_free_bytes, others=7))
 
