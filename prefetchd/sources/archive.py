@@ -43,6 +43,7 @@ from prefetchd.sources.base import (
     Index,
     StorageChanged,
     index_fingerprint,
+    open_cached,
     read_cache,
     write_cache,
 )
@@ -311,9 +312,4 @@ def save(cdir: str, index: TarIndex, stamps: list) -> TarIndex:
 
 def open_files(files_dir: str) -> TarIndex | None:
     """The cached archive index in ``files_dir`` (what workers open), or None if it is not one."""
-    if not os.path.exists(os.path.join(files_dir, META)):
-        return None
-    index = load_cached(files_dir, validate=False)
-    if index is None:
-        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
-    return index
+    return open_cached(files_dir, META, load_cached)

@@ -181,6 +181,18 @@ def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None
         return None
 
 
+def open_cached(files_dir: str, meta_name: str, load_cached):
+    """The cached index in ``files_dir`` whose meta file is ``meta_name`` (what workers open, by
+    ``load_cached(files_dir, validate=False)``), None if the cache is another kind's; a
+    DatasetError if it is this kind's but cannot be read."""
+    if not os.path.exists(os.path.join(files_dir, meta_name)):
+        return None
+    index = load_cached(files_dir, validate=False)
+    if index is None:
+        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
+    return index
+
+
 def read_all(fd: int) -> bytes:
     """The whole file, in a buffer sized by ``fstat`` (not a 1 GiB one per image)."""
     size = os.fstat(fd).st_size

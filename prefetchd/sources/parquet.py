@@ -44,6 +44,7 @@ from prefetchd.sources.base import (
     StorageChanged,
     build_index,
     cache_path,
+    open_cached,
     read_cache,
     write_cache,
 )
@@ -302,12 +303,7 @@ def load_cached(cdir: str, validate: bool = True) -> ParquetIndex | None:
 
 def open_files(files_dir: str) -> ParquetIndex | None:
     """The cached Parquet index in ``files_dir`` (what workers open), or None if it is not one."""
-    if not os.path.exists(os.path.join(files_dir, META)):
-        return None
-    index = load_cached(files_dir, validate=False)
-    if index is None:
-        raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
-    return index
+    return open_cached(files_dir, META, load_cached)
 
 
 def load(root: str, image_column: str, label_column: str, cache_dir: str | None, use_cache: bool = True,
