@@ -117,7 +117,8 @@ def test_a_shard_rewritten_while_the_daemon_runs_waits_and_a_restart_reads_it_an
             if b == 3:
                 break
         wait_until(lambda: "changed since it was indexed" in d.log(), 60, "the daemon to say the shard changed")
-        assert not published(str(tmp_path / "buffer"))  # batch 4 waits: nothing made of the moved bytes
+        # batch 3 goes once the daemon reads that it was consumed; batch 4 waits: nothing made of the moved bytes
+        wait_until(lambda: not published(str(tmp_path / "buffer")), 30, "an empty buffer (batch 3 evicted, 4 not made)")
     assert d.stop() == 0
     ref2, index = reference_batches(cfg, epochs=1)  # indexed anew: shard 2's samples in their new order
     assert index.relpath(24) == "train-000002.tar/" + samples[-1][0] + ".jpg"
