@@ -265,3 +265,22 @@ def test_the_probe_learns_the_views_and_refuses_a_transform_whose_views_vary(tmp
         t.make(even, 1, 0, 1)
     slots = (np.zeros((32, 32, 3), np.uint8), np.zeros((24, 24, 3), np.uint8))
     assert t.make(odd, 1, 0, 0, slots) is slots and slots[1].any()
+
+
+def test_capacity_auto_counts_every_view_a_batch_holds():
+    """``buffer.capacity: auto`` fits max_bytes with the batch's views, not with view 0 alone."""
+    from prefetchd.core.configsections import BufferConfig, DatasetConfig, LoaderConfig
+    from prefetchd.core.limits import Host
+    from prefetchd.core.sizing import resolve
+
+    host = Host(affinity=2, memory_total=64 << 30, fs_size=64 << 30)
+    one = batchfile.max_file_size(32, 224, 224)
+
+    def capacity(**augment) -> int:
+        cfg = Config(dataset=DatasetConfig(root="/tmp"), loader=LoaderConfig(batch_size=32),
+                     buffer=BufferConfig(capacity="auto", max_bytes=12 * one, refill_at=1),
+                     augment=AugmentConfig(**augment))
+        return resolve(cfg, host).cfg.buffer.capacity
+
+    two = capacity(views=[{"count": 2, "output_size": 224}])
+    assert capacity() == 12 and two == 6, (capacity(), two)

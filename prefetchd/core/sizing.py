@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from prefetchd.core.augment.viewspec import shapes as view_shapes
 from prefetchd.core.config import Config
 from prefetchd.core.limits import (
     Host,
@@ -21,7 +22,7 @@ from prefetchd.core.limits import (
     fmt_bytes,
     over_limits,
 )
-from prefetchd.format.batchfile import max_file_size
+from prefetchd.format.batchfile import views_file_size
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,9 @@ def resolve(cfg: Config, host: Host) -> Sizing:
     else:
         why["max_bytes"] = f"max_bytes {fmt_bytes(B.max_bytes)}: buffer.max_bytes in the config"
     if B.capacity == "auto":
-        s = cfg.augment.output_size
-        n, why["capacity"] = auto_capacity(B.max_bytes, max_file_size(cfg.loader.batch_size, s, s),
+        s = cfg.augment.output_size  # a batch of several views holds each of them (a user transform's views are
+        shapes = view_shapes(cfg.augment.views) if cfg.augment.views else ((s, s),)  # learned later: autosize)
+        n, why["capacity"] = auto_capacity(B.max_bytes, views_file_size(cfg.loader.batch_size, shapes),
                                            len(cfg.loader.ranks), B.lead_s, None, B.refill_at)
         B = replace(B, capacity=n)
     warnings = over_limits(host, None if cfg.workers.count == "auto" else int(cfg.workers.count),
