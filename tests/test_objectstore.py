@@ -99,6 +99,7 @@ def test_a_wrong_key_and_a_missing_bucket_are_one_line_each(s3, s3_env, bucket_r
         objectstore.probe(bucket_root)
     assert "access denied (403)" in str(e.value) and "\n" not in str(e.value)
     assert "not-the-secret" not in str(e.value) and ACCESS_KEY[-4:] in str(e.value)
+    assert ACCESS_KEY not in str(e.value)  # cut to its last 4 characters wherever it is said
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     objectstore._STORES.clear()
     with pytest.raises(DatasetError) as e:
@@ -106,6 +107,15 @@ def test_a_wrong_key_and_a_missing_bucket_are_one_line_each(s3, s3_env, bucket_r
     assert "\n" not in str(e.value) and "s3://no-such-bucket-pfd/x" in str(e.value)
     with pytest.raises(DatasetError, match="s3://BUCKET/PREFIX"):
         objectstore.split("ftp://host/x")
+
+
+def test_an_error_line_never_carries_an_access_key_id(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "mykeyid-12345678")
+    said = objectstore._first_line(RuntimeError(
+        "Generic S3 error: <Error><Code>InvalidAccessKeyId</Code><AccessKeyId>AKIAIOSFODNN7EXAMPLE</AccessKeyId>"
+        "</Error> as mykeyid-12345678, or ASIAXXXXXXXXXXXX9999 \n\nDebug source: AKIAIOSFODNN7EXAMPLE"))
+    assert "AKIAIOSFODNN7" not in said and "mykeyid-1234" not in said and "ASIAXXXX" not in said, said
+    assert "...MPLE" in said and "...5678" in said and "...9999" in said and "Debug source" not in said
 
 
 def _check(cfg: str, env: dict) -> subprocess.CompletedProcess:
@@ -328,3 +338,37 @@ def test_a_cached_bucket_index_reads_with_the_configs_storage_options(s3, bucket
     with open(os.path.join(image_root, again.relpath(5)), "rb") as f:
         assert again.read(5) == f.read()
     objectstore._STORES.clear()
+    # the same bucket and prefix at another endpoint (here the same server by another name) is
+    # another bucket: listed, not taken from the first one's cache
+    other = {**options, "endpoint": s3.endpoint.replace("127.0.0.1", "localhost")}
+    assert other["endpoint"] != options["endpoint"]
+    _, cached = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"), storage_options=other)
+    assert not cached
+    objectstore._STORES.clear()
+
+
+def test_a_validation_root_in_another_bucket_is_read_with_the_storage_options_alone(
+        s3, bucket_root, image_root, tmp_path, daemon_factory, monkeypatch):
+    """The workers make each bucket's client with ``dataset.storage_options``, the validation
+    root's bucket too (not only the train root's): without them, and with nothing in the
+    environment, its objects could not be reached."""
+    from prefetchd_client import PrefetchClient
+
+    for k in s3.env():
+        monkeypatch.delenv(k, raising=False)
+    from prefetchd.tools.samples import make_image_folder
+
+    held_out = str(tmp_path / "held_out")
+    make_image_folder(held_out, classes=4, per_class=12, seed=5, long_side=160)
+    s3.make_bucket("valbucket")
+    assert s3.upload_tree(held_out, "val", bucket="valbucket") == 48
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "endpoint": s3.endpoint,
+               "region": "us-east-1"}
+    cfg = small_config(tmp_path, bucket_root, dataset={"storage_options": options}, workers={"count": 1},
+                       validation={"enabled": True, "root": "s3://valbucket/val", "batch_size": 8})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, split="val", timeout=60, as_numpy=True) as v:
+        labels = np.concatenate([y.copy() for _, y in v])
+    assert d.stop() == 0
+    assert sorted(labels.tolist()) == sorted([i // 12 for i in range(48)])
+    assert "quarantined" not in d.log() and "unreadable" not in d.log()

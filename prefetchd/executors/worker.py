@@ -153,10 +153,11 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
-        if "://" in (self.cfg.dataset.root or ""):  # a bucket: its client made with dataset.storage_options
-            from prefetchd.sources.objectstore import store_for
+        for root in (self.cfg.dataset.root, self.cfg.validation.root):
+            if "://" in (root or ""):  # a bucket: its client made with dataset.storage_options (both sets' roots)
+                from prefetchd.sources.objectstore import store_for
 
-            store_for(self.cfg.dataset.root, self.cfg.dataset.storage_options or None)
+                store_for(root, self.cfg.dataset.storage_options or None)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
         self.fingerprint = setup.fingerprint

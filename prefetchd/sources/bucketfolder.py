@@ -141,13 +141,15 @@ def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cach
          section: str = "dataset", storage_options: dict | None = None) -> tuple[Index, bool]:
     """(index, from_cache) of the ImageFolder under the bucket URL ``root``."""
     objectstore.split(root, f"{section}.root")  # a URL prefetchd cannot read is one line, before any listing
-    cdir = cache_path(cache_dir, root.rstrip("/"), "bucket-folder", extensions)
+    # the daemon reads with the store too (the transform's probe, quarantine stamps): the config's
+    # keys and endpoint, set up before the cache is looked up, which keys on the endpoint
+    store = objectstore.store_for(root, storage_options, f"{section}.root")
+    endpoint = store.endpoint()
+    cdir = cache_path(cache_dir, root.rstrip("/") + (f" at {endpoint}" if endpoint else ""), "bucket-folder",
+                      extensions)
     if use_cache:
         cached = open_files(cdir)  # valid until a reload lists again
         if cached is not None:
-            # the daemon reads with it too (the transform's probe, quarantine stamps): the config's
-            # keys and endpoint, as a listing would have set them up
-            objectstore.store_for(root, storage_options, f"{section}.root")
             return cached, True
     index = scan(root, extensions, f"{section}.root", storage_options)
     if use_cache:

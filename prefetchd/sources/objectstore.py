@@ -88,9 +88,22 @@ def _os_error(e: Exception, url: str) -> OSError:
     return OSError(code, _first_line(e), url)
 
 
+# an AWS access key id (AKIA... long-term, ASIA... temporary) or what a server echoes in <AccessKeyId>
+_KEY_ID = re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{12,}\b|(?<=<AccessKeyId>)[^<]+(?=</AccessKeyId>)")
+
+
+def _redact(text: str) -> str:
+    """``text`` with every access key id cut to its last 4 characters, as ``describe`` shows it."""
+    known = os.environ.get("AWS_ACCESS_KEY_ID", "")
+    if len(known) > 4:
+        text = text.replace(known, "..." + known[-4:])
+    return _KEY_ID.sub(lambda m: "..." + m.group(0)[-4:] if len(m.group(0)) > 4 else m.group(0), text)
+
+
 def _first_line(e: Exception) -> str:
-    """obstore's message without its long "Debug source" tail (no secret is in any of it)."""
-    return str(e).split("\n", 1)[0][:300]
+    """obstore's message without its long "Debug source" tail, and without an access key id
+    (a server's error may echo it; the secret key is never in it)."""
+    return _redact(str(e).split("\n", 1)[0])[:300]
 
 
 class ObjectStore:
@@ -223,6 +236,13 @@ class ObjectStore:
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
 
+    def endpoint(self) -> str:
+        """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
+        the same bucket name on two endpoints is two buckets (the index caches key on it)."""
+        if self.scheme == "s3":
+            return self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
+        return self.options.get("endpoint", "")
+
     def describe(self) -> str:
         """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
         if self.scheme == "s3":
@@ -231,7 +251,7 @@ class ObjectStore:
             key_id = key_id or profile.get("access_key_id", "")
             who = (f"access key ...{key_id[-4:]}{where_from}" if key_id else
                    "no AWS_ACCESS_KEY_ID: the instance's or pod's identity, or anonymous")
-            where = self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3 (no AWS_ENDPOINT_URL)"
+            where = self.endpoint() or "AWS S3 (no AWS_ENDPOINT_URL)"
             region = self.options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
             return f"{who}, endpoint {where}" + (f", region {region}" if region else "")
         creds = self.options.get("service_account_path") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
