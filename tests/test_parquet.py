@@ -164,3 +164,30 @@ def test_a_file_added_to_the_folder_or_the_glob_is_indexed_not_hidden_by_the_cac
         assert not cached and _read_all(again) == rows
         third, cached = load_index(root, None, EXTS, str(tmp_path / "c"))
         assert cached and len(third) == 12
+
+
+def test_a_damaged_row_group_of_the_indexed_file_quarantines_its_samples_not_waits(tmp_path, monkeypatch):
+    """pyarrow failing on a row group of the file as indexed (same inode, size and times) is the
+    samples' fault: ``read_sample`` says they are unreadable, so the worker quarantines them and
+    training goes on, rather than waiting for a restart that would meet the same damage. The
+    same failure after the file changed is ``StorageChanged``: its batches wait."""
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    rows = _rows(8, seed=5)
+    path = tmp_path / "x.parquet"
+    pq.write_table(hf_table(rows), path, row_group_size=4)
+    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+    real = pq.ParquetFile.read_row_group
+
+    def damaged(self, i, *a, **kw):  # pyarrow's error for a bad page, raised for row group 1 alone
+        if i == 1:
+            raise pa.ArrowInvalid("Corrupt snappy compressed data.")
+        return real(self, i, *a, **kw)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", damaged)
+    assert [read_sample(lambda i=i: index.read(i), str(path)) for i in range(4)] == [b for b, _ in rows[:4]]
+    with pytest.raises(SampleUnreadable, match=r"row group 1 .* \(Corrupt snappy compressed data.\)"):
+        read_sample(lambda: index.read(5), str(path))
+    os.utime(path, ns=(1, 1))  # the file is no longer the one indexed
+    with pytest.raises(StorageUnavailable, match="changed since it was indexed"):
+        read_sample(lambda: index.read(6), str(path))

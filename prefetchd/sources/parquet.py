@@ -260,13 +260,23 @@ def _group(path: str, a: int, g: int, identity: tuple, column: str):
             _read_bytes[0] += sum(md.column(c).total_compressed_size for c in range(md.num_columns)
                                   if md.column(c).path_in_schema.split(".")[0] == column)
         now = LOCAL.identity(fd)
-    except OSError:
+    except Exception as e:
         LOCAL.forget(path)
-        raise
-    except Exception as e:  # pyarrow's own errors: the file is not what was indexed
-        LOCAL.forget(path)
-        raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} (its row group {g} cannot be "
-                             f"read: {str(e).splitlines()[0]}): batches from it wait; restart the daemon") from None
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # the system's error: executors.storage judges it (an outage, a hiccup, the sample's)
+        # pyarrow's own (an OSError without errno, ArrowInvalid, ...): the file is not the one
+        # indexed, or it is and this row group is damaged (bad blocks, a copy cut short and
+        # patched): then its samples are quarantined as undecodable files are, not waited for
+        said = (str(e).splitlines() or [type(e).__name__])[0]
+        try:
+            same = identity_of(os.stat(path))[1:] == tuple(identity)[1:]  # (the device number may move)
+        except OSError:
+            raise  # the file is gone: judged as above
+        if not same:
+            raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} (its row group {g} cannot be "
+                                 f"read: {said}): batches from it wait; restart the daemon") from None
+        raise OSError(errno.EBADMSG, f"row group {g} of {path} cannot be read ({said}); the file is the one indexed, "
+                      "so the row group is damaged") from None
     changed = [n for n, was, is_ in zip(("device", "inode", "size", "mtime_ns", "ctime_ns"), identity, now, strict=True)
                if was != is_ and n != "device"]
     if changed:
