@@ -220,3 +220,34 @@ def test_a_multi_crop_stream_trains_a_small_model_on_the_cpu(tmp_path, image_roo
     assert len(losses) == 8 and all(np.isfinite(losses))
     assert all(not torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
     assert d.stop() == 0
+
+
+def test_preview_shows_each_samples_views_side_by_side(tmp_path, image_root):
+    """``prefetchd preview`` on a multi-crop stream: a row per sample, its 8 views at their own
+    sizes (2 x 64 then 6 x 32), the pixels those of the batch the workers make."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    cfg = small_config(tmp_path, image_root, **_views())
+    out = tmp_path / "grid.png"
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "preview", "--config", cfg, "--out", str(out), "--count", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8 views a row (64x64 64x64 32x32 32x32 32x32 32x32 32x32 32x32)" in r.stdout, r.stdout
+    grid = np.asarray(Image.open(out).convert("RGB"))
+    pad, row_h = 4, 64 + 14 + 4
+    assert grid.shape == (pad + 3 * row_h, pad + 2 * (64 + pad) + 6 * (32 + pad), 3)
+    c = load_config(cfg)
+    index, _ = load_index(c.dataset.root, None, c.dataset.extensions, c.dataset.cache_dir)
+    maker = BatchMaker(WorkerSetup(c, None, index, 0, str(tmp_path / "buffer")))
+    L = c.loader
+    views, *_ = maker.fill(0, Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+                           .batch_indices(0, 0, 0))
+    for i in range(3):
+        x, y = pad, pad + i * row_h
+        for v in views:
+            h, w = v.shape[1:3]
+            assert np.array_equal(grid[y:y + h, x:x + w], v[i]), (i, h)
+            x += w + pad
