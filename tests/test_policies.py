@@ -221,10 +221,10 @@ def test_single_ops_fire_on_their_draws_in_order():
     np.testing.assert_array_equal(policies.apply_extras(img, cfg, off), img)
     on = off.copy()
     on[32:38] = 0.1
-    want = ops.solarize(img, 100)
-    want = ops.posterize(want, 3)
-    want = ops.grayscale(want)
+    want = ops.grayscale(img)
     want = ops.gaussian_blur(want, 5, 1.0)
+    want = ops.solarize(want, 100)
+    want = ops.posterize(want, 3)
     np.testing.assert_array_equal(policies.apply_extras(img, cfg, on), want[::-1])
     only_flip = off.copy()
     only_flip[32] = 0.1

@@ -349,7 +349,8 @@ class AugmentConfig:
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")
         if self.views and self._extras_on:
             raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
-                              "random-resized crop with its own flip and jitter; remove one of them")
+                              "random-resized crop with its own flip, jitter and single ops: put the ops in the view "
+                              "groups (augment.views[i].ops: {grayscale: 0.2, blur: 0.5}) and remove the others")
 
     def _check_policy(self) -> None:
         object.__setattr__(self, "policy_spec", policy_spec(self.policy, self.policy_args))

@@ -217,9 +217,9 @@ class OpsConfig:
     posterize_bits: int = 4
 
 
-def ops_config(v: Any) -> OpsConfig:
-    """``augment.ops`` checked: a mapping of OpsConfig's keys (or null: none)."""
-    key = "augment.ops"
+def ops_config(v: Any, key: str = "augment.ops") -> OpsConfig:
+    """``augment.ops`` (or a view group's ``ops``: ``key``) checked: a mapping of OpsConfig's
+    keys (or null: none)."""
     if v is None:
         return OpsConfig()
     if isinstance(v, OpsConfig):

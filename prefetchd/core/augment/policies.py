@@ -182,21 +182,22 @@ def apply_policy(img: np.ndarray, spec: PolicySpec, p: np.ndarray) -> np.ndarray
 
 def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
     """What ``augment.policy``, ``augment.ops`` and ``augment.random_erasing`` ask of one sample
-    (``cfg``: an AugmentConfig; ``p``: its ``Draws.p``), in that order: the policy, solarize,
-    posterize, grayscale, blur, vertical flip, erasing. Nothing is done when none is set."""
+    (``cfg``: an AugmentConfig; ``p``: its ``Draws.p``), in that order: the policy, grayscale,
+    blur, solarize, posterize (BYOL's and DINO's order: blur before solarize), vertical flip,
+    erasing. Nothing is done when none is set."""
     spec = cfg.policy_spec
     if spec.kind != "none":
         img = apply_policy(img, spec, p)
     o = cfg.ops
-    if o.solarize and p[36] < o.solarize:
-        img = solarize(img, o.solarize_threshold)
-    if o.posterize and p[37] < o.posterize:
-        img = posterize(img, o.posterize_bits)
     if o.grayscale and p[33] < o.grayscale:
         img = grayscale(img)
     if o.blur and p[34] < o.blur:
         lo, hi = o.blur_sigma
         img = gaussian_blur(img, o.blur_kernel, lo + p[35] * (hi - lo))
+    if o.solarize and p[36] < o.solarize:
+        img = solarize(img, o.solarize_threshold)
+    if o.posterize and p[37] < o.posterize:
+        img = posterize(img, o.posterize_bits)
     if o.vflip and p[32] < o.vflip:
         img = cv2.flip(img, 0)  # a copy: later steps (cv2, in-place erasing) want a plain array
     if cfg.random_erasing.p:

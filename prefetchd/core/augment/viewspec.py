@@ -6,17 +6,22 @@ Each entry is a group of ``count`` views made alike: a random-resized crop of ``
 fraction) and ``rrc_ratio`` (aspect) to ``output_size`` square, a horizontal flip (``flip``) and
 colour jitter (``brightness``, ``contrast``, ``saturation``: factors in ``[1-x, 1+x]``), what
 ``augment.mode: random_resized_crop`` does to one image. The groups' views are numbered in order
-(DINO's two global crops are views 0 and 1, its six local ones 2 to 7); each view draws from its
+(DINO's two global crops are views 0 and 1, its six local ones 2 to 7). A group's ``ops`` are
+``augment.ops``' single ops (grayscale, blur, solarize, posterize, vflip, each with its
+probability; ``core.policyspec.OpsConfig``), made on each of its views after the jitter: SimCLR's
+grayscale and blur, BYOL's and DINO's solarize on one global view. Each view draws from its
 sample's key and its number (``seeds.sample_key``); the decode's DCT reduction is shared by the
 sample's views (``views``), so the views together are a pure function of ``(seed, epoch, sample)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
+from prefetchd.core.policyspec import OpsConfig, ops_config
 
 MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
 
@@ -33,6 +38,7 @@ class ViewGroup:
     brightness: float = 0.0
     contrast: float = 0.0
     saturation: float = 0.0
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
 
 _KEYS = [f.name for f in fields(ViewGroup)]
@@ -65,6 +71,7 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             rrc_ratio=_pair(g.get("rrc_ratio", (3 / 4, 4 / 3)), f"{where}.rrc_ratio", 1e-3, 1e3),
             flip=_bool(g.get("flip", True), f"{where}.flip"),
             **{k: _float(g.get(k, 0.0), f"{where}.{k}", 0.0, 1.0) for k in ("brightness", "contrast", "saturation")},
+            ops=ops_config(g.get("ops"), f"{where}.ops"),
         ))
     total = sum(g.count for g in groups)
     if total < 2:
@@ -86,6 +93,12 @@ def shapes(groups: tuple[ViewGroup, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def as_dicts(groups: tuple[ViewGroup, ...]) -> list[dict]:
-    """The groups as plain values (for the stream's fingerprint)."""
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(g, k)) for k in _KEYS)}
-            for g in groups]
+    """The groups as plain values (for the stream's fingerprint; a group without ops keeps the
+    value it had before groups had them)."""
+    out = []
+    for g in groups:
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(g, k)) for k in _KEYS if k != "ops")}
+        if g.ops != OpsConfig():
+            d["ops"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(g.ops).items()}
+        out.append(d)
+    return out
