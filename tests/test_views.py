@@ -316,3 +316,12 @@ def test_view_group_ops_are_checked_and_in_the_fingerprint_and_groups_without_ke
          "brightness": 0.0, "contrast": 0.0, "saturation": 0.0}]  # what it was before groups had ops
     with_ops = AugmentConfig(views=[{**base[0], "ops": {"solarize": 0.2}}]).stream_dict()["views"]
     assert with_ops[0]["ops"]["solarize"] == 0.2
+
+
+def test_a_view_groups_hue_and_jitter_p_reach_its_views_and_the_fingerprint_only_when_set():
+    groups = [{"count": 2, "output_size": 64, "brightness": 0.4, "hue": 0.1, "jitter_p": 0.8},
+              {"count": 2, "output_size": 32, "brightness": 0.4}]
+    cfgs = views.view_configs(AugmentConfig(views=groups))
+    assert [(c.hue, c.jitter_p) for c in cfgs] == [(0.1, 0.8)] * 2 + [(0.0, 1.0)] * 2
+    d = AugmentConfig(views=groups).stream_dict()["views"]
+    assert (d[0]["hue"], d[0]["jitter_p"]) == (0.1, 0.8) and "hue" not in d[1] and "jitter_p" not in d[1]

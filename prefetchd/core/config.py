@@ -76,7 +76,7 @@ class Config:
         Always decoded on the CPU (a pass is a small share of the work, and its files keep the
         pixel batch's fixed size, so ``max_bytes`` holds exactly)."""
         return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False, decode="cpu",
-                       brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0,
+                       brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0, jitter_p=1.0, lighting=0.0,
                        transform=None, transform_args={}, transform_path=None, views=(),
                        policy="none", policy_args={}, random_erasing=None, ops=None)
 

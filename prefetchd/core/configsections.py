@@ -291,6 +291,8 @@ class AugmentConfig:
     brightness: float = 0.0
     contrast: float = 0.0
     saturation: float = 0.0
+    hue: float = 0.0  # torchvision's ColorJitter hue: a shift uniform in [-hue, hue] of the hue circle
+    jitter_p: float = 1.0  # the colour jitter's probability (SimCLR's and DINO's RandomApply(ColorJitter, 0.8))
     lighting: float = 0.0
     interpolation: str = "bilinear"
     decoder: str = "auto"
@@ -327,6 +329,8 @@ class AugmentConfig:
         _bool(self.flip, "augment.flip")
         for k in ("brightness", "contrast", "saturation"):
             object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
+        object.__setattr__(self, "hue", _float(self.hue, "augment.hue", 0.0, 0.5))
+        object.__setattr__(self, "jitter_p", _float(self.jitter_p, "augment.jitter_p", 0.0, 1.0))
         object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
         _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
         _choice(self.decoder, "augment.decoder", DECODERS)
@@ -335,6 +339,9 @@ class AugmentConfig:
         if share <= 0.0:
             raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
         object.__setattr__(self, "gpu_share", share)
+        if (self.hue or self.jitter_p < 1.0) and self.decode != "cpu":
+            raise ConfigError("augment.decode", f"must be cpu with augment.hue or augment.jitter_p (the GPU's jitter has "
+                              f"brightness, contrast and saturation, always applied), got {self.decode}")
         self._check_transform()
         self._check_policy()
         object.__setattr__(self, "views", parse_views(self.views))
@@ -344,6 +351,9 @@ class AugmentConfig:
         if self.views and self.decode != "cpu":
             raise ConfigError("augment.decode", f"must be cpu with augment.views (several views are made on the CPU, "
                               f"in the workers), got {self.decode}")
+        if self.views and (self.hue or self.jitter_p < 1.0):
+            raise ConfigError("augment.hue" if self.hue else "augment.jitter_p", "is set in each view group with "
+                              "augment.views (augment.views[i].hue, augment.views[i].jitter_p); remove it here")
         if self.views and self.lighting:
             raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")
@@ -427,6 +437,9 @@ class AugmentConfig:
             d = {k: d[k] for k in ("output_size", "transform", "transform_args", "transform_input")}
             d["transform_args"] = json.loads(json.dumps(d["transform_args"], sort_keys=True))
             return d
+        for k, default in (("hue", 0.0), ("jitter_p", 1.0)):  # configs without them keep their fingerprint
+            if d[k] == default:
+                d.pop(k)
         if self.decode != "hybrid":
             d.pop("gpu_share")
         if self.decode == "cpu":

@@ -6,7 +6,8 @@ function of the sample's fixed block of policy draws ``p`` (``Draws.p``: uniform
 drawn from the sample's key after the crop's, whatever the policy or op chosen); then
 ``ops.apply_op`` carries it out. Draw slots: op ``k`` (k < 8) reads ``p[4k]`` (which op),
 ``p[4k + 1]`` (whether: timm's probability, AutoAugment's), ``p[4k + 2]`` (magnitude) and
-``p[4k + 3]`` (sign); ``augment.ops`` reads ``p[32..37]``; erasing reads ``p[40..217]`` and
+``p[4k + 3]`` (sign); ``augment.ops`` reads ``p[32..37]``; the colour jitter ``p[38]`` (whether,
+``augment.jitter_p``) and ``p[39]`` (hue's shift: ``modes.jitter_ops``); erasing reads ``p[40..217]`` and
 ``p[255]`` (``core.augment.erasing``).
 
 The draws follow the references' own: torchvision's ``RandAugment`` (op uniform over its 14,

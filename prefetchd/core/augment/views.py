@@ -30,7 +30,7 @@ def view_configs(cfg: AugmentConfig) -> tuple[AugmentConfig, ...]:
     interpolation ``cfg``'s."""
     return tuple(replace(cfg, mode="random_resized_crop", output_size=g.output_size, rrc_scale=g.rrc_scale,
                          rrc_ratio=g.rrc_ratio, flip=g.flip, brightness=g.brightness, contrast=g.contrast,
-                         saturation=g.saturation, lighting=0.0, views=(), ops=g.ops)
+                         saturation=g.saturation, hue=g.hue, jitter_p=g.jitter_p, lighting=0.0, views=(), ops=g.ops)
                  for g in expand(cfg.views))
 
 
