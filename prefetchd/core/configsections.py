@@ -103,17 +103,22 @@ class LoaderConfig:
     batch_size: int = 256
     seed: int = 0
     epochs: int | None = None
-    shuffle: bool = True
+    shuffle: bool | str = True  # true: a permutation of the samples; false: in order; "block" (core.sampler)
     drop_last: bool = True
     world_size: int = 1
     ranks: tuple[int, ...] | str = "all"
+    shuffle_window: int = 8  # shuffle "block": blocks (Parquet row groups) whose samples are permuted together
 
     def __post_init__(self) -> None:
         _int(self.batch_size, "loader.batch_size", 1, 1 << 20)
         _int(self.seed, "loader.seed", 0, 2**63 - 1)
         if self.epochs is not None:
             _int(self.epochs, "loader.epochs", 1)
-        _bool(self.shuffle, "loader.shuffle")
+        if self.shuffle != "block":
+            if not isinstance(self.shuffle, bool):
+                raise ConfigError("loader.shuffle", f"must be true, false or block (a permutation of Parquet row groups, "
+                                  f"then of the rows within a window of loader.shuffle_window groups), got {self.shuffle!r}")
+        _int(self.shuffle_window, "loader.shuffle_window", 1, 1 << 20)
         _bool(self.drop_last, "loader.drop_last")
         _int(self.world_size, "loader.world_size", 1, 1 << 16)
         ranks = self.ranks
@@ -129,6 +134,11 @@ class LoaderConfig:
             raise ConfigError("loader.ranks", f"must not repeat a rank, got {list(ranks)}")
         object.__setattr__(self, "ranks", tuple(sorted(ranks)))
 
+
+    def shuffle_key(self) -> bool | str:
+        """``shuffle`` as the stream's identity holds it: the window counts only for a block shuffle
+        (configs without one keep the fingerprint they had)."""
+        return f"block:{self.shuffle_window}" if self.shuffle == "block" else self.shuffle
 
 @dataclass(frozen=True)
 class RayConfig:

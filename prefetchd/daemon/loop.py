@@ -45,7 +45,7 @@ from prefetchd.core.config import Config, ConfigError, format_size, reload_block
 from prefetchd.core.config import load as load_config
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.runclock import TICK_S, RunClock
-from prefetchd.core.sampler import Sampler
+from prefetchd.core.sampler import for_index
 from prefetchd.core.sizing import read_and_resolve
 from prefetchd.core.streamkeys import stream_settings
 from prefetchd.daemon.autosize import Pacer
@@ -132,7 +132,7 @@ class Daemon:
         if not self._load_index():
             return False
         L = cfg.loader
-        self.sampler = Sampler(len(self.index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+        self.sampler = for_index(L, self.index)
         if self.sampler.batches_per_epoch == 0:
             raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
                               f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")

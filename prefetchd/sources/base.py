@@ -90,6 +90,11 @@ class Index:
             return f"unreadable:{e.errno}"
         return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
 
+    def block_sizes(self) -> np.ndarray | None:
+        """The sizes of the runs of consecutive samples that are cheap to read together (a
+        ``loader.shuffle: block``'s blocks), or None: this layout reads each sample alone."""
+        return None
+
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""
         try:

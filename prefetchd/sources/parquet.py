@@ -16,9 +16,11 @@ another type, or whose footer cannot be read is a one-line error naming it.
 
 **Reading**: Parquet's smallest unit that pyarrow reads cheaply is a row group's column chunk,
 so a sample's read is that of its row group's image column (pages are compressed together); a
-worker keeps the ``_GROUPS_KEPT`` most recently read row groups, so samples of one row group in
-one batch cost one read. The read amplification (bytes read per image byte) under a random
-permutation is about the rows per row group, measured in BENCHMARKS.md. Each file's identity
+worker keeps the ``_GROUPS_KEPT`` most recently read row groups (with ``loader.shuffle: block``
+a window's worth and two more: ``keep_groups``), so samples of one row group in one batch cost
+one read. The read amplification (bytes read per image byte) under a full permutation is about
+the rows per row group; under a block shuffle, about a window's rows per batch's rows (at most
+the worker count), measured in BENCHMARKS.md. Each file's identity
 (``store.identity_of``) is taken before its footer is read and checked after every read: a file
 rewritten or replaced since it was indexed raises ``StorageChanged`` (its batches wait), never
 another row's bytes. Reading needs ``pyarrow`` (``pip install 'prefetchd[parquet]'``).
@@ -55,6 +57,13 @@ log = logging.getLogger("prefetchd.dataset")
 META = "parquetmeta.json"
 _VERSION = 1
 _GROUPS_KEPT = 4  # row groups' image columns a worker keeps (the batch's samples of one group: one read)
+
+
+def keep_groups(window: int) -> None:
+    """Keep a block shuffle's window of row groups and two more (a batch's rows come from at most
+    a window and the next one's first group) in this process; never fewer than the default."""
+    global _GROUPS_KEPT
+    _GROUPS_KEPT = max(4, int(window) + 2)
 _ARRAYS = ("blob", "offsets", "labels", "file_ids", "group", "row")
 
 
@@ -224,12 +233,20 @@ class ParquetIndex(Index):
     def sample_size(self, i: int) -> int:
         return 0  # not known without reading its row group
 
+    def block_sizes(self) -> np.ndarray:
+        """The row groups' row counts (the rows kept), in index order: a row group is the least a
+        read of one row costs, and its rows are consecutive in the index."""
+        key = np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group, np.uint64)
+        starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        return np.diff(np.append(starts, len(key))).astype(np.int64)
+
     def describe(self) -> str:
-        groups = len(np.unique(np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group)))
+        groups = len(self.block_sizes())
+        per = len(self) // max(groups, 1)
         return (f"{os.path.basename(self.root.rstrip('/')) or self.root}, {len(self.files)} Parquet file(s) "
-                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{len(self) // max(groups, 1)} rows: a "
-                f"sample's read is its row group's image column, so a shuffled epoch reads ~{len(self) // max(groups, 1)}"
-                " x the image bytes (loader.shuffle is a full permutation; no block shuffle yet)")
+                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{per} rows: a sample's read is its row "
+                f"group's image column, so a full shuffle (loader.shuffle: true) reads ~{per} x the image bytes; "
+                f"loader.shuffle: block reads each row group about once a window per worker")
 
     @property
     def nbytes(self) -> int:

@@ -28,14 +28,14 @@ def _batch(cfg: Config, rank: int) -> tuple[tuple[np.ndarray, ...], np.ndarray, 
         except (OSError, batchfile.BatchFileError):
             continue  # consumed or replaced meanwhile: try the next
         return b.views or (b.images,), b.labels, b.indices, f"{name} from the buffer"
-    from prefetchd.core.sampler import Sampler
+    from prefetchd.core.sampler import for_index
     from prefetchd.executors.worker import BatchMaker, WorkerSetup
     from prefetchd.sources.dataset import load_index
 
     index, _ = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions, cfg.dataset.cache_dir,
                           **cfg.dataset.index_options())
     L = cfg.loader
-    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    sampler = for_index(L, index)
     maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None if index.files_dir else index, 0, cfg.buffer.dir))
     images, used, labels, _, _ = maker.fill(0, sampler.batch_indices(0, rank, 0))
     views = tuple(images) if isinstance(images, (tuple, list)) else (images,)
