@@ -495,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure the pipeline against the decode-only limit")
     b.add_argument("--config", "-c", help="a config to measure (default: a generated sample corpus)")
     b.add_argument("--root", action="append", help="an existing dataset root (an ImageFolder, a train tar, a folder of "
-                   "class tars) to measure on; repeated: each root's throughput side by side, alternated --repeats times")
+                   "class tars, shards, Parquet) to measure on; repeated: each root's throughput side by side, alternated "
+                   "--repeats times; ROOT@block reads a Parquet ROOT with loader.shuffle: block")
     b.add_argument("--images", type=int, default=2000, help="sample images to generate when no --config or --root")
     b.add_argument("--epochs", type=int, default=2, help="epochs the daemon makes and the client reads per run")
     b.add_argument("--executor", choices=("local", "ray"), default="local",
