@@ -375,7 +375,7 @@ class AugmentConfig:
         if not self._extras_on:
             return None
         return {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
-                "random_erasing": dataclasses.asdict(self.random_erasing), "ops": dataclasses.asdict(self.ops)}
+                "random_erasing": self.random_erasing.stream_dict(), "ops": dataclasses.asdict(self.ops)}
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:
