@@ -98,10 +98,14 @@ def _erase_torch(images, boxes):
     noise = [z.ravel() for *_, z in boxes if z is not None]
     flat = None
     if noise:
-        flat = torch.from_numpy(np.concatenate(noise))
-        if images.device.type != "cpu":
-            # one copy a batch; from pinned memory, so it is queued on the stream, not synced
-            flat = flat.pin_memory().to(images.device, non_blocking=True)
+        on_host = images.device.type == "cpu"
+        # on a device: one copy a batch, from pinned memory (written in place), so it is queued on
+        # the current stream without a host sync; torch's host allocator keeps the block until
+        # the copy is done
+        flat = torch.empty(sum(z.size for z in noise), dtype=torch.float32, pin_memory=not on_host)
+        np.concatenate(noise, out=flat.numpy())
+        if not on_host:
+            flat = flat.to(images.device, non_blocking=True)
     at = 0
     for k, top, left, eh, ew, z in boxes:
         dst = images[k, :, top:top + eh, left:left + ew]

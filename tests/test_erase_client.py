@@ -229,3 +229,44 @@ def test_bad_erase_on_settings_say_the_key(tmp_path, aug, key, words):
     with pytest.raises(ConfigError, match=words) as e:
         load_config(small_config(tmp_path, "/data", augment=aug))
     assert str(e.value).startswith(key + " ")
+
+
+# --- the GPU path (skipped where no CUDA device is present, as on this project's CI) -----------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["rand", "pixel"])
+def test_erasing_a_cuda_batch_equals_the_cpu_path(mode):
+    from prefetchd_client.erasing import ClientErasing
+
+    er = ClientErasing({**_ERASING, "p": 0.5, "ratio": [0.3, 3.3], "mode": mode, "seed": 7})
+    x = torch.randn(256, 3, 224, 224).contiguous(memory_format=torch.channels_last)
+    idx = np.arange(256) + 5000
+    want = er(x.clone(), 1, idx)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        g = er(x.cuda(non_blocking=False), 1, idx)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(g.cpu(), want)
+
+
+@needs_cuda
+def test_a_daemon_stream_erased_on_the_gpu_is_the_cpu_clients(tmp_path, image_root, daemon_factory):
+    from prefetchd_client.erasing import ClientErasing
+
+    cfg = _cfg(tmp_path, image_root, "pixel")
+    d = daemon_factory(cfg)
+    cpu = _read(cfg, epochs=(0,))
+    gpu = {}
+    with PrefetchClient(cfg, rank=0, timeout=60, normalize=True, device="cuda") as c:
+        for b, (x, _) in enumerate(c.iter_epoch(0)):
+            gpu[(0, 0, b)] = x.cpu().numpy()
+    assert d.stop() == 0
+    er = ClientErasing(status.read_json(load_config(cfg).buffer.dir, status.META_NAME)["erasing"])
+    for key, (x, idx) in cpu.items():
+        np.testing.assert_allclose(gpu[key], x, rtol=0, atol=2e-6, err_msg=str(key))
+        for k, top, left, h, w, _ in er.plan(0, idx, 64, 64):  # the normals themselves, to the bit
+            box = np.s_[k, :, top:top + h, left:left + w]
+            assert np.array_equal(gpu[key][box], x[box]), key
