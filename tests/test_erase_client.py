@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from statistics import NormalDist
 
 import numpy as np
@@ -168,6 +170,15 @@ def test_the_clients_draws_are_the_workers_draws():
     for key in ((7, 0, 0), (7, 3, 41), (123, 1, 10**6)):
         d, (u, z, p) = modes.draws(*key), sample_draws(*key)
         assert np.array_equal(d.u, u) and np.array_equal(d.z, z) and np.array_equal(d.p, p)
+
+
+def test_the_clients_erasing_imports_no_opencv_pillow_or_daemon():
+    code = ("import sys; from prefetchd_client import PrefetchClient; import prefetchd_client.erasing; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('PIL', 'cv2', 'simplejpeg') or m in "
+            "('prefetchd.core.augment.modes', 'prefetchd.core.augment.policies', 'prefetchd.core.augment.ops') "
+            "or m.startswith(('prefetchd.daemon', 'prefetchd.executors'))]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
 def test_erasing_on_torch_cpu_equals_numpy_and_keeps_low_precision_dtypes():
