@@ -405,7 +405,7 @@ class BatchFiles:
         self._give_back(host, ev)  # reused only once ev (after every copy) has completed
         return (tuple(gv) if several else gv[0], gl, ev)
 
-    def _erase(self, views: list, b: batchfile.Batch) -> list:
+    def _erase(self, views: list, b: batchfile.Batch | jpegbatch.JpegBatch) -> list:
         """``erase_on: client``: the normalised views erased where they are, from the keys of the
         samples the file holds (``client/erasing.py``); as they were otherwise."""
         if self._eraser is None:
@@ -418,7 +418,7 @@ class BatchFiles:
         if self.as_numpy:
             images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
             if self.normalize:
-                images = _normalize_numpy(images, self.dtype, self.mean, self.std)
+                images = self._erase([_normalize_numpy(images, self.dtype, self.mean, self.std)], b)[0]
             return (images, b.labels.copy(), None)
         if not self._copy:
             # pin_memory=True without a device: the decoded batch and its labels in a fresh pinned block
@@ -430,7 +430,7 @@ class BatchFiles:
                 labels = dst[_labels_at(b):].view(torch.int64)
                 labels.copy_(torch.from_numpy(b.labels))
             if self.normalize:
-                images = _normalize_torch(images, self.dtype, self.mean, self.std)
+                images = self._erase([_normalize_torch(images, self.dtype, self.mean, self.std)], b)[0]
             return (images, labels, None)
         # on the side stream, pinned or not: the trainer waits on the event recorded after it all
         try:
@@ -442,8 +442,8 @@ class BatchFiles:
             # copied before the decode is queued: a pageable copy waits for the stream's earlier work
             gl = self._transfer.to_device(labels, self.device)
             gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
-            if self.normalize:
-                gi = _normalize_torch(gi, self.dtype, self.mean, self.std)
+            if self.normalize:  # on the side stream, after the decode
+                gi = self._erase([_normalize_torch(gi, self.dtype, self.mean, self.std)], b)[0]
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)

@@ -20,6 +20,8 @@ from conftest import small_config, wait_until
 from prefetchd_client import ConfigError as ClientConfigError
 from prefetchd_client import PrefetchClient
 from test_daemon import reference_batches
+from test_hybrid_daemon import CountingDecoder, mixed_root  # noqa: F401 - a fixture
+from test_hybrid_daemon import _reference as hybrid_reference
 
 from prefetchd.core.augment import erasing, modes
 from prefetchd.core.augment.seeds import sample_draws
@@ -44,6 +46,11 @@ def _reference(tmp_path, root, mode, got_indices):
     plain = tmp_path / "plain"
     plain.mkdir(exist_ok=True)
     pixels, _ = reference_batches(small_config(plain, root, augment={"mode": "random_resized_crop"}))
+    return _expected(pixels, mode, got_indices) + (pixels,)
+
+
+def _expected(pixels, mode, got_indices):
+    """``pixels`` ({key: (uint8 NHWC, labels, indices)}) normalised and erased as timm would."""
     cfg = erasing_config({**_ERASING, "mode": mode})
     out, mask, n_boxes = {}, {}, 0
     for key, (images, _, used) in pixels.items():
@@ -66,8 +73,8 @@ def _reference(tmp_path, root, mode, got_indices):
                 x[k, :, top:top + h, left:left + w] = fill
                 m[k, :, top:top + h, left:left + w] = True
         out[key], mask[key] = x, m
-    assert n_boxes > 20  # p 0.6 over 96 samples: the test erases something
-    return out, mask, pixels
+    assert n_boxes > 20  # p 0.6 over every sample: the test erases something
+    return out, mask
 
 
 def _read(cfg, epochs=(0, 1), **kw):
@@ -127,6 +134,25 @@ def test_a_replaced_sample_is_erased_from_its_own_key(tmp_path, image_root, daem
     assert d.stop() == 0
     assert len(replaced) == 2  # once an epoch
     ref, mask, _ = _reference(tmp_path, str(root), "pixel", {k: v[1] for k, v in got.items()})
+    _check(got, ref, mask)
+
+
+def test_erase_on_client_combines_with_hybrid_decode(tmp_path, mixed_root, daemon_factory):  # noqa: F811
+    """The client erases the batches it decodes itself (compact batches, here with a CPU JPEG
+    decoder standing in for nvImageCodec) as those the workers made: the odd files of the set
+    (CMYK, PNG, a truncated one, replaced) included."""
+    hyb = {"decode": "hybrid", "gpu_share": 0.5}
+    cfg = small_config(tmp_path, mixed_root, buffer={"max_bytes": "16MiB"}, augment={
+        **hyb, "random_erasing": {**_ERASING, "mode": "pixel", "erase_on": "client"}})
+    d = daemon_factory(cfg)
+    dec = CountingDecoder()
+    got = _read(cfg, decoder=dec)
+    assert d.stop() == 0
+    assert dec.decoded > 0  # compact batches were decoded (and erased) by the client
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    pixels = hybrid_reference(small_config(plain, mixed_root, buffer={"max_bytes": "16MiB"}, augment=hyb))
+    ref, mask = _expected({(0, *k): v for k, v in pixels.items()}, "pixel", {k: v[1] for k, v in got.items()})
     _check(got, ref, mask)
 
 
@@ -235,6 +261,9 @@ def test_erase_on_client_without_normalize_is_refused_naming_the_key(tmp_path, i
      "augment.random_erasing.std", "erase_on: daemon"),
     ({"random_erasing": {"p": 0.5, "erase_on": "client"}, "views": [{"count": 2, "output_size": 32}]}, "augment.views",
      "do not combine"),
+    ({"random_erasing": {"p": 0.5}, "decode": "hybrid"}, "augment.decode", "erase_on: client does not"),
+    ({"random_erasing": {"p": 0.5, "erase_on": "client"}, "ops": {"vflip": 0.5}, "decode": "gpu"}, "augment.decode",
+     "must be cpu"),
 ])
 def test_bad_erase_on_settings_say_the_key(tmp_path, aug, key, words):
     with pytest.raises(ConfigError, match=words) as e:
