@@ -253,6 +253,13 @@ def test_erase_on_client_without_normalize_is_refused_naming_the_key(tmp_path, i
     assert "\n" not in str(e.value)
 
 
+def test_the_validation_stream_is_never_erased_so_its_client_may_read_uint8(tmp_path, image_root, val_image_root):
+    cfg = small_config(tmp_path, image_root, validation={"enabled": True, "root": val_image_root}, augment={
+        "random_erasing": {"p": 0.5, "erase_on": "client"}})
+    c = PrefetchClient(cfg, rank=0, timeout=5, split="val")
+    c.close()
+
+
 @pytest.mark.parametrize("aug, key, words", [
     ({"random_erasing": {"p": 0.5, "erase_on": "gpu"}}, "augment.random_erasing.erase_on", "daemon, client"),
     ({"random_erasing": {"p": 0.5, "erase_on": "client", "value": [124, 116, 104]}}, "augment.random_erasing.value",
