@@ -64,7 +64,8 @@ class ClientErasing:
 
     def plan(self, epoch: int, indices: np.ndarray, h: int, w: int) -> list[tuple[int, int, int, int, int, Any]]:
         """``(k, top, left, height, width, noise)`` of every box of the batch: ``noise`` is None
-        (const), float32 [3] (rand) or float32 [3, height, width] (pixel)."""
+        (const), float32 [3] (rand) or float32 [height, width, 3] (pixel: channels last, as the
+        batches are in memory, so the fill copies in memory order)."""
         out = []
         for k, i in enumerate(indices):
             p = sample_draws(self.seed, int(epoch), int(i))[2]
@@ -73,7 +74,7 @@ class ClientErasing:
                 continue
             for (top, left, eh, ew, _), z in zip(bs, erasing.noise(self.cfg, p, bs), strict=True):
                 if z is not None:
-                    z = z.astype(np.float32) if z.ndim == 1 else z.transpose(2, 0, 1)
+                    z = z.astype(np.float32)
                 out.append((k, top, left, eh, ew, z))
         return out
 
@@ -87,7 +88,7 @@ class ClientErasing:
         if isinstance(images, np.ndarray):
             for k, top, left, eh, ew, z in boxes:
                 dst = images[k, :, top:top + eh, left:left + ew]
-                dst[...] = 0 if z is None else (z[:, None, None] if z.ndim == 1 else z)
+                dst[...] = 0 if z is None else (z[:, None, None] if z.ndim == 1 else z.transpose(2, 0, 1))
             return images
         return _erase_torch(images, boxes)
 
@@ -115,5 +116,5 @@ def _erase_torch(images, boxes):
         n = z.size
         src = flat[at: at + n]
         at += n
-        dst.copy_(src.view(3, 1, 1).expand(3, eh, ew) if z.ndim == 1 else src.view(3, eh, ew))
+        dst.copy_(src.view(3, 1, 1).expand(3, eh, ew) if z.ndim == 1 else src.view(eh, ew, 3).permute(2, 0, 1))
     return images
