@@ -74,7 +74,7 @@ class ClientErasing:
                 continue
             for (top, left, eh, ew, _), z in zip(bs, erasing.noise(self.cfg, p, bs), strict=True):
                 if z is not None:
-                    z = z.astype(np.float32)
+                    z = np.asarray(z, dtype=np.float32)  # rand: from float64; pixel: as it is
                 out.append((k, top, left, eh, ew, z))
         return out
 
