@@ -383,9 +383,11 @@ class AugmentConfig:
             if self.transform is not None:
                 raise ConfigError("augment.policy", "and augment.random_erasing/ops are the built-in path's; with "
                                   "augment.transform put them in your transform")
-            if self.decode != "cpu":
+            e = self.random_erasing  # erase_on: client erases in the trainer's client, after any decode
+            in_workers = self.policy != "none" or self.ops != OpsConfig() or (e.erase_on == "daemon" and e != ErasingConfig())
+            if self.decode != "cpu" and in_workers:
                 raise ConfigError("augment.decode", f"must be cpu with augment.policy, random_erasing or ops (they run "
-                                  f"on the workers' uint8 arrays), got {self.decode}")
+                                  f"on the workers' uint8 arrays; random_erasing with erase_on: client does not), got {self.decode}")
 
     def extras_set(self) -> bool:
         """Whether a policy, random erasing or a single op is set (core.augment.policies)."""
@@ -395,7 +397,7 @@ class AugmentConfig:
         if not self._extras_on:
             return None
         return {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
-                "random_erasing": dataclasses.asdict(self.random_erasing), "ops": dataclasses.asdict(self.ops)}
+                "random_erasing": self.random_erasing.stream_dict(), "ops": dataclasses.asdict(self.ops)}
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:

@@ -243,9 +243,9 @@ class Daemon:
             "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint, self.transform_file.code),
             "transform_code": self.transform_file.code, "transform_file": self.transform_file.path,  # in both fingerprints
             "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
-            # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
+            # the client decodes compact batches itself (hybrid | gpu), erases normalised ones (erase_on: client)
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
-            "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
+            "erasing": c.augment.random_erasing.client_spec(c.loader.seed), "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
         })
 
     # --- signals and waking -----------------------------------------------------------------------

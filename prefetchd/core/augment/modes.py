@@ -39,7 +39,7 @@ import numpy as np
 from PIL import Image
 
 from prefetchd.core.augment import policies
-from prefetchd.core.augment.seeds import sample_key
+from prefetchd.core.augment.seeds import N_UNIFORM, sample_draws, sample_key  # noqa: F401 (sample_key: the tests' and tools')
 from prefetchd.core.config import AugmentConfig
 
 try:  # libjpeg-turbo through its own small wheel: faster than Pillow's decode to numpy
@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - a hard dependency, but the Pillow path
     simplejpeg = None
 
 ALLOWED_FORMATS = ("JPEG", "PNG")
-_N_UNIFORM = 48  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46, 47], flip u[45]
+_N_UNIFORM = N_UNIFORM  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46, 47], flip u[45]
 _NO_DRAWS = np.zeros(0)
 _EXIF_ORIENTATION = 0x0112
 _CV_INTER = {
@@ -81,8 +81,7 @@ def draws(seed: int, epoch: int, index: int, view: int | None = None) -> Draws:
     """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded
     from); ``view``: that view's of the sample (``augment.views``). The policies' fixed block comes
     after the crop's and lighting's, so those stay as they were."""
-    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index, view)))
-    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3), rng.random(policies.N_POLICY_DRAWS))
+    return Draws(*sample_draws(seed, epoch, index, view))
 
 
 # --- geometry: a pure function of the source size and the draws -------------------------------

@@ -27,11 +27,11 @@ from statistics import NormalDist
 import cv2
 import numpy as np
 
-from prefetchd.core.augment import erasing
+from prefetchd.core.augment import erasing, seeds
 from prefetchd.core.augment.ops import apply_op, gaussian_blur, grayscale, posterize, solarize
 from prefetchd.core.policyspec import PolicySpec
 
-N_POLICY_DRAWS = 256  # Draws.p: the fixed block, whatever the policy
+N_POLICY_DRAWS = seeds.N_POLICY_DRAWS  # Draws.p: the fixed block, whatever the policy
 RANDAUGMENT_OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color",
                    "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
 TIMM_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
@@ -185,7 +185,8 @@ def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
     """What ``augment.policy``, ``augment.ops`` and ``augment.random_erasing`` ask of one sample
     (``cfg``: an AugmentConfig; ``p``: its ``Draws.p``), in that order: the policy, grayscale,
     blur, solarize, posterize (BYOL's and DINO's order: blur before solarize), vertical flip,
-    erasing. Nothing is done when none is set."""
+    erasing (not with ``erase_on: client``: the trainer's client erases the normalised batch).
+    Nothing is done when none is set."""
     spec = cfg.policy_spec
     if spec.kind != "none":
         img = apply_policy(img, spec, p)
@@ -201,7 +202,7 @@ def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
         img = posterize(img, o.posterize_bits)
     if o.vflip and p[32] < o.vflip:
         img = cv2.flip(img, 0)  # a copy: later steps (cv2, in-place erasing) want a plain array
-    if cfg.random_erasing.p:
+    if cfg.random_erasing.p and cfg.random_erasing.erase_on == "daemon":  # else the client's (client/erasing.py)
         img = erasing.erase(img, cfg.random_erasing, p)
     return img
 
@@ -209,5 +210,5 @@ def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
 def active(cfg) -> bool:
     """Whether ``apply_extras`` has anything to do for this AugmentConfig."""
     o = cfg.ops
-    return (cfg.policy_spec.kind != "none" or cfg.random_erasing.p > 0
+    return (cfg.policy_spec.kind != "none" or (cfg.random_erasing.p > 0 and cfg.random_erasing.erase_on == "daemon")
             or any((o.vflip, o.grayscale, o.blur, o.solarize, o.posterize)))
