@@ -278,6 +278,16 @@ def test_bad_erase_on_settings_say_the_key(tmp_path, aug, key, words):
     assert str(e.value).startswith(key + " ")
 
 
+def test_an_erase_on_client_config_written_back_whole_loads_again(tmp_path):
+    """``to_dict`` writes every key, the daemon-only ones at their defaults: not refused."""
+    from prefetchd.core.config import from_dict
+
+    cfg = load_config(small_config(tmp_path, "/data", augment={"random_erasing": {"p": 0.5, "erase_on": "client"}}))
+    d = cfg.to_dict()
+    d["augment"]["random_erasing"] = dict(vars(cfg.augment.random_erasing))
+    assert from_dict(d).augment.random_erasing == cfg.augment.random_erasing
+
+
 # --- the GPU path (skipped where no CUDA device is present, as on this project's CI) -----------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

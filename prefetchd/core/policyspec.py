@@ -224,8 +224,8 @@ def erasing_config(v: Any) -> ErasingConfig:
     if d.get("erase_on", "daemon") not in ERASE_ON:
         raise ConfigError(f"{key}.erase_on", f"must be one of {', '.join(ERASE_ON)}, got {d.get('erase_on')!r}")
     if d.get("erase_on") == "client":
-        for k in _DAEMON_ONLY_ERASING_KEYS:
-            if k in v:
+        for k in _DAEMON_ONLY_ERASING_KEYS:  # (their defaults pass: a config written back by to_dict loads)
+            if k in v and d[k] != getattr(ErasingConfig, k):
                 raise ConfigError(f"{key}.{k}", "is for erasing uint8 pixels in the daemon; with erase_on: client the "
                                   "normalised batch is erased as timm does (const: 0, rand and pixel: N(0, 1) noise): "
                                   "remove it, or set erase_on: daemon")
