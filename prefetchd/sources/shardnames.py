@@ -29,6 +29,19 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 MAX_SHARDS = 1 << 20  # a pattern expanding past this is a mistake, not a data set
 
 
+COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.xz", ".tar.bz2", ".tar.lz4")  # webdataset writes .tar.gz
+
+
+def compressed(folder: str) -> list[str]:
+    """The compressed tars at the top of ``folder``, by name (shards that cannot be read in place)."""
+    return sorted(e.name for e in os.scandir(folder) if e.name.lower().endswith(COMPRESSED)
+                  and not e.name.startswith(".") and e.is_file())
+
+
+def is_glob(root: str) -> bool:
+    return any(c in root for c in "*?[")
+
+
 def is_pattern(root: str) -> bool:
     return bool(_BRACE.search(os.path.basename(root)) or _BRACE.search(root))
 
@@ -74,6 +87,9 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
         if absent:
             raise _missing(key, root, names, absent, "the pattern names")
         return base, names, []
+    if is_glob(root) and not os.path.exists(root):
+        raise DatasetError(f"{key} {root} is a glob, which is not expanded for shards: name their folder, "
+                           "a brace pattern (train-{000000..000099}.tar) or a file listing them")
     try:
         st = os.stat(root)
     except OSError as e:
@@ -82,6 +98,11 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
         names = sorted(e.name for e in os.scandir(root)
                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
         if not names:
+            packed = compressed(root)
+            if packed:
+                raise DatasetError(f"{key} {root} holds compressed shards ({packed[0]} ...), not .tar ones: shards are "
+                                   "read in place, uncompressed; decompress them (gunzip, zstd -d, ...) or write "
+                                   "them without compression")
             raise DatasetError(f"{key} {root} holds no .tar shards")
         return root, names, [stamp_of(root)]
     if root.lower().endswith(".tar"):

@@ -142,6 +142,12 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
         if not images:
             problems.append(f"no image member (extensions {', '.join(e.decode() for e in exts)}); it has "
                             f"{', '.join('.' + e.decode('latin-1') for e in sample)}")
+            dotted = next((e for e in sample if b"." + e.rpartition(b".")[2] in exts and b"." in e), None)
+            if dotted is not None:  # TarWriter writes a key with a dot as is; webdataset splits it there
+                problems.append(f"a key with a dot: webdataset's key ends at the first dot of a member's name "
+                                f"({(key + b'.' + dotted).decode('latin-1')} is key {key.decode('latin-1')}, "
+                                f"extension {dotted.decode('latin-1')}); write the shards again with keys "
+                                "without dots")
         elif len(images) > 1:
             problems.append(f"{len(images)} image members ({', '.join('.' + e.decode() for e in images)}): which "
                             "is the image is not said")
@@ -223,10 +229,12 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
     return index, False
 
 
-def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 64) -> bool:
-    """Do the first ``probe`` members of the tar open as ``fd`` look like WebDataset samples (most
-    keys with an image have another member too: a label, a caption, metadata)? What
-    ``dataset.layout: auto`` asks of a tar that is no tar of class tars."""
+def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 64) -> bool | None:
+    """Do the first ``probe`` members of the tar open as ``fd`` look like WebDataset samples? What
+    ``dataset.layout: auto`` asks of a tar that is no tar of class tars. Yes when a ``.cls`` member
+    is there (webdataset's label, in no class tar), or when at least half the keys with an image
+    have another member too (a label, a caption: the last sample of a shard may have its label in
+    the next shard); None when the tar holds no member to judge by (empty: ask the next shard)."""
     seen: dict[bytes, set[bytes]] = {}
     off = 0
     for _ in range(probe):
@@ -243,6 +251,10 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
         off += BLOCK + -(-n // BLOCK) * BLOCK
         parts = split_name(name)
         if parts is not None:
+            if parts[1] == b"cls" or parts[1].endswith(b".cls"):  # a dotted key's label too (``a.b.cls``)
+                return True
             seen.setdefault(parts[0], set()).add(parts[1])
+    if not seen:
+        return None
     with_image = [e for e in seen.values() if any(b"." + x in exts for x in e)]
-    return 2 * sum(len(e) > 1 for e in with_image) > len(with_image) > 0
+    return 2 * sum(len(e) > 1 for e in with_image) >= len(with_image) > 0

@@ -1,0 +1,173 @@
+"""WebDataset shards as users have them, against webdataset's own writer and reader: a folder whose
+first shard is empty, beside lost+found or a shard extracted next to its tar, a sample whose label
+went to the next shard, keys with dots, compressed shards, a glob, a shard cut at any 512-byte
+record. Each either reads as webdataset reads it (same samples, same labels) or is one line
+saying what to change; never the class-tar layout, which labels each shard's samples with the
+shard's number."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+
+import numpy as np
+import pytest
+
+from prefetchd.sources.base import DatasetError
+from prefetchd.sources.dataset import load_index
+from prefetchd.tools.samples import jpeg_bytes, photo_like
+
+wds = pytest.importorskip("webdataset")  # the dev extra installs it: the writer and reader users trust
+
+EXTS = (".jpeg", ".jpg", ".png")  # dataset.extensions' default
+
+
+def _jpg(rng) -> bytes:
+    return jpeg_bytes(photo_like(rng, 32, 24), rng)
+
+
+def _tarwriter_shards(folder, shards: int = 3, per: int = 4, seed: int = 0, first: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for s in range(first, first + shards):
+        paths.append(os.path.join(folder, f"shard-{s:06d}.tar"))
+        with wds.TarWriter(paths[-1]) as w:
+            for k in range(per):
+                w.write({"__key__": f"{s:03d}_{k:03d}", "jpg": _jpg(rng), "cls": int(rng.integers(0, 7))})
+    return paths
+
+
+def _theirs(paths: list[str]) -> list[tuple[str, bytes, int]]:
+    """What webdataset's own reader yields, in its order: (key, image, label) of each sample that
+    has an image and a label."""
+    out = []
+    for s in wds.WebDataset(paths, shardshuffle=False, empty_check=False):
+        if "jpg" in s and "cls" in s:
+            out.append((s["__key__"], s["jpg"], int(s["cls"])))
+    return out
+
+
+def _ours(root: str, **kw) -> list[tuple[str, bytes, int]]:
+    index, _ = load_index(root, None, EXTS, None, use_cache=False, **kw)
+    assert index.layout == "webdataset", index.layout
+    return [(index.relpath(i).partition(".tar/")[2].rpartition(".")[0], index.read(i), int(index.labels[i]))
+            for i in range(len(index))]
+
+
+def _error(root: str, **kw) -> str:
+    with pytest.raises(DatasetError) as e:
+        load_index(root, None, EXTS, None, use_cache=False, **kw)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def _empty_first(root):
+    with wds.TarWriter(os.path.join(root, "shard-000000.tar")):
+        pass  # a job that died before its first sample: a tar of no members
+
+
+def _lost_and_found(root):
+    os.mkdir(os.path.join(root, "lost+found"))  # a disk's root
+
+
+def _extracted_beside(root):
+    with tarfile.open(os.path.join(root, "shard-000001.tar")) as t:
+        t.extractall(os.path.join(root, "shard-000001"), filter="data")  # to look inside one
+
+
+def _label_in_the_next_shard(root):
+    # the first shard's last sample has its .jpg there and its .cls at the next shard's start (a
+    # writer that cut by bytes): half the first shard's keys have no second member
+    rng = np.random.default_rng(9)
+    with tarfile.open(os.path.join(root, "shard-000000.tar"), "w") as t:
+        for name, data in [("a.jpg", _jpg(rng)), ("a.cls", b"3"), ("b.jpg", _jpg(rng))]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+
+@pytest.mark.parametrize("odd", [_empty_first, _lost_and_found, _extracted_beside, _label_in_the_next_shard])
+def test_shards_in_a_folder_as_users_leave_it_read_as_webdataset_reads_them(tmp_path, odd):
+    root = str(tmp_path / "wds")
+    _tarwriter_shards(root, first=1)
+    odd(root)
+    shards = sorted(os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tar"))
+    theirs = _theirs(shards)
+    assert len(theirs) >= 12 and _ours(root) == theirs
+
+
+def test_keys_with_a_dot_are_one_line_naming_the_dot_never_labels_by_shard(tmp_path):
+    root = tmp_path / "wds"
+    root.mkdir()
+    rng = np.random.default_rng(1)
+    with wds.TarWriter(str(root / "shard-000000.tar")) as w:
+        for k in range(3):  # TarWriter writes img.000.jpg, img.000.cls: webdataset's key is "img"
+            w.write({"__key__": f"img.{k:03d}", "jpg": _jpg(rng), "cls": k})
+    assert "jpg" not in next(iter(wds.WebDataset([str(root / "shard-000000.tar")], shardshuffle=False)))
+    msg = _error(str(root))
+    assert "a key with a dot" in msg and "img.000.jpg is key img, extension 000.jpg" in msg, msg
+
+
+def test_shards_beside_a_folder_that_is_no_leftover_are_one_line(tmp_path):
+    root = tmp_path / "wds"
+    _tarwriter_shards(str(root))
+    (root / "logs").mkdir()
+    msg = _error(str(root))
+    assert "holds WebDataset shards (shard-000000.tar ...) and folders (logs)" in msg
+    assert "set dataset.layout: webdataset" in msg
+    assert len(_ours(str(root), layout="webdataset")) == 12  # doing what it says
+
+
+def test_gzip_compressed_shards_are_one_line_saying_decompress(tmp_path):
+    root = tmp_path / "wds"
+    root.mkdir()
+    rng = np.random.default_rng(2)
+    for s in range(2):
+        with wds.TarWriter(str(root / f"shard-{s:06d}.tar.gz")) as w:  # TarWriter gzips by the name
+            w.write({"__key__": f"k{s}", "jpg": _jpg(rng), "cls": s})
+    assert len(_theirs([str(root / "shard-000000.tar.gz")])) == 1  # webdataset reads them
+    assert "holds compressed shards (shard-000000.tar.gz ...), not .tar ones" in _error(str(root))
+    assert "gzip-compressed: decompress it first" in _error(str(root / "shard-{000000..000001}.tar.gz"))
+
+
+def test_a_glob_of_shards_is_one_line_naming_the_forms_that_work(tmp_path):
+    _tarwriter_shards(str(tmp_path / "wds"))
+    for glob in ("shard-*.tar", "nothing-*.tar"):
+        msg = _error(str(tmp_path / "wds" / glob))
+        assert "is a glob, which is not expanded for shards" in msg and "{000000..000099}" in msg
+    assert len(_ours(str(tmp_path / "wds" / "shard-{000000..000002}.tar"))) == 12
+
+
+def test_a_tarwriter_shard_cut_at_any_record_boundary_is_an_error_or_whole(tmp_path):
+    root = tmp_path / "wds"
+    path = _tarwriter_shards(str(root), shards=1)[0]
+    whole = _ours(str(root))
+    data = open(path, "rb").read()
+    for cut in range(0, len(data), 512):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        try:
+            got = _ours(str(root), layout="webdataset")
+        except DatasetError as e:
+            assert "shard-000000.tar" in str(e) and "\n" not in str(e)
+            continue
+        assert got == whole, cut  # only a cut in the end-of-archive blocks
+
+
+def test_non_utf8_keys_read_as_webdataset_reads_them_and_from_the_cache(tmp_path):
+    root = tmp_path / "wds"
+    root.mkdir()
+    rng = np.random.default_rng(3)
+    path = str(root / "shard-000000.tar")
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT, errors="surrogateescape") as t:
+        for key in ("caf\udce9", "\udcff\udcfe", "plain"):  # Latin-1 and stray bytes in the names
+            for ext, data in (("jpg", _jpg(rng)), ("cls", str(len(key)).encode())):
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    assert _ours(str(root)) == _theirs([path])
+    load_index(str(root), None, EXTS, str(tmp_path / "c"))
+    again, cached = load_index(str(root), None, EXTS, str(tmp_path / "c"))
+    assert cached and [again.read(i) for i in range(3)] == [b for _, b, _ in _theirs([path])]
