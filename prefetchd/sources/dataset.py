@@ -163,7 +163,8 @@ def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -
     if root is None or file_list is not None:
         return ""
     if root.endswith(".parquet") or (os.path.isdir(root) and any(
-            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(e.is_dir() for e in os.scandir(root))):
+            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(
+            e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))):  # .cache: huggingface_hub's
         return "parquet"
     if shardnames.is_pattern(root) and not os.path.exists(root):
         return "webdataset"
