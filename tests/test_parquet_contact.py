@@ -135,3 +135,23 @@ def test_other_arrow_types_read_as_pyarrow_reads_them(tmp_path, image_type):
     t = pa.table({"image": pa.array(values, image_type), "label": pa.array([2, 0, None, 1, 0, -1, 2], pa.int8())})
     pq.write_table(t, tmp_path / "x.parquet", row_group_size=2, use_dictionary=True)
     assert _ours(tmp_path / "x.parquet") == _pyarrow_reads([tmp_path / "x.parquet"])
+
+
+def test_files_whose_class_label_names_differ_are_one_line_never_one_label_for_two_classes(tmp_path):
+    import json
+
+    def hf(jpgs, labels, names):
+        features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
+        t = pa.table({"image": pa.array([{"bytes": b, "path": None} for b in jpgs],
+                                        pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      "label": pa.array(labels, pa.int64())})
+        return t.replace_schema_metadata({b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+
+    jpgs = _jpgs(6, seed=7)
+    pq.write_table(hf(jpgs[:3], [0, 1, 2], ["cat", "dog", "eel"]), tmp_path / "a.parquet")
+    pq.write_table(hf(jpgs[3:], [0, 1, 2], ["eel", "cat", "dog"]), tmp_path / "b.parquet")  # label 0 is eel here
+    msg = _error(tmp_path)
+    assert "b.parquet: its ClassLabel names (eel, cat, dog ...) are not those of a.parquet" in msg, msg
+    pq.write_table(hf(jpgs[3:], [0, 1, 2], ["cat", "dog", "eel"]), tmp_path / "b.parquet")
+    index, _ = load_index(str(tmp_path), None, EXTS, None, use_cache=False)
+    assert index.classes == ("cat", "dog", "eel") and list(index.labels) == [0, 1, 2, 0, 1, 2]

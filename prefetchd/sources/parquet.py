@@ -182,7 +182,12 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
                 except (pa.ArrowException, OSError) as e:
                     raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
                                        "corrupt copy? write it again") from None
-                names = names or _class_names(pf.schema_arrow, label_column)
+                own = _class_names(pf.schema_arrow, label_column)
+                if names is not None and own is not None and own != names:  # label k is another class there
+                    raise DatasetError(f"{path}: its ClassLabel names ({', '.join(own[:4])} ...) are not those of "
+                                       f"{files[0]} ({', '.join(names[:4])} ...), so one label would be two classes: "
+                                       f"set {key} to the files of one data set")
+                names = names or own
                 sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
                 pathonly = _without_bytes(pf, image_column)
             if identity_of(os.fstat(fd)) != ident:
