@@ -98,6 +98,23 @@ def test_shards_in_a_folder_as_users_leave_it_read_as_webdataset_reads_them(tmp_
     assert len(theirs) >= 12 and _ours(root) == theirs
 
 
+@pytest.mark.parametrize("fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_keys_over_100_bytes_read_as_webdataset_reads_them(tmp_path, fmt):
+    # a member name over 100 bytes is in a PAX or GNU long-name header, or split into ustar's prefix:
+    # auto must read it there, or it took these shards for class tars
+    rng = np.random.default_rng(4)
+    root = tmp_path / "wds"
+    root.mkdir()
+    for s in range(2):
+        w = wds.TarWriter(str(root / f"shard-{s:06d}.tar"))
+        w.tarstream.format = fmt  # TarWriter writes PAX (tarfile's default); GNU tar and others write these
+        with w:
+            for k in range(3):
+                w.write({"__key__": f"{'a' * 60}/{'b' * 50}_{s}_{k}", "jpg": _jpg(rng), "cls": (3 * s + k) % 4})
+    theirs = _theirs(sorted(str(p) for p in root.iterdir()))
+    assert len(theirs) == 6 and _ours(str(root)) == theirs
+
+
 def test_keys_with_a_dot_are_one_line_naming_the_dot_never_labels_by_shard(tmp_path):
     root = tmp_path / "wds"
     root.mkdir()

@@ -52,7 +52,7 @@ from prefetchd.sources.archive import (
 from prefetchd.sources.base import DatasetError, cache_path
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, members
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -236,19 +236,26 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
     have another member too (a label, a caption: the last sample of a shard may have its label in
     the next shard); None when the tar holds no member to judge by (empty: ask the next shard)."""
     seen: dict[bytes, set[bytes]] = {}
-    off = 0
+    off, long_name = 0, None
     for _ in range(probe):
         if off + BLOCK > size:
             break
         hdr = os.pread(fd, BLOCK, off)
         if len(hdr) < BLOCK or hdr == bytes(BLOCK):
             break
-        name = hdr[:100].split(b"\0", 1)[0]
         try:
-            n = int(hdr[124:136].replace(b"\0", b" ").strip() or b"0", 8)
-        except ValueError:
+            name, kind, n = _header(hdr, "", off, None)
+        except DatasetError:
             return False
-        off += BLOCK + -(-n // BLOCK) * BLOCK
+        data, off = off + BLOCK, off + BLOCK + -(-n // BLOCK) * BLOCK
+        if kind in (b"L", b"x") and n <= _LABEL_MEMBER_MAX:  # a name over 100 bytes: the next member's
+            body = os.pread(fd, n, data)
+            try:
+                long_name = body.split(b"\0", 1)[0] if kind == b"L" else _pax_records(body).get(b"path", long_name)
+            except ValueError:
+                pass
+            continue
+        name, long_name = long_name or name, None
         parts = split_name(name)
         if parts is not None:
             if parts[1] == b"cls" or parts[1].endswith(b".cls"):  # a dotted key's label too (``a.b.cls``)
