@@ -188,3 +188,10 @@ def test_non_utf8_keys_read_as_webdataset_reads_them_and_from_the_cache(tmp_path
     load_index(str(root), None, EXTS, str(tmp_path / "c"))
     again, cached = load_index(str(root), None, EXTS, str(tmp_path / "c"))
     assert cached and [again.read(i) for i in range(3)] == [b for _, b, _ in _theirs([path])]
+
+
+def test_a_list_file_saved_by_notepad_names_its_first_shard(tmp_path):
+    paths = _tarwriter_shards(str(tmp_path / "wds"))
+    listed = tmp_path / "shards.txt"  # UTF-8 with a byte order mark and CRLF line ends
+    listed.write_text("".join(f"wds/{os.path.basename(p)}\n" for p in paths), encoding="utf-8-sig", newline="\r\n")
+    assert _ours(str(listed)) == _theirs(paths)

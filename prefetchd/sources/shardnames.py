@@ -109,7 +109,7 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
         return os.path.dirname(root), [os.path.basename(root)], []
     base = os.path.dirname(root)
     try:
-        with open(root, encoding="utf-8") as f:
+        with open(root, encoding="utf-8-sig") as f:  # -sig: Notepad's byte order mark is no part of a name
             lines = [ln.strip() for ln in f]
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{key} {root} is not a readable list of shards: {e}") from None
