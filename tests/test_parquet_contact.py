@@ -155,3 +155,10 @@ def test_files_whose_class_label_names_differ_are_one_line_never_one_label_for_t
     pq.write_table(hf(jpgs[3:], [0, 1, 2], ["cat", "dog", "eel"]), tmp_path / "b.parquet")
     index, _ = load_index(str(tmp_path), None, EXTS, None, use_cache=False)
     assert index.classes == ("cat", "dog", "eel") and list(index.labels) == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_label_that_is_an_id_is_one_line_not_gigabytes_of_class_names(tmp_path):
+    t = pa.table({"image": pa.array(_jpgs(2, seed=8)), "label": pa.array([1, 1 << 40], pa.int64())})
+    pq.write_table(t, tmp_path / "x.parquet")
+    msg = _error(tmp_path / "x.parquet")
+    assert f"labels go up to {1 << 40} (e.g. {tmp_path / 'x.parquet'}#1)" in msg, msg

@@ -195,3 +195,14 @@ def test_a_list_file_saved_by_notepad_names_its_first_shard(tmp_path):
     listed = tmp_path / "shards.txt"  # UTF-8 with a byte order mark and CRLF line ends
     listed.write_text("".join(f"wds/{os.path.basename(p)}\n" for p in paths), encoding="utf-8-sig", newline="\r\n")
     assert _ours(str(listed)) == _theirs(paths)
+
+
+def test_a_label_that_is_an_id_is_one_line_not_gigabytes_of_class_names(tmp_path):
+    root = tmp_path / "wds"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    with wds.TarWriter(str(root / "shard-000000.tar")) as w:
+        w.write({"__key__": "a", "jpg": _jpg(rng), "cls": 3})
+        w.write({"__key__": "b", "jpg": _jpg(rng), "cls": 2_000_000_000})  # a .cls of an id: 2e9 names, ~300 GB
+    msg = _error(str(root))
+    assert "labels go up to 2000000000 (e.g. " + str(root / "shard-000000.tar" / "b.jpg") + ")" in msg, msg

@@ -47,6 +47,7 @@ from prefetchd.sources.base import (
     StorageChanged,
     build_index,
     cache_path,
+    numbered_classes,
     open_cached,
     read_cache,
     write_cache,
@@ -224,7 +225,9 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
     if names is not None and top >= len(names):
         raise DatasetError(f"{key} {root}: labels go up to {top}, but the ClassLabel metadata names {len(names)} "
                            "classes")
-    index = build_index(base, names or [str(i) for i in range(top + 1)], rel, labels)
+    if names is None:
+        names = numbered_classes(top, key, root, os.path.join(base, os.fsdecode(rel[labels.index(top)])))
+    index = build_index(base, names, rel, labels)
     index = ParquetIndex(**{f: getattr(index, f) for f in ("root", "classes", "blob", "offsets", "labels",
                                                            "fingerprint")},
                          skipped=tuple(skipped[:1000]), kind="parquet", files=tuple(files),

@@ -49,10 +49,10 @@ from prefetchd.sources.archive import (
     unchanged,
     warn_skipped,
 )
-from prefetchd.sources.base import DatasetError, cache_path
+from prefetchd.sources.base import DatasetError, cache_path, numbered_classes
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members, show
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -206,7 +206,9 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
                            f"({', '.join(extensions)}) and a label ({label})" + (
                                f"; e.g. {notes[0]}" if notes else ""))
     top = max(out.labels) if how != "none" else -1
-    index = out.index(base, [str(i) for i in range(top + 1)], LAYOUT, tuple(shards))
+    k = out.labels.index(top)  # the sample of the largest label, for a message
+    where = os.path.join(base, show(bytes(out.blob[out.ends[k]:out.ends[k + 1]])))
+    index = out.index(base, numbered_classes(top, key, root, where), LAYOUT, tuple(shards))
     return replace(index, identity=tuple(identity), skipped=kept_notes(notes), kind=LAYOUT), stamps
 
 
