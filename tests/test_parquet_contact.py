@@ -162,3 +162,16 @@ def test_a_label_that_is_an_id_is_one_line_not_gigabytes_of_class_names(tmp_path
     pq.write_table(t, tmp_path / "x.parquet")
     msg = _error(tmp_path / "x.parquet")
     assert f"labels go up to {1 << 40} (e.g. {tmp_path / 'x.parquet'}#1)" in msg, msg
+
+
+def test_a_glob_over_the_hubs_split_folders_is_one_line_and_its_glob_reads_one(tmp_path):
+    root = tmp_path / "default"  # the Hub's Parquet conversion (refs/convert/parquet): default/<split>/0000.parquet
+    jpgs = _jpgs(6, seed=9)
+    for split, part in (("train", jpgs[:4]), ("test", jpgs[4:])):
+        (root / split).mkdir(parents=True)
+        pq.write_table(pa.table({"image": pa.array(part), "label": pa.array(range(len(part)))}),
+                       root / split / "0000.parquet")
+    msg = _error(root / "*" / "*.parquet")
+    assert "holds the Parquet files of 2 splits (test, train; e.g. train/0000.parquet)" in msg, msg
+    one = str(root / "train" / "*.parquet")
+    assert msg.endswith(one) and _ours(one) == _pyarrow_reads([root / "train" / "0000.parquet"])

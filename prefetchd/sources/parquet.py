@@ -73,8 +73,10 @@ def pyarrow_parquet():
 
 
 # Hugging Face's names for a split's files (push_to_hub: data/train-00000-of-00004.parquet; older
-# ones end in a hash): a folder of several splits (mnist/: train and test) is several data sets
+# ones end in a hash), or its folders (the Hub's Parquet conversion: default/train/0000.parquet):
+# a folder or glob of several splits (mnist/: train and test) is several data sets
 _SPLIT_FILE = re.compile(r"^(.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?\.parquet$")
+_SPLIT_FOLDERS = ("train", "test", "validation", "valid", "val", "dev")
 
 
 def _one_split(root: str, key: str, base: str, names: list[str]) -> None:
@@ -83,13 +85,16 @@ def _one_split(root: str, key: str, base: str, names: list[str]) -> None:
     splits: dict[str, str] = {}
     for n in names:
         m = _SPLIT_FILE.match(os.path.basename(n))
-        if m:
-            splits.setdefault(m.group(1), n)
+        folder = os.path.basename(os.path.dirname(n))
+        if m or folder in _SPLIT_FOLDERS:
+            splits.setdefault(m.group(1) if m else folder, n)
     if len(splits) > 1:
         pick = "train" if "train" in splits else sorted(splits)[0]
+        one = os.path.join(os.path.dirname(splits[pick]), pick + "-*.parquet") if _SPLIT_FILE.match(
+            os.path.basename(splits[pick])) else os.path.join(os.path.dirname(splits[pick]), "*.parquet")
         raise DatasetError(f"{key} {root} holds the Parquet files of {len(splits)} splits ({', '.join(sorted(splits))}"
                            f"; e.g. {splits[pick]}): a data set is one split; set {key} to one split's files, e.g. "
-                           f"{os.path.join(base, pick + '-*.parquet')}")
+                           f"{os.path.join(base, one)}")
 
 
 def files_of(root: str, key: str = "dataset.root") -> tuple[str, list[str]]:
