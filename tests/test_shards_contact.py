@@ -206,3 +206,20 @@ def test_a_label_that_is_an_id_is_one_line_not_gigabytes_of_class_names(tmp_path
         w.write({"__key__": "b", "jpg": _jpg(rng), "cls": 2_000_000_000})  # a .cls of an id: 2e9 names, ~300 GB
     msg = _error(str(root))
     assert "labels go up to 2000000000 (e.g. " + str(root / "shard-000000.tar" / "b.jpg") + ")" in msg, msg
+
+
+def test_a_folder_of_train_and_validation_shards_is_one_line_and_its_pattern_reads_train(tmp_path):
+    # as timm/imagenet-1k-wds is downloaded: imagenet1k-train-NNNN.tar beside imagenet1k-validation-NN.tar
+    root = tmp_path / "imagenet-1k-wds"
+    rng = np.random.default_rng(6)
+    root.mkdir()
+    for name, n in [("imagenet1k-train-0000.tar", 3), ("imagenet1k-train-0001.tar", 3),
+                    ("imagenet1k-validation-00.tar", 2)]:
+        with wds.TarWriter(str(root / name)) as w:
+            for k in range(n):
+                w.write({"__key__": f"{name[:-4]}_{k}", "jpg": _jpg(rng), "cls": k})
+    msg = _error(str(root))
+    pattern = str(root / "imagenet1k-train-{0000..0001}.tar")
+    assert "holds the shards of 2 splits (train, validation; e.g. imagenet1k-train-0000.tar)" in msg, msg
+    assert msg.endswith(pattern) and _ours(pattern) == _theirs(sorted(str(p) for p in root.glob("*-train-*")))
+    assert _error(str(root), section="validation").endswith(str(root / "imagenet1k-validation-{00..00}.tar"))

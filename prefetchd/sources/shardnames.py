@@ -69,6 +69,33 @@ def expand(pattern: str) -> list[str]:
     return [head + i + t for i in items for t in tails]
 
 
+# a word of a shard's name that says its split: timm/imagenet-1k-wds holds imagenet1k-train-0000.tar
+# beside imagenet1k-validation-00.tar, and its folder as dataset.root trained on the validation set
+_SPLITS = {"train", "training", "val", "valid", "validation", "test", "testing", "dev", "eval"}
+
+
+def _one_split(key: str, root: str, names: list[str]) -> None:
+    """A DatasetError if the folder's shards are named for more than one split, saying how to name one's."""
+    splits: dict[str, list[str]] = {}
+    for n in names:
+        words = {w.lower() for w in re.findall(r"[A-Za-z]+", n[:-4])} & _SPLITS
+        if len(words) == 1:
+            splits.setdefault(words.pop(), []).append(n)
+    if len(splits) < 2:
+        return
+    order = (("validation", "val", "valid", "test", "dev", "eval") if key.startswith("validation")
+             else ("train", "training"))
+    pick = next((w for w in order if w in splits), sorted(splits)[0])
+    found = [re.match(r"^(.*?)(\d+)\.tar$", n) for n in splits[pick]]
+    how = "a brace pattern or a file listing them"
+    if all(found) and len({m.group(1) for m in found}) == 1 and len({len(m.group(2)) for m in found}) == 1:
+        nums = sorted(m.group(2) for m in found)
+        if len(nums) == int(nums[-1]) - int(nums[0]) + 1:
+            how = os.path.join(root, f"{found[0].group(1)}{{{nums[0]}..{nums[-1]}}}.tar")
+    raise DatasetError(f"{key} {root} holds the shards of {len(splits)} splits ({', '.join(sorted(splits))}; e.g. "
+                       f"{splits[pick][0]}): a data set is one split; set {key} to one split's shards: {how}")
+
+
 def _missing(key: str, root: str, paths: list[str], absent: list[str], what: str) -> DatasetError:
     if len(absent) == len(paths):
         return DatasetError(f"{key} {root}: none of the {len(paths)} shard(s) {what} exists (e.g. {absent[0]}): "
@@ -104,6 +131,7 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
                                    "read in place, uncompressed; decompress them (gunzip, zstd -d, ...) or write "
                                    "them without compression")
             raise DatasetError(f"{key} {root} holds no .tar shards")
+        _one_split(key, root, names)
         return root, names, [stamp_of(root)]
     if root.lower().endswith(".tar"):
         return os.path.dirname(root), [os.path.basename(root)], []
