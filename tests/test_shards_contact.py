@@ -223,3 +223,49 @@ def test_a_folder_of_train_and_validation_shards_is_one_line_and_its_pattern_rea
     assert "holds the shards of 2 splits (train, validation; e.g. imagenet1k-train-0000.tar)" in msg, msg
     assert msg.endswith(pattern) and _ours(pattern) == _theirs(sorted(str(p) for p in root.glob("*-train-*")))
     assert _error(str(root), section="validation").endswith(str(root / "imagenet1k-validation-{00..00}.tar"))
+
+
+_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+def _random_shards(root, rng) -> list[str]:
+    """Shards as TarWriter writes them, at random: keys in folders, the four image extensions, a
+    sample now and then without a label, with two images, with only a caption, PAX or GNU headers."""
+    jpg = _jpg(rng)  # the bytes need not decode: both readers pass them through
+    paths, n = [], 0
+    for s in range(int(rng.integers(1, 5))):
+        paths.append(os.path.join(root, f"r-{s:06d}.tar"))
+        w = wds.TarWriter(paths[-1])
+        w.tarstream.format = (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT)[int(rng.integers(0, 2))]
+        with w:
+            for _ in range(int(rng.integers(0, 12))):
+                n += 1
+                key = "/".join(f"d{int(rng.integers(0, 3))}" for _ in range(int(rng.integers(0, 3))))
+                sample = {"__key__": f"{key}/k{n:04d}".lstrip("/"), "txt": b"a caption"}
+                for ext in rng.choice(_IMAGE_EXTS, size=int(rng.choice([0, 1, 1, 1, 2])), replace=False):
+                    sample[str(ext)] = jpg + bytes([n % 256])
+                if rng.random() < 0.85:
+                    sample["cls"] = int(rng.integers(0, 50))
+                w.write(sample)
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_tarwriter_shards_read_as_webdataset_reads_them(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    root = tmp_path / "wds"
+    root.mkdir()
+    paths = _random_shards(str(root), rng)
+    theirs = []
+    for s in wds.WebDataset(paths, shardshuffle=False, empty_check=False):
+        images = [e for e in _IMAGE_EXTS if e in s]
+        if len(images) == 1 and "cls" in s:  # one image and a label: a sample either reader can use
+            theirs.append((s["__key__"], s[images[0]], int(s["cls"])))
+    try:
+        index, _ = load_index(str(root), None, EXTS, None, use_cache=False)  # auto
+    except DatasetError as e:
+        assert not theirs and "hold no samples" in str(e)
+        return
+    ours = [(index.relpath(i).partition(".tar/")[2].rpartition(".")[0], index.read(i), int(index.labels[i]))
+            for i in range(len(index))]
+    assert ours == theirs
