@@ -10,8 +10,9 @@ name) or a glob (``/data/hf/train-*.parquet``, by name). Samples are the rows, f
 ``"0" .. str(max label)``. A row whose label is null or negative (Hugging Face writes -1 for an
 unlabelled row), or whose image holds no bytes (kept by path only), is skipped with its reason; a
 file whose images all are is an error. A folder or glob of the files of several Hugging Face
-splits (``train-00000-of-00001.parquet`` beside ``test-...``) is an error naming one split's glob. A file without either column, with a column of
-another type, or whose footer cannot be read is a one-line error naming it.
+splits (``train-00000-of-00001.parquet`` beside ``test-...``) is an error naming one split's glob.
+A file without either column, with a column of another type, whose ``ClassLabel`` names differ
+from the first file's, or whose footer cannot be read is a one-line error naming it.
 
 **Index**: from each file's footer (row groups and their row counts) and its label column alone
 (the images are not read): per sample, the file, the row group and the row within it.
