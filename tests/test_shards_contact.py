@@ -269,3 +269,14 @@ def test_random_tarwriter_shards_read_as_webdataset_reads_them(tmp_path, seed):
     ours = [(index.relpath(i).partition(".tar/")[2].rpartition(".")[0], index.read(i), int(index.labels[i]))
             for i in range(len(index))]
     assert ours == theirs
+
+
+def test_a_folder_whose_copy_is_still_running_is_one_line_not_part_of_the_set(tmp_path):
+    root = tmp_path / "wds"
+    paths = _tarwriter_shards(str(root), shards=4)
+    os.rename(paths[2], root / ".shard-000002.tar.Xy12Ab")  # rsync writes a shard under a hidden name until whole
+    msg = _error(str(root))
+    assert "1 shard(s) numbered between its first and last are not there (shard-000002.tar)" in msg, msg
+    listed = tmp_path / "present.txt"  # what it says: name the shards present
+    listed.write_text("".join(f"wds/{os.path.basename(p)}\n" for p in paths if p != paths[2]))
+    assert _ours(str(listed)) == _theirs([p for p in paths if p != paths[2]])

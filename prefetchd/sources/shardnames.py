@@ -96,6 +96,23 @@ def _one_split(key: str, root: str, names: list[str]) -> None:
                        f"{splits[pick][0]}): a data set is one split; set {key} to one split's shards: {how}")
 
 
+def _no_gaps(key: str, root: str, names: list[str]) -> None:
+    """A DatasetError if the folder's shards are numbered (one prefix, one width) with numbers missing
+    between the first and the last: what a copy still running leaves (rsync writes each shard under
+    a hidden name until it is whole, aws s3 sync under a suffix), as a pattern naming them would say."""
+    found = [re.match(r"^(.*?)(\d+)\.tar$", n) for n in names]
+    if len(names) < 2 or not all(found) or len({(m.group(1), len(m.group(2))) for m in found}) != 1:
+        return
+    nums = {int(m.group(2)) for m in found}
+    missing = sorted(set(range(min(nums), max(nums) + 1)) - nums)
+    if missing:
+        prefix, width = found[0].group(1), len(found[0].group(2))
+        shown = ", ".join(f"{prefix}{k:0{width}d}.tar" for k in missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise DatasetError(f"{key} {root}: {len(missing)} shard(s) numbered between its first and last are not there "
+                           f"({shown}): a copy or download still running, or removed? a set without them trains on "
+                           "part of the data; restore them, or name the shards present in a list file")
+
+
 def _missing(key: str, root: str, paths: list[str], absent: list[str], what: str) -> DatasetError:
     if len(absent) == len(paths):
         return DatasetError(f"{key} {root}: none of the {len(paths)} shard(s) {what} exists (e.g. {absent[0]}): "
@@ -132,6 +149,7 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
                                    "them without compression")
             raise DatasetError(f"{key} {root} holds no .tar shards")
         _one_split(key, root, names)
+        _no_gaps(key, root, names)
         return root, names, [stamp_of(root)]
     if root.lower().endswith(".tar"):
         return os.path.dirname(root), [os.path.basename(root)], []
