@@ -280,3 +280,21 @@ def test_a_folder_whose_copy_is_still_running_is_one_line_not_part_of_the_set(tm
     listed = tmp_path / "present.txt"  # what it says: name the shards present
     listed.write_text("".join(f"wds/{os.path.basename(p)}\n" for p in paths if p != paths[2]))
     assert _ours(str(listed)) == _theirs([p for p in paths if p != paths[2]])
+
+
+def test_an_index_cached_before_the_split_check_is_not_trusted(tmp_path, monkeypatch):
+    import prefetchd.sources.shardnames as shardnames
+    import prefetchd.sources.webdataset as webdataset
+
+    root = tmp_path / "wds"
+    _tarwriter_shards(str(root), shards=2)
+    for s in range(2):
+        os.rename(root / f"shard-{s:06d}.tar", root / f"in1k-{('train', 'validation')[s]}-{s:04d}.tar")
+    with monkeypatch.context() as m:
+        m.setattr(shardnames, "_one_split", lambda *a: None)  # the version before the check: it cached both
+        index, stamps = webdataset.scan(str(root), webdataset.DEFAULT_EXTENSIONS)
+    cdir = webdataset.cache_path(str(tmp_path / "c"), f"{root}|label=cls", webdataset.LAYOUT,
+                                 webdataset.DEFAULT_EXTENSIONS)
+    webdataset.save(cdir, index, stamps)
+    with pytest.raises(DatasetError, match="holds the shards of 2 splits"):
+        load_index(str(root), None, EXTS, str(tmp_path / "c"))

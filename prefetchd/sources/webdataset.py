@@ -215,7 +215,8 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
 def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | None, use_cache: bool = True,
          key: str = "dataset.root") -> tuple[TarIndex, bool]:
     """As ``dataset.load_index`` for shards: (index, from_cache)."""
-    cdir = cache_path(cache_dir, f"{root}|label={label}", LAYOUT, extensions)
+    # |2: a cache from before the folder's split and gap checks (resolve) is not trusted to hold one whole split
+    cdir = cache_path(cache_dir, f"{root}|label={label}|2", LAYOUT, extensions)
     if use_cache:
         cached = load_cached(cdir)
         if cached is not None:
