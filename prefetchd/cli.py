@@ -136,6 +136,24 @@ def _print_skipped(section: str, index) -> None:
         print(f"  ... and {len(index.skipped) - 20} more")
 
 
+def _warn_grouped_labels(sampler, labels) -> None:
+    """A block shuffle of files whose rows are grouped by label (class-sorted exports): each
+    window then holds few classes, so does every batch; said with the numbers."""
+    import numpy as np
+
+    perm, bs = sampler.permutation(0), sampler.blocks
+    rows = max(1, min(len(perm), round(bs.total * bs.window / len(bs.sizes))))  # a window's rows, about
+    chunks = [perm[a:a + rows] for a in range(0, len(perm) - rows + 1, rows)][:200] or [perm]
+    distinct = float(np.mean([len(np.unique(labels[c])) for c in chunks]))
+    classes = max(1, len(np.unique(labels)))
+    expected = classes * (1 - (1 - 1 / classes) ** rows)  # a window's rows drawn from the whole set
+    if distinct < 0.5 * expected:
+        print(f"warning: loader.shuffle: block: a window of ~{rows} rows holds ~{distinct:.1f} of the "
+              f"{classes} labels (~{expected:.0f} if the rows were in no order): the files' rows are grouped by "
+              "label, so every batch holds few classes; write them shuffled (datasets: "
+              "ds.shuffle(seed=0).flatten_indices()) or use loader.shuffle: true")
+
+
 def cmd_check(args) -> int:
     from prefetchd.core.sampler import for_index
     from prefetchd.core.words import plural
@@ -168,9 +186,6 @@ def cmd_check(args) -> int:
         sampler = for_index(L, index)
     except ConfigError as e:
         return _fail_config(e)
-    if sampler.batches_per_epoch == 0:
-        return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
-                                        f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
     transform_said: list[str] = []  # augment.transform made and run on the first samples, as the daemon's start does
     from prefetchd.core.augment import transform
 
@@ -201,6 +216,7 @@ def cmd_check(args) -> int:
         print(f"shuffle: block: {plural(len(bs.sizes), 'row group')} permuted each epoch, then the rows of each "
               f"{bs.window} consecutive ones (~{bs.total * bs.window // len(bs.sizes)} rows) permuted together "
               "(loader.shuffle_window)")
+        _warn_grouped_labels(sampler, index.labels)
     elif getattr(index, "block_sizes", lambda: None)() is not None and L.shuffle is True:
         print("shuffle: full (each epoch a permutation of every row: each row's read is its row group's; "
               "loader.shuffle: block reads each row group about once per window and worker)")

@@ -372,3 +372,14 @@ def test_a_validation_root_in_another_bucket_is_read_with_the_storage_options_al
     assert d.stop() == 0
     assert sorted(labels.tolist()) == sorted([i // 12 for i in range(48)])
     assert "quarantined" not in d.log() and "unreadable" not in d.log()
+
+
+def test_the_endpoint_is_read_under_each_of_obstores_spellings(monkeypatch):
+    """The index cache keys on the endpoint, so every spelling obstore takes names it."""
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"):
+        monkeypatch.delenv(k, raising=False)
+    for key in ("endpoint", "endpoint_url", "aws_endpoint", "AWS_ENDPOINT_URL", "Aws_Endpoint"):
+        assert objectstore.ObjectStore("s3", "b", {key: "http://10.0.0.1:9000"}).endpoint() == "http://10.0.0.1:9000", key
+    assert objectstore.ObjectStore("s3", "b").endpoint() == ""
+    monkeypatch.setenv("AWS_ENDPOINT", "http://10.0.0.2:9000")
+    assert objectstore.ObjectStore("s3", "b").endpoint() == "http://10.0.0.2:9000"

@@ -191,3 +191,42 @@ def test_a_damaged_row_group_of_the_indexed_file_quarantines_its_samples_not_wai
     os.utime(path, ns=(1, 1))  # the file is no longer the one indexed
     with pytest.raises(StorageUnavailable, match="changed since it was indexed"):
         read_sample(lambda: index.read(6), str(path))
+
+
+def test_pyarrow_out_of_memory_is_not_taken_for_a_damaged_row_group(tmp_path, monkeypatch):
+    from prefetchd.executors.storage import read_sample
+
+    rows = _rows(8, seed=6)
+    path = tmp_path / "x.parquet"
+    pq.write_table(hf_table(rows), path, row_group_size=4)
+    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+
+    def oom(self, i, *a, **kw):
+        raise pa.ArrowMemoryError("malloc of size 1073741824 failed")
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", oom)
+    with pytest.raises(MemoryError):  # the worker's failure, not the samples' (never quarantined for it)
+        read_sample(lambda: index.read(5), str(path))
+
+
+def test_the_row_groups_a_worker_keeps_are_bounded_in_bytes_too(tmp_path, monkeypatch):
+    from prefetchd.sources import parquet
+
+    rows = _rows(40, seed=7)
+    path = tmp_path / "x.parquet"
+    pq.write_table(hf_table(rows), path, row_group_size=4)
+    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+    parquet._groups.clear()
+    monkeypatch.setattr(parquet, "_GROUPS_KEPT", 10)
+    one = None
+    for i in range(0, 40, 4):
+        index.read(i)
+        one = one or next(iter(parquet._groups.values())).nbytes
+    assert len(parquet._groups) == 10
+    monkeypatch.setattr(parquet, "_BYTES_KEPT", int(2.5 * one))
+    parquet._groups.clear()
+    for i in range(0, 40, 4):
+        index.read(i)
+        assert sum(c.nbytes for c in parquet._groups.values()) <= 2.5 * one * 1.2
+    assert [k[1] for k in parquet._groups] == [8, 9]  # the newest two, by bytes (the count allows 10)
+    parquet._groups.clear()

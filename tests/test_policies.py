@@ -288,3 +288,12 @@ def test_bad_hue_and_jitter_p_are_one_line_errors(kw, words):
     with pytest.raises(ConfigError) as e:
         AugmentConfig(**kw)
     assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_two_order_sensitive_single_ops_name_the_order_in_the_fingerprint():
+    """grayscale, blur, solarize and posterize run in that order since blur went before solarize:
+    a config with two or more of them makes other pixels than before, so its stream says so; a
+    config with one of them (or none) keeps the fingerprint it had."""
+    one = AugmentConfig(ops={"solarize": 0.5, "vflip": 0.5}).stream_dict()
+    two = AugmentConfig(ops={"solarize": 0.5, "blur": 0.5}).stream_dict()
+    assert "ops_order" not in one and two["ops_order"] == 2

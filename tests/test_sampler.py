@@ -235,8 +235,8 @@ def test_block_shuffle_needs_blocks_and_is_in_the_stream_fingerprint():
 
     with pytest.raises(ConfigError, match=r"^loader.shuffle block needs a layout read in blocks .* imagefolder"):
         for_loader(LoaderConfig(shuffle="block"), 10, None, "imagefolder")
-    assert for_loader(LoaderConfig(shuffle="block", shuffle_window=2), 10, [4, 6]).blocks == Blocks([4, 6], 2)
-    assert for_loader(LoaderConfig(), 10, [4, 6]).blocks is None
+    assert for_loader(LoaderConfig(batch_size=2, shuffle="block", shuffle_window=2), 10, [4, 6]).blocks == Blocks([4, 6], 2)
+    assert for_loader(LoaderConfig(batch_size=2), 10, [4, 6]).blocks is None
     with pytest.raises(ConfigError, match=r"^loader.shuffle must be true, false or block"):
         LoaderConfig(shuffle="blocks")
     values = [Config(dataset=DatasetConfig(root="/d"), loader=LoaderConfig(**kw)).stream_fingerprint()

@@ -179,7 +179,7 @@ def test_parquet_block_shuffle_batches_are_the_in_process_ones_with_1_or_2_worke
                          dataset={"cache_dir": str(tmp_path / "cache")})
         d = daemon_factory(c)
         got = collect(c, epochs=(0,))
-        if workers == 2:  # a restart mid-epoch: epoch 1's batches, read by a daemon started afresh
+        if workers == 2:  # a restart: epoch 1's batches, read by a daemon started afresh (mid-epoch: the test below)
             assert d.stop() == 0
             d = daemon_factory(c)
         got.update(collect(c, epochs=(1,)))
@@ -233,3 +233,91 @@ def test_a_block_shuffle_reads_each_row_group_a_few_times_not_once_per_row():
         parquet.keep_groups(0)
     # measured here: 0.75 (block; the column chunks are compressed) against 10.7 (full, 20 rows a group)
     assert read["block"] < 1.3 and read[True] > 3 * read["block"], read
+
+
+def test_a_block_shuffles_stream_names_its_row_groups():
+    """The same rows in other row groups make another block order: the dataset's part of the
+    stream's identity differs under ``loader.shuffle: block`` (a restart or a resume does not take
+    the old order's batches or state for the new one), and stays the index's under a full shuffle."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import tempfile
+
+    from test_parquet import EXTS, _rows, hf_table
+
+    from prefetchd.core.configsections import LoaderConfig
+    from prefetchd.core.sampler import for_index
+    from prefetchd.sources.dataset import load_index
+
+    rows = _rows(40, seed=15)
+    with tempfile.TemporaryDirectory() as d:
+        got = {}
+        for size in (4, 8):
+            path = os.path.join(d, f"g{size}", "x.parquet")
+            os.makedirs(os.path.dirname(path))
+            pq.write_table(hf_table(rows), path, row_group_size=size)
+            index, _ = load_index(path, None, EXTS, None, use_cache=False)
+            got[size] = [index.fingerprint] + [for_index(LoaderConfig(batch_size=4, shuffle=s), index)
+                                               .dataset_fingerprint(index.fingerprint) for s in (True, "block")]
+    assert got[4][0] == got[8][0]  # the index names the same rows either way
+    assert got[4][1] == got[4][0] and got[8][1] == got[8][0]  # a full shuffle: the index's
+    assert got[4][2] != got[8][2] and got[4][2] != got[4][0]
+
+
+def test_a_block_shuffled_parquet_epoch_resumed_on_another_world_size_reads_each_row_once(tmp_path, daemon_factory):
+    """``loader.shuffle: block``: 2 ranks read 2 batches each, their state goes to 1 rank of
+    another batch size, which reads the rest: every row once in the epoch, its pixels those of
+    an unbroken 1-rank run."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(_rows(40, seed=16)), tmp_path / "hf" / "x.parquet", row_group_size=4)
+    root = str(tmp_path / "hf")
+    block = {"shuffle": "block", "shuffle_window": 3, "epochs": 1}
+    one = _config(tmp_path, "one", root, world_size=1, ranks=[0], batch_size=6, **block)
+    d = daemon_factory(one)
+    reference: dict = {}
+    with PrefetchClient(one, timeout=60, as_numpy=True) as loader:
+        _read(loader, None, reference)
+    assert d.stop() == 0 and len(reference) == 36  # 6 batches of 6 (drop_last)
+    two = _config(tmp_path, "two", root, world_size=2, ranks=[0, 1], batch_size=5, **block)
+    d = daemon_factory(two)
+    seen: dict = {}
+    states = []
+    for r in (0, 1):
+        with PrefetchClient(two, rank=r, timeout=60, as_numpy=True) as loader:
+            _read(loader, 2, seen)
+            states.append(loader.state_dict())
+    assert d.stop() == 0
+    single = _config(tmp_path, "single", root, world_size=1, ranks=[0], batch_size=4, **block)
+    d = daemon_factory(single)
+    with PrefetchClient(single, timeout=60, as_numpy=True) as loader:
+        loader.load_state_dict(states[0])
+        _read(loader, None, seen)
+    assert d.stop() == 0
+    assert all(len(v) == 1 for v in seen.values()), "a row read twice in one epoch"
+    assert len(seen) == 40  # 20 before the resume, 20 after (5 batches of 4)
+    for i, (img,) in seen.items():
+        if i in reference:
+            assert np.array_equal(img, reference[i][0]), i
+
+
+def test_check_warns_when_a_block_shuffle_meets_rows_grouped_by_label(tmp_path):
+    """Class-sorted Parquet (as many exports are) under ``shuffle: block``: every window, so every
+    batch, holds few classes; ``check`` says so with the numbers, and not for rows in no order."""
+    import subprocess
+    import sys
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    rows = _rows(60, seed=17)
+    for name, order in (("sorted", sorted(rows, key=lambda r: r[1])), ("mixed", rows)):
+        os.makedirs(tmp_path / name)
+        pq.write_table(hf_table(order), tmp_path / name / "x.parquet", row_group_size=5)
+        cfg = _config(tmp_path, "c" + name, str(tmp_path / name), shuffle="block", shuffle_window=1, batch_size=4)
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = "the files' rows are grouped by label" in r.stdout
+        assert said == (name == "sorted"), r.stdout

@@ -396,8 +396,12 @@ class AugmentConfig:
     def stream_extras(self) -> dict[str, Any] | None:
         if not self._extras_on:
             return None
-        return {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
-                "random_erasing": self.random_erasing.stream_dict(), "ops": dataclasses.asdict(self.ops)}
+        d = {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
+             "random_erasing": self.random_erasing.stream_dict(), "ops": dataclasses.asdict(self.ops)}
+        o = self.ops  # two or more of these: their order is the one since grayscale, blur, solarize, posterize
+        if sum(x > 0 for x in (o.grayscale, o.blur, o.solarize, o.posterize)) >= 2:
+            d["ops_order"] = 2
+        return d
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:

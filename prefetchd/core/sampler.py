@@ -56,7 +56,11 @@ def for_loader(L, num_samples: int, block_sizes=None, layout: str = "this datase
             raise ConfigError("loader.shuffle", f"block needs a layout read in blocks (Parquet's row groups); "
                               f"{layout} reads each sample alone, so a full shuffle costs nothing more: use true")
         blocks = Blocks(block_sizes, L.shuffle_window)
-    return Sampler(num_samples, L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size, blocks)
+    s = Sampler(num_samples, L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size, blocks)
+    if s.batches_per_epoch == 0:
+        raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
+                          f"({s.samples_per_rank} samples) with drop_last: no batch to make")
+    return s
 
 
 def for_index(L, index) -> Sampler:
@@ -136,6 +140,13 @@ class Sampler:
         the first position not consumed globally, or ``(epoch + 1, 0)`` when none is left."""
         done = self._offset(offset) + batch * world_size * batch_size
         return (epoch, done) if done < self.num_samples else (epoch + 1, 0)
+
+    def dataset_fingerprint(self, index_fingerprint: str) -> str:
+        """The dataset's part of the stream's identity: the index's, and with a block shuffle its
+        blocks too (the same rows in other row groups make another order: another stream)."""
+        if self.blocks is None:
+            return index_fingerprint
+        return hashlib.sha256(f"{index_fingerprint}|blocks|{self.blocks._digest}".encode()).hexdigest()[:16]
 
     def permutation(self, epoch: int) -> np.ndarray:
         if self.shuffle == "block":

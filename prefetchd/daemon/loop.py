@@ -132,13 +132,11 @@ class Daemon:
         if not self._load_index():
             return False
         L = cfg.loader
-        self.sampler = for_index(L, self.index)
-        if self.sampler.batches_per_epoch == 0:
-            raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
-                              f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")
+        self.sampler = for_index(L, self.index)  # (a ConfigError when a rank's share holds no batch)
+        self.dataset_fp = self.sampler.dataset_fingerprint(self.index.fingerprint)  # the stream's dataset part
         # augment.transform made and run on the first samples before any worker starts: if broken, a ConfigError (exit 78)
         self.transform_file, self.view_shapes = check_transform(cfg.augment, self.index, L.seed, lambda s: log.info("augment.transform: %s", s))
-        self.fingerprint_hex = status.stream_id(cfg.stream_fingerprint(), self.index.fingerprint,  # the stream's name
+        self.fingerprint_hex = status.stream_id(cfg.stream_fingerprint(), self.dataset_fp,  # the stream's name
                                                 self.transform_file.code)
         self.fingerprint = batchfile.fingerprint_u64(self.fingerprint_hex)
         self.ranks = L.ranks
@@ -240,9 +238,9 @@ class Daemon:
             "batches_per_epoch": self.sampler.batches_per_epoch, "world_size": c.loader.world_size,
             "ranks": list(self.ranks), "epochs": c.loader.epochs, "output_size": c.augment.output_size,
             "progress_dir": c.progress_dir, "started": self.t_start,  # and what a resume at another world size checks:
-            "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint, self.transform_file.code),
+            "sample_fingerprint": sample_fingerprint(c, self.dataset_fp, self.transform_file.code),
             "transform_code": self.transform_file.code, "transform_file": self.transform_file.path,  # in both fingerprints
-            "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
+            "dataset_fingerprint": self.dataset_fp,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu), erases normalised ones (erase_on: client)
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
             "erasing": c.augment.random_erasing.client_spec(c.loader.seed), "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),

@@ -68,6 +68,9 @@ def _obstore(scheme: str, key: str):
     return obstore
 
 
+_ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url")
+
+
 class Handle:
     """An opened object: its key in the bucket, size and ETag (``ObjectStore.open``)."""
 
@@ -123,8 +126,7 @@ class ObjectStore:
             from obstore.store import GCSStore, S3Store
 
             client_options = {"timeout": "30s", "connect_timeout": "5s"}
-            endpoint = os.environ.get("AWS_ENDPOINT_URL", "") if self.scheme == "s3" else ""
-            if endpoint.startswith("http://") or self.options.get("endpoint", "").startswith("http://"):
+            if self.endpoint().startswith("http://"):
                 client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
             config = {k: v for k, v in self.options.items() if k != "client_options"}
             if self.scheme == "s3" and "access_key_id" not in config:
@@ -239,9 +241,13 @@ class ObjectStore:
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
         the same bucket name on two endpoints is two buckets (the index caches key on it)."""
+        given = {k.lower(): v for k, v in self.options.items() if isinstance(v, str)}
+        for k in _ENDPOINT_KEYS:  # obstore's spellings of it, any case
+            if given.get(k):
+                return given[k]
         if self.scheme == "s3":
-            return self.options.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")
-        return self.options.get("endpoint", "")
+            return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
+        return ""
 
     def describe(self) -> str:
         """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""

@@ -20,7 +20,8 @@ from the first file's, or whose footer cannot be read is a one-line error naming
 **Reading**: Parquet's smallest unit that pyarrow reads cheaply is a row group's column chunk,
 so a sample's read is that of its row group's image column (pages are compressed together); a
 worker keeps the ``_GROUPS_KEPT`` most recently read row groups (with ``loader.shuffle: block``
-a window's worth and two more: ``keep_groups``), so samples of one row group in one batch cost
+a window's worth and two more: ``keep_groups``; at most ``_BYTES_KEPT`` bytes of them), so
+samples of one row group in one batch cost
 one read. The read amplification (bytes read per image byte) under a full permutation is about
 the rows per row group; under a block shuffle, about a window's rows per batch's rows (at most
 the worker count), measured in BENCHMARKS.md. Each file's identity
@@ -62,6 +63,9 @@ log = logging.getLogger("prefetchd.dataset")
 META = "parquetmeta.json"
 _VERSION = 1
 _GROUPS_KEPT = 4  # row groups' image columns a worker keeps (the batch's samples of one group: one read)
+
+
+_BYTES_KEPT = 512 << 20  # and at most this many bytes of them (pyarrow's own writes make groups of 100s of MB)
 
 
 def keep_groups(window: int) -> None:
@@ -365,8 +369,8 @@ def _group(path: str, a: int, g: int, identity: tuple, column: str):
         now = LOCAL.identity(fd)
     except Exception as e:
         LOCAL.forget(path)
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # the system's error: executors.storage judges it (an outage, a hiccup, the sample's)
+        if isinstance(e, OSError) and e.errno is not None or isinstance(e, MemoryError):
+            raise  # the system's error (pyarrow's out of memory too): not the row group's damage
         # pyarrow's own (an OSError without errno, ArrowInvalid, ...): the file is not the one
         # indexed, or it is and this row group is damaged (bad blocks, a copy cut short and
         # patched): then its samples are quarantined as undecodable files are, not waited for
@@ -387,8 +391,9 @@ def _group(path: str, a: int, g: int, identity: tuple, column: str):
         raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)} moved): "
                              "its rows may be others now, so batches from it wait; restart the daemon to index it again")
     _groups[(path, g)] = got
-    while len(_groups) > _GROUPS_KEPT:
-        _groups.popitem(last=False)
+    kept = sum(c.nbytes for c in _groups.values())
+    while len(_groups) > _GROUPS_KEPT or (kept > _BYTES_KEPT and len(_groups) > 1):
+        kept -= _groups.popitem(last=False)[1].nbytes  # the oldest first, the group just read kept
     return got
 
 
