@@ -284,3 +284,28 @@ def test_capacity_auto_counts_every_view_a_batch_holds():
 
     two = capacity(views=[{"count": 2, "output_size": 224}])
     assert capacity() == 12 and two == 6, (capacity(), two)
+
+
+EMPTY_VIEW = '''
+import numpy as np
+
+
+def make():
+    def views(im):
+        a = np.asarray(im.resize((32, 32)))
+        return a, a[:0]  # a crop that came out empty
+    return views
+'''
+
+
+def test_a_transform_whose_view_is_empty_is_refused_at_start_not_retried_forever(tmp_path):
+    # seen: the probe learnt "2 views (32x32, 0x32)", then every batch failed to be written
+    # (TypeError: memoryview: cannot cast view with zeros in shape) and was retried without end
+    (tmp_path / "uv_empty.py").write_text(EMPTY_VIEW)
+    t = transform.load(AugmentConfig(output_size=32, transform="uv_empty:make", transform_path=str(tmp_path)))
+    with pytest.raises(ConfigError) as e:
+        transform.probe(t, [(0, _jpeg(201, 150, 1))], seed=1)
+    assert str(e.value).startswith("augment.transform ") and "view 1 of 2" in str(e.value)
+    assert "empty image (0x32)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(transform.OutputError, match=r"empty image \(0x0\)"):
+        transform.to_views(np.zeros((0, 0, 3), np.uint8), 32)

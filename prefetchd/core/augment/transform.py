@@ -301,6 +301,9 @@ def to_hwc(y, size: int | None) -> np.ndarray:
         raise OutputError(f"augment.transform returns shape {list(y.shape)}: return one image, HWC [H, W, 3] or "
                           "CHW [3, H, W]")
     h, w = hwc.shape[:2]
+    if not h or not w:  # a batch cannot hold it (and a view's shape is the stream's)
+        raise OutputError(f"augment.transform returns an empty image ({h}x{w}): each image needs at least one row and "
+                          "one column (a crop of size 0?)")
     if size is not None and (h, w) != (size, size):
         raise SizeError(f"augment.transform returned a {h}x{w} image where the batch holds {size}x{size} "
                         "(augment.output_size)", h, w)
