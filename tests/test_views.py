@@ -154,6 +154,22 @@ def test_views_are_refused_beside_a_transform_and_with_hybrid_decode():
             AugmentConfig(views=DINO_SMALL, **extra)
 
 
+@pytest.mark.parametrize("section", [{"flip": False}, {"brightness": 0.3}, {"contrast": 0.3}, {"saturation": 0.3},
+                                     {"rrc_scale": [0.3, 1.0]}, {"rrc_ratio": [0.5, 2.0]}])
+def test_the_sections_crop_flip_and_jitter_beside_views_are_refused_not_ignored(section):
+    # seen: accepted, and the views were made with each group's own (flip: false at the section still
+    # flipped every view; a section brightness: 0.4 jittered none), with a new stream fingerprint
+    (k, v), = section.items()
+    cfgs = views.view_configs(AugmentConfig(views=DINO_SMALL))
+    assert all(getattr(c, k) != (tuple(v) if isinstance(v, list) else v) for c in cfgs)  # what the views use
+    with pytest.raises(ConfigError) as e:
+        AugmentConfig(views=DINO_SMALL, **section)
+    said = str(e.value)
+    assert said.startswith(f"augment.{k} is not applied to augment.views") and f"set {k} in each group" in said
+    assert "\n" not in said
+    AugmentConfig(views=DINO_SMALL, flip=True, rrc_scale=[0.08, 1.0], interpolation="bicubic")  # the defaults pass
+
+
 def test_views_are_in_the_stream_fingerprint_and_configs_without_them_keep_theirs():
     assert "views" not in AugmentConfig().stream_dict()
     assert AugmentConfig(views=[]).stream_dict() == AugmentConfig().stream_dict()
