@@ -9,7 +9,8 @@ or a timm RandAugment string such as ``rand-m9-mstd0.5-inc1``, parsed as timm's
 ``rand_augment_transform`` parses it: ``m`` magnitude (0..mmax), ``n`` number of ops,
 ``mstd`` magnitude std (above 100: uniform in [0, m], as timm), ``mmax`` magnitude upper bound (default
 10), ``inc`` 1 for the increasing op set, ``p`` each op's probability (default 0.5). timm's
-``w`` (op weights) is refused with a message.
+``t...`` transform sets, the old ``w`` (op weights), a section given twice and one without a
+number (timm skips those silently) are refused with a message.
 """
 
 from __future__ import annotations
@@ -71,26 +72,34 @@ def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
         raise ConfigError(key, f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {s!r}")
     out: dict[str, Any] = {"kind": "timm", "magnitude": 10.0, "num_ops": 2, "fill": _TIMM_MEAN_FILL,
                            "interpolation": "bilinear"}
+    seen: set[str] = set()
     for c in parts[1:]:
+        if c.startswith("t"):  # timm's transform set (tweights: weighted choice): not built
+            raise ConfigError(key, f"timm's transform-set section {c!r} is not supported (prefetchd has timm's default "
+                                   f"15 ops, inc1 the increasing ones); leave it out of {s!r}")
         cs = re.split(r"(\d.*)", c)
         if len(cs) < 2 or cs[0] == "":
             # timm skips such a section silently; a typo here should not pass unseen
             raise ConfigError(key, f"section {c!r} of {s!r} is not a name and a number (m9, n2, mstd0.5, mstd101 "
                                    f"for uniform magnitudes, mmax10, inc1, p0.5)")
         name, val = cs[0], cs[1]
+        if name in seen:  # timm keeps the first mstd and mmax but the last m, n, p: a typo either way
+            raise ConfigError(key, f"section {name} appears twice in {s!r}; give it once")
+        seen.add(name)
         try:
             if name == "mstd":
                 out["magnitude_std"] = float(val)
                 if out["magnitude_std"] > 100:  # timm: mstd101 and up mean uniform in [0, m]
                     out["magnitude_std"] = math.inf
             elif name == "mmax":
-                out["magnitude_max"] = float(val)
+                out["magnitude_max"] = float(int(val))  # timm: int(val)
             elif name == "inc":
                 out["increasing"] = bool(int(val))
             elif name == "m":
                 out["magnitude"] = float(int(val))
             elif name == "n":
                 out["num_ops"] = int(val)
+                _number(out["num_ops"], f"{key} (n)", 0, MAX_NUM_OPS, integer=True)
             elif name == "p":
                 out["prob"] = float(val)
             elif name == "w":
@@ -101,7 +110,7 @@ def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
             raise
         except ValueError:
             raise ConfigError(key, f"section {c!r} of {s!r} has no usable number") from None
-    # timm reads 'mstdinf' as float('inf'): uniform magnitudes in [0, m]
+    # (timm skips 'mstdinf', a section without a digit, leaving mstd 0; it is refused above)
     if math.isnan(out.get("magnitude_std", 0.0)) or out.get("magnitude_std", 0.0) < 0:
         raise ConfigError(key, f"mstd must be >= 0 (or inf), got {s!r}")
     return out
