@@ -82,6 +82,20 @@ def test_trivialaugment_bins_are_uniform_over_31():
     assert any(m == 90.0 for p in plans for name, m in p if name == "Rotate")  # 135 / 30 * 20: a transpose
 
 
+def test_trivialaugment_takes_torchvisions_num_magnitude_bins():
+    # seen: TrivialAugmentWide(num_magnitude_bins=...) written as policy_args was refused with
+    # "is a randaugment parameter; trivialaugment has none" (torchvision's has it, default 31)
+    assert policy_spec("trivialaugment", {"num_magnitude_bins": 31}) == policy_spec("trivialaugment", {})
+    plans = _plans("trivialaugment", {"num_magnitude_bins": 5})
+    table = policies.magnitude_table("trivialaugment", 5, 224, 224)
+    bins = {float(v): i for i, v in enumerate(table["Brightness"][0])}
+    hist = Counter(bins[abs(m)] for p in plans for name, m in p if name in ("Brightness", "Color", "Contrast", "Sharpness"))
+    stat, df = _chi2(hist, {i: 1 / 5 for i in range(5)})
+    assert stat < _chi2_limit(df), hist
+    with pytest.raises(ConfigError, match=r"^augment.policy_args.num_magnitude_bins is a randaugment parameter"):
+        policy_spec("autoaugment", {"num_magnitude_bins": 10})  # torchvision's AutoAugment has none
+
+
 def test_autoaugment_applies_each_op_as_often_as_imagenets_table_says():
     plans = _plans("autoaugment")
     expected = Counter()

@@ -136,6 +136,8 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
     if base["kind"] not in POLICIES[1:] + ("timm",):
         raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {policy!r}")
     for k in ("num_ops", "magnitude", "num_magnitude_bins"):
+        if k == "num_magnitude_bins" and base["kind"] == "trivialaugment":
+            continue  # TrivialAugmentWide(num_magnitude_bins=31) has it too
         if k in args and base["kind"] != "randaugment":
             if base["kind"] == "timm":
                 raise ConfigError(f"augment.policy_args.{k}", f"is set by the timm string {policy!r} itself (m, n)")
@@ -146,8 +148,8 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
     _number(spec.num_magnitude_bins, "augment.policy_args.num_magnitude_bins", 2, 1000, integer=True)
     if spec.kind == "randaugment":
         _number(spec.magnitude, "augment.policy_args.magnitude", 0, spec.num_magnitude_bins - 1, integer=True)
-    if spec.kind == "trivialaugment" or spec.kind == "autoaugment":
-        spec = PolicySpec(**{**spec.__dict__, "num_magnitude_bins": 31 if spec.kind == "trivialaugment" else 10})
+    if spec.kind == "autoaugment":
+        spec = PolicySpec(**{**spec.__dict__, "num_magnitude_bins": 10})
     if spec.interpolation not in POLICY_INTERPOLATIONS:
         raise ConfigError("augment.policy_args.interpolation", f"must be one of {', '.join(POLICY_INTERPOLATIONS)}, got {spec.interpolation!r}")
     _number(spec.prob, "augment.policy (p)", 0.0, 1.0)
