@@ -96,6 +96,19 @@ def test_trivialaugment_takes_torchvisions_num_magnitude_bins():
         policy_spec("autoaugment", {"num_magnitude_bins": 10})  # torchvision's AutoAugment has none
 
 
+@pytest.mark.parametrize("key, aug", [
+    ("augment.policy_args.fill", {"policy": "randaugment", "policy_args": {"fill": [0.5, 0.5, 0.5]}}),
+    ("augment.policy_args.fill", {"policy": "rand-m9", "policy_args": {"fill": 127.5}}),
+    ("augment.random_erasing.value", {"random_erasing": {"p": 0.25, "value": [0.485, 0.456, 0.406]}}),
+])
+def test_a_fractional_fill_is_refused_not_truncated_to_black(key, aug):
+    # seen: fill [0.5, 0.5, 0.5] (a normalised-space grey) accepted and filled with 0
+    with pytest.raises(ConfigError) as e:
+        AugmentConfig(**aug)
+    assert str(e.value).startswith(key + " must be whole uint8 levels") and "\n" not in str(e.value)
+    assert policy_spec("randaugment", {"fill": [128.0, 0, 255]}).fill == (128, 0, 255)  # whole floats are levels
+
+
 def test_autoaugment_applies_each_op_as_often_as_imagenets_table_says():
     plans = _plans("autoaugment")
     expected = Counter()

@@ -53,6 +53,9 @@ def _fill(v: Any, key: str) -> tuple[int, int, int]:
     if (not isinstance(vals, (list, tuple)) or len(vals) != 3
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 255 for x in vals)):
         raise ConfigError(key, f"must be a grey level 0..255 or [r, g, b] of them, got {v!r}")
+    if any(x != int(x) for x in vals):  # a fraction of white (0.5) would be truncated to black
+        raise ConfigError(key, f"must be whole uint8 levels 0..255 (the sample is uint8, not normalised), got {v!r}; "
+                               f"for a fraction of white write 255 times it (0.5: 128)")
     return tuple(int(x) for x in vals)
 
 
