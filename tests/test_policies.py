@@ -170,6 +170,15 @@ def test_timm_strings_parse_as_timm_parses_them():
     ({"random_erasing": {"prob": 0.5}}, "augment.random_erasing.prob", "known: p"),
     ({"ops": {"blur": 0.5, "blur_kernel": 4}}, "augment.ops.blur_kernel", "odd"),
     ({"ops": {"hflip": 0.5}}, "augment.ops.hflip", "known: vflip"),
+    # accepted and did nothing before: settings of an erasing mode or an op that is off
+    ({"random_erasing": {"scale": [0.02, 0.33], "ratio": [0.3, 3.3]}}, "augment.random_erasing.p", "is required"),
+    ({"random_erasing": {"mode": "pixel"}}, "augment.random_erasing.p", "default 0.5"),
+    ({"random_erasing": {"p": 0.25, "mode": "pixel", "value": [124, 116, 104]}}, "augment.random_erasing.value",
+     "mode is pixel"),
+    ({"random_erasing": {"p": 0.25, "std": [0.5, 0.5, 0.5]}}, "augment.random_erasing.std", "mode is const"),
+    ({"ops": {"blur_kernel": 5, "blur_sigma": [0.1, 1.0]}}, "augment.ops.blur_sigma", "augment.ops.blur is 0"),
+    ({"ops": {"solarize_threshold": 100}}, "augment.ops.solarize_threshold", "augment.ops.solarize is 0"),
+    ({"ops": {"posterize_bits": 2}}, "augment.ops.posterize_bits", "augment.ops.posterize is 0"),
     ({"policy": "randaugment", "decode": "gpu"}, "augment.decode", "must be cpu with augment.policy"),
     ({"policy": "randaugment", "transform": "m:f"}, "augment.policy", "put them in your transform"),
 ])

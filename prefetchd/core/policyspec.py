@@ -213,6 +213,17 @@ def erasing_config(v: Any) -> ErasingConfig:
     d["count"] = (int(c[0]), int(c[1]))
     d["mean"] = _floats(d.get("mean", ErasingConfig.mean), 3, f"{key}.mean", 0.0, 1.0)
     d["std"] = _floats(d.get("std", ErasingConfig.std), 3, f"{key}.std", 0.0, 10.0)
+    if "p" not in v and v:  # torchvision's and timm's RandomErasing default to 0.5, this to 0 (off)
+        raise ConfigError(f"{key}.p", f"is required with the other random_erasing keys ({', '.join(map(str, v))}): "
+                                      "the probability (torchvision's and timm's default 0.5; 0 turns erasing off)")
+    mode = d.get("mode", "const")
+    if mode != "const" and d["value"] != ErasingConfig.value:
+        raise ConfigError(f"{key}.value", f"is const mode's colour, but mode is {mode} (noise from mean and std); "
+                                          "remove value or set mode: const")
+    if mode == "const" and (d["mean"], d["std"]) != (ErasingConfig.mean, ErasingConfig.std):
+        raise ConfigError(f"{key}.{'mean' if d['mean'] != ErasingConfig.mean else 'std'}",
+                          "sets the noise of modes rand and pixel, but mode is const (the box is value); "
+                          "set mode: rand or pixel, or remove it")
     return ErasingConfig(**d)
 
 
@@ -255,4 +266,10 @@ def ops_config(v: Any) -> OpsConfig:
         raise ConfigError(f"{key}.blur_kernel", f"must be odd (torchvision's GaussianBlur), got {k}")
     d["solarize_threshold"] = float(_number(d.get("solarize_threshold", 128.0), f"{key}.solarize_threshold", 0.0, 256.0))
     d["posterize_bits"] = _number(d.get("posterize_bits", 4), f"{key}.posterize_bits", 0, 8, integer=True)
+    for op, params in (("blur", ("blur_sigma", "blur_kernel")), ("solarize", ("solarize_threshold",)),
+                       ("posterize", ("posterize_bits",))):
+        for k in params:  # an op's setting beside its probability 0 would do nothing
+            if not d[op] and d.get(k, getattr(OpsConfig, k)) != getattr(OpsConfig, k):
+                raise ConfigError(f"{key}.{k}", f"is set but {key}.{op} is 0 (off): set {op} to its probability "
+                                                "(1.0: always)")
     return OpsConfig(**d)
