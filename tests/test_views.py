@@ -325,3 +325,14 @@ def test_a_transform_whose_view_is_empty_is_refused_at_start_not_retried_forever
     assert "empty image (0x32)" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(transform.OutputError, match=r"empty image \(0x0\)"):
         transform.to_views(np.zeros((0, 0, 3), np.uint8), 32)
+
+
+def test_a_transform_returning_more_views_than_a_batch_holds_is_refused_at_start(tmp_path):
+    # seen: the probe learnt 65 views, then every batch failed to be written ("a batch holds 1 to
+    # 64 views, got 65") and was retried without end
+    (tmp_path / "uv_many.py").write_text(EMPTY_VIEW.replace("return a, a[:0]", "return (a,) * 65"))
+    t = transform.load(AugmentConfig(output_size=32, transform="uv_many:make", transform_path=str(tmp_path)))
+    with pytest.raises(ConfigError) as e:
+        transform.probe(t, [(0, _jpeg(201, 150, 1))], seed=1)
+    assert str(e.value).startswith("augment.transform ") and "returns 65 views: a batch holds at most 64" in str(e.value)
+    assert len(transform.to_views((np.zeros((8, 8, 3), np.uint8),) * 64, 8)) == 64  # the limit itself is fine

@@ -47,6 +47,7 @@ from PIL import Image
 
 from prefetchd.core.augment import modes as augment
 from prefetchd.core.augment.seeds import loaded_torch, seed_sample
+from prefetchd.core.augment.viewspec import MAX_VIEWS
 from prefetchd.core.configsections import AugmentConfig
 from prefetchd.core.configvalues import ConfigError
 
@@ -247,6 +248,9 @@ def to_views(y, size: int, shapes: tuple[tuple[int, int], ...] | None = None) ->
                           "of images for several views")
     elif len(y) == 1:
         views = (to_hwc(y[0], size),)
+    elif len(y) > MAX_VIEWS:  # a batch file's limit
+        raise OutputError(f"augment.transform returns {len(y)} views: a batch holds at most {MAX_VIEWS}; return "
+                          "fewer (a tuple of images, one per view)")
     else:
         out = []
         for k, v in enumerate(y):
