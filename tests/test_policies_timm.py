@@ -93,6 +93,12 @@ def test_a_timm_string_prefetchd_takes_is_timms_parse(timm_aa, sections):
     ("rand-m9-mstdinf", "not a name and a number"),  # timm skips it: mstd 0, not uniform
     ("rand-m9-tweights", "transform-set section"),
     ("rand-m9-n10", "augment.policy (n)"),
+    # timm's other strings and other spellings say what they are
+    ("augmix-m5-w4-d2", "timm's AugMix strings are not supported"),
+    ("original", "timm's AutoAugment policy 'original' is not built; autoaugment is torchvision's"),
+    ("v0r", "timm's AutoAugment policy 'v0r'"),
+    ("RandAugment", "did you mean 'randaugment'?"),
+    ("trivial_augment", "did you mean 'trivialaugment'?"),
 ])
 def test_timm_strings_timm_reads_otherwise_are_refused_in_one_line(s, words):
     with pytest.raises(ConfigError) as e:
@@ -104,3 +110,11 @@ def test_timms_uniform_magnitudes_are_mstd_above_100(timm_aa):
     assert math.isinf(policy_spec("rand-m9-mstd101", {}).magnitude_std)
     assert math.isinf(_timm(timm_aa, "rand-m9-mstd101")["magnitude_std"])
     assert _timm(timm_aa, "rand-m9-mstdinf")["magnitude_std"] == 0.0  # timm's silent skip
+
+
+def test_autoaugment_has_the_sub_policies_of_timms_original(timm_aa):
+    from prefetchd.core.augment.policies import IMAGENET_POLICY
+
+    theirs = [[(op.name.replace("PosterizeOriginal", "Posterize"), op.prob) for op in sp]
+              for sp in timm_aa.auto_augment_policy_original({})]
+    assert [[(name, prob) for name, prob, _ in sp] for sp in IMAGENET_POLICY] == theirs

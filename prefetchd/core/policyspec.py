@@ -15,6 +15,7 @@ number (timm skips those silently) are refused with a message.
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -65,6 +66,22 @@ def _number(v: Any, key: str, lo: float, hi: float, integer: bool = False) -> fl
         what = "an integer" if integer else "a number"
         raise ConfigError(key, f"must be {what} in [{lo:g}, {hi:g}], got {v!r}")
     return v
+
+
+_TIMM_AUTOAUGMENT = ("original", "originalr", "v0", "v0r", "3a")  # timm's auto_augment_transform names
+
+
+def _policy_hint(policy: str) -> str:
+    """What a policy name that is not one probably meant (timm's other strings, another spelling)."""
+    name = policy.split("-")[0].lower()
+    if name == "augmix":
+        return " (timm's AugMix strings are not supported)"
+    if name in _TIMM_AUTOAUGMENT:
+        return (f" (timm's AutoAugment policy {name!r} is not built; autoaugment is torchvision's ImageNet policy, "
+                "the same sub-policies as timm's 'original' with torchvision's magnitudes)")
+    squashed = name.replace("_", "").replace(" ", "")
+    close = [p for p in POLICIES if p == squashed] or difflib.get_close_matches(name, POLICIES, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
@@ -137,7 +154,8 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
     timm = policy == "rand" or policy.startswith("rand-")
     base: dict[str, Any] = parse_timm(policy) if timm else {"kind": policy}
     if base["kind"] not in POLICIES[1:] + ("timm",):
-        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {policy!r}")
+        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as "
+                                            f"rand-m9-mstd0.5-inc1, got {policy!r}{_policy_hint(policy)}")
     for k in ("num_ops", "magnitude", "num_magnitude_bins"):
         if k == "num_magnitude_bins" and base["kind"] == "trivialaugment":
             continue  # TrivialAugmentWide(num_magnitude_bins=31) has it too
