@@ -118,3 +118,44 @@ def test_autoaugment_has_the_sub_policies_of_timms_original(timm_aa):
     theirs = [[(op.name.replace("PosterizeOriginal", "Posterize"), op.prob) for op in sp]
               for sp in timm_aa.auto_augment_policy_original({})]
     assert [[(name, prob) for name, prob, _ in sp] for sp in IMAGENET_POLICY] == theirs
+
+
+@pytest.mark.parametrize("increasing", [False, True])
+def test_each_timm_op_at_each_level_is_timms_own_op_on_pil(timm_aa, increasing):
+    """Every op of timm's RandAugment sets at levels 0..10 (and 0.5 steps), either sign: timm's
+    level function and op (``NAME_TO_OP``, ``LEVEL_TO_ARG``) on a PIL image, nearest and fill
+    img_mean, against the plan's op and magnitude carried out by ``ops.apply_op``."""
+    import random
+
+    import numpy as np
+    from PIL import Image
+
+    from prefetchd.core.augment import ops, policies
+
+    rng = np.random.default_rng(5)
+    img = rng.integers(0, 256, (48, 56, 3), dtype=np.uint8)
+    yy, xx = np.mgrid[0:48, 0:56]
+    img[..., 0] = np.clip(xx * 4 + rng.integers(0, 20, xx.shape), 0, 255)
+    fill = (124, 116, 104)
+    hp = {"translate_const": 100, "img_mean": fill, "interpolation": Image.NEAREST}
+    names = policies.TIMM_INCREASING_OPS if increasing else policies.TIMM_OPS
+    bad = []
+    for name in names:
+        for level in [x / 2 for x in range(21)]:
+            for neg in (False, True):
+                op = timm_aa.AugmentOp(name, prob=1.0, magnitude=level, hparams=hp)
+                random.seed(0)
+                # timm's _randomly_negate: negative when random.random() > 0.5; find a seed for neg
+                s = next(s for s in range(100) if (random.seed(s) or random.random() > 0.5) == neg)
+                random.seed(s)
+                tv_name, m = policies._timm_op(name, level, neg, img.shape[0], img.shape[1])
+                try:
+                    theirs = np.asarray(op(Image.fromarray(img, "RGB")))
+                except ValueError:  # Pillow >= 10 refuses posterize to 0 bits, which timm asks below level 2.5
+                    assert tv_name == "Posterize" and m == 0.0, (name, level)
+                    theirs = np.zeros_like(img)  # what Pillow made of 0 bits before (mask ~255: black)
+                ours = ops.apply_op(img.copy(), tv_name, m, "nearest", fill)
+                if not np.array_equal(ours, theirs):
+                    diff = np.abs(ours.astype(int) - theirs.astype(int))
+                    bad.append((name, level, neg, tv_name, round(m, 4), int(diff.max()), float((diff > 0).mean())))
+    assert not bad, bad[:20]
