@@ -170,6 +170,12 @@ def test_timm_strings_parse_as_timm_parses_them():
     ({"random_erasing": {"prob": 0.5}}, "augment.random_erasing.prob", "known: p"),
     ({"ops": {"blur": 0.5, "blur_kernel": 4}}, "augment.ops.blur_kernel", "odd"),
     ({"ops": {"hflip": 0.5}}, "augment.ops.hflip", "known: vflip"),
+    # timm's train.py names: the closest spelling misled (remode -> augment.mode, scale -> scale_min)
+    ({"remode": "pixel"}, "augment.remode", "timm's remode is augment.random_erasing.mode"),
+    ({"scale": [0.08, 1.0]}, "augment.scale", "timm's scale is augment.rrc_scale"),
+    ({"aa": "rand-m9-mstd0.5-inc1"}, "augment.aa", "timm's aa is augment.policy"),
+    ({"reprob": 0.25}, "augment.reprob", "augment.random_erasing.p"),
+    ({"hflip": 0.5}, "augment.hflip", "augment.flip"),
     # accepted and did nothing before: settings of an erasing mode or an op that is off
     ({"random_erasing": {"scale": [0.02, 0.33], "ratio": [0.3, 3.3]}}, "augment.random_erasing.p", "is required"),
     ({"random_erasing": {"mode": "pixel"}}, "augment.random_erasing.p", "default 0.5"),
