@@ -336,3 +336,18 @@ def test_a_transform_returning_more_views_than_a_batch_holds_is_refused_at_start
         transform.probe(t, [(0, _jpeg(201, 150, 1))], seed=1)
     assert str(e.value).startswith("augment.transform ") and "returns 65 views: a batch holds at most 64" in str(e.value)
     assert len(transform.to_views((np.zeros((8, 8, 3), np.uint8),) * 64, 8)) == 64  # the limit itself is fine
+
+
+def test_a_view_whose_layout_cannot_be_told_is_refused_not_misread():
+    # seen: a CHW view 40 high and 3 wide ([3, 40, 3]) was read as HWC, 3 high and 40 wide: the
+    # stream's view was 3x40 of scrambled pixels, said nowhere
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(rng.integers(0, 256, (40, 3, 3), dtype=np.uint8).transpose(2, 0, 1))
+    with pytest.raises(transform.OutputError) as e:
+        transform.to_views((a, chw), 32)
+    assert "view 1 of 2" in str(e.value) and "[3, 40, 3]" in str(e.value) and "cannot be told" in str(e.value)
+    assert transform.to_views((a, chw[:, :, :2]), 32)[1].shape == (40, 2, 3)  # unambiguous CHW
+    assert transform.to_views((a, a[:4, :5]), 32)[1].shape == (4, 5, 3)  # HWC
+    with pytest.raises(transform.OutputError, match="cannot be told"):  # 3 rows is the same shape as 3 columns
+        transform.to_views((a, a[:3, :5]), 32)

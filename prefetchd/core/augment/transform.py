@@ -294,6 +294,9 @@ def to_hwc(y, size: int | None) -> np.ndarray:
     if y.dtype != np.uint8:
         raise OutputError(f"augment.transform returns {y.dtype} pixels: end the pipeline in uint8 (the batch holds "
                           "uint8; ToDtype(torch.uint8) or .astype(numpy.uint8))")
+    if y.ndim == 3 and y.shape[0] == 3 and y.shape[2] == 3:  # 3 rows (HWC) or 3 columns (CHW): either reading fits
+        raise OutputError(f"augment.transform returns shape {list(y.shape)}, which is HWC with 3 rows or CHW with 3 "
+                          "columns: the layout cannot be told; return an image of another height or width")
     if y.ndim == 3 and y.shape[2] == 3:
         hwc = y
     elif y.ndim == 3 and y.shape[0] == 3:
