@@ -4,8 +4,8 @@ probability, magnitude std and max and op set; what timm would skip silently or 
 (a repeated section: timm keeps the first mstd/mmax, the last m/n/p) prefetchd refuses in one line.
 
 timm's ``timm/data/auto_augment.py`` imports only Pillow and numpy, so it is loaded from its file
-without importing timm (which needs torchvision); skipped where timm is not installed
-(``pip install --no-deps timm`` is enough).
+without importing timm (which needs torchvision); `make venv` installs timm without its dependencies,
+and the tests are skipped where timm is not installed (``pip install --no-deps timm`` is enough).
 """
 
 from __future__ import annotations
