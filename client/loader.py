@@ -52,6 +52,8 @@ from .common import (
     _take_lane,
     config_from_env,
 )
+from .erasing import check_client as check_erasing
+from .erasing import from_meta as erasing_from_meta
 from .jobenv import job_rank
 from .lifetime import _ITERATIONS, _UNFINISHED, Lifetime
 from .memory import CudaTransfer, _PinnedPool
@@ -152,6 +154,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
                              + (" (client.prefetch of the config)" if prefetch is None else ""))
         self.normalize = bool(normalize)
         self.mean, self.std = normalize_constants(self.normalize, mean, std)
+        check_erasing(self.cfg, self.normalize, split)  # erase_on: client erases the normalised batch
         if dtype is not None and not self.normalize:
             raise ValueError("dtype= is the dtype of normalized images; pass normalize=True with it")
         self.as_numpy = as_numpy or torch is None
@@ -196,6 +199,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
         self.batches_read = 0
         self.bytes_read = 0
         self._meta: dict | None = None
+        self._eraser = None  # erase_on: client: what erases the normalised batches (from the meta)
         self._val_sampler = None  # which val samples are padding (from the meta)
         self._progress_lock = threading.Lock()
         self._session = f"{os.getpid()}-{secrets.token_hex(4)}"
@@ -275,6 +279,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
             raise PrefetchError(f"the daemon serving {self.dir} (pid {m.get('pid')}) makes a different validation "
                                 f"stream than {self.cfg.source or 'this config'} describes (validation settings "
                                 "differ); use the daemon's config file")
+        self._eraser = erasing_from_meta(self.cfg, m, self.split)  # erase_on: client (client/erasing.py)
         self._meta, self._val_sampler = m, None
         return m
 

@@ -372,7 +372,7 @@ class BatchFiles:
         if self.as_numpy:
             out = [v.transpose(0, 3, 1, 2) for v in views]
             if self.normalize:
-                out = [_normalize_numpy(v, self.dtype, self.mean, self.std) for v in out]
+                out = self._erase([_normalize_numpy(v, self.dtype, self.mean, self.std) for v in out], b)
             return (tuple(out) if several else out[0], b.labels.copy(), None)
         if host is None:
             out = [torch.from_numpy(v).permute(0, 3, 1, 2) for v in views]  # [N, C, H, W], channels-last strides
@@ -387,7 +387,7 @@ class BatchFiles:
             labels = host[lo: lo + 8 * len(b.labels)].view(torch.int64)
         if not self._copy:
             if self.normalize:
-                out = [_normalize_torch(v, self.dtype, self.mean, self.std) for v in out]
+                out = self._erase([_normalize_torch(v, self.dtype, self.mean, self.std) for v in out], b)
             return (tuple(out) if several else out[0], labels, None)
         # pinned or pageable (host is None), the copies and the normalize run on the side stream:
         # the trainer's stream waits on the event recorded after them and marks the outputs (every
@@ -397,7 +397,7 @@ class BatchFiles:
             gv = [self._transfer.to_device(v, self.device) for v in out]
             gl = self._transfer.to_device(labels, self.device)
             if self.normalize:  # on the side stream, after the copies
-                gv = [_normalize_torch(v, self.dtype, self.mean, self.std) for v in gv]
+                gv = self._erase([_normalize_torch(v, self.dtype, self.mean, self.std) for v in gv], b)
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)
@@ -405,13 +405,20 @@ class BatchFiles:
         self._give_back(host, ev)  # reused only once ev (after every copy) has completed
         return (tuple(gv) if several else gv[0], gl, ev)
 
+    def _erase(self, views: list, b: batchfile.Batch | jpegbatch.JpegBatch) -> list:
+        """``erase_on: client``: the normalised views erased where they are, from the keys of the
+        samples the file holds (``client/erasing.py``); as they were otherwise."""
+        if self._eraser is None:
+            return views
+        return [self._eraser(v, b.epoch, b.indices) for v in views]
+
     def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
         """A compact batch decoded by the stage: in the reader thread, on the side stream when
         copying to a CUDA device (the trainer's stream waits on the event recorded after it)."""
         if self.as_numpy:
             images = self._stage(b, replaced=replaced).numpy()  # [N, C, H, W] view of a channels-last array
             if self.normalize:
-                images = _normalize_numpy(images, self.dtype, self.mean, self.std)
+                images = self._erase([_normalize_numpy(images, self.dtype, self.mean, self.std)], b)[0]
             return (images, b.labels.copy(), None)
         if not self._copy:
             # pin_memory=True without a device: the decoded batch and its labels in a fresh pinned block
@@ -423,7 +430,7 @@ class BatchFiles:
                 labels = dst[_labels_at(b):].view(torch.int64)
                 labels.copy_(torch.from_numpy(b.labels))
             if self.normalize:
-                images = _normalize_torch(images, self.dtype, self.mean, self.std)
+                images = self._erase([_normalize_torch(images, self.dtype, self.mean, self.std)], b)[0]
             return (images, labels, None)
         # on the side stream, pinned or not: the trainer waits on the event recorded after it all
         try:
@@ -435,8 +442,8 @@ class BatchFiles:
             # copied before the decode is queued: a pageable copy waits for the stream's earlier work
             gl = self._transfer.to_device(labels, self.device)
             gi = self._stage(b, source=host, replaced=replaced, transfer=self._transfer)
-            if self.normalize:
-                gi = _normalize_torch(gi, self.dtype, self.mean, self.std)
+            if self.normalize:  # on the side stream, after the decode
+                gi = self._erase([_normalize_torch(gi, self.dtype, self.mean, self.std)], b)[0]
             ev = self._transfer.record(self._stream)
         except BaseException:
             self._give_back(host, None)

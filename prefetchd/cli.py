@@ -137,7 +137,7 @@ def _print_skipped(section: str, index) -> None:
 
 
 def cmd_check(args) -> int:
-    from prefetchd.core.sampler import Sampler
+    from prefetchd.core.sampler import for_index
     from prefetchd.core.words import plural
     from prefetchd.daemon.ring import is_tmpfs
     from prefetchd.format import batchfile
@@ -164,7 +164,10 @@ def cmd_check(args) -> int:
     sizing = resolve(cfg, host)
     cfg = sizing.cfg  # workers.count and buffer.max_bytes: auto made numbers
     L, B = cfg.loader, cfg.buffer
-    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    try:
+        sampler = for_index(L, index)
+    except ConfigError as e:
+        return _fail_config(e)
     if sampler.batches_per_epoch == 0:
         return _fail_config(ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share "
                                         f"({sampler.samples_per_rank} samples) with drop_last: no batch to make"))
@@ -193,6 +196,14 @@ def cmd_check(args) -> int:
           f"{'endless' if L.epochs is None else plural(L.epochs, 'epoch')}, augment "
           f"{'transform' if transform_said else 'views' if cfg.augment.views else cfg.augment.mode} -> "
           f"{', '.join(f'{h}x{w}' for h, w in shapes)}")
+    if sampler.blocks is not None:
+        bs = sampler.blocks
+        print(f"shuffle: block: {plural(len(bs.sizes), 'row group')} permuted each epoch, then the rows of each "
+              f"{bs.window} consecutive ones (~{bs.total * bs.window // len(bs.sizes)} rows) permuted together "
+              "(loader.shuffle_window)")
+    elif getattr(index, "block_sizes", lambda: None)() is not None and L.shuffle is True:
+        print("shuffle: full (each epoch a permutation of every row: each row's read is its row group's; "
+              "loader.shuffle: block reads each row group about once per window and worker)")
     for said in transform_said:
         print(f"transform: {said}")
     V = cfg.validation
@@ -484,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="measure the pipeline against the decode-only limit")
     b.add_argument("--config", "-c", help="a config to measure (default: a generated sample corpus)")
     b.add_argument("--root", action="append", help="an existing dataset root (an ImageFolder, a train tar, a folder of "
-                   "class tars) to measure on; repeated: each root's throughput side by side, alternated --repeats times")
+                   "class tars, shards, Parquet) to measure on; repeated: each root's throughput side by side, alternated "
+                   "--repeats times; ROOT@block reads a Parquet ROOT with loader.shuffle: block")
     b.add_argument("--images", type=int, default=2000, help="sample images to generate when no --config or --root")
     b.add_argument("--epochs", type=int, default=2, help="epochs the daemon makes and the client reads per run")
     b.add_argument("--executor", choices=("local", "ray"), default="local",

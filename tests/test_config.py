@@ -42,7 +42,7 @@ def test_defaults_and_sizes(tmp_path):
     ("dataset: {root: d}\nbuffer: {max_bytes: lots}", "buffer.max_bytes", "size such as 8GiB"),
     ("dataset: {root: d}\nbuffer: {max_bytes: -3}", "buffer.max_bytes", "positive size"),
     ("dataset: {root: d}\nloader: {batch_size: '32'}", "loader.batch_size", "must be an integer"),
-    ("dataset: {root: d}\nloader: {shuffle: 1}", "loader.shuffle", "true or false"),
+    ("dataset: {root: d}\nloader: {shuffle: 1}", "loader.shuffle", "true, false or block"),
     ("dataset: {root: d}\nloader: {world_size: 2, ranks: [0, 2]}", "loader.ranks", "<= 1"),
     ("dataset: {root: d}\nloader: {world_size: 2, ranks: [1, 1]}", "loader.ranks", "must not repeat"),
     ("dataset: {root: d}\nloader: {epochs: 0}", "loader.epochs", "positive integer"),

@@ -17,7 +17,7 @@ from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient, PrefetchTimeout
 
 from prefetchd.core.config import load as load_config
-from prefetchd.core.sampler import Sampler
+from prefetchd.core.sampler import for_index
 from prefetchd.executors.worker import BatchMaker, WorkerSetup
 from prefetchd.format import batchfile, status
 from prefetchd.sources.dataset import load_index
@@ -28,7 +28,7 @@ def reference_batches(cfg_path: str, epochs: int = 2):
     cfg = load_config(cfg_path)
     index, _ = load_index(cfg.dataset.root, None, cfg.dataset.extensions, cfg.dataset.cache_dir)
     L = cfg.loader
-    sampler = Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+    sampler = for_index(L, index)
     maker = BatchMaker(WorkerSetup(cfg, index.files_dir, None, 0, cfg.buffer.dir))
     out = {}
     for e in range(epochs):

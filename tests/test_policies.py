@@ -263,11 +263,70 @@ def test_single_ops_fire_on_their_draws_in_order():
     np.testing.assert_array_equal(policies.apply_extras(img, cfg, off), img)
     on = off.copy()
     on[32:38] = 0.1
-    want = ops.solarize(img, 100)
-    want = ops.posterize(want, 3)
-    want = ops.grayscale(want)
+    want = ops.grayscale(img)
     want = ops.gaussian_blur(want, 5, 1.0)
+    want = ops.solarize(want, 100)
+    want = ops.posterize(want, 3)
     np.testing.assert_array_equal(policies.apply_extras(img, cfg, on), want[::-1])
     only_flip = off.copy()
     only_flip[32] = 0.1
     np.testing.assert_array_equal(policies.apply_extras(img, cfg, only_flip), img[::-1])
+
+
+def test_hue_turns_the_hue_circle_as_colorsys_does_within_pillows_8_bit_rounding():
+    """``augment.hue``'s op against an independent reference: the standard library's colorsys on
+    float RGB, the hue turned by the shift, within the 8-bit HSV round trip Pillow (and so
+    torchvision's PIL path) makes; tests/test_policies_torchvision.py compares it with
+    torchvision's ``adjust_hue`` bit for bit where torchvision imports."""
+    import colorsys
+
+    from prefetchd.core.augment import modes
+
+    rng = np.random.default_rng(5)
+    img = rng.integers(0, 256, (24, 32, 3), dtype=np.uint8)
+    for shift in (-0.4, -0.1, 0.1, 0.25, 0.5):
+        got = modes.adjust_hue(img, shift).astype(int)
+        want = np.empty_like(got)
+        for (y, x), _ in np.ndenumerate(img[..., 0]):
+            h, s, v = colorsys.rgb_to_hsv(*(img[y, x] / 255.0))
+            want[y, x] = np.rint(np.array(colorsys.hsv_to_rgb((h + shift) % 1.0, s, v)) * 255)
+        diff = np.abs(got - want)
+        # measured: 99th percentile 4 to 10 levels, mean 0.4 to 1.6 (the hue in 256 steps, the
+        # shift truncated to them); a turn the wrong way or by the wrong amount is off by tens
+        assert np.percentile(diff, 99) <= 12 and diff.mean() < 2.0, (shift, diff.mean(), diff.max())
+        assert np.abs(got - img.astype(int)).mean() > 10  # it did turn
+
+
+def test_jitter_p_applies_the_jitter_to_its_share_of_samples_and_hue_keeps_old_streams():
+    from prefetchd.tools.samples import jpeg_bytes, photo_like
+
+    data = jpeg_bytes(photo_like(np.random.default_rng(4), 96, 80), np.random.default_rng(4))
+    base = dict(mode="random_resized_crop", output_size=48, brightness=0.4, contrast=0.4, saturation=0.4)
+    always = AugmentConfig(**base)
+    half = AugmentConfig(**base, jitter_p=0.5)
+    never = AugmentConfig(**{**base, "brightness": 0.0, "contrast": 0.0, "saturation": 0.0})
+    n, jittered = 200, 0
+    for i in range(n):
+        d = modes.draws(7, 0, i)
+        a, h, z = (modes.make_sample(data, c, d) for c in (always, half, never))
+        assert np.array_equal(h, a) or np.array_equal(h, z), i  # the same factors, or none at all
+        jittered += not np.array_equal(h, z)
+    assert 70 <= jittered <= 130, jittered  # binomial(200, 0.5): outside this about once in 10^5
+    # configs without hue or jitter_p draw and fingerprint as before they existed
+    assert "hue" not in always.stream_dict() and "jitter_p" not in always.stream_dict()
+    assert AugmentConfig(**base, hue=0.1).stream_dict()["hue"] == 0.1
+    assert modes.jitter_ops(always, modes.draws(7, 0, 3)) == [
+        (k, f) for k, f in modes.jitter_ops(AugmentConfig(**base, hue=0.1), modes.draws(7, 0, 3)) if k != modes.HUE]
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"hue": 0.6}, "augment.hue must be"),
+    ({"jitter_p": 1.5}, "augment.jitter_p must be"),
+    ({"hue": 0.1, "decode": "hybrid"}, "augment.decode must be cpu with augment.hue"),
+    ({"hue": 0.1, "views": [{"count": 2, "output_size": 64}]}, "augment.hue is set in each view group"),
+    ({"views": [{"count": 2, "output_size": 64, "jitter_p": -1}]}, "augment.views[0].jitter_p must be"),
+])
+def test_bad_hue_and_jitter_p_are_one_line_errors(kw, words):
+    with pytest.raises(ConfigError) as e:
+        AugmentConfig(**kw)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

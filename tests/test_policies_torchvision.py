@@ -133,3 +133,12 @@ def test_geometry_takes_v2_tensor_kernels_coordinates_up_to_their_rounding(name,
             got = ops.apply_op(img, name, m, "nearest", (0, 0, 0))
             same = np.all(got == _n(want), axis=2).mean()
             assert same >= (0.9 if name.startswith("Shear") else 0.99), f"{name}({m}): {same:.4f} of the pixels are v2's"
+
+
+@pytest.mark.parametrize("shift", [-0.5, -0.3, -0.1, -0.004, 0.0, 0.004, 0.1, 0.25, 0.5])
+def test_hue_is_torchvisions_adjust_hue_on_pil(shift):
+    from prefetchd.core.augment import modes
+
+    for img in IMAGES:
+        want = np.asarray(F.adjust_hue(Image.fromarray(img), shift))
+        np.testing.assert_array_equal(modes.adjust_hue(img, shift), want, err_msg=str(shift))

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from prefetchd.core.sampler import Sampler, ValSampler
+from prefetchd.core.sampler import Blocks, Sampler, ValSampler
 
 
 @pytest.mark.parametrize("n, world, batch, drop_last", [(100, 1, 10, True), (103, 4, 8, False), (103, 4, 8, True),
@@ -181,3 +181,64 @@ def test_resume_past_the_last_sample_is_the_next_epoch():
     assert s.resume(3, 0, 4, 2, 6) == (4, 0)  # 48 consumed
     assert s.resume(3, 40, 1, 4, 2) == (4, 0)
     assert s.resume(3, 40, 1, 3, 2) == (3, 46)
+
+
+# --- loader.shuffle: block ------------------------------------------------------------------------
+
+
+def _blocks(seed: int, n_blocks: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(1, 9, n_blocks)
+
+
+@pytest.mark.parametrize("n_blocks, window", [(1, 1), (7, 1), (7, 3), (40, 8), (40, 64)])
+def test_a_block_shuffle_is_a_permutation_of_whole_blocks_a_window_at_a_time(n_blocks, window):
+    sizes = _blocks(n_blocks, n_blocks)
+    n = int(sizes.sum())
+    block_of = np.repeat(np.arange(n_blocks), sizes)
+    s = Sampler(n, 4, seed=3, shuffle="block", blocks=Blocks(sizes, window))
+    for epoch in range(3):
+        perm = s.permutation(epoch)
+        assert sorted(perm.tolist()) == list(range(n))
+        assert np.array_equal(perm, Sampler(n, 4, seed=3, shuffle="block", blocks=Blocks(sizes, window)).permutation(epoch))
+        seen_blocks: set = set()
+        members: set = set()
+        count = 0
+        for i in perm:  # each window: the samples of `window` whole blocks (fewer at the end), none seen before
+            b = int(block_of[i])
+            assert b not in seen_blocks, (epoch, b)
+            members.add(b)
+            count += 1
+            assert len(members) <= window
+            if count == int(sizes[sorted(members)].sum()) and (len(members) == window
+                                                              or len(seen_blocks) + len(members) == n_blocks):
+                seen_blocks |= members
+                members, count = set(), 0
+        assert not members
+        assert seen_blocks == set(range(n_blocks))
+    assert not np.array_equal(s.permutation(0), s.permutation(1)) or n_blocks == 1 and sizes[0] == 1
+
+
+def test_a_block_shuffle_mixes_within_windows_and_moves_blocks_between_epochs():
+    sizes = np.full(50, 20)
+    s = Sampler(1000, 10, seed=1, shuffle="block", blocks=Blocks(sizes, 5))
+    firsts = [int(s.permutation(e)[0]) // 20 for e in range(60)]
+    assert len(set(firsts)) > 25  # the first block varies with the epoch
+    perm = s.permutation(0)
+    window = perm[:100]  # 5 blocks of 20: their 100 samples in a random order, not block by block
+    runs = int(np.sum(window[1:] // 20 != window[:-1] // 20))
+    assert runs > 50, runs
+
+
+def test_block_shuffle_needs_blocks_and_is_in_the_stream_fingerprint():
+    from prefetchd.core.config import Config, ConfigError, DatasetConfig, LoaderConfig
+    from prefetchd.core.sampler import for_loader
+
+    with pytest.raises(ConfigError, match=r"^loader.shuffle block needs a layout read in blocks .* imagefolder"):
+        for_loader(LoaderConfig(shuffle="block"), 10, None, "imagefolder")
+    assert for_loader(LoaderConfig(shuffle="block", shuffle_window=2), 10, [4, 6]).blocks == Blocks([4, 6], 2)
+    assert for_loader(LoaderConfig(), 10, [4, 6]).blocks is None
+    with pytest.raises(ConfigError, match=r"^loader.shuffle must be true, false or block"):
+        LoaderConfig(shuffle="blocks")
+    values = [Config(dataset=DatasetConfig(root="/d"), loader=LoaderConfig(**kw)).stream_fingerprint()
+              for kw in ({}, {"shuffle_window": 4}, {"shuffle": "block"}, {"shuffle": "block", "shuffle_window": 4})]
+    assert values[0] == values[1] and len(set(values)) == 3  # the window counts only for a block shuffle

@@ -305,8 +305,9 @@ def small_tmpfs(tmp_path):
 
 
 def _fill(path) -> None:
-    """Fill the filesystem of ``path`` with one file, as another program would."""
-    with open(path, "wb", buffering=0) as f:
+    """Fill the filesystem of ``path`` with one file, as another program would (growing the file
+    if it is there already: what was freed since is taken too)."""
+    with open(path, "ab", buffering=0) as f:
         try:
             while True:
                 f.write(b"\0" * 4096)
@@ -343,10 +344,13 @@ def test_a_full_ram_disk_does_not_stop_the_trainer_and_status_says_its_figures_a
         _read(c, (0, 1), got, between=fault)
     assert len(during) >= 3, during  # the batches already in the ring were read during the fill
     assert digest(got) == _expected(ref)
-    # the disk full again, no trainer: `prefetchd status` says its figures are stale
+    # the disk full again, no trainer: `prefetchd status` says its figures are stale. The daemon
+    # evicts the last batches read once it reads their progress, which frees room its status file
+    # then takes: the filler grows into whatever is freed, before each look
     _fill(filler)
     try:
         def stale():
+            _fill(filler)
             r = subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg],
                                capture_output=True, text=True, timeout=60)
             return "STALE" in r.stdout and r.stdout

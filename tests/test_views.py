@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 
-from prefetchd.core.augment import transform, views
+from prefetchd.core.augment import ops, transform, views
 from prefetchd.core.config import AugmentConfig, Config, ConfigError
 from prefetchd.format import batchfile, jpegbatch
 from prefetchd.tools.samples import jpeg_bytes, photo_like
@@ -351,3 +351,44 @@ def test_a_view_whose_layout_cannot_be_told_is_refused_not_misread():
     assert transform.to_views((a, a[:4, :5]), 32)[1].shape == (4, 5, 3)  # HWC
     with pytest.raises(transform.OutputError, match="cannot be told"):  # 3 rows is the same shape as 3 columns
         transform.to_views((a, a[:3, :5]), 32)
+
+
+def test_a_view_groups_ops_are_made_on_its_views_alone():
+    """``augment.views[i].ops``: grayscale on the global group's views (each the plain view made
+    grey: the crop and jitter draws are unchanged), nothing changed in the local group's."""
+    rng = np.random.default_rng(3)
+    data = jpeg_bytes(photo_like(rng, 120, 96), rng)
+    plain = [{"count": 2, "output_size": 64, "rrc_scale": [0.4, 1.0], "brightness": 0.4},
+             {"count": 2, "output_size": 32, "rrc_scale": [0.1, 0.4]}]
+    grey = [{**plain[0], "ops": {"grayscale": 1.0}}, plain[1]]
+    for i in range(6):
+        a = views.make_views(data, views.view_configs(AugmentConfig(views=plain)), 7, 0, i)
+        b = views.make_views(data, views.view_configs(AugmentConfig(views=grey)), 7, 0, i)
+        for v in (0, 1):
+            assert np.array_equal(b[v], ops.grayscale(a[v])) and not np.array_equal(a[v], b[v]), (i, v)
+            assert np.array_equal(b[v][..., 0], b[v][..., 1])
+        for v in (2, 3):
+            assert np.array_equal(a[v], b[v]), (i, v)
+
+
+def test_view_group_ops_are_checked_and_in_the_fingerprint_and_groups_without_keep_theirs():
+    with pytest.raises(ConfigError, match=r"^augment.views\[1\].ops.blur must be") as e:
+        AugmentConfig(views=[{"count": 2, "output_size": 64}, {"output_size": 32, "ops": {"blur": 2}}])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^augment.views\[0\].ops.hue is not an op key"):
+        AugmentConfig(views=[{"count": 2, "output_size": 64, "ops": {"hue": 0.1}}])
+    base = [{"count": 2, "output_size": 64}]
+    assert AugmentConfig(views=base).stream_dict()["views"] == [
+        {"output_size": 64, "count": 2, "rrc_scale": [0.08, 1.0], "rrc_ratio": [0.75, 4 / 3], "flip": True,
+         "brightness": 0.0, "contrast": 0.0, "saturation": 0.0}]  # what it was before groups had ops
+    with_ops = AugmentConfig(views=[{**base[0], "ops": {"solarize": 0.2}}]).stream_dict()["views"]
+    assert with_ops[0]["ops"]["solarize"] == 0.2
+
+
+def test_a_view_groups_hue_and_jitter_p_reach_its_views_and_the_fingerprint_only_when_set():
+    groups = [{"count": 2, "output_size": 64, "brightness": 0.4, "hue": 0.1, "jitter_p": 0.8},
+              {"count": 2, "output_size": 32, "brightness": 0.4}]
+    cfgs = views.view_configs(AugmentConfig(views=groups))
+    assert [(c.hue, c.jitter_p) for c in cfgs] == [(0.1, 0.8)] * 2 + [(0.0, 1.0)] * 2
+    d = AugmentConfig(views=groups).stream_dict()["views"]
+    assert (d[0]["hue"], d[0]["jitter_p"]) == (0.1, 0.8) and "hue" not in d[1] and "jitter_p" not in d[1]

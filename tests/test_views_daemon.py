@@ -19,8 +19,10 @@ from prefetchd.format import batchfile, status
 from prefetchd.sources.dataset import load_index
 
 # 2 x 64 + 6 x 32: DINO's multi-crop (2 x 224 + 6 x 96) at a size the tests make quickly
-VIEWS = [{"count": 2, "output_size": 64, "rrc_scale": [0.4, 1.0], "brightness": 0.4},
-         {"count": 6, "output_size": 32, "rrc_scale": [0.05, 0.4], "saturation": 0.3}]
+# (with DINO's per-view ops, hue and jitter probability: each a draw of its own)
+VIEWS = [{"count": 2, "output_size": 64, "rrc_scale": [0.4, 1.0], "brightness": 0.4, "hue": 0.1, "jitter_p": 0.8,
+          "ops": {"grayscale": 0.2, "blur": 0.5, "solarize": 0.2}},
+         {"count": 6, "output_size": 32, "rrc_scale": [0.05, 0.4], "saturation": 0.3, "ops": {"grayscale": 0.2}}]
 SHAPES = [(64, 64)] * 2 + [(32, 32)] * 6
 
 # a trainer's own two-crop transform (SimCLR's pair, a global and a local crop each), numpy and PIL
@@ -256,3 +258,34 @@ def test_normalized_views_equal_numpy_reference_normalisation_per_view(tmp_path,
                 n += 1
             assert n == c.batches_per_epoch > 0
     assert d.stop() == 0
+
+
+def test_preview_shows_each_samples_views_side_by_side(tmp_path, image_root):
+    """``prefetchd preview`` on a multi-crop stream: a row per sample, its 8 views at their own
+    sizes (2 x 64 then 6 x 32), the pixels those of the batch the workers make."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    cfg = small_config(tmp_path, image_root, **_views())
+    out = tmp_path / "grid.png"
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "preview", "--config", cfg, "--out", str(out), "--count", "3"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "8 views a row (64x64 64x64 32x32 32x32 32x32 32x32 32x32 32x32)" in r.stdout, r.stdout
+    grid = np.asarray(Image.open(out).convert("RGB"))
+    pad, row_h = 4, 64 + 14 + 4
+    assert grid.shape == (pad + 3 * row_h, pad + 2 * (64 + pad) + 6 * (32 + pad), 3)
+    c = load_config(cfg)
+    index, _ = load_index(c.dataset.root, None, c.dataset.extensions, c.dataset.cache_dir)
+    maker = BatchMaker(WorkerSetup(c, None, index, 0, str(tmp_path / "buffer")))
+    L = c.loader
+    views, *_ = maker.fill(0, Sampler(len(index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+                           .batch_indices(0, 0, 0))
+    for i in range(3):
+        x, y = pad, pad + i * row_h
+        for v in views:
+            h, w = v.shape[1:3]
+            assert np.array_equal(grid[y:y + h, x:x + w], v[i]), (i, h)
+            x += w + pad

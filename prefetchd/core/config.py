@@ -76,7 +76,7 @@ class Config:
         Always decoded on the CPU (a pass is a small share of the work, and its files keep the
         pixel batch's fixed size, so ``max_bytes`` holds exactly)."""
         return replace(self.augment, mode="eval", eval_resize=self.validation.resize, flip=False, decode="cpu",
-                       brightness=0.0, contrast=0.0, saturation=0.0, lighting=0.0,
+                       brightness=0.0, contrast=0.0, saturation=0.0, hue=0.0, jitter_p=1.0, lighting=0.0,
                        transform=None, transform_args={}, transform_path=None, views=(),
                        policy="none", policy_args={}, random_erasing=None, ops=None)
 
@@ -98,7 +98,8 @@ class Config:
         fingerprint is added by the daemon). Worker count, capacity and paths are not in it.
         ``loader`` overrides batch_size, drop_last or world_size (another job's, for a resume)."""
         keys = ("batch_size", "seed", "shuffle", "drop_last", "world_size")
-        d = {"loader": {k: loader.get(k, getattr(self.loader, k)) for k in keys}, "augment": self.augment.stream_dict()}
+        mine = {**{k: getattr(self.loader, k) for k in keys}, "shuffle": self.loader.shuffle_key()}
+        d = {"loader": {k: loader.get(k, mine[k]) for k in keys}, "augment": self.augment.stream_dict()}
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=list).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,7 +191,7 @@ def reload_blockers(old: Config, new: Config) -> str | None:
     """What keeps ``new`` from being applied to a running daemon by SIGHUP (restart keys that
     changed), or None."""
     if new.stream_fingerprint() != old.stream_fingerprint():
-        diffs = [f"loader.{k}" for k in ("batch_size", "seed", "shuffle", "drop_last", "world_size")
+        diffs = [f"loader.{k}" for k in ("batch_size", "seed", "shuffle", "shuffle_window", "drop_last", "world_size")
                  if getattr(new.loader, k) != getattr(old.loader, k)]
         diffs += ["augment.*"] if new.augment != old.augment else []
         return ", ".join(diffs) or "the stream"

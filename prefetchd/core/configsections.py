@@ -103,17 +103,22 @@ class LoaderConfig:
     batch_size: int = 256
     seed: int = 0
     epochs: int | None = None
-    shuffle: bool = True
+    shuffle: bool | str = True  # true: a permutation of the samples; false: in order; "block" (core.sampler)
     drop_last: bool = True
     world_size: int = 1
     ranks: tuple[int, ...] | str = "all"
+    shuffle_window: int = 8  # shuffle "block": blocks (Parquet row groups) whose samples are permuted together
 
     def __post_init__(self) -> None:
         _int(self.batch_size, "loader.batch_size", 1, 1 << 20)
         _int(self.seed, "loader.seed", 0, 2**63 - 1)
         if self.epochs is not None:
             _int(self.epochs, "loader.epochs", 1)
-        _bool(self.shuffle, "loader.shuffle")
+        if self.shuffle != "block":
+            if not isinstance(self.shuffle, bool):
+                raise ConfigError("loader.shuffle", f"must be true, false or block (a permutation of Parquet row groups, "
+                                  f"then of the rows within a window of loader.shuffle_window groups), got {self.shuffle!r}")
+        _int(self.shuffle_window, "loader.shuffle_window", 1, 1 << 20)
         _bool(self.drop_last, "loader.drop_last")
         _int(self.world_size, "loader.world_size", 1, 1 << 16)
         ranks = self.ranks
@@ -129,6 +134,11 @@ class LoaderConfig:
             raise ConfigError("loader.ranks", f"must not repeat a rank, got {list(ranks)}")
         object.__setattr__(self, "ranks", tuple(sorted(ranks)))
 
+
+    def shuffle_key(self) -> bool | str:
+        """``shuffle`` as the stream's identity holds it: the window counts only for a block shuffle
+        (configs without one keep the fingerprint they had)."""
+        return f"block:{self.shuffle_window}" if self.shuffle == "block" else self.shuffle
 
 @dataclass(frozen=True)
 class RayConfig:
@@ -291,6 +301,8 @@ class AugmentConfig:
     brightness: float = 0.0
     contrast: float = 0.0
     saturation: float = 0.0
+    hue: float = 0.0  # torchvision's ColorJitter hue: a shift uniform in [-hue, hue] of the hue circle
+    jitter_p: float = 1.0  # the colour jitter's probability (SimCLR's and DINO's RandomApply(ColorJitter, 0.8))
     lighting: float = 0.0
     interpolation: str = "bilinear"
     decoder: str = "auto"
@@ -327,6 +339,8 @@ class AugmentConfig:
         _bool(self.flip, "augment.flip")
         for k in ("brightness", "contrast", "saturation"):
             object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
+        object.__setattr__(self, "hue", _float(self.hue, "augment.hue", 0.0, 0.5))
+        object.__setattr__(self, "jitter_p", _float(self.jitter_p, "augment.jitter_p", 0.0, 1.0))
         object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
         _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
         _choice(self.decoder, "augment.decoder", DECODERS)
@@ -335,6 +349,9 @@ class AugmentConfig:
         if share <= 0.0:
             raise ConfigError("augment.gpu_share", f"must be > 0 and <= 1 (use augment.decode: cpu for none), got {share}")
         object.__setattr__(self, "gpu_share", share)
+        if (self.hue or self.jitter_p < 1.0) and self.decode != "cpu":
+            raise ConfigError("augment.decode", f"must be cpu with augment.hue or augment.jitter_p (the GPU's jitter has "
+                              f"brightness, contrast and saturation, always applied), got {self.decode}")
         self._check_transform()
         self._check_policy()
         object.__setattr__(self, "views", parse_views(self.views))
@@ -344,6 +361,9 @@ class AugmentConfig:
         if self.views and self.decode != "cpu":
             raise ConfigError("augment.decode", f"must be cpu with augment.views (several views are made on the CPU, "
                               f"in the workers), got {self.decode}")
+        if self.views and (self.hue or self.jitter_p < 1.0):
+            raise ConfigError("augment.hue" if self.hue else "augment.jitter_p", "is set in each view group with "
+                              "augment.views (augment.views[i].hue, augment.views[i].jitter_p); remove it here")
         if self.views and self.lighting:
             raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")
@@ -355,7 +375,8 @@ class AugmentConfig:
                                       f"{k}), got {getattr(self, k)!r}; set {k} in each group of augment.views instead")
         if self.views and self._extras_on:
             raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
-                              "random-resized crop with its own flip and jitter; remove one of them")
+                              "random-resized crop with its own flip, jitter and single ops: put the ops in the view "
+                              "groups (augment.views[i].ops: {grayscale: 0.2, blur: 0.5}) and remove the others")
 
     def _check_policy(self) -> None:
         object.__setattr__(self, "policy_spec", policy_spec(self.policy, self.policy_args))
@@ -368,9 +389,11 @@ class AugmentConfig:
             if self.transform is not None:
                 raise ConfigError("augment.policy", "and augment.random_erasing/ops are the built-in path's; with "
                                   "augment.transform put them in your transform")
-            if self.decode != "cpu":
+            e = self.random_erasing  # erase_on: client erases in the trainer's client, after any decode
+            in_workers = self.policy != "none" or self.ops != OpsConfig() or (e.erase_on == "daemon" and e != ErasingConfig())
+            if self.decode != "cpu" and in_workers:
                 raise ConfigError("augment.decode", f"must be cpu with augment.policy, random_erasing or ops (they run "
-                                  f"on the workers' uint8 arrays), got {self.decode}")
+                                  f"on the workers' uint8 arrays; random_erasing with erase_on: client does not), got {self.decode}")
 
     def extras_set(self) -> bool:
         """Whether a policy, random erasing or a single op is set (core.augment.policies)."""
@@ -380,7 +403,7 @@ class AugmentConfig:
         if not self._extras_on:
             return None
         return {"policy": self.policy, "policy_args": json.loads(json.dumps(self.policy_args, sort_keys=True)),
-                "random_erasing": dataclasses.asdict(self.random_erasing), "ops": dataclasses.asdict(self.ops)}
+                "random_erasing": self.random_erasing.stream_dict(), "ops": dataclasses.asdict(self.ops)}
 
     def _check_transform(self) -> None:
         """The transform's keys as written; importing it is the workers' (and ``check``'s) job:
@@ -432,6 +455,9 @@ class AugmentConfig:
             d = {k: d[k] for k in ("output_size", "transform", "transform_args", "transform_input")}
             d["transform_args"] = json.loads(json.dumps(d["transform_args"], sort_keys=True))
             return d
+        for k, default in (("hue", 0.0), ("jitter_p", 1.0)):  # configs without them keep their fingerprint
+            if d[k] == default:
+                d.pop(k)
         if self.decode != "hybrid":
             d.pop("gpu_share")
         if self.decode == "cpu":

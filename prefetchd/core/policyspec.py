@@ -15,6 +15,7 @@ number (timm skips those silently) are refused with a message.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
@@ -26,6 +27,8 @@ from prefetchd.core.configvalues import ConfigError
 POLICIES = ("none", "randaugment", "trivialaugment", "autoaugment")
 POLICY_INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 ERASING_MODES = ("const", "rand", "pixel")
+ERASE_ON = ("daemon", "client")
+_DAEMON_ONLY_ERASING_KEYS = ("value", "mean", "std")  # the uint8 colours: timm's normalised fill has none
 MAX_NUM_OPS = 8  # the policy's fixed block of draws holds this many ops
 MAX_ERASE_COUNT = 4
 _POLICY_ARG_KEYS = ("num_ops", "magnitude", "num_magnitude_bins", "fill", "interpolation")
@@ -181,7 +184,9 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
 @dataclass(frozen=True)
 class ErasingConfig:
     """``augment.random_erasing``: timm's ``RandomErasing`` on the uint8 sample (torchvision's is
-    ``count: 1``). ``p`` 0 is off."""
+    ``count: 1``). ``p`` 0 is off. ``erase_on: client``: the workers leave the boxes alone and the
+    trainer's client erases its normalised batch, on its device, as timm's loader does (const
+    fills with 0, rand and pixel with N(0, 1)); ``value``, ``mean`` and ``std`` are then refused."""
 
     p: float = 0.0
     scale: tuple[float, float] = (0.02, 1 / 3)
@@ -191,6 +196,23 @@ class ErasingConfig:
     count: tuple[int, int] = (1, 1)  # [min, max] boxes, drawn uniformly (timm's min_count, max_count)
     mean: tuple[float, float, float] = (0.485, 0.456, 0.406)  # rand/pixel: the noise is mean + std * N(0, 1)
     std: tuple[float, float, float] = (0.229, 0.224, 0.225)
+    erase_on: str = "daemon"  # daemon: on the uint8 sample in the workers; client: the normalised batch
+
+    def stream_dict(self) -> dict[str, Any]:
+        """The settings in the stream's fingerprint: ``erase_on`` only when it is ``client``, so
+        configs written before it existed keep their fingerprint."""
+        d = dataclasses.asdict(self)
+        if self.erase_on == "daemon":
+            d.pop("erase_on")
+        return d
+
+    def client_spec(self, seed: int) -> dict[str, Any] | None:
+        """What the daemon's ``meta.json`` tells the client (``"erasing"``) so it erases by itself:
+        the box parameters, the mode and the loader's seed; None unless ``erase_on: client``."""
+        if self.erase_on != "client" or not self.p:
+            return None
+        return {"p": self.p, "scale": list(self.scale), "ratio": list(self.ratio), "mode": self.mode,
+                "count": list(self.count), "seed": seed}
 
 
 def _floats(v: Any, n: int, key: str, lo: float, hi: float) -> tuple[float, ...]:
@@ -231,6 +253,14 @@ def erasing_config(v: Any) -> ErasingConfig:
     d["count"] = (int(c[0]), int(c[1]))
     d["mean"] = _floats(d.get("mean", ErasingConfig.mean), 3, f"{key}.mean", 0.0, 1.0)
     d["std"] = _floats(d.get("std", ErasingConfig.std), 3, f"{key}.std", 0.0, 10.0)
+    if d.get("erase_on", "daemon") not in ERASE_ON:
+        raise ConfigError(f"{key}.erase_on", f"must be one of {', '.join(ERASE_ON)}, got {d.get('erase_on')!r}")
+    if d.get("erase_on") == "client":
+        for k in _DAEMON_ONLY_ERASING_KEYS:  # (their defaults pass: a config written back by to_dict loads)
+            if k in v and d[k] != getattr(ErasingConfig, k):
+                raise ConfigError(f"{key}.{k}", "is for erasing uint8 pixels in the daemon; with erase_on: client the "
+                                  "normalised batch is erased as timm does (const: 0, rand and pixel: N(0, 1) noise): "
+                                  "remove it, or set erase_on: daemon")
     if "p" not in v and v:  # torchvision's and timm's RandomErasing default to 0.5, this to 0 (off)
         raise ConfigError(f"{key}.p", f"is required with the other random_erasing keys ({', '.join(map(str, v))}): "
                                       "the probability (torchvision's and timm's default 0.5; 0 turns erasing off)")
@@ -260,9 +290,9 @@ class OpsConfig:
     posterize_bits: int = 4
 
 
-def ops_config(v: Any) -> OpsConfig:
-    """``augment.ops`` checked: a mapping of OpsConfig's keys (or null: none)."""
-    key = "augment.ops"
+def ops_config(v: Any, key: str = "augment.ops") -> OpsConfig:
+    """``augment.ops`` (or a view group's ``ops``: ``key``) checked: a mapping of OpsConfig's
+    keys (or null: none)."""
     if v is None:
         return OpsConfig()
     if isinstance(v, OpsConfig):

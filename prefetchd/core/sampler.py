@@ -10,6 +10,15 @@ padding) and together cover the dataset. Each rank's share is then cut into batc
 Nothing here depends on the worker count, timing or restarts, so the bytes of every batch are
 reproducible from ``(seed, epoch, rank, batch)`` alone.
 
+Block shuffle (``shuffle="block"``, with ``blocks``: the index's blocks, contiguous runs of
+samples that are cheap to read together, such as a Parquet row group). The blocks are permuted,
+then taken ``window`` at a time, and the samples of each window are permuted among themselves:
+still a permutation of the epoch, a pure function of ``(seed, epoch)`` and the blocks, in which
+consecutive positions come from at most ``window`` (+1 at a window's edge) blocks, so a batch
+reads a few row groups rather than one per sample. Every sample keeps the same chance of every
+place within its window; what is lost is mixing across windows in one epoch (each epoch draws
+new windows).
+
 Resumed epochs (another world size or batch size). The permutation does not depend on the world
 size, and global step ``s`` of an epoch at ``world_size`` W and ``batch_size`` B consumes its
 positions ``[s*W*B, (s+1)*W*B)``. A job resumed after ``s`` steps at another W' or B' shares out
@@ -24,13 +33,62 @@ consumed positions ``offset + [s*W*B, (s+1)*W*B)``.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
+from prefetchd.core.configvalues import ConfigError
+
 # Domain-separation tags so permutation and augmentation streams never share a seed.
 _PERM_TAG = 0x5045524D  # "PERM"
+_BLOCK_TAG = 0x424C4F43  # "BLOC": a block shuffle's draws are their own
+
+
+def for_loader(L, num_samples: int, block_sizes=None, layout: str = "this dataset") -> Sampler:
+    """The train stream's sampler for ``LoaderConfig`` L over an index of ``num_samples`` whose
+    blocks (``Index.block_sizes``) are ``block_sizes``; ``ConfigError`` in one line for a block
+    shuffle of a layout that reads each sample alone."""
+    blocks = None
+    if L.shuffle == "block":
+        if block_sizes is None:
+            raise ConfigError("loader.shuffle", f"block needs a layout read in blocks (Parquet's row groups); "
+                              f"{layout} reads each sample alone, so a full shuffle costs nothing more: use true")
+        blocks = Blocks(block_sizes, L.shuffle_window)
+    return Sampler(num_samples, L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size, blocks)
+
+
+def for_index(L, index) -> Sampler:
+    """``for_loader`` for an ``Index`` (``sources``): its length, blocks and layout."""
+    return for_loader(L, len(index), index.block_sizes(), getattr(index, "layout", "an ImageFolder"))
+
+
+class Blocks:
+    """The blocks of a block shuffle: ``sizes[k]`` samples each, block ``k`` the contiguous run of
+    indices after block ``k - 1``'s; ``window`` blocks are permuted together. Compared and hashed
+    by content (a digest), so it can key the permutation cache."""
+
+    __slots__ = ("sizes", "window", "total", "_digest")
+
+    def __init__(self, sizes, window: int):
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        if self.sizes.ndim != 1 or not len(self.sizes) or (self.sizes < 1).any():
+            raise ValueError("blocks must be a non-empty list of positive sizes")
+        self.window = int(window)
+        if self.window < 1:
+            raise ValueError("the window must be at least 1 block")
+        self.total = int(self.sizes.sum())
+        self._digest = hashlib.sha256(self.sizes.tobytes() + self.window.to_bytes(8, "little")).hexdigest()[:16]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Blocks) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return hash(self._digest)
+
+    def __repr__(self) -> str:
+        return f"Blocks({len(self.sizes)} blocks, {self.total} samples, window {self.window})"
 
 
 @dataclass(frozen=True)
@@ -41,12 +99,15 @@ class Sampler:
     shuffle: bool = True
     drop_last: bool = True
     world_size: int = 1
+    blocks: Blocks | None = None  # shuffle "block": the index's blocks and the window
 
     def __post_init__(self) -> None:
         if self.num_samples < 1:
             raise ValueError("the dataset has no samples")
         if self.world_size < 1 or self.batch_size < 1:
             raise ValueError("world_size and batch_size must be positive")
+        if self.blocks is not None and self.blocks.total != self.num_samples:
+            raise ValueError(f"the blocks hold {self.blocks.total} samples, the index {self.num_samples}")
 
     @property
     def samples_per_rank(self) -> int:
@@ -77,7 +138,11 @@ class Sampler:
         return (epoch, done) if done < self.num_samples else (epoch + 1, 0)
 
     def permutation(self, epoch: int) -> np.ndarray:
-        return _permutation(self.num_samples, self.seed, epoch, self.shuffle)
+        if self.shuffle == "block":
+            if self.blocks is None:  # (counting batches needs none: the client's samplers have none)
+                raise ValueError("a block shuffle's permutation needs the index's blocks")
+            return _permutation(self.num_samples, self.seed, epoch, self.blocks)
+        return _permutation(self.num_samples, self.seed, epoch, bool(self.shuffle))
 
     def rank_indices(self, epoch: int, rank: int, offset: int = 0) -> np.ndarray:
         """This rank's share of the epoch (of its segment from ``offset``), in order (a view for
@@ -119,7 +184,7 @@ _PERM_CACHE_BYTES = 64 << 20  # recent epochs' permutations: many when epochs ar
 _perm_cache: OrderedDict = OrderedDict()
 
 
-def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+def _permutation(n: int, seed: int, epoch: int, shuffle: bool | Blocks) -> np.ndarray:
     key = (n, seed, epoch, shuffle)
     perm = _perm_cache.get(key)
     if perm is not None:
@@ -132,13 +197,34 @@ def _permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     return perm
 
 
-def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    if not shuffle:
+def _make_permutation(n: int, seed: int, epoch: int, shuffle: bool | Blocks) -> np.ndarray:
+    if isinstance(shuffle, Blocks):
+        perm = _block_permutation(shuffle, seed, epoch)
+    elif not shuffle:
         perm = np.arange(n, dtype=np.int64)
     else:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([_PERM_TAG, seed, epoch])))
         perm = rng.permutation(n).astype(np.int64, copy=False)
     perm.setflags(write=False)
+    return perm
+
+
+def _block_permutation(blocks: Blocks, seed: int, epoch: int) -> np.ndarray:
+    """The blocks permuted, then the samples of each window of ``blocks.window`` of them permuted
+    among themselves (see the module docstring)."""
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([_PERM_TAG, _BLOCK_TAG, seed, epoch])))
+    sizes = blocks.sizes
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    order = rng.permutation(len(sizes))
+    # each position's sample, block by block in the blocks' new order
+    lens = sizes[order]
+    within = np.arange(blocks.total, dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    perm = np.repeat(starts[order], lens) + within
+    bounds = np.concatenate(([0], np.cumsum(lens)[blocks.window - 1::blocks.window]))
+    if bounds[-1] != blocks.total:
+        bounds = np.append(bounds, blocks.total)
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        rng.shuffle(perm[lo:hi])
     return perm
 
 

@@ -45,7 +45,7 @@ from prefetchd.core.config import Config, ConfigError, format_size, reload_block
 from prefetchd.core.config import load as load_config
 from prefetchd.core.planner import Limits, Planner
 from prefetchd.core.runclock import TICK_S, RunClock
-from prefetchd.core.sampler import Sampler
+from prefetchd.core.sampler import for_index
 from prefetchd.core.sizing import read_and_resolve
 from prefetchd.core.streamkeys import stream_settings
 from prefetchd.daemon.autosize import Pacer
@@ -132,7 +132,7 @@ class Daemon:
         if not self._load_index():
             return False
         L = cfg.loader
-        self.sampler = Sampler(len(self.index), L.batch_size, L.seed, L.shuffle, L.drop_last, L.world_size)
+        self.sampler = for_index(L, self.index)
         if self.sampler.batches_per_epoch == 0:
             raise ConfigError("loader.batch_size", f"({L.batch_size}) is larger than a rank's share of the dataset "
                               f"({self.sampler.samples_per_rank} samples) with drop_last: no batch to make")
@@ -243,9 +243,9 @@ class Daemon:
             "sample_fingerprint": sample_fingerprint(c, self.index.fingerprint, self.transform_file.code),
             "transform_code": self.transform_file.code, "transform_file": self.transform_file.path,  # in both fingerprints
             "dataset_fingerprint": self.index.fingerprint,  # a state of another world size names its stream
-            # the client decodes compact batches itself (hybrid | gpu): it must know to expect them
+            # the client decodes compact batches itself (hybrid | gpu), erases normalised ones (erase_on: client)
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
-            "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
+            "erasing": c.augment.random_erasing.client_spec(c.loader.seed), "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
         })
 
     # --- signals and waking -----------------------------------------------------------------------

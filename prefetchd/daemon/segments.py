@@ -56,7 +56,7 @@ def sample_fingerprint(cfg: Config, dataset_fingerprint: str, transform_code: st
     shuffle, augmentation, dataset), and not how they are cut into batches (world size, batch
     size, drop_last): a state saved at another world or batch size resumes only where they match."""
     L = cfg.loader
-    d = {"seed": L.seed, "shuffle": L.shuffle, "augment": cfg.augment.stream_dict()}
+    d = {"seed": L.seed, "shuffle": L.shuffle_key(), "augment": cfg.augment.stream_dict()}
     if transform_code:  # the user's transform's module file (core.augment.transform): absent, the digits are as before
         d["transform_code"] = transform_code
     text = json.dumps(d, sort_keys=True, default=list)

@@ -160,6 +160,10 @@ class BatchMaker:
                 store_for(root, self.cfg.dataset.storage_options or None)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
+        if self.cfg.loader.shuffle == "block" and self.index.block_sizes() is not None:
+            from prefetchd.sources import parquet
+
+            parquet.keep_groups(self.cfg.loader.shuffle_window)  # a batch reads from a window of row groups
         self.fingerprint = setup.fingerprint
         self.buffer_dir = setup.buffer_dir
         self.worker_id = worker_id

@@ -32,6 +32,18 @@ class DatasetError(ValueError):
     """The dataset cannot be used: the message says why and what to do."""
 
 
+MAX_CLASSES = 1 << 24  # labels numbered past this are ids, not class indices (WebFace260M has 4 M classes)
+
+
+def numbered_classes(top: int, key: str, root: str, where: str) -> list[str]:
+    """``"0" .. str(top)``, the classes of labels that name none; a DatasetError when ``top`` (the
+    label of ``where``) is no class index: the list would be gigabytes (~170 bytes a class)."""
+    if top >= MAX_CLASSES:
+        raise DatasetError(f"{key} {root}: labels go up to {top} (e.g. {where}), more than {MAX_CLASSES} classes: "
+                           "an id, not a class index? write labels as indices 0 .. classes-1")
+    return [str(i) for i in range(top + 1)]
+
+
 class StorageChanged(OSError):
     """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
     the storage's state, not the sample's fault (``executors.storage`` waits for it). Its message
@@ -89,6 +101,11 @@ class Index:
         except OSError as e:
             return f"unreadable:{e.errno}"
         return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{st.st_ctime_ns}"
+
+    def block_sizes(self) -> np.ndarray | None:
+        """The sizes of the runs of consecutive samples that are cheap to read together (a
+        ``loader.shuffle: block``'s blocks), or None: this layout reads each sample alone."""
+        return None
 
     def sample_size(self, i: int) -> int:
         """Sample ``i``'s size in bytes (one stat), or 0 when it cannot be read."""

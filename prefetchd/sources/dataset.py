@@ -130,43 +130,70 @@ def choose(root: str | None, file_list: str | None, devkit: str | None, extensio
     return "flat-folder", left
 
 
-def _first_tar_is_shard(path: str, exts: tuple[str, ...]) -> bool:
+_SHARD_PROBES = 8  # tars looked into, past empty ones, before a folder of tars is called no shards
+
+
+def _tars_are_shards(paths: list[str], exts: tuple[str, ...]) -> bool:
+    """Do the first of these tars that holds members look like WebDataset shards? (An empty first
+    shard says nothing: the next one is asked, never the class-tar layout taken for it, which
+    would label each shard's samples with the shard's number.)"""
     from prefetchd.sources import webdataset
 
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return webdataset.looks_like_shards(fd, os.fstat(fd).st_size, tuple(e.encode() for e in exts))
-    finally:
-        os.close(fd)
+    for path in paths[:_SHARD_PROBES]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            said = webdataset.looks_like_shards(fd, os.fstat(fd).st_size, tuple(e.encode() for e in exts))
+        finally:
+            os.close(fd)
+        if said is not None:
+            return said
+    return False
 
 
-def detect(root: str | None, file_list: str | None) -> str:
+def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -> str:
     """``dataset.layout: auto``: ``webdataset`` when ``root`` names shards (see the module
-    docstring), else ``""`` (``choose`` decides among the other layouts)."""
+    docstring), else ``""`` (``choose`` decides among the other layouts). ``key``: the config key
+    naming ``root``, for the one error it raises (shards beside folders that are not leftovers)."""
     # imported here: a worker opening its index needs neither
     from prefetchd.sources import shardnames, webdataset
 
     if root is None or file_list is not None:
         return ""
     if root.endswith(".parquet") or (os.path.isdir(root) and any(
-            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(e.is_dir() for e in os.scandir(root))):
+            e.name.endswith(".parquet") for e in os.scandir(root)) and not any(
+            e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))):  # .cache: huggingface_hub's
         return "parquet"
     if shardnames.is_pattern(root) and not os.path.exists(root):
         return "webdataset"
+    if shardnames.is_glob(root) and not os.path.exists(root) and root.lower().endswith((".tar", *shardnames.COMPRESSED)):
+        return "webdataset"  # which says a glob is not expanded
     exts = tuple(webdataset.DEFAULT_EXTENSIONS)
     try:
         if os.path.isdir(root):
             tars = sorted(e.name for e in os.scandir(root) if e.name.lower().endswith(".tar") and e.is_file()
                           and not e.name.startswith("."))
-            dirs = any(e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))
-            return "webdataset" if tars and not dirs and _first_tar_is_shard(os.path.join(root, tars[0]), exts) else ""
+            if not tars and shardnames.compressed(root) and not any(e.is_dir() for e in os.scandir(root)):
+                return "webdataset"  # which says they are compressed
+            if not tars or not _tars_are_shards([os.path.join(root, t) for t in tars], exts):
+                return ""
+            # lost+found, a Mac zip's folder and shards extracted beside their tars are no class folders
+            stems = {t[:-4] for t in tars}
+            dirs = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")
+                          and e.name not in _LEFTOVERS and e.name not in stems)
+            if dirs:
+                alone = ", or set dataset.layout: webdataset to read the top-level shards alone" if (
+                    key == "dataset.root") else ""
+                raise DatasetError(f"{key} {root} holds WebDataset shards ({tars[0]} ...) and folders "
+                                   f"({', '.join(dirs[:3])}{' ...' if len(dirs) > 3 else ''}): one kind of dataset "
+                                   f"per root; move the folders out{alone}")
+            return "webdataset"
         if not os.path.isfile(root):
             return ""
         if root.lower().endswith(".tar"):
-            return "webdataset" if _first_tar_is_shard(root, exts) else ""
+            return "webdataset" if _tars_are_shards([root], exts) else ""
         with open(root, "rb") as f:
             head = f.read(4096)
         lines = [ln.strip() for ln in head.splitlines()[:20] if ln.strip() and not ln.startswith(b"#")]
@@ -198,7 +225,7 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
         from prefetchd.sources import bucketfolder
 
         return bucketfolder.load(root, extensions, cache_dir, use_cache, section, storage_options)
-    found = detect(root, file_list) if layout == "auto" else layout
+    found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
             raise DatasetError(f"{section}.root must name Parquet files (one, a folder or a glob), without "

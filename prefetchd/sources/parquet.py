@@ -8,17 +8,22 @@ name) or a glob (``/data/hf/train-*.parquet``, by name). Samples are the rows, f
 ``dataset.label_column`` (default ``label``) an integer column. Class names come from the
 ``ClassLabel`` feature in the file's ``huggingface`` schema metadata where present, else
 ``"0" .. str(max label)``. A row whose label is null or negative (Hugging Face writes -1 for an
-unlabelled row) is skipped with its reason. A file without either column, with a column of
-another type, or whose footer cannot be read is a one-line error naming it.
+unlabelled row), or whose image holds no bytes (kept by path only), is skipped with its reason; a
+file whose images all are is an error. A folder or glob of the files of several Hugging Face
+splits (``train-00000-of-00001.parquet`` beside ``test-...``) is an error naming one split's glob.
+A file without either column, with a column of another type, whose ``ClassLabel`` names differ
+from the first file's, or whose footer cannot be read is a one-line error naming it.
 
 **Index**: from each file's footer (row groups and their row counts) and its label column alone
 (the images are not read): per sample, the file, the row group and the row within it.
 
 **Reading**: Parquet's smallest unit that pyarrow reads cheaply is a row group's column chunk,
 so a sample's read is that of its row group's image column (pages are compressed together); a
-worker keeps the ``_GROUPS_KEPT`` most recently read row groups, so samples of one row group in
-one batch cost one read. The read amplification (bytes read per image byte) under a random
-permutation is about the rows per row group, measured in BENCHMARKS.md. Each file's identity
+worker keeps the ``_GROUPS_KEPT`` most recently read row groups (with ``loader.shuffle: block``
+a window's worth and two more: ``keep_groups``), so samples of one row group in one batch cost
+one read. The read amplification (bytes read per image byte) under a full permutation is about
+the rows per row group; under a block shuffle, about a window's rows per batch's rows (at most
+the worker count), measured in BENCHMARKS.md. Each file's identity
 (``store.identity_of``) is taken before its footer is read and checked after every read: a file
 rewritten or replaced since it was indexed raises ``StorageChanged`` (its batches wait), never
 another row's bytes. Reading needs ``pyarrow`` (``pip install 'prefetchd[parquet]'``).
@@ -31,6 +36,7 @@ import glob
 import json
 import logging
 import os
+import re
 import stat
 import time
 from collections import OrderedDict
@@ -44,6 +50,7 @@ from prefetchd.sources.base import (
     StorageChanged,
     build_index,
     cache_path,
+    numbered_classes,
     open_cached,
     read_cache,
     write_cache,
@@ -55,6 +62,13 @@ log = logging.getLogger("prefetchd.dataset")
 META = "parquetmeta.json"
 _VERSION = 1
 _GROUPS_KEPT = 4  # row groups' image columns a worker keeps (the batch's samples of one group: one read)
+
+
+def keep_groups(window: int) -> None:
+    """Keep a block shuffle's window of row groups and two more (a batch's rows come from at most
+    a window and the next one's first group) in this process; never fewer than the default."""
+    global _GROUPS_KEPT
+    _GROUPS_KEPT = max(4, int(window) + 2)
 _ARRAYS = ("blob", "offsets", "labels", "file_ids", "group", "row")
 
 
@@ -68,8 +82,40 @@ def pyarrow_parquet():
     return pq
 
 
+# Hugging Face's names for a split's files (push_to_hub: data/train-00000-of-00004.parquet; older
+# ones end in a hash), or its folders (the Hub's Parquet conversion: default/train/0000.parquet):
+# a folder or glob of several splits (mnist/: train and test) is several data sets
+_SPLIT_FILE = re.compile(r"^(.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?\.parquet$")
+_SPLIT_FOLDERS = ("train", "test", "validation", "valid", "val", "dev")
+
+
+def _one_split(root: str, key: str, base: str, names: list[str]) -> None:
+    """A DatasetError if ``names`` are the files of more than one Hugging Face split: the test
+    split read into the train set without a word."""
+    splits: dict[str, str] = {}
+    for n in names:
+        m = _SPLIT_FILE.match(os.path.basename(n))
+        folder = os.path.basename(os.path.dirname(n))
+        if m or folder in _SPLIT_FOLDERS:
+            splits.setdefault(m.group(1) if m else folder, n)
+    if len(splits) > 1:
+        pick = "train" if "train" in splits else sorted(splits)[0]
+        one = os.path.join(os.path.dirname(splits[pick]), pick + "-*.parquet") if _SPLIT_FILE.match(
+            os.path.basename(splits[pick])) else os.path.join(os.path.dirname(splits[pick]), "*.parquet")
+        raise DatasetError(f"{key} {root} holds the Parquet files of {len(splits)} splits ({', '.join(sorted(splits))}"
+                           f"; e.g. {splits[pick]}): a data set is one split; set {key} to one split's files, e.g. "
+                           f"{os.path.join(base, one)}")
+
+
 def files_of(root: str, key: str = "dataset.root") -> tuple[str, list[str]]:
-    """(base folder, the ``.parquet`` files ``root`` names, relative to it, in order)."""
+    """(base folder, the ``.parquet`` files ``root`` names, relative to it, in order); the files of
+    one Hugging Face split (``_one_split``)."""
+    base, names = _files_of(root, key)
+    _one_split(root, key, base, names)
+    return base, names
+
+
+def _files_of(root: str, key: str) -> tuple[str, list[str]]:
     if any(c in root for c in "*?[") and not os.path.exists(root):
         found = sorted(glob.glob(root))
         if not found:
@@ -115,9 +161,13 @@ def _check_columns(schema, path: str, image_column: str, label_column: str) -> N
     if not ok:
         raise DatasetError(f"{path}: column {image_column!r} is {t}, not binary nor struct<bytes: binary, ...> "
                            "(Hugging Face's Image feature): set dataset.image_column to the image column")
-    if not pa.types.is_integer(schema.field(label_column).type):
-        raise DatasetError(f"{path}: column {label_column!r} is {schema.field(label_column).type}, not an integer "
-                           "column: set dataset.label_column to the labels' column")
+    t = schema.field(label_column).type
+    if not pa.types.is_integer(t):
+        names = pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_dictionary(t)
+        raise DatasetError(f"{path}: column {label_column!r} is {t}, not integer class indices: set "
+                           "dataset.label_column to the column of class indices" + (
+                               ", or write the labels as indices (datasets: ds.class_encode_column"
+                               f"({label_column!r}), which keeps the names as a ClassLabel)" if names else ""))
 
 
 def scan(root: str, image_column: str = "image", label_column: str = "label",
@@ -148,19 +198,32 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
                 except (pa.ArrowException, OSError) as e:
                     raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
                                        "corrupt copy? write it again") from None
-                names = names or _class_names(pf.schema_arrow, label_column)
+                own = _class_names(pf.schema_arrow, label_column)
+                if names is not None and own is not None and own != names:  # label k is another class there
+                    raise DatasetError(f"{path}: its ClassLabel names ({', '.join(own[:4])} ...) are not those of "
+                                       f"{files[0]} ({', '.join(names[:4])} ...), so one label would be two classes: "
+                                       f"set {key} to the files of one data set")
+                names = names or own
                 sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+                pathonly = _without_bytes(pf, image_column)
             if identity_of(os.fstat(fd)) != ident:
                 raise DatasetError(f"{path} changed while it was being indexed: is a copy still writing it?")
         finally:
             os.close(fd)
         values = col.to_numpy(zero_copy_only=False)
         valid = np.asarray(col.is_valid())
+        if pathonly is not None and sum(sizes) and pathonly.all():
+            raise DatasetError(f"{path}: its column {image_column!r} holds no image bytes, only paths (what "
+                               "datasets' to_parquet writes for images loaded from files): write it again with the "
+                               "bytes in (ds.with_format('arrow').map(datasets.table.embed_table_storage, "
+                               "batched=True), as push_to_hub does)")
         k = 0
         for g, n in enumerate(sizes):
             for r in range(n):
                 lab = values[k]
-                if not valid[k] or lab < 0:
+                if pathonly is not None and pathonly[k]:
+                    skipped.append(f"{path}: row {k} (no image bytes: its image is kept by path only)")
+                elif not valid[k] or lab < 0:
                     skipped.append(f"{path}: row {k} (label {'null' if not valid[k] else int(lab)}: unlabelled)")
                 else:
                     rel.append(os.fsencode(f"{name}#{k}"))
@@ -177,13 +240,45 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
     if names is not None and top >= len(names):
         raise DatasetError(f"{key} {root}: labels go up to {top}, but the ClassLabel metadata names {len(names)} "
                            "classes")
-    index = build_index(base, names or [str(i) for i in range(top + 1)], rel, labels)
+    if names is None:
+        names = numbered_classes(top, key, root, os.path.join(base, os.fsdecode(rel[labels.index(top)])))
+    index = build_index(base, names, rel, labels)
     index = ParquetIndex(**{f: getattr(index, f) for f in ("root", "classes", "blob", "offsets", "labels",
                                                            "fingerprint")},
                          skipped=tuple(skipped[:1000]), kind="parquet", files=tuple(files),
                          file_ids=np.asarray(fids, np.uint16), group=np.asarray(groups, np.uint32),
                          row=np.asarray(rows, np.uint32), identity=tuple(identity), image_column=image_column)
     return index, stamps
+
+
+def _without_bytes(pf, column: str) -> np.ndarray | None:
+    """Which rows' image holds no bytes (null: ``datasets`` keeps an image loaded from a file by its
+    path alone), from the footer's null counts; a row group with some such rows has its image
+    column read to tell which. None: every row has bytes, or the footer does not say."""
+    import pyarrow as pa
+
+    md = pf.metadata
+    struct = pa.types.is_struct(pf.schema_arrow.field(column).type)
+    leaf = f"{column}.bytes" if struct else column
+    out, start = None, 0
+    for g in range(md.num_row_groups):
+        rg = md.row_group(g)
+        chunk = next((rg.column(c) for c in range(rg.num_columns) if rg.column(c).path_in_schema == leaf), None)
+        stats = chunk.statistics if chunk is not None else None
+        nulls = stats.null_count if stats is not None and stats.has_null_count else 0  # unknown: the read says
+        if nulls:
+            if out is None:
+                out = np.zeros(md.num_rows, bool)
+            if nulls >= rg.num_rows:
+                out[start:start + rg.num_rows] = True
+            else:
+                got = pf.read_row_group(g, columns=[column]).column(0).combine_chunks()
+                ok = np.asarray(got.is_valid(), bool)
+                if struct:
+                    ok &= np.asarray(got.field("bytes").is_valid(), bool)
+                out[start:start + rg.num_rows] = ~ok
+        start += rg.num_rows
+    return out
 
 
 @dataclass(frozen=True)
@@ -224,12 +319,20 @@ class ParquetIndex(Index):
     def sample_size(self, i: int) -> int:
         return 0  # not known without reading its row group
 
+    def block_sizes(self) -> np.ndarray:
+        """The row groups' row counts (the rows kept), in index order: a row group is the least a
+        read of one row costs, and its rows are consecutive in the index."""
+        key = np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group, np.uint64)
+        starts = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1])))
+        return np.diff(np.append(starts, len(key))).astype(np.int64)
+
     def describe(self) -> str:
-        groups = len(np.unique(np.asarray(self.file_ids, np.uint64) << np.uint64(32) | np.asarray(self.group)))
+        groups = len(self.block_sizes())
+        per = len(self) // max(groups, 1)
         return (f"{os.path.basename(self.root.rstrip('/')) or self.root}, {len(self.files)} Parquet file(s) "
-                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{len(self) // max(groups, 1)} rows: a "
-                f"sample's read is its row group's image column, so a shuffled epoch reads ~{len(self) // max(groups, 1)}"
-                " x the image bytes (loader.shuffle is a full permutation; no block shuffle yet)")
+                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{per} rows: a sample's read is its row "
+                f"group's image column, so a full shuffle (loader.shuffle: true) reads ~{per} x the image bytes; "
+                f"loader.shuffle: block reads each row group about once a window per worker")
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,19 @@ _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 MAX_SHARDS = 1 << 20  # a pattern expanding past this is a mistake, not a data set
 
 
+COMPRESSED = (".tar.gz", ".tgz", ".tar.zst", ".tar.xz", ".tar.bz2", ".tar.lz4")  # webdataset writes .tar.gz
+
+
+def compressed(folder: str) -> list[str]:
+    """The compressed tars at the top of ``folder``, by name (shards that cannot be read in place)."""
+    return sorted(e.name for e in os.scandir(folder) if e.name.lower().endswith(COMPRESSED)
+                  and not e.name.startswith(".") and e.is_file())
+
+
+def is_glob(root: str) -> bool:
+    return any(c in root for c in "*?[")
+
+
 def is_pattern(root: str) -> bool:
     return bool(_BRACE.search(os.path.basename(root)) or _BRACE.search(root))
 
@@ -56,6 +69,50 @@ def expand(pattern: str) -> list[str]:
     return [head + i + t for i in items for t in tails]
 
 
+# a word of a shard's name that says its split: timm/imagenet-1k-wds holds imagenet1k-train-0000.tar
+# beside imagenet1k-validation-00.tar, and its folder as dataset.root trained on the validation set
+_SPLITS = {"train", "training", "val", "valid", "validation", "test", "testing", "dev", "eval"}
+
+
+def _one_split(key: str, root: str, names: list[str]) -> None:
+    """A DatasetError if the folder's shards are named for more than one split, saying how to name one's."""
+    splits: dict[str, list[str]] = {}
+    for n in names:
+        words = {w.lower() for w in re.findall(r"[A-Za-z]+", n[:-4])} & _SPLITS
+        if len(words) == 1:
+            splits.setdefault(words.pop(), []).append(n)
+    if len(splits) < 2:
+        return
+    order = (("validation", "val", "valid", "test", "dev", "eval") if key.startswith("validation")
+             else ("train", "training"))
+    pick = next((w for w in order if w in splits), sorted(splits)[0])
+    found = [re.match(r"^(.*?)(\d+)\.tar$", n) for n in splits[pick]]
+    how = "a brace pattern or a file listing them"
+    if all(found) and len({m.group(1) for m in found}) == 1 and len({len(m.group(2)) for m in found}) == 1:
+        nums = sorted(m.group(2) for m in found)
+        if len(nums) == int(nums[-1]) - int(nums[0]) + 1:
+            how = os.path.join(root, f"{found[0].group(1)}{{{nums[0]}..{nums[-1]}}}.tar")
+    raise DatasetError(f"{key} {root} holds the shards of {len(splits)} splits ({', '.join(sorted(splits))}; e.g. "
+                       f"{splits[pick][0]}): a data set is one split; set {key} to one split's shards: {how}")
+
+
+def _no_gaps(key: str, root: str, names: list[str]) -> None:
+    """A DatasetError if the folder's shards are numbered (one prefix, one width) with numbers missing
+    between the first and the last: what a copy still running leaves (rsync writes each shard under
+    a hidden name until it is whole, aws s3 sync under a suffix), as a pattern naming them would say."""
+    found = [re.match(r"^(.*?)(\d+)\.tar$", n) for n in names]
+    if len(names) < 2 or not all(found) or len({(m.group(1), len(m.group(2))) for m in found}) != 1:
+        return
+    nums = {int(m.group(2)) for m in found}
+    missing = sorted(set(range(min(nums), max(nums) + 1)) - nums)
+    if missing:
+        prefix, width = found[0].group(1), len(found[0].group(2))
+        shown = ", ".join(f"{prefix}{k:0{width}d}.tar" for k in missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise DatasetError(f"{key} {root}: {len(missing)} shard(s) numbered between its first and last are not there "
+                           f"({shown}): a copy or download still running, or removed? a set without them trains on "
+                           "part of the data; restore them, or name the shards present in a list file")
+
+
 def _missing(key: str, root: str, paths: list[str], absent: list[str], what: str) -> DatasetError:
     if len(absent) == len(paths):
         return DatasetError(f"{key} {root}: none of the {len(paths)} shard(s) {what} exists (e.g. {absent[0]}): "
@@ -74,6 +131,9 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
         if absent:
             raise _missing(key, root, names, absent, "the pattern names")
         return base, names, []
+    if is_glob(root) and not os.path.exists(root):
+        raise DatasetError(f"{key} {root} is a glob, which is not expanded for shards: name their folder, "
+                           "a brace pattern (train-{000000..000099}.tar) or a file listing them")
     try:
         st = os.stat(root)
     except OSError as e:
@@ -82,13 +142,20 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
         names = sorted(e.name for e in os.scandir(root)
                        if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file())
         if not names:
+            packed = compressed(root)
+            if packed:
+                raise DatasetError(f"{key} {root} holds compressed shards ({packed[0]} ...), not .tar ones: shards are "
+                                   "read in place, uncompressed; decompress them (gunzip, zstd -d, ...) or write "
+                                   "them without compression")
             raise DatasetError(f"{key} {root} holds no .tar shards")
+        _one_split(key, root, names)
+        _no_gaps(key, root, names)
         return root, names, [stamp_of(root)]
     if root.lower().endswith(".tar"):
         return os.path.dirname(root), [os.path.basename(root)], []
     base = os.path.dirname(root)
     try:
-        with open(root, encoding="utf-8") as f:
+        with open(root, encoding="utf-8-sig") as f:  # -sig: Notepad's byte order mark is no part of a name
             lines = [ln.strip() for ln in f]
     except (OSError, UnicodeDecodeError) as e:
         raise DatasetError(f"{key} {root} is not a readable list of shards: {e}") from None

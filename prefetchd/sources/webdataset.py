@@ -49,10 +49,10 @@ from prefetchd.sources.archive import (
     unchanged,
     warn_skipped,
 )
-from prefetchd.sources.base import DatasetError, cache_path
+from prefetchd.sources.base import DatasetError, cache_path, numbered_classes
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, members
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members, show
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -142,6 +142,12 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
         if not images:
             problems.append(f"no image member (extensions {', '.join(e.decode() for e in exts)}); it has "
                             f"{', '.join('.' + e.decode('latin-1') for e in sample)}")
+            dotted = next((e for e in sample if b"." + e.rpartition(b".")[2] in exts and b"." in e), None)
+            if dotted is not None:  # TarWriter writes a key with a dot as is; webdataset splits it there
+                problems.append(f"a key with a dot: webdataset's key ends at the first dot of a member's name "
+                                f"({(key + b'.' + dotted).decode('latin-1')} is key {key.decode('latin-1')}, "
+                                f"extension {dotted.decode('latin-1')}); write the shards again with keys "
+                                "without dots")
         elif len(images) > 1:
             problems.append(f"{len(images)} image members ({', '.join('.' + e.decode() for e in images)}): which "
                             "is the image is not said")
@@ -200,14 +206,17 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
                            f"({', '.join(extensions)}) and a label ({label})" + (
                                f"; e.g. {notes[0]}" if notes else ""))
     top = max(out.labels) if how != "none" else -1
-    index = out.index(base, [str(i) for i in range(top + 1)], LAYOUT, tuple(shards))
+    k = out.labels.index(top)  # the sample of the largest label, for a message
+    where = os.path.join(base, show(bytes(out.blob[out.ends[k]:out.ends[k + 1]])))
+    index = out.index(base, numbered_classes(top, key, root, where), LAYOUT, tuple(shards))
     return replace(index, identity=tuple(identity), skipped=kept_notes(notes), kind=LAYOUT), stamps
 
 
 def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | None, use_cache: bool = True,
          key: str = "dataset.root") -> tuple[TarIndex, bool]:
     """As ``dataset.load_index`` for shards: (index, from_cache)."""
-    cdir = cache_path(cache_dir, f"{root}|label={label}", LAYOUT, extensions)
+    # |2: a cache from before the folder's split and gap checks (resolve) is not trusted to hold one whole split
+    cdir = cache_path(cache_dir, f"{root}|label={label}|2", LAYOUT, extensions)
     if use_cache:
         cached = load_cached(cdir)
         if cached is not None:
@@ -223,26 +232,39 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
     return index, False
 
 
-def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 64) -> bool:
-    """Do the first ``probe`` members of the tar open as ``fd`` look like WebDataset samples (most
-    keys with an image have another member too: a label, a caption, metadata)? What
-    ``dataset.layout: auto`` asks of a tar that is no tar of class tars."""
+def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 64) -> bool | None:
+    """Do the first ``probe`` members of the tar open as ``fd`` look like WebDataset samples? What
+    ``dataset.layout: auto`` asks of a tar that is no tar of class tars. Yes when a ``.cls`` member
+    is there (webdataset's label, in no class tar), or when at least half the keys with an image
+    have another member too (a label, a caption: the last sample of a shard may have its label in
+    the next shard); None when the tar holds no member to judge by (empty: ask the next shard)."""
     seen: dict[bytes, set[bytes]] = {}
-    off = 0
+    off, long_name = 0, None
     for _ in range(probe):
         if off + BLOCK > size:
             break
         hdr = os.pread(fd, BLOCK, off)
         if len(hdr) < BLOCK or hdr == bytes(BLOCK):
             break
-        name = hdr[:100].split(b"\0", 1)[0]
         try:
-            n = int(hdr[124:136].replace(b"\0", b" ").strip() or b"0", 8)
-        except ValueError:
+            name, kind, n = _header(hdr, "", off, None)
+        except DatasetError:
             return False
-        off += BLOCK + -(-n // BLOCK) * BLOCK
+        data, off = off + BLOCK, off + BLOCK + -(-n // BLOCK) * BLOCK
+        if kind in (b"L", b"x") and n <= _LABEL_MEMBER_MAX:  # a name over 100 bytes: the next member's
+            body = os.pread(fd, n, data)
+            try:
+                long_name = body.split(b"\0", 1)[0] if kind == b"L" else _pax_records(body).get(b"path", long_name)
+            except ValueError:
+                pass
+            continue
+        name, long_name = long_name or name, None
         parts = split_name(name)
         if parts is not None:
+            if parts[1] == b"cls" or parts[1].endswith(b".cls"):  # a dotted key's label too (``a.b.cls``)
+                return True
             seen.setdefault(parts[0], set()).add(parts[1])
+    if not seen:
+        return None
     with_image = [e for e in seen.values() if any(b"." + x in exts for x in e)]
-    return 2 * sum(len(e) > 1 for e in with_image) > len(with_image) > 0
+    return 2 * sum(len(e) > 1 for e in with_image) >= len(with_image) > 0

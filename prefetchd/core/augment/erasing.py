@@ -52,6 +52,20 @@ def boxes(cfg, p: np.ndarray, h: int, w: int) -> list[tuple[int, int, int, int, 
     return out
 
 
+def noise(cfg, p: np.ndarray, bs: list[tuple[int, int, int, int, int]]) -> list[np.ndarray | None]:
+    """Each box's standard normal noise, timm's fill in normalised space: ``rand``: float64 [3]
+    (one value a channel), ``pixel``: float32 [height, width, 3], ``const``: None. A pure
+    function of the draws, shared by the daemon's erasing (mapped to pixels) and the client's
+    (``erase_on: client``: written as they are into the normalised batch)."""
+    if cfg.mode == "const":
+        return [None] * len(bs)
+    if cfg.mode == "rand":
+        return [np.array([_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12)) for u in p[206 + 3 * j: 209 + 3 * j]])
+                for _, _, _, _, j in bs]
+    rng = np.random.default_rng(int(p[255] * 2**53))
+    return [rng.standard_normal((eh, ew, 3), dtype=np.float32) for _, _, eh, ew, _ in bs]
+
+
 def _to_pixels(z: np.ndarray, cfg) -> np.ndarray:
     v = 255.0 * (np.asarray(cfg.mean) + np.asarray(cfg.std) * z)
     return np.clip(np.rint(v), 0, 255).astype(np.uint8)
@@ -64,14 +78,6 @@ def erase(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
         return img
     if not img.flags.writeable:
         img = img.copy()
-    noise = np.random.default_rng(int(p[255] * 2**53)) if cfg.mode == "pixel" else None
-    for top, left, eh, ew, j in bs:
-        if cfg.mode == "const":
-            fill = np.asarray(cfg.value, np.uint8)
-        elif cfg.mode == "rand":
-            z = np.array([_NORMAL.inv_cdf(min(max(u, 1e-12), 1 - 1e-12)) for u in p[206 + 3 * j: 209 + 3 * j]])
-            fill = _to_pixels(z, cfg)
-        else:
-            fill = _to_pixels(noise.standard_normal((eh, ew, 3), dtype=np.float32), cfg)
-        img[top:top + eh, left:left + ew] = fill
+    for (top, left, eh, ew, _), z in zip(bs, noise(cfg, p, bs), strict=True):
+        img[top:top + eh, left:left + ew] = np.asarray(cfg.value, np.uint8) if z is None else _to_pixels(z, cfg)
     return img

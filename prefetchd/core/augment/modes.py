@@ -39,7 +39,7 @@ import numpy as np
 from PIL import Image
 
 from prefetchd.core.augment import policies
-from prefetchd.core.augment.seeds import sample_key
+from prefetchd.core.augment.seeds import N_UNIFORM, sample_draws, sample_key  # noqa: F401 (sample_key: the tests' and tools')
 from prefetchd.core.config import AugmentConfig
 
 try:  # libjpeg-turbo through its own small wheel: faster than Pillow's decode to numpy
@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover - a hard dependency, but the Pillow path
     simplejpeg = None
 
 ALLOWED_FORMATS = ("JPEG", "PNG")
-_N_UNIFORM = 48  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46], flip u[45]
+_N_UNIFORM = N_UNIFORM  # fixed draw count per sample: geometry u[0..39], jitter u[40..44, 46, 47], flip u[45]
 _NO_DRAWS = np.zeros(0)
 _EXIF_ORIENTATION = 0x0112
 _CV_INTER = {
@@ -81,8 +81,7 @@ def draws(seed: int, epoch: int, index: int, view: int | None = None) -> Draws:
     """The sample's draws, from its key (``seeds.sample_key``: the one a user's transform is seeded
     from); ``view``: that view's of the sample (``augment.views``). The policies' fixed block comes
     after the crop's and lighting's, so those stay as they were."""
-    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index, view)))
-    return Draws(rng.random(_N_UNIFORM), rng.standard_normal(3), rng.random(policies.N_POLICY_DRAWS))
+    return Draws(*sample_draws(seed, epoch, index, view))
 
 
 # --- geometry: a pure function of the source size and the draws -------------------------------
@@ -331,19 +330,38 @@ def _gray(img: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(img, cv2.COLOR_RGB2GRAY)
 
 
-BRIGHTNESS, CONTRAST, SATURATION = 0, 1, 2  # the jitter ops, as jitter_ops names them
+BRIGHTNESS, CONTRAST, SATURATION, HUE = 0, 1, 2, 3  # the jitter ops, as jitter_ops names them
 
 
 def jitter_ops(cfg: AugmentConfig, d: Draws) -> list[tuple[int, float]]:
-    """The colour jitter of one sample: ``(op, factor)`` in the order they apply, ``op`` one of
-    BRIGHTNESS, CONTRAST, SATURATION; ops whose strength is 0 are left out."""
-    # draws: u[40..42] the factors, u[43], u[44], u[46] the keys that order the three ops
+    """The colour jitter of one sample: ``(op, factor)`` in the order they apply (a uniform
+    random order, as torchvision's ``ColorJitter``), ``op`` one of BRIGHTNESS, CONTRAST,
+    SATURATION, HUE (a shift in [-hue, hue] of the hue circle); ops whose strength is 0 are left out."""
+    # draws: u[40..42] the factors, u[43], u[44], u[46] (and u[47] for hue) the keys that order the
+    # ops, p[39] hue's shift (a config without hue draws exactly what it drew before hue existed)
     ops = []
     for k, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation)):
         if strength > 0:
             lo, hi = max(0.0, 1.0 - strength), 1.0 + strength
             ops.append((d.u[(43, 44, 46)[k]], k, lo + d.u[40 + k] * (hi - lo)))
+    if cfg.hue > 0:
+        ops.append((d.u[47], HUE, (2.0 * d.p[39] - 1.0) * cfg.hue))
     return [(k, float(f)) for _, k, f in sorted(ops)]
+
+
+def jitter_applies(cfg: AugmentConfig, d: Draws) -> bool:
+    """Whether the sample is jittered at all: some strength set, and ``jitter_p``'s draw (p[38])."""
+    if not (cfg.brightness or cfg.contrast or cfg.saturation or cfg.hue):
+        return False
+    return cfg.jitter_p >= 1.0 or d.p[38] < cfg.jitter_p
+
+
+def adjust_hue(img: np.ndarray, shift: float) -> np.ndarray:
+    """torchvision's ``adjust_hue`` of a PIL image: Pillow's 8-bit HSV, the hue channel moved by
+    ``shift * 255`` (truncated, wrapping around the circle), back to RGB."""
+    hsv = np.array(Image.fromarray(img, "RGB").convert("HSV"))
+    hsv[..., 0] += np.uint8(int(shift * 255) % 256)  # uint8 arithmetic wraps: the hue circle
+    return np.asarray(Image.fromarray(hsv, "HSV").convert("RGB"))
 
 
 def _jitter(img: np.ndarray, cfg: AugmentConfig, d: Draws) -> np.ndarray:
@@ -354,9 +372,11 @@ def _jitter(img: np.ndarray, cfg: AugmentConfig, d: Draws) -> np.ndarray:
         elif k == 1:  # contrast: blend with the mean grey level
             mean = float(_gray(img).mean())
             img = _lut(img, ramp * f + mean * (1 - f))
-        else:  # saturation: blend with the pixel's own grey
+        elif k == 2:  # saturation: blend with the pixel's own grey
             grey = cv2.cvtColor(_gray(img), cv2.COLOR_GRAY2RGB)
             img = cv2.addWeighted(img, f, grey, 1 - f, 0)
+        else:
+            img = adjust_hue(img, f)
     return img
 
 
@@ -389,7 +409,7 @@ def finish(arr: np.ndarray, crop: Crop, cfg: AugmentConfig, d: Draws, out: np.nd
     if arr.ndim != 3 or arr.shape[2] != 3 or arr.dtype != np.uint8:  # pragma: no cover - _to_rgb guards
         raise SampleError(f"decoded to an unexpected array {arr.shape} {arr.dtype}")
     img = _resample(_roi(arr, crop), cfg.output_size, cfg.interpolation)
-    if cfg.brightness or cfg.contrast or cfg.saturation:
+    if jitter_applies(cfg, d):
         img = _jitter(img, cfg, d)
     if cfg.lighting:
         img = _lighting(img, cfg.lighting, d)

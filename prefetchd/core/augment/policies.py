@@ -6,7 +6,8 @@ function of the sample's fixed block of policy draws ``p`` (``Draws.p``: uniform
 drawn from the sample's key after the crop's, whatever the policy or op chosen); then
 ``ops.apply_op`` carries it out. Draw slots: op ``k`` (k < 8) reads ``p[4k]`` (which op),
 ``p[4k + 1]`` (whether: timm's probability, AutoAugment's), ``p[4k + 2]`` (magnitude) and
-``p[4k + 3]`` (sign); ``augment.ops`` reads ``p[32..37]``; erasing reads ``p[40..217]`` and
+``p[4k + 3]`` (sign); ``augment.ops`` reads ``p[32..37]``; the colour jitter ``p[38]`` (whether,
+``augment.jitter_p``) and ``p[39]`` (hue's shift: ``modes.jitter_ops``); erasing reads ``p[40..217]`` and
 ``p[255]`` (``core.augment.erasing``).
 
 The draws follow the references' own: torchvision's ``RandAugment`` (op uniform over its 14,
@@ -26,11 +27,11 @@ from statistics import NormalDist
 import cv2
 import numpy as np
 
-from prefetchd.core.augment import erasing
+from prefetchd.core.augment import erasing, seeds
 from prefetchd.core.augment.ops import apply_op, gaussian_blur, grayscale, posterize, solarize
 from prefetchd.core.policyspec import PolicySpec
 
-N_POLICY_DRAWS = 256  # Draws.p: the fixed block, whatever the policy
+N_POLICY_DRAWS = seeds.N_POLICY_DRAWS  # Draws.p: the fixed block, whatever the policy
 RANDAUGMENT_OPS = ("Identity", "ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Brightness", "Color",
                    "Contrast", "Sharpness", "Posterize", "Solarize", "AutoContrast", "Equalize")
 TIMM_OPS = ("AutoContrast", "Equalize", "Invert", "Rotate", "Posterize", "Solarize", "SolarizeAdd", "Color",
@@ -182,24 +183,26 @@ def apply_policy(img: np.ndarray, spec: PolicySpec, p: np.ndarray) -> np.ndarray
 
 def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
     """What ``augment.policy``, ``augment.ops`` and ``augment.random_erasing`` ask of one sample
-    (``cfg``: an AugmentConfig; ``p``: its ``Draws.p``), in that order: the policy, solarize,
-    posterize, grayscale, blur, vertical flip, erasing. Nothing is done when none is set."""
+    (``cfg``: an AugmentConfig; ``p``: its ``Draws.p``), in that order: the policy, grayscale,
+    blur, solarize, posterize (BYOL's and DINO's order: blur before solarize), vertical flip,
+    erasing (not with ``erase_on: client``: the trainer's client erases the normalised batch).
+    Nothing is done when none is set."""
     spec = cfg.policy_spec
     if spec.kind != "none":
         img = apply_policy(img, spec, p)
     o = cfg.ops
-    if o.solarize and p[36] < o.solarize:
-        img = solarize(img, o.solarize_threshold)
-    if o.posterize and p[37] < o.posterize:
-        img = posterize(img, o.posterize_bits)
     if o.grayscale and p[33] < o.grayscale:
         img = grayscale(img)
     if o.blur and p[34] < o.blur:
         lo, hi = o.blur_sigma
         img = gaussian_blur(img, o.blur_kernel, lo + p[35] * (hi - lo))
+    if o.solarize and p[36] < o.solarize:
+        img = solarize(img, o.solarize_threshold)
+    if o.posterize and p[37] < o.posterize:
+        img = posterize(img, o.posterize_bits)
     if o.vflip and p[32] < o.vflip:
         img = cv2.flip(img, 0)  # a copy: later steps (cv2, in-place erasing) want a plain array
-    if cfg.random_erasing.p:
+    if cfg.random_erasing.p and cfg.random_erasing.erase_on == "daemon":  # else the client's (client/erasing.py)
         img = erasing.erase(img, cfg.random_erasing, p)
     return img
 
@@ -207,5 +210,5 @@ def apply_extras(img: np.ndarray, cfg, p: np.ndarray) -> np.ndarray:
 def active(cfg) -> bool:
     """Whether ``apply_extras`` has anything to do for this AugmentConfig."""
     o = cfg.ops
-    return (cfg.policy_spec.kind != "none" or cfg.random_erasing.p > 0
+    return (cfg.policy_spec.kind != "none" or (cfg.random_erasing.p > 0 and cfg.random_erasing.erase_on == "daemon")
             or any((o.vflip, o.grayscale, o.blur, o.solarize, o.posterize)))

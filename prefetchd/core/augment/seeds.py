@@ -24,12 +24,24 @@ import sys
 import numpy as np
 
 AUG_TAG = 0x41554730  # "AUG0": separates the augmentation's streams from the sampler's
+N_UNIFORM = 48  # the built-in draws, in this order: geometry u[0..39], jitter u[40..44, 46, 47], flip u[45]
+N_NORMAL = 3  # then the PCA lighting's normals
+N_POLICY_DRAWS = 256  # then the policies' fixed block (Draws.p: core.augment.policies, erasing)
 
 
 def sample_key(seed: int, epoch: int, index: int, view: int | None = None) -> np.random.SeedSequence:
     """The sample's key; the root of everything random about it. ``view``: the key of that view
     of the sample (``augment.views``), the sample's key with the view's number appended."""
     return np.random.SeedSequence([AUG_TAG, seed, epoch, index] + ([] if view is None else [view]))
+
+
+def sample_draws(seed: int, epoch: int, index: int, view: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The built-in augmentation's draws of a sample, ``(u, z, p)``: ``N_UNIFORM`` uniforms,
+    ``N_NORMAL`` standard normals, ``N_POLICY_DRAWS`` uniforms, from a ``PCG64`` of the sample's
+    key (``view``: that view's). ``modes.draws`` and the client's random erasing
+    (``augment.random_erasing.erase_on: client``) both take them from here; numpy only."""
+    rng = np.random.Generator(np.random.PCG64(sample_key(seed, epoch, index, view)))
+    return rng.random(N_UNIFORM), rng.standard_normal(N_NORMAL), rng.random(N_POLICY_DRAWS)
 
 
 def seed_sample(seed: int, epoch: int, index: int, torch=None, rng: bool = False) -> np.random.Generator | None:

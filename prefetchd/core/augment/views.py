@@ -26,10 +26,11 @@ from prefetchd.core.config import AugmentConfig
 
 def view_configs(cfg: AugmentConfig) -> tuple[AugmentConfig, ...]:
     """One augmentation config per view (``cfg.views`` expanded), in view order: a random-resized
-    crop with the view's size, scale, ratio, flip and jitter; decoder and interpolation ``cfg``'s."""
+    crop with the view's size, scale, ratio, flip, jitter and single ops; decoder and
+    interpolation ``cfg``'s."""
     return tuple(replace(cfg, mode="random_resized_crop", output_size=g.output_size, rrc_scale=g.rrc_scale,
                          rrc_ratio=g.rrc_ratio, flip=g.flip, brightness=g.brightness, contrast=g.contrast,
-                         saturation=g.saturation, lighting=0.0, views=())
+                         saturation=g.saturation, hue=g.hue, jitter_p=g.jitter_p, lighting=0.0, views=(), ops=g.ops)
                  for g in expand(cfg.views))
 
 

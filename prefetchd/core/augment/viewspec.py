@@ -6,17 +6,23 @@ Each entry is a group of ``count`` views made alike: a random-resized crop of ``
 fraction) and ``rrc_ratio`` (aspect) to ``output_size`` square, a horizontal flip (``flip``) and
 colour jitter (``brightness``, ``contrast``, ``saturation``: factors in ``[1-x, 1+x]``), what
 ``augment.mode: random_resized_crop`` does to one image. The groups' views are numbered in order
-(DINO's two global crops are views 0 and 1, its six local ones 2 to 7); each view draws from its
+(DINO's two global crops are views 0 and 1, its six local ones 2 to 7). ``hue`` and ``jitter_p``
+are the section's keys of those names (a hue shift; the jitter's probability). A group's ``ops`` are
+``augment.ops``' single ops (grayscale, blur, solarize, posterize, vflip, each with its
+probability; ``core.policyspec.OpsConfig``), made on each of its views after the jitter: SimCLR's
+grayscale and blur, BYOL's and DINO's solarize on one global view. Each view draws from its
 sample's key and its number (``seeds.sample_key``); the decode's DCT reduction is shared by the
 sample's views (``views``), so the views together are a pure function of ``(seed, epoch, sample)``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
+from prefetchd.core.policyspec import OpsConfig, ops_config
 
 MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
 
@@ -33,9 +39,13 @@ class ViewGroup:
     brightness: float = 0.0
     contrast: float = 0.0
     saturation: float = 0.0
+    hue: float = 0.0
+    jitter_p: float = 1.0
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
 
 _KEYS = [f.name for f in fields(ViewGroup)]
+_LATER = ("hue", "jitter_p", "ops")  # keys added later: in the fingerprint only when set
 
 
 def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
@@ -65,6 +75,9 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             rrc_ratio=_pair(g.get("rrc_ratio", (3 / 4, 4 / 3)), f"{where}.rrc_ratio", 1e-3, 1e3),
             flip=_bool(g.get("flip", True), f"{where}.flip"),
             **{k: _float(g.get(k, 0.0), f"{where}.{k}", 0.0, 1.0) for k in ("brightness", "contrast", "saturation")},
+            hue=_float(g.get("hue", 0.0), f"{where}.hue", 0.0, 0.5),
+            jitter_p=_float(g.get("jitter_p", 1.0), f"{where}.jitter_p", 0.0, 1.0),
+            ops=ops_config(g.get("ops"), f"{where}.ops"),
         ))
     total = sum(g.count for g in groups)
     if total < 2:
@@ -86,6 +99,16 @@ def shapes(groups: tuple[ViewGroup, ...]) -> tuple[tuple[int, int], ...]:
 
 
 def as_dicts(groups: tuple[ViewGroup, ...]) -> list[dict]:
-    """The groups as plain values (for the stream's fingerprint)."""
-    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(g, k)) for k in _KEYS)}
-            for g in groups]
+    """The groups as plain values (for the stream's fingerprint; a group without ops keeps the
+    value it had before groups had them)."""
+    out = []
+    for g in groups:
+        d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ((k, getattr(g, k)) for k in _KEYS
+                                                                     if k not in _LATER)}
+        for k, default in (("hue", 0.0), ("jitter_p", 1.0)):
+            if getattr(g, k) != default:
+                d[k] = getattr(g, k)
+        if g.ops != OpsConfig():
+            d["ops"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(g.ops).items()}
+        out.append(d)
+    return out

@@ -82,6 +82,9 @@ def stop_daemon(proc: subprocess.Popen, timeout_s: float) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+BLOCK_SUFFIX = "@block"  # --root PATH@block: PATH read with loader.shuffle: block
+
+
 def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: dict, work: str,
                parent: str, capacity: int = 16, workers_extra: dict | None = None, daemon_src: str | None = None) -> dict:
     from prefetchd_client import PrefetchClient
@@ -90,8 +93,12 @@ def daemon_run(root: str, workers: int, batch_size: int, epochs: int, augment: d
     buffer = tempfile.mkdtemp(prefix="prefetchd-bench-", dir=parent)
     os.rmdir(buffer)
     cfg = os.path.join(run, "bench.yaml")
+    loader = {}
+    if root.endswith(BLOCK_SUFFIX):  # a Parquet root read with loader.shuffle: block, beside its full shuffle
+        root, loader = root[:-len(BLOCK_SUFFIX)], {"shuffle": "block"}
     write_config(cfg, root, buffer, os.path.join(work, "cache"), batch_size, epochs, workers, capacity,
-                 extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}, "workers": workers_extra or {}})
+                 extra={"augment": augment, "buffer": {"max_bytes": "4GiB"}, "workers": workers_extra or {},
+                        "loader": loader})
     log = open(os.path.join(run, "daemon.log"), "wb")
     t_start = time.monotonic()
     env = dict(os.environ)
