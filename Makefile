@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
 	  $(PY) $(TORCH_CPU_PIP) || $(PY) -m pip install -q $(TORCH_CPU); fi
 	$(PY) -m pip install -q -e '.[torch,dev,ray]'
+	# timm's own RandAugment parser and ops for tests/test_policies_timm.py: its auto_augment.py needs
+	# only Pillow and numpy, so no dependencies (timm's torchvision would replace the CPU torch)
+	$(PY) -m pip install -q --no-deps 'timm>=1,<2'
 	touch $@
 
 demo: venv

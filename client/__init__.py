@@ -57,7 +57,12 @@ def normalize(images: Any, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: Any = No
     constants are made once per device, dtype and stream, on the device. ``dtype`` defaults to
     float32 (torch.float16/bfloat16 halve the memory; they are computed in float32 and rounded
     once). numpy arrays give float32 arrays (or ``dtype``). The memory layout (channels-last) is kept.
+    ``mean`` and ``std`` are in units of x / 255 (0..1): 0..255 ones (mmcv's 123.675) are refused.
     """
+    if mean is not IMAGENET_MEAN or std is not IMAGENET_STD:  # checked as PrefetchClient checks them
+        from .shapes import normalize_constants
+
+        mean, std = normalize_constants(True, mean, std)
     try:
         import torch
     except ImportError:

@@ -106,6 +106,9 @@ def normalize_constants(normalize: bool, mean: Any, std: Any) -> tuple[tuple[flo
         if len(t) != 3 or (name == "std" and min(t) <= 0):
             raise ValueError(f"{name}= must be 3 {'positive ' if name == 'std' else ''}numbers (one per channel, "
                              f"RGB), got {v!r}")
+        if not all(0.0 <= x <= 1.0 for x in t):  # (x / 255 - mean) / std: mmcv's and detectron2's are 0..255
+            raise ValueError(f"{name}= is in units of x / 255 (0 to 1, ImageNet's {default}), got {v!r}; a 0..255 "
+                             f"{name} (mmcv's, detectron2's 123.675...) is 255 times too large: divide it by 255")
         out.append(t)
     return out[0], out[1]
 

@@ -74,6 +74,10 @@ def test_normalize_on_tensors_and_arrays():
     assert normalize(x, dtype=torch.float16).dtype == torch.float16
     a = normalize(np.zeros((1, 3, 2, 2), np.uint8))
     assert a.dtype == np.float32 and np.isclose(a[0, 0, 0, 0], -0.485 / 0.229)
+    assert np.allclose(normalize(np.full((1, 3, 1, 1), 255, np.uint8), mean=[0.5] * 3, std=[0.5] * 3), 1.0)
+    # mmcv's and detectron2's 0..255 constants: every pixel came out near -2.1, said nowhere
+    with pytest.raises(ValueError, match=r"^mean= is in units of x / 255 .*divide it by 255"):
+        normalize(x, mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375))
 
 
 def test_config_errors_are_prefetch_errors_and_exported(tmp_path, image_root, monkeypatch):

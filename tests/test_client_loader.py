@@ -192,6 +192,10 @@ def test_normalize_true_yields_model_ready_floats(tmp_path, image_root, daemon_f
     ({"normalize": True, "std": (0.5, 0.0, 0.5)}, "std= must be 3 positive numbers"),
     ({"normalize": True, "mean": (0.5, 0.5)}, "mean= must be 3 numbers"),
     ({"normalize": True, "mean": "abc"}, "mean= must be 3 numbers"),
+    # mmcv's and detectron2's 0..255 constants: accepted before, every image came out near -2.1
+    ({"normalize": True, "mean": (123.675, 116.28, 103.53), "std": (58.395, 57.12, 57.375)},
+     r"mean= is in units of x / 255 .* divide it by 255"),
+    ({"normalize": True, "std": (58.395, 57.12, 57.375)}, r"std= is in units of x / 255"),
     ({"batch_size": 32}, "batch_size=32 was asked for, but the daemon makes batches of 6 .loader.batch_size in "),
 ])
 def test_dataloader_arguments_that_cannot_hold_are_one_line_errors(tmp_path, image_root, kwargs, match):

@@ -229,7 +229,8 @@ _BASE = {"dataset": {"root": "/data"}, "loader": {"batch_size": 6, "seed": 7},
 @pytest.mark.parametrize("erasing_keys, before", [
     # stream fingerprints printed by the commit before erase_on existed (9045ca8)
     ({"p": 0.25}, "e7cd02adea9f3375"),
-    ({"p": 0.5, "mode": "pixel", "count": [1, 2], "value": 3}, "7c6a7528f70d72c2"),
+    # (value beside mode pixel is refused now, as a key that did nothing: std is pixel mode's own)
+    ({"p": 0.5, "mode": "pixel", "count": [1, 2], "std": [0.2, 0.3, 0.25]}, "2cd2faf20629e9c7"),
 ])
 def test_erase_on_daemon_keeps_the_fingerprint_configs_had(erasing_keys, before):
     def fp(keys):
@@ -238,7 +239,7 @@ def test_erase_on_daemon_keeps_the_fingerprint_configs_had(erasing_keys, before)
     assert fp(erasing_keys) == before
     assert fp({**erasing_keys, "erase_on": "daemon"}) == before
     assert "erase_on" not in str(from_dict({**_BASE, "augment": {**_BASE["augment"], "random_erasing": erasing_keys}}).augment.stream_dict())
-    keys = {k: v for k, v in erasing_keys.items() if k != "value"}
+    keys = {k: v for k, v in erasing_keys.items() if k not in ("value", "mean", "std")}
     assert fp({**keys, "erase_on": "client"}) not in (before, fp(keys))
 
 

@@ -82,6 +82,33 @@ def test_trivialaugment_bins_are_uniform_over_31():
     assert any(m == 90.0 for p in plans for name, m in p if name == "Rotate")  # 135 / 30 * 20: a transpose
 
 
+def test_trivialaugment_takes_torchvisions_num_magnitude_bins():
+    # seen: TrivialAugmentWide(num_magnitude_bins=...) written as policy_args was refused with
+    # "is a randaugment parameter; trivialaugment has none" (torchvision's has it, default 31)
+    assert policy_spec("trivialaugment", {"num_magnitude_bins": 31}) == policy_spec("trivialaugment", {})
+    plans = _plans("trivialaugment", {"num_magnitude_bins": 5})
+    table = policies.magnitude_table("trivialaugment", 5, 224, 224)
+    bins = {float(v): i for i, v in enumerate(table["Brightness"][0])}
+    hist = Counter(bins[abs(m)] for p in plans for name, m in p if name in ("Brightness", "Color", "Contrast", "Sharpness"))
+    stat, df = _chi2(hist, {i: 1 / 5 for i in range(5)})
+    assert stat < _chi2_limit(df), hist
+    with pytest.raises(ConfigError, match=r"^augment.policy_args.num_magnitude_bins is a randaugment parameter"):
+        policy_spec("autoaugment", {"num_magnitude_bins": 10})  # torchvision's AutoAugment has none
+
+
+@pytest.mark.parametrize("key, aug", [
+    ("augment.policy_args.fill", {"policy": "randaugment", "policy_args": {"fill": [0.5, 0.5, 0.5]}}),
+    ("augment.policy_args.fill", {"policy": "rand-m9", "policy_args": {"fill": 127.5}}),
+    ("augment.random_erasing.value", {"random_erasing": {"p": 0.25, "value": [0.485, 0.456, 0.406]}}),
+])
+def test_a_fractional_fill_is_refused_not_truncated_to_black(key, aug):
+    # seen: fill [0.5, 0.5, 0.5] (a normalised-space grey) accepted and filled with 0
+    with pytest.raises(ConfigError) as e:
+        AugmentConfig(**aug)
+    assert str(e.value).startswith(key + " must be whole uint8 levels") and "\n" not in str(e.value)
+    assert policy_spec("randaugment", {"fill": [128.0, 0, 255]}).fill == (128, 0, 255)  # whole floats are levels
+
+
 def test_autoaugment_applies_each_op_as_often_as_imagenets_table_says():
     plans = _plans("autoaugment")
     expected = Counter()
@@ -143,6 +170,21 @@ def test_timm_strings_parse_as_timm_parses_them():
     ({"random_erasing": {"prob": 0.5}}, "augment.random_erasing.prob", "known: p"),
     ({"ops": {"blur": 0.5, "blur_kernel": 4}}, "augment.ops.blur_kernel", "odd"),
     ({"ops": {"hflip": 0.5}}, "augment.ops.hflip", "known: vflip"),
+    # timm's train.py names: the closest spelling misled (remode -> augment.mode, scale -> scale_min)
+    ({"remode": "pixel"}, "augment.remode", "timm's remode is augment.random_erasing.mode"),
+    ({"scale": [0.08, 1.0]}, "augment.scale", "timm's scale is augment.rrc_scale"),
+    ({"aa": "rand-m9-mstd0.5-inc1"}, "augment.aa", "timm's aa is augment.policy"),
+    ({"reprob": 0.25}, "augment.reprob", "augment.random_erasing.p"),
+    ({"hflip": 0.5}, "augment.hflip", "augment.flip"),
+    # accepted and did nothing before: settings of an erasing mode or an op that is off
+    ({"random_erasing": {"scale": [0.02, 0.33], "ratio": [0.3, 3.3]}}, "augment.random_erasing.p", "is required"),
+    ({"random_erasing": {"mode": "pixel"}}, "augment.random_erasing.p", "default 0.5"),
+    ({"random_erasing": {"p": 0.25, "mode": "pixel", "value": [124, 116, 104]}}, "augment.random_erasing.value",
+     "mode is pixel"),
+    ({"random_erasing": {"p": 0.25, "std": [0.5, 0.5, 0.5]}}, "augment.random_erasing.std", "mode is const"),
+    ({"ops": {"blur_kernel": 5, "blur_sigma": [0.1, 1.0]}}, "augment.ops.blur_sigma", "augment.ops.blur is 0"),
+    ({"ops": {"solarize_threshold": 100}}, "augment.ops.solarize_threshold", "augment.ops.solarize is 0"),
+    ({"ops": {"posterize_bits": 2}}, "augment.ops.posterize_bits", "augment.ops.posterize is 0"),
     ({"policy": "randaugment", "decode": "gpu"}, "augment.decode", "must be cpu with augment.policy"),
     ({"policy": "randaugment", "transform": "m:f"}, "augment.policy", "put them in your transform"),
 ])

@@ -154,6 +154,22 @@ def test_views_are_refused_beside_a_transform_and_with_hybrid_decode():
             AugmentConfig(views=DINO_SMALL, **extra)
 
 
+@pytest.mark.parametrize("section", [{"flip": False}, {"brightness": 0.3}, {"contrast": 0.3}, {"saturation": 0.3},
+                                     {"rrc_scale": [0.3, 1.0]}, {"rrc_ratio": [0.5, 2.0]}])
+def test_the_sections_crop_flip_and_jitter_beside_views_are_refused_not_ignored(section):
+    # seen: accepted, and the views were made with each group's own (flip: false at the section still
+    # flipped every view; a section brightness: 0.4 jittered none), with a new stream fingerprint
+    (k, v), = section.items()
+    cfgs = views.view_configs(AugmentConfig(views=DINO_SMALL))
+    assert all(getattr(c, k) != (tuple(v) if isinstance(v, list) else v) for c in cfgs)  # what the views use
+    with pytest.raises(ConfigError) as e:
+        AugmentConfig(views=DINO_SMALL, **section)
+    said = str(e.value)
+    assert said.startswith(f"augment.{k} is not applied to augment.views") and f"set {k} in each group" in said
+    assert "\n" not in said
+    AugmentConfig(views=DINO_SMALL, flip=True, rrc_scale=[0.08, 1.0], interpolation="bicubic")  # the defaults pass
+
+
 def test_views_are_in_the_stream_fingerprint_and_configs_without_them_keep_theirs():
     assert "views" not in AugmentConfig().stream_dict()
     assert AugmentConfig(views=[]).stream_dict() == AugmentConfig().stream_dict()
@@ -284,6 +300,57 @@ def test_capacity_auto_counts_every_view_a_batch_holds():
 
     two = capacity(views=[{"count": 2, "output_size": 224}])
     assert capacity() == 12 and two == 6, (capacity(), two)
+
+
+EMPTY_VIEW = '''
+import numpy as np
+
+
+def make():
+    def views(im):
+        a = np.asarray(im.resize((32, 32)))
+        return a, a[:0]  # a crop that came out empty
+    return views
+'''
+
+
+def test_a_transform_whose_view_is_empty_is_refused_at_start_not_retried_forever(tmp_path):
+    # seen: the probe learnt "2 views (32x32, 0x32)", then every batch failed to be written
+    # (TypeError: memoryview: cannot cast view with zeros in shape) and was retried without end
+    (tmp_path / "uv_empty.py").write_text(EMPTY_VIEW)
+    t = transform.load(AugmentConfig(output_size=32, transform="uv_empty:make", transform_path=str(tmp_path)))
+    with pytest.raises(ConfigError) as e:
+        transform.probe(t, [(0, _jpeg(201, 150, 1))], seed=1)
+    assert str(e.value).startswith("augment.transform ") and "view 1 of 2" in str(e.value)
+    assert "empty image (0x32)" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(transform.OutputError, match=r"empty image \(0x0\)"):
+        transform.to_views(np.zeros((0, 0, 3), np.uint8), 32)
+
+
+def test_a_transform_returning_more_views_than_a_batch_holds_is_refused_at_start(tmp_path):
+    # seen: the probe learnt 65 views, then every batch failed to be written ("a batch holds 1 to
+    # 64 views, got 65") and was retried without end
+    (tmp_path / "uv_many.py").write_text(EMPTY_VIEW.replace("return a, a[:0]", "return (a,) * 65"))
+    t = transform.load(AugmentConfig(output_size=32, transform="uv_many:make", transform_path=str(tmp_path)))
+    with pytest.raises(ConfigError) as e:
+        transform.probe(t, [(0, _jpeg(201, 150, 1))], seed=1)
+    assert str(e.value).startswith("augment.transform ") and "returns 65 views: a batch holds at most 64" in str(e.value)
+    assert len(transform.to_views((np.zeros((8, 8, 3), np.uint8),) * 64, 8)) == 64  # the limit itself is fine
+
+
+def test_a_view_whose_layout_cannot_be_told_is_refused_not_misread():
+    # seen: a CHW view 40 high and 3 wide ([3, 40, 3]) was read as HWC, 3 high and 40 wide: the
+    # stream's view was 3x40 of scrambled pixels, said nowhere
+    rng = np.random.default_rng(0)
+    a = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    chw = np.ascontiguousarray(rng.integers(0, 256, (40, 3, 3), dtype=np.uint8).transpose(2, 0, 1))
+    with pytest.raises(transform.OutputError) as e:
+        transform.to_views((a, chw), 32)
+    assert "view 1 of 2" in str(e.value) and "[3, 40, 3]" in str(e.value) and "cannot be told" in str(e.value)
+    assert transform.to_views((a, chw[:, :, :2]), 32)[1].shape == (40, 2, 3)  # unambiguous CHW
+    assert transform.to_views((a, a[:4, :5]), 32)[1].shape == (4, 5, 3)  # HWC
+    with pytest.raises(transform.OutputError, match="cannot be told"):  # 3 rows is the same shape as 3 columns
+        transform.to_views((a, a[:3, :5]), 32)
 
 
 def test_a_view_groups_ops_are_made_on_its_views_alone():

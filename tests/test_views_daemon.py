@@ -224,6 +224,42 @@ def test_a_multi_crop_stream_trains_a_small_model_on_the_cpu(tmp_path, image_roo
     assert d.stop() == 0
 
 
+def _reference_normalized(x_nhwc: np.ndarray, mean, std) -> np.ndarray:
+    """(x / 255 - mean) / std per channel in float64, [N, C, H, W]: written here, not the client's."""
+    x = x_nhwc.astype(np.float64).transpose(0, 3, 1, 2) / 255.0
+    return (x - np.asarray(mean, np.float64)[None, :, None, None]) / np.asarray(std, np.float64)[None, :, None, None]
+
+
+def test_normalized_views_equal_numpy_reference_normalisation_per_view(tmp_path, image_root, daemon_factory):
+    """Every view of every batch read with normalize=True, as numpy and as CPU tensors, with
+    ImageNet's and a model's own mean/std, against the formula in float64."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3}, **_views())
+    d = daemon_factory(cfg)
+    ref = reference(cfg, epochs=3)
+    clip = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711))  # CLIP's, as open_clip's
+    imagenet = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    runs = [(0, {"as_numpy": True}, imagenet, np.asarray),
+            (1, {"as_numpy": True, "mean": clip[0], "std": clip[1]}, clip, np.asarray),
+            (2, {"mean": clip[0], "std": clip[1]}, clip, lambda t: t.numpy())]
+    if pytest.importorskip("torch") is None:  # pragma: no cover
+        runs = runs[:2]
+    for e, kw, (mean, std), convert in runs:
+        with PrefetchClient(cfg, rank=0, timeout=60, normalize=True, **kw) as c:
+            n = 0
+            for b, batch in enumerate(c.iter_epoch(e)):
+                want = ref[(0, e, b)]
+                assert len(batch) == len(want) == len(SHAPES) + 1
+                for v, (got, w) in enumerate(zip(batch[:-1], want[:-1], strict=True)):
+                    g = convert(got)
+                    assert g.dtype == np.float32 and g.shape == (len(w), 3) + SHAPES[v], (kw, v)
+                    r = _reference_normalized(w, mean, std)
+                    assert np.abs(g - r).max() < 1e-5, (kw, e, b, v, float(np.abs(g - r).max()))
+                assert np.array_equal(np.asarray(batch[-1]), want[-1])
+                n += 1
+            assert n == c.batches_per_epoch > 0
+    assert d.stop() == 0
+
+
 def test_preview_shows_each_samples_views_side_by_side(tmp_path, image_root):
     """``prefetchd preview`` on a multi-crop stream: a row per sample, its 8 views at their own
     sizes (2 x 64 then 6 x 32), the pixels those of the batch the workers make."""

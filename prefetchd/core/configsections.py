@@ -367,6 +367,12 @@ class AugmentConfig:
         if self.views and self.lighting:
             raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")
+        if self.views:  # each view group has its own: the section's would be accepted and do nothing
+            for k, default in (("flip", True), ("brightness", 0.0), ("contrast", 0.0), ("saturation", 0.0),
+                               ("rrc_scale", (0.08, 1.0)), ("rrc_ratio", (3 / 4, 4 / 3))):
+                if getattr(self, k) != default:
+                    raise ConfigError(f"augment.{k}", f"is not applied to augment.views (each view group has its own "
+                                      f"{k}), got {getattr(self, k)!r}; set {k} in each group of augment.views instead")
         if self.views and self._extras_on:
             raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
                               "random-resized crop with its own flip, jitter and single ops: put the ops in the view "

@@ -118,9 +118,26 @@ def _path(v: Any, key: str) -> str:
     return os.path.abspath(os.path.expanduser(s))
 
 
+# timm's train.py arguments (and torchvision's names) as users carry them into the augment section:
+# the closest spelling would mislead (remode -> mode, scale -> scale_min, hflip -> flip as a bool)
+PORTED_AUGMENT_KEYS = {
+    "aa": "augment.policy (a timm string such as rand-m9-mstd0.5-inc1, or randaugment)",
+    "auto_augment": "augment.policy (a timm string such as rand-m9-mstd0.5-inc1, or randaugment)",
+    "reprob": "augment.random_erasing.p", "remode": "augment.random_erasing.mode",
+    "recount": "augment.random_erasing.count",
+    "scale": "augment.rrc_scale (the crop's area fraction, [0.08, 1.0])",
+    "ratio": "augment.rrc_ratio (the crop's aspect, [0.75, 1.333])",
+    "color_jitter": "augment.brightness, augment.contrast and augment.saturation (each x: factors in [1-x, 1+x])",
+    "hflip": "augment.flip (true: a horizontal flip with probability 0.5)", "vflip": "augment.ops.vflip",
+    "train_interpolation": "augment.interpolation",
+}
+
+
 def _unknown(key: str, known: list[str], where: str) -> ConfigError:
-    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     full = f"{where}.{key}" if where else key
+    if where == "augment" and key in PORTED_AUGMENT_KEYS:
+        return ConfigError(full, f"is not a known key; timm's {key} is {PORTED_AUGMENT_KEYS[key]} here")
+    hint = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     msg = f"is not a known key (did you mean {(where + '.' if where else '') + hint[0]!r}?)" if hint else (
         f"is not a known key; known keys here: {', '.join(known)}")
     return ConfigError(full, msg)

@@ -9,12 +9,14 @@ or a timm RandAugment string such as ``rand-m9-mstd0.5-inc1``, parsed as timm's
 ``rand_augment_transform`` parses it: ``m`` magnitude (0..mmax), ``n`` number of ops,
 ``mstd`` magnitude std (above 100: uniform in [0, m], as timm), ``mmax`` magnitude upper bound (default
 10), ``inc`` 1 for the increasing op set, ``p`` each op's probability (default 0.5). timm's
-``w`` (op weights) is refused with a message.
+``t...`` transform sets, the old ``w`` (op weights), a section given twice and one without a
+number (timm skips those silently) are refused with a message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -55,6 +57,9 @@ def _fill(v: Any, key: str) -> tuple[int, int, int]:
     if (not isinstance(vals, (list, tuple)) or len(vals) != 3
             or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= 255 for x in vals)):
         raise ConfigError(key, f"must be a grey level 0..255 or [r, g, b] of them, got {v!r}")
+    if any(x != int(x) for x in vals):  # a fraction of white (0.5) would be truncated to black
+        raise ConfigError(key, f"must be whole uint8 levels 0..255 (the sample is uint8, not normalised), got {v!r}; "
+                               f"for a fraction of white write 255 times it (0.5: 128)")
     return tuple(int(x) for x in vals)
 
 
@@ -66,6 +71,22 @@ def _number(v: Any, key: str, lo: float, hi: float, integer: bool = False) -> fl
     return v
 
 
+_TIMM_AUTOAUGMENT = ("original", "originalr", "v0", "v0r", "3a")  # timm's auto_augment_transform names
+
+
+def _policy_hint(policy: str) -> str:
+    """What a policy name that is not one probably meant (timm's other strings, another spelling)."""
+    name = policy.split("-")[0].lower()
+    if name == "augmix":
+        return " (timm's AugMix strings are not supported)"
+    if name in _TIMM_AUTOAUGMENT:
+        return (f" (timm's AutoAugment policy {name!r} is not built; autoaugment is torchvision's ImageNet policy, "
+                "the same sub-policies as timm's 'original' with torchvision's magnitudes)")
+    squashed = name.replace("_", "").replace(" ", "")
+    close = [p for p in POLICIES if p == squashed] or difflib.get_close_matches(name, POLICIES, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
     """timm's ``rand-...`` string as a dict of PolicySpec fields (timm's parse: ``-``-separated
     sections, each a name followed by the value that starts at its first digit)."""
@@ -74,26 +95,34 @@ def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
         raise ConfigError(key, f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {s!r}")
     out: dict[str, Any] = {"kind": "timm", "magnitude": 10.0, "num_ops": 2, "fill": _TIMM_MEAN_FILL,
                            "interpolation": "bilinear"}
+    seen: set[str] = set()
     for c in parts[1:]:
+        if c.startswith("t"):  # timm's transform set (tweights: weighted choice): not built
+            raise ConfigError(key, f"timm's transform-set section {c!r} is not supported (prefetchd has timm's default "
+                                   f"15 ops, inc1 the increasing ones); leave it out of {s!r}")
         cs = re.split(r"(\d.*)", c)
         if len(cs) < 2 or cs[0] == "":
             # timm skips such a section silently; a typo here should not pass unseen
             raise ConfigError(key, f"section {c!r} of {s!r} is not a name and a number (m9, n2, mstd0.5, mstd101 "
                                    f"for uniform magnitudes, mmax10, inc1, p0.5)")
         name, val = cs[0], cs[1]
+        if name in seen:  # timm keeps the first mstd and mmax but the last m, n, p: a typo either way
+            raise ConfigError(key, f"section {name} appears twice in {s!r}; give it once")
+        seen.add(name)
         try:
             if name == "mstd":
                 out["magnitude_std"] = float(val)
                 if out["magnitude_std"] > 100:  # timm: mstd101 and up mean uniform in [0, m]
                     out["magnitude_std"] = math.inf
             elif name == "mmax":
-                out["magnitude_max"] = float(val)
+                out["magnitude_max"] = float(int(val))  # timm: int(val)
             elif name == "inc":
                 out["increasing"] = bool(int(val))
             elif name == "m":
                 out["magnitude"] = float(int(val))
             elif name == "n":
                 out["num_ops"] = int(val)
+                _number(out["num_ops"], f"{key} (n)", 0, MAX_NUM_OPS, integer=True)
             elif name == "p":
                 out["prob"] = float(val)
             elif name == "w":
@@ -104,7 +133,7 @@ def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
             raise
         except ValueError:
             raise ConfigError(key, f"section {c!r} of {s!r} has no usable number") from None
-    # timm reads 'mstdinf' as float('inf'): uniform magnitudes in [0, m]
+    # (timm skips 'mstdinf', a section without a digit, leaving mstd 0; it is refused above)
     if math.isnan(out.get("magnitude_std", 0.0)) or out.get("magnitude_std", 0.0) < 0:
         raise ConfigError(key, f"mstd must be >= 0 (or inf), got {s!r}")
     return out
@@ -128,8 +157,11 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
     timm = policy == "rand" or policy.startswith("rand-")
     base: dict[str, Any] = parse_timm(policy) if timm else {"kind": policy}
     if base["kind"] not in POLICIES[1:] + ("timm",):
-        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {policy!r}")
+        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as "
+                                            f"rand-m9-mstd0.5-inc1, got {policy!r}{_policy_hint(policy)}")
     for k in ("num_ops", "magnitude", "num_magnitude_bins"):
+        if k == "num_magnitude_bins" and base["kind"] == "trivialaugment":
+            continue  # TrivialAugmentWide(num_magnitude_bins=31) has it too
         if k in args and base["kind"] != "randaugment":
             if base["kind"] == "timm":
                 raise ConfigError(f"augment.policy_args.{k}", f"is set by the timm string {policy!r} itself (m, n)")
@@ -140,8 +172,8 @@ def policy_spec(policy: Any, args: Any) -> PolicySpec:
     _number(spec.num_magnitude_bins, "augment.policy_args.num_magnitude_bins", 2, 1000, integer=True)
     if spec.kind == "randaugment":
         _number(spec.magnitude, "augment.policy_args.magnitude", 0, spec.num_magnitude_bins - 1, integer=True)
-    if spec.kind == "trivialaugment" or spec.kind == "autoaugment":
-        spec = PolicySpec(**{**spec.__dict__, "num_magnitude_bins": 31 if spec.kind == "trivialaugment" else 10})
+    if spec.kind == "autoaugment":
+        spec = PolicySpec(**{**spec.__dict__, "num_magnitude_bins": 10})
     if spec.interpolation not in POLICY_INTERPOLATIONS:
         raise ConfigError("augment.policy_args.interpolation", f"must be one of {', '.join(POLICY_INTERPOLATIONS)}, got {spec.interpolation!r}")
     _number(spec.prob, "augment.policy (p)", 0.0, 1.0)
@@ -229,6 +261,17 @@ def erasing_config(v: Any) -> ErasingConfig:
                 raise ConfigError(f"{key}.{k}", "is for erasing uint8 pixels in the daemon; with erase_on: client the "
                                   "normalised batch is erased as timm does (const: 0, rand and pixel: N(0, 1) noise): "
                                   "remove it, or set erase_on: daemon")
+    if "p" not in v and v:  # torchvision's and timm's RandomErasing default to 0.5, this to 0 (off)
+        raise ConfigError(f"{key}.p", f"is required with the other random_erasing keys ({', '.join(map(str, v))}): "
+                                      "the probability (torchvision's and timm's default 0.5; 0 turns erasing off)")
+    mode = d.get("mode", "const")
+    if mode != "const" and d["value"] != ErasingConfig.value:
+        raise ConfigError(f"{key}.value", f"is const mode's colour, but mode is {mode} (noise from mean and std); "
+                                          "remove value or set mode: const")
+    if mode == "const" and (d["mean"], d["std"]) != (ErasingConfig.mean, ErasingConfig.std):
+        raise ConfigError(f"{key}.{'mean' if d['mean'] != ErasingConfig.mean else 'std'}",
+                          "sets the noise of modes rand and pixel, but mode is const (the box is value); "
+                          "set mode: rand or pixel, or remove it")
     return ErasingConfig(**d)
 
 
@@ -271,4 +314,10 @@ def ops_config(v: Any, key: str = "augment.ops") -> OpsConfig:
         raise ConfigError(f"{key}.blur_kernel", f"must be odd (torchvision's GaussianBlur), got {k}")
     d["solarize_threshold"] = float(_number(d.get("solarize_threshold", 128.0), f"{key}.solarize_threshold", 0.0, 256.0))
     d["posterize_bits"] = _number(d.get("posterize_bits", 4), f"{key}.posterize_bits", 0, 8, integer=True)
+    for op, params in (("blur", ("blur_sigma", "blur_kernel")), ("solarize", ("solarize_threshold",)),
+                       ("posterize", ("posterize_bits",))):
+        for k in params:  # an op's setting beside its probability 0 would do nothing
+            if not d[op] and d.get(k, getattr(OpsConfig, k)) != getattr(OpsConfig, k):
+                raise ConfigError(f"{key}.{k}", f"is set but {key}.{op} is 0 (off): set {op} to its probability "
+                                                "(1.0: always)")
     return OpsConfig(**d)

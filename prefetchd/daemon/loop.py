@@ -154,7 +154,7 @@ class Daemon:
         self.watcher = ProgressWatcher(cfg.progress_dir, lanes, self._wake, cfg.progress.inotify)
         self._apply_progress(self.watcher.poll(), initial=True)
         self.ring = Ring(cfg.buffer.dir, self.segments)
-        counts = self.ring.recover(self.fingerprint, self.val.fingerprint if self.val else None)
+        counts = self.ring.recover(self.fingerprint, self.val.fingerprint if self.val else None, self.view_shapes)
         for key, nbytes in list(self.ring.ready.items()):
             if not self._planner(key[0]).adopt(key, nbytes):
                 self.ring.evict(key)

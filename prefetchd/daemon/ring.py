@@ -261,9 +261,12 @@ class Ring:
     def path(self, key: Key) -> str:
         return os.path.join(self.dir, batchfile.batch_name(*(self.keys.file_key(key) if self.keys else key)))
 
-    def recover(self, fingerprint: int, val_fingerprint: int | None = None) -> dict[str, int]:
+    def recover(self, fingerprint: int, val_fingerprint: int | None = None,
+                view_shapes: tuple[tuple[int, int], ...] | None = None) -> dict[str, int]:
         """Adopt the valid batches a previous run left; delete everything else of ours. Batches
-        of the validation stream's lanes carry ``val_fingerprint``."""
+        of the validation stream's lanes carry ``val_fingerprint``; a train batch of pixels must
+        hold ``view_shapes`` (the stream's views, as the probe learnt them: a transform's module
+        may import code of its own that changed, which the fingerprint does not cover)."""
         counts = {"kept": 0, "temp": 0, "bad": 0, "foreign": 0}
         with os.scandir(self.dir) as it:
             entries = list(it)
@@ -289,7 +292,10 @@ class Ring:
             want = val_fingerprint if key[0] >= VAL_LANE else fingerprint
             if len(key) > 3 and want is not None:  # a resumed epoch's segment (see batchfile)
                 want = batchfile.segment_fingerprint(want, key[1], key[3])
-            if b.fingerprint == want and (b.rank, b.epoch, b.batch) == key[:3]:
+            views = getattr(b, "views", None)  # (a compact batch has one view, of the config's size)
+            shapes_ok = (view_shapes is None or key[0] >= VAL_LANE or not views
+                         or tuple(map(tuple, b.shapes)) == tuple(map(tuple, view_shapes)))
+            if b.fingerprint == want and (b.rank, b.epoch, b.batch) == key[:3] and shapes_ok:
                 # the planner's key, if its rank reads that segment now
                 key = self.keys.from_file(key) if self.keys else key if len(key) == 3 else None
             else:

@@ -47,6 +47,7 @@ from PIL import Image
 
 from prefetchd.core.augment import modes as augment
 from prefetchd.core.augment.seeds import loaded_torch, seed_sample
+from prefetchd.core.augment.viewspec import MAX_VIEWS
 from prefetchd.core.configsections import AugmentConfig
 from prefetchd.core.configvalues import ConfigError
 
@@ -247,6 +248,9 @@ def to_views(y, size: int, shapes: tuple[tuple[int, int], ...] | None = None) ->
                           "of images for several views")
     elif len(y) == 1:
         views = (to_hwc(y[0], size),)
+    elif len(y) > MAX_VIEWS:  # a batch file's limit
+        raise OutputError(f"augment.transform returns {len(y)} views: a batch holds at most {MAX_VIEWS}; return "
+                          "fewer (a tuple of images, one per view)")
     else:
         out = []
         for k, v in enumerate(y):
@@ -290,6 +294,9 @@ def to_hwc(y, size: int | None) -> np.ndarray:
     if y.dtype != np.uint8:
         raise OutputError(f"augment.transform returns {y.dtype} pixels: end the pipeline in uint8 (the batch holds "
                           "uint8; ToDtype(torch.uint8) or .astype(numpy.uint8))")
+    if y.ndim == 3 and y.shape[0] == 3 and y.shape[2] == 3:  # 3 rows (HWC) or 3 columns (CHW): either reading fits
+        raise OutputError(f"augment.transform returns shape {list(y.shape)}, which is HWC with 3 rows or CHW with 3 "
+                          "columns: the layout cannot be told; return an image of another height or width")
     if y.ndim == 3 and y.shape[2] == 3:
         hwc = y
     elif y.ndim == 3 and y.shape[0] == 3:
@@ -301,6 +308,9 @@ def to_hwc(y, size: int | None) -> np.ndarray:
         raise OutputError(f"augment.transform returns shape {list(y.shape)}: return one image, HWC [H, W, 3] or "
                           "CHW [3, H, W]")
     h, w = hwc.shape[:2]
+    if not h or not w:  # a batch cannot hold it (and a view's shape is the stream's)
+        raise OutputError(f"augment.transform returns an empty image ({h}x{w}): each image needs at least one row and "
+                          "one column (a crop of size 0?)")
     if size is not None and (h, w) != (size, size):
         raise SizeError(f"augment.transform returned a {h}x{w} image where the batch holds {size}x{size} "
                         "(augment.output_size)", h, w)
