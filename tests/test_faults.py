@@ -692,3 +692,37 @@ def test_a_deleted_lock_file_does_not_let_a_second_daemon_take_the_buffer(tmp_pa
     ref, _ = reference_batches(cfg)
     assert digest(got) == digest({k: v[:2] for k, v in ref.items()})
     assert d.stop() == 0
+
+
+def test_a_scan_ending_after_a_stop_during_it_writes_to_no_closed_descriptor(tmp_path, image_root, monkeypatch):
+    """A stop during the dataset scan: the daemon returns and closes its wake pipe while the scan
+    thread still runs; when the scan ends it must not write to the closed descriptor (a traceback
+    in the journal, or a byte into whatever file took the number since)."""
+    import threading
+
+    from prefetchd.core.config import load as load_config
+    from prefetchd.daemon import loop
+
+    d = loop.Daemon(load_config(small_config(tmp_path, image_root)))
+    release, errors = threading.Event(), []
+    real = loop.load_index
+
+    def slow(*a, **kw):
+        d._on_signal(signal.SIGTERM, None)  # the stop arrives during the scan
+        release.wait(30)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "load_index", slow)
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    assert d.run() == 0  # returned during the scan: its wake pipe is closed
+    files = [str(tmp_path / f"later-{k}") for k in range(4)]  # the numbers reused, as later opens would
+    taken = [os.open(f, os.O_WRONLY | os.O_CREAT) for f in files]
+    try:
+        release.set()
+        for t in [t for t in threading.enumerate() if t.name == "prefetchd-index"]:
+            t.join(30)
+    finally:
+        for fd in taken:
+            os.close(fd)
+    assert not errors, errors  # (EBADF: the number not reused)
+    assert [os.path.getsize(f) for f in files] == [0] * 4  # (a byte in another file: the number reused)

@@ -31,6 +31,7 @@ until ``stopguard.STOP_TOTAL_S``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -199,7 +200,7 @@ class Daemon:
     def _load_index(self) -> bool:
         """Read the dataset index on a thread, so a stop signal is acted on during a long scan."""
         cfg, box, V = self.cfg.dataset, {}, self.cfg.validation
-        t0 = time.monotonic()
+        t0, wake = time.monotonic(), os.dup(self._wake_w)  # the thread's own: ours closes if we stop meanwhile
 
         def scan():  # the box is filled once, when every index is read: the main thread waits for that
             try:
@@ -210,7 +211,9 @@ class Daemon:
             except BaseException as e:  # handed to the main thread
                 found = {"error": e}
             box.update(found)
-            self._wake()
+            with contextlib.suppress(OSError):  # awake already, or no one reads: the daemon stopped during the scan
+                os.write(wake, b"x")
+            os.close(wake)
 
         threading.Thread(target=scan, name="prefetchd-index", daemon=True).start()
         while not box and not self._stop:
@@ -249,10 +252,8 @@ class Daemon:
     # --- signals and waking -----------------------------------------------------------------------
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # (already awake)
             os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass  # already awake
 
     def _on_signal(self, signum, frame) -> None:  # record only; the loop acts
         if signum == signal.SIGHUP:
