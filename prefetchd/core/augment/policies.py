@@ -21,6 +21,7 @@ Magnitude tables are torchvision's float32 ``torch.linspace`` values, computed a
 
 from __future__ import annotations
 
+import functools
 import math
 from statistics import NormalDist
 
@@ -95,6 +96,17 @@ def magnitude_table(kind: str, bins: int, h: int, w: int) -> dict[str, tuple[np.
     return t
 
 
+@functools.lru_cache(maxsize=64)
+def _table(kind: str, bins: int, h: int, w: int) -> dict[str, tuple[np.ndarray | None, bool]]:
+    """``magnitude_table``, made once per (kind, bins, size) in a worker (read-only arrays): it was
+    made afresh per sample, some 4% of a TrivialAugmentWide sample's CPU time."""
+    t = magnitude_table(kind, bins, h, w)
+    for mags, _ in t.values():
+        if mags is not None:
+            mags.setflags(write=False)
+    return t
+
+
 def _pick(u: float, n: int) -> int:
     return min(int(u * n), n - 1)
 
@@ -140,7 +152,7 @@ def _timm_op(name: str, level: float, neg: bool, h: int, w: int) -> tuple[str, f
 def policy_plan(spec: PolicySpec, p: np.ndarray, h: int, w: int) -> list[tuple[str, float]]:
     """The ops one sample gets, in order, with torchvision's signed magnitudes (skipped ops left out)."""
     if spec.kind == "randaugment" or spec.kind == "trivialaugment":
-        table = magnitude_table(spec.kind, spec.num_magnitude_bins, h, w)
+        table = _table(spec.kind, spec.num_magnitude_bins, h, w)
         plan = []
         for k in range(spec.num_ops if spec.kind == "randaugment" else 1):
             name = RANDAUGMENT_OPS[_pick(p[4 * k], len(RANDAUGMENT_OPS))]
@@ -150,7 +162,7 @@ def policy_plan(spec: PolicySpec, p: np.ndarray, h: int, w: int) -> list[tuple[s
             plan.append(_tv_op(name, mags, signed, index, p[4 * k + 3] < 0.5))
         return plan
     if spec.kind == "autoaugment":
-        table = magnitude_table("autoaugment", 10, h, w)
+        table = _table("autoaugment", 10, h, w)
         plan = []
         for k, (name, prob, index) in enumerate(IMAGENET_POLICY[_pick(p[0], len(IMAGENET_POLICY))]):
             if p[4 * k + 1] <= prob:
