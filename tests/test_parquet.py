@@ -37,6 +37,15 @@ def hf_table(rows, names=NAMES):
     return pa.table({"image": image, "label": label}).replace_schema_metadata(meta)
 
 
+def _indexed(tmp_path, n: int, seed: int, group: int = 4):
+    """``n`` rows written to ``tmp_path/x.parquet`` in row groups of ``group``, and their index
+    (not cached): (rows, path, index)."""
+    rows = _rows(n, seed=seed)
+    path = tmp_path / "x.parquet"
+    pq.write_table(hf_table(rows), path, row_group_size=group)
+    return rows, path, load_index(str(path), None, EXTS, None, use_cache=False)[0]
+
+
 def _read_all(index):
     return [(index.read(i), int(index.labels[i])) for i in range(len(index))]
 
@@ -173,10 +182,7 @@ def test_a_damaged_row_group_of_the_indexed_file_quarantines_its_samples_not_wai
     same failure after the file changed is ``StorageChanged``: its batches wait."""
     from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 
-    rows = _rows(8, seed=5)
-    path = tmp_path / "x.parquet"
-    pq.write_table(hf_table(rows), path, row_group_size=4)
-    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+    rows, path, index = _indexed(tmp_path, 8, seed=5)
     real = pq.ParquetFile.read_row_group
 
     def damaged(self, i, *a, **kw):  # pyarrow's error for a bad page, raised for row group 1 alone
@@ -196,10 +202,7 @@ def test_a_damaged_row_group_of_the_indexed_file_quarantines_its_samples_not_wai
 def test_pyarrow_out_of_memory_is_not_taken_for_a_damaged_row_group(tmp_path, monkeypatch):
     from prefetchd.executors.storage import read_sample
 
-    rows = _rows(8, seed=6)
-    path = tmp_path / "x.parquet"
-    pq.write_table(hf_table(rows), path, row_group_size=4)
-    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+    _, path, index = _indexed(tmp_path, 8, seed=6)
 
     def oom(self, i, *a, **kw):
         raise pa.ArrowMemoryError("malloc of size 1073741824 failed")
@@ -212,10 +215,7 @@ def test_pyarrow_out_of_memory_is_not_taken_for_a_damaged_row_group(tmp_path, mo
 def test_the_row_groups_a_worker_keeps_are_bounded_in_bytes_too(tmp_path, monkeypatch):
     from prefetchd.sources import parquet
 
-    rows = _rows(40, seed=7)
-    path = tmp_path / "x.parquet"
-    pq.write_table(hf_table(rows), path, row_group_size=4)
-    index, _ = load_index(str(path), None, EXTS, None, use_cache=False)
+    _, _, index = _indexed(tmp_path, 40, seed=7)
     parquet._groups.clear()
     monkeypatch.setattr(parquet, "_GROUPS_KEPT", 10)
     one = None
