@@ -130,15 +130,24 @@ def test_a_shard_rewritten_while_the_daemon_runs_waits_and_a_restart_reads_it_an
     assert not np.array_equal(ref2[(0, 0, 4)][0], ref[(0, 0, 4)][0])
 
 
-def test_parquet_batches_are_the_in_process_ones_with_2_workers(tmp_path, daemon_factory):
+def _hf_files(folder, rows, group: int) -> None:
+    """``rows`` as Hugging Face writes a split: two files, ``train-0000k-of-00002.parquet``, in row
+    groups of ``group`` rows."""
     pq = pytest.importorskip("pyarrow.parquet")
-    from test_parquet import _rows, hf_table
+    from test_parquet import hf_table
 
-    os.makedirs(tmp_path / "hf")
-    rows = _rows(30, seed=12)
+    os.makedirs(folder)
+    half = len(rows) // 2
     for k in range(2):
-        pq.write_table(hf_table(rows[15 * k:15 * k + 15]), tmp_path / "hf" / f"train-{k:05d}-of-00002.parquet",
-                       row_group_size=5)
+        pq.write_table(hf_table(rows[half * k:half * k + half]), folder / f"train-{k:05d}-of-00002.parquet",
+                       row_group_size=group)
+
+
+def test_parquet_batches_are_the_in_process_ones_with_2_workers(tmp_path, daemon_factory):
+    pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows
+
+    _hf_files(tmp_path / "hf", _rows(30, seed=12), group=5)
     cfg = _config(tmp_path, "p", str(tmp_path / "hf"))
     ref, index = reference_batches(cfg)
     assert index.kind == "parquet" and len(index) == 30
@@ -158,14 +167,10 @@ def test_parquet_block_shuffle_batches_are_the_in_process_ones_with_1_or_2_worke
     import subprocess
     import sys
 
-    pq = pytest.importorskip("pyarrow.parquet")
-    from test_parquet import _rows, hf_table
+    pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows
 
-    os.makedirs(tmp_path / "hf")
-    rows = _rows(40, seed=13)
-    for k in range(2):
-        pq.write_table(hf_table(rows[20 * k:20 * k + 20]), tmp_path / "hf" / f"train-{k:05d}-of-00002.parquet",
-                       row_group_size=4)
+    _hf_files(tmp_path / "hf", _rows(40, seed=13), group=4)
     root = str(tmp_path / "hf")
     cfg = _config(tmp_path, "p", root, shuffle="block", shuffle_window=2)
     ref, index = reference_batches(cfg)
