@@ -4,9 +4,9 @@
 order, the stamps that validate a cache: the folder's or the list file's). The forms:
 
 * a folder: its top-level ``*.tar`` files (not hidden), sorted by name;
-* a brace pattern, as webdataset's ``braceexpand`` writes it: ``train-{000000..001023}.tar`` (a
+* a brace pattern, expanded by webdataset's own ``braceexpand``: ``train-{000000..001023}.tar`` (a
   numeric range, inclusive, zero-padded to the width of a bound written with a leading zero),
-  ``{a,b,c}`` (alternatives), several braces multiplied out left to right;
+  ``{a..c}``, ``{0..9..3}``, ``{a,b,c}`` (alternatives), nested and several braces;
 * a text file (any regular file that is not a tar: ``.txt``, ``.list``, ``.lst``, ...): one shard a
   line, relative to the file's folder or absolute; blank lines and ``#`` comments skipped;
 * one ``.tar`` file: a set of one shard.
@@ -17,15 +17,17 @@ saying how many and which (a set missing some shards trains on part of the data 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import stat
+
+import braceexpand
 
 from prefetchd.sources.archive import stamp_of
 from prefetchd.sources.base import DatasetError
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
-_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 MAX_SHARDS = 1 << 20  # a pattern expanding past this is a mistake, not a data set
 
 
@@ -47,26 +49,15 @@ def is_pattern(root: str) -> bool:
 
 
 def expand(pattern: str) -> list[str]:
-    """The names a brace pattern stands for, in order (``braceexpand``'s rules for ranges and lists)."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    head, body, tail = pattern[:m.start()], m.group(1), pattern[m.end():]
-    r = _RANGE.match(body)
-    if r:
-        lo, hi = r.group(1), r.group(2)
-        width = max(len(lo), len(hi)) if (len(lo) > 1 and lo.startswith("0")) or (len(hi) > 1 and hi.startswith("0")) else 0
-        a, b = int(lo), int(hi)
-        step = 1 if b >= a else -1
-        if abs(b - a) + 1 > MAX_SHARDS:
-            raise DatasetError(f"the brace pattern {pattern} names {abs(b - a) + 1} shards: more than {MAX_SHARDS}")
-        items = [str(k).zfill(width) for k in range(a, b + step, step)]
-    elif "," in body:
-        items = body.split(",")
-    else:  # not a brace expression: a literal {...} in the name
-        return [head + "{" + body + "}" + t for t in expand(tail)]
-    tails = expand(tail)
-    return [head + i + t for i in items for t in tails]
+    """The names a brace pattern stands for, in order: webdataset's own expander (``braceexpand``), so
+    every form its users write means the same here: ranges with a step and letters, lists, nesting."""
+    try:
+        names = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_SHARDS + 1))
+    except braceexpand.UnbalancedBracesError:
+        raise DatasetError(f"the brace pattern {pattern} has unbalanced braces") from None
+    if len(names) > MAX_SHARDS:
+        raise DatasetError(f"the brace pattern {pattern} names more than {MAX_SHARDS} shards")
+    return names
 
 
 # a word of a shard's name that says its split: timm/imagenet-1k-wds holds imagenet1k-train-0000.tar
