@@ -298,3 +298,33 @@ def test_an_index_cached_before_the_split_check_is_not_trusted(tmp_path, monkeyp
     webdataset.save(cdir, index, stamps)
     with pytest.raises(DatasetError, match="holds the shards of 2 splits"):
         load_index(str(root), None, EXTS, str(tmp_path / "c"))
+
+
+def test_numbered_shards_of_images_alone_are_one_line_never_labelled_by_shard_number(tmp_path):
+    root = tmp_path / "wds"
+    root.mkdir()
+    rng = np.random.default_rng(4)
+    for s in range(3):  # unlabelled shards, as img2dataset or a captionless export writes them
+        with wds.TarWriter(str(root / f"shard-{s:06d}.tar")) as w:
+            for k in range(4):
+                w.write({"__key__": f"{s:03d}_{k:03d}", "jpg": _jpg(rng)})
+    msg = _error(str(root))
+    assert "numbered tars of images alone (shard-000000.tar ... shard-000002.tar)" in msg, msg
+    assert "set dataset.layout: webdataset (with dataset.label: none) or imagenet_tars" in msg
+    read = _ours(str(root), layout="webdataset", label="none")  # doing what it says
+    assert len(read) == 12 and {lab for _, _, lab in read} == {-1}
+
+
+def test_numbered_class_tars_naming_their_images_after_the_tar_stay_class_tars(tmp_path):
+    root = tmp_path / "tars"
+    root.mkdir()
+    rng = np.random.default_rng(5)
+    for c in range(3):  # ImageNet's own shape: n01440764.tar holds n01440764_10026.JPEG
+        with tarfile.open(root / f"class_{c:03d}.tar", "w") as t:
+            for k in range(2):
+                data = _jpg(rng)
+                info = tarfile.TarInfo(f"class_{c:03d}_{k}.JPEG")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+    index, _ = load_index(str(root), None, EXTS, None, use_cache=False)
+    assert index.layout != "webdataset" and sorted(int(x) for x in index.labels) == [0, 0, 1, 1, 2, 2]

@@ -21,10 +21,13 @@ check``, the tools) loads its index; the names of
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import re
 import stat
+import tarfile
 from dataclasses import replace
 
 import numpy as np
@@ -153,6 +156,33 @@ def _tars_are_shards(paths: list[str], exts: tuple[str, ...]) -> bool:
     return False
 
 
+def _refuse_numbered_image_tars(root: str, tars: list[str], key: str) -> None:
+    """A DatasetError when the folder's tars are numbered shards (one width, after a prefix that is empty
+    or ends in - _ or ., as webdataset's writers and img2dataset name them) of images
+    alone whose names do not start with their tar's: unlabelled WebDataset shards as much as class
+    tars, and read as class tars each shard's number would become its samples' label."""
+    found = [re.match(r"^(.*?)(\d+)\.tar$", t) for t in tars]  # 000000.tar, train-000000.tar, not n01440764.tar
+    if len(tars) < 2 or not all(found) or len({(m.group(1), len(m.group(2))) for m in found}) != 1 or (
+            found[0].group(1)[-1:] not in ("", "-", "_", ".")):
+        return
+    for t in tars[:_SHARD_PROBES]:
+        try:
+            with tarfile.open(os.path.join(root, t), "r:") as f:
+                names = [m.name for m in itertools.islice(f, 16) if m.isfile()]
+        except (OSError, tarfile.TarError):
+            return
+        if names:
+            break
+    else:
+        return
+    stem = t[:-4]
+    if any(os.path.basename(n).startswith(stem) or not n.lower().endswith((*IMAGE_EXTENSIONS, ".webp")) for n in names):
+        return  # ImageNet's class tars name their images after the tar (n01440764.tar: n01440764_10026.JPEG)
+    raise DatasetError(f"{key} {root} holds numbered tars of images alone ({tars[0]} ... {tars[-1]}): unlabelled "
+                       "WebDataset shards or class tars (each tar's name a label)? set dataset.layout: webdataset "
+                       "(with dataset.label: none) or imagenet_tars")
+
+
 def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -> str:
     """``dataset.layout: auto``: ``webdataset`` when ``root`` names shards (see the module
     docstring), else ``""`` (``choose`` decides among the other layouts). ``key``: the config key
@@ -178,6 +208,7 @@ def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -
             if not tars and shardnames.compressed(root) and not any(e.is_dir() for e in os.scandir(root)):
                 return "webdataset"  # which says they are compressed
             if not tars or not _tars_are_shards([os.path.join(root, t) for t in tars], exts):
+                _refuse_numbered_image_tars(root, tars, key)
                 return ""
             # lost+found, a Mac zip's folder and shards extracted beside their tars are no class folders
             stems = {t[:-4] for t in tars}
