@@ -223,3 +223,18 @@ def test_a_config_with_view_policies_written_back_whole_loads_again():
     cfg = from_dict({**_BASE, "augment": {"views": groups}})
     again = from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again.augment.views == cfg.augment.views and again.stream_fingerprint() == cfg.stream_fingerprint()
+
+
+def test_the_worked_recipe_of_docs_views_loads_and_makes_its_views():
+    import os
+
+    import yaml
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "views.md")).read()
+    block = text[text.index("```yaml", text.index("A worked recipe")) + 7:]
+    aug = yaml.safe_load(block[:block.index("```")])["augment"]
+    cfg = from_dict({**_BASE, "augment": aug}).augment
+    assert [(g.count, g.policy, g.random_erasing.p) for g in cfg.views] == [(2, "rand-m9-mstd0.5-inc1", 0.25),
+                                                                            (4, "trivialaugment", 0.0)]
+    made = views.make_views(_png(1, 320, 256), views.view_configs(cfg), 0, 0, 3)
+    assert [v.shape for v in made] == [(224, 224, 3)] * 2 + [(96, 96, 3)] * 4
