@@ -170,10 +170,14 @@ def test_erase_on_client_erases_each_view_from_its_own_key_in_the_client(tmp_pat
         PrefetchClient(cfg, rank=0, timeout=5)
     assert str(e.value).startswith("augment.views[1].random_erasing.erase_on is client in ") and "\n" not in str(e.value)
     d = daemon_factory(cfg)
-    got = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, normalize=True, as_numpy=True) as c:
-        for b, (*vs, _) in enumerate(c.iter_epoch(0)):
-            got[(0, 0, b)] = ([np.array(v, dtype=np.float32) for v in vs], c.last_batch.indices.copy())
+    runs = []
+    for as_numpy in (True, False):  # numpy arrays, then torch CPU tensors (the device path's code)
+        got = {}
+        with PrefetchClient(cfg, rank=0, timeout=60, normalize=True, as_numpy=as_numpy) as c:
+            for b, (*vs, _) in enumerate(c.iter_epoch(0)):
+                got[(0, 0, b)] = ([np.array(v if as_numpy else v.numpy(), dtype=np.float32) for v in vs],
+                                  c.last_batch.indices.copy())
+        runs.append(got)
     assert d.stop() == 0 and "Traceback" not in d.log()
     meta = status.read_json(load_config(cfg).buffer.dir, status.META_NAME)
     assert meta["erasing"]["views"][:2] == [None, None] and meta["erasing"]["views"][2]["mode"] == "rand"
@@ -181,7 +185,7 @@ def test_erase_on_client_erases_each_view_from_its_own_key_in_the_client(tmp_pat
     plain = views_reference(small_config(tmp_path / "plain", image_root, augment={"views": [groups[0], PLAIN[1]]}), 1)
     ecfg = erasing_config({k: v for k, v in CLIENT_ERASE.items() if k != "erase_on"})
     boxes = 0
-    for key, (vs, used) in got.items():
+    for key, (vs, used) in [kv for got in runs for kv in got.items()]:
         ref = plain[key]
         for v, x in enumerate(vs):
             want = (ref[v].transpose(0, 3, 1, 2) / 255.0 - MEAN[:, None, None]) / STD[:, None, None]
