@@ -6,10 +6,10 @@ view is made from it as ``augment.mode: random_resized_crop`` makes a sample (``
 ``modes.finish``: resample, jitter, the group's policy, ops and erasing, flip), with the view's
 own parameters and the draws of the view's key (``modes.draws(seed, epoch, index, view)``): a
 view is the single-view path's sample of the same settings and draws. So the sample's views
-depend on its bytes, the config and ``(seed, epoch, index)`` alone: deterministic. A view's crop draws are its own,
-but the decode's DCT reduction is shared (the least any view's crop allows), so a view's pixels
-can change with the other views' crops or with the view groups configured (a new config is a
-new stream: its fingerprint says so).
+depend on its bytes, the config and ``(seed, epoch, index)`` alone: deterministic. A view's crop
+draws are its own, but the decode's DCT reduction is shared (the least any view's crop allows),
+so a view's pixels can change with the other views' crops or with the view groups configured (a
+new config is a new stream: its fingerprint says so).
 """
 
 from __future__ import annotations
