@@ -410,7 +410,7 @@ class BatchFiles:
         samples the file holds (``client/erasing.py``); as they were otherwise."""
         if self._eraser is None:
             return views
-        return [self._eraser(v, b.epoch, b.indices) for v in views]
+        return [self._eraser(v, b.epoch, b.indices, k) for k, v in enumerate(views)]
 
     def _convert_compact(self, b: jpegbatch.JpegBatch, host, replaced: np.ndarray) -> tuple:
         """A compact batch decoded by the stage: in the reader thread, on the side stream when

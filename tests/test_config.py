@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from prefetchd.core import config as C
+from prefetchd.core.augment.viewspec import ViewGroup
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "config.example.yaml")
 
@@ -25,6 +26,9 @@ def test_example_config_loads_and_documents_every_key():
         for f in C.dataclasses.fields(cls):
             assert f"  {f.name}:" in text, f"config.example.yaml does not document {section}.{f.name}"
     assert cfg.loader.batch_size == 256
+    views = text[text.index("# Several views without code"):text.index("  views: []")]  # a view group's keys
+    for f in C.dataclasses.fields(ViewGroup):
+        assert f.name in views, f"config.example.yaml does not document augment.views[i].{f.name}"
 
 
 def test_defaults_and_sizes(tmp_path):

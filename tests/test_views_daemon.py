@@ -19,10 +19,12 @@ from prefetchd.format import batchfile, status
 from prefetchd.sources.dataset import load_index
 
 # 2 x 64 + 6 x 32: DINO's multi-crop (2 x 224 + 6 x 96) at a size the tests make quickly
-# (with DINO's per-view ops, hue and jitter probability: each a draw of its own)
+# (with DINO's per-view ops, hue and jitter probability, a timm RandAugment on the global views and
+# TrivialAugmentWide with per-pixel random erasing on the local ones: each a draw of its own)
 VIEWS = [{"count": 2, "output_size": 64, "rrc_scale": [0.4, 1.0], "brightness": 0.4, "hue": 0.1, "jitter_p": 0.8,
-          "ops": {"grayscale": 0.2, "blur": 0.5, "solarize": 0.2}},
-         {"count": 6, "output_size": 32, "rrc_scale": [0.05, 0.4], "saturation": 0.3, "ops": {"grayscale": 0.2}}]
+          "ops": {"grayscale": 0.2, "blur": 0.5, "solarize": 0.2}, "policy": "rand-m9-mstd0.5-inc1"},
+         {"count": 6, "output_size": 32, "rrc_scale": [0.05, 0.4], "saturation": 0.3, "ops": {"grayscale": 0.2},
+          "policy": "trivialaugment", "random_erasing": {"p": 0.5, "mode": "pixel", "count": [1, 2]}}]
 SHAPES = [(64, 64)] * 2 + [(32, 32)] * 6
 
 # a trainer's own two-crop transform (SimCLR's pair, a global and a local crop each), numpy and PIL

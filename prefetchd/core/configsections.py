@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, parse_views
+from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, erasing_meta, parse_views
 from prefetchd.core.configvalues import (
     ConfigError,
     _bool,
@@ -373,10 +373,10 @@ class AugmentConfig:
                 if getattr(self, k) != default:
                     raise ConfigError(f"augment.{k}", f"is not applied to augment.views (each view group has its own "
                                       f"{k}), got {getattr(self, k)!r}; set {k} in each group of augment.views instead")
-        if self.views and self._extras_on:
-            raise ConfigError("augment.views", "and augment.policy/random_erasing/ops do not combine yet: each view is a "
-                              "random-resized crop with its own flip, jitter and single ops: put the ops in the view "
-                              "groups (augment.views[i].ops: {grayscale: 0.2, blur: 0.5}) and remove the others")
+        if self.views and self._extras_on:  # each view group has its own: the section's would do nothing
+            k = next(k for k in _POLICY_KEYS if getattr(self, k) not in ("none", {}, ErasingConfig(), OpsConfig()))
+            raise ConfigError(f"augment.{k}", f"is not applied to augment.views (each view group has its own {k}); "
+                              f"move it into the groups that want it (augment.views[i].{k}) and remove it here")
 
     def _check_policy(self) -> None:
         object.__setattr__(self, "policy_spec", policy_spec(self.policy, self.policy_args))
@@ -394,6 +394,11 @@ class AugmentConfig:
             if self.decode != "cpu" and in_workers:
                 raise ConfigError("augment.decode", f"must be cpu with augment.policy, random_erasing or ops (they run "
                                   f"on the workers' uint8 arrays; random_erasing with erase_on: client does not), got {self.decode}")
+
+    def client_erasing(self, seed: int) -> dict[str, Any] | None:
+        """What ``meta.json``'s ``"erasing"`` tells the trainer's client (``erase_on: client``): the
+        section's spec (``ErasingConfig.client_spec``), or with views each view's (``viewspec.erasing_meta``)."""
+        return erasing_meta(self.views, seed) if self.views else self.random_erasing.client_spec(seed)
 
     def extras_set(self) -> bool:
         """Whether a policy, random erasing or a single op is set (core.augment.policies)."""

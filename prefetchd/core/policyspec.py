@@ -139,46 +139,47 @@ def parse_timm(s: str, key: str = "augment.policy") -> dict[str, Any]:
     return out
 
 
-def policy_spec(policy: Any, args: Any) -> PolicySpec:
-    """``augment.policy`` and ``augment.policy_args`` checked and resolved."""
+def policy_spec(policy: Any, args: Any, where: str = "augment") -> PolicySpec:
+    """``augment.policy`` and ``augment.policy_args`` checked and resolved (``where``: the keys' section,
+    ``augment.views[i]`` for a view group's)."""
     if not isinstance(policy, str):
-        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {policy!r}")
+        raise ConfigError(f"{where}.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as rand-m9-mstd0.5-inc1, got {policy!r}")
     if args is None:
         args = {}
     if not isinstance(args, dict):
-        raise ConfigError("augment.policy_args", f"must be a mapping such as {{num_ops: 2, magnitude: 9}}, got {args!r}")
+        raise ConfigError(f"{where}.policy_args", f"must be a mapping such as {{num_ops: 2, magnitude: 9}}, got {args!r}")
     for k in args:
         if k not in _POLICY_ARG_KEYS:
-            raise ConfigError(f"augment.policy_args.{k}", f"is not a policy parameter; known: {', '.join(_POLICY_ARG_KEYS)}")
+            raise ConfigError(f"{where}.policy_args.{k}", f"is not a policy parameter; known: {', '.join(_POLICY_ARG_KEYS)}")
     if policy == "none":
         if args:
-            raise ConfigError("augment.policy_args", "is set but augment.policy is none")
+            raise ConfigError(f"{where}.policy_args", f"is set but {where}.policy is none")
         return PolicySpec()
     timm = policy == "rand" or policy.startswith("rand-")
-    base: dict[str, Any] = parse_timm(policy) if timm else {"kind": policy}
+    base: dict[str, Any] = parse_timm(policy, f"{where}.policy") if timm else {"kind": policy}
     if base["kind"] not in POLICIES[1:] + ("timm",):
-        raise ConfigError("augment.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as "
+        raise ConfigError(f"{where}.policy", f"must be one of {', '.join(POLICIES)} or a timm string such as "
                                             f"rand-m9-mstd0.5-inc1, got {policy!r}{_policy_hint(policy)}")
     for k in ("num_ops", "magnitude", "num_magnitude_bins"):
         if k == "num_magnitude_bins" and base["kind"] == "trivialaugment":
             continue  # TrivialAugmentWide(num_magnitude_bins=31) has it too
         if k in args and base["kind"] != "randaugment":
             if base["kind"] == "timm":
-                raise ConfigError(f"augment.policy_args.{k}", f"is set by the timm string {policy!r} itself (m, n)")
-            raise ConfigError(f"augment.policy_args.{k}", f"is a randaugment parameter; {policy} has none")
+                raise ConfigError(f"{where}.policy_args.{k}", f"is set by the timm string {policy!r} itself (m, n)")
+            raise ConfigError(f"{where}.policy_args.{k}", f"is a randaugment parameter; {policy} has none")
     base.update({k: v for k, v in args.items()})
     spec = PolicySpec(**base)
-    _number(spec.num_ops, "augment.policy_args.num_ops", 0, MAX_NUM_OPS, integer=True)
-    _number(spec.num_magnitude_bins, "augment.policy_args.num_magnitude_bins", 2, 1000, integer=True)
+    _number(spec.num_ops, f"{where}.policy_args.num_ops", 0, MAX_NUM_OPS, integer=True)
+    _number(spec.num_magnitude_bins, f"{where}.policy_args.num_magnitude_bins", 2, 1000, integer=True)
     if spec.kind == "randaugment":
-        _number(spec.magnitude, "augment.policy_args.magnitude", 0, spec.num_magnitude_bins - 1, integer=True)
+        _number(spec.magnitude, f"{where}.policy_args.magnitude", 0, spec.num_magnitude_bins - 1, integer=True)
     if spec.kind == "autoaugment":
         spec = PolicySpec(**{**spec.__dict__, "num_magnitude_bins": 10})
     if spec.interpolation not in POLICY_INTERPOLATIONS:
-        raise ConfigError("augment.policy_args.interpolation", f"must be one of {', '.join(POLICY_INTERPOLATIONS)}, got {spec.interpolation!r}")
-    _number(spec.prob, "augment.policy (p)", 0.0, 1.0)
-    _number(spec.magnitude_max, "augment.policy (mmax)", 0.0, 1000.0)
-    return PolicySpec(**{**spec.__dict__, "fill": _fill(spec.fill, "augment.policy_args.fill")})
+        raise ConfigError(f"{where}.policy_args.interpolation", f"must be one of {', '.join(POLICY_INTERPOLATIONS)}, got {spec.interpolation!r}")
+    _number(spec.prob, f"{where}.policy (p)", 0.0, 1.0)
+    _number(spec.magnitude_max, f"{where}.policy (mmax)", 0.0, 1000.0)
+    return PolicySpec(**{**spec.__dict__, "fill": _fill(spec.fill, f"{where}.policy_args.fill")})
 
 
 @dataclass(frozen=True)
@@ -222,9 +223,9 @@ def _floats(v: Any, n: int, key: str, lo: float, hi: float) -> tuple[float, ...]
     return tuple(float(x) for x in v)
 
 
-def erasing_config(v: Any) -> ErasingConfig:
-    """``augment.random_erasing`` checked: a mapping of ErasingConfig's keys (or null: off)."""
-    key = "augment.random_erasing"
+def erasing_config(v: Any, key: str = "augment.random_erasing") -> ErasingConfig:
+    """``augment.random_erasing`` (or a view group's: ``key``) checked: a mapping of
+    ErasingConfig's keys (or null: off)."""
     if v is None:
         return ErasingConfig()
     if isinstance(v, ErasingConfig):

@@ -246,7 +246,7 @@ class Daemon:
             "dataset_fingerprint": self.dataset_fp,  # a state of another world size names its stream
             # the client decodes compact batches itself (hybrid | gpu), erases normalised ones (erase_on: client)
             "decode": c.augment.decode, "gpu_share": c.augment.gpu_share if c.augment.decode == "hybrid" else None,
-            "erasing": c.augment.random_erasing.client_spec(c.loader.seed), "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
+            "erasing": c.augment.client_erasing(c.loader.seed), "validation": self.val.meta() if self.val else None, "identity": status.daemon_identity(),
         })
 
     # --- signals and waking -----------------------------------------------------------------------

@@ -3,12 +3,13 @@ index) -> one uint8 [S_v, S_v, 3] per view``. Pure.
 
 The file is decoded once (DCT-reduced only as far as every view's crop keeps its size) and each
 view is made from it as ``augment.mode: random_resized_crop`` makes a sample (``modes.crop_for``,
-``modes.finish``: resample, jitter, flip), with the view's own parameters and the draws of the
-view's key (``modes.draws(seed, epoch, index, view)``). So the sample's views depend on its bytes,
-the config and ``(seed, epoch, index)`` alone: deterministic. A view's crop draws are its own,
-but the decode's DCT reduction is shared (the least any view's crop allows), so a view's pixels
-can change with the other views' crops or with the view groups configured (a new config is a
-new stream: its fingerprint says so).
+``modes.finish``: resample, jitter, the group's policy, ops and erasing, flip), with the view's
+own parameters and the draws of the view's key (``modes.draws(seed, epoch, index, view)``): a
+view is the single-view path's sample of the same settings and draws. So the sample's views
+depend on its bytes, the config and ``(seed, epoch, index)`` alone: deterministic. A view's crop
+draws are its own, but the decode's DCT reduction is shared (the least any view's crop allows),
+so a view's pixels can change with the other views' crops or with the view groups configured (a
+new config is a new stream: its fingerprint says so).
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from prefetchd.core.config import AugmentConfig
 
 def view_configs(cfg: AugmentConfig) -> tuple[AugmentConfig, ...]:
     """One augmentation config per view (``cfg.views`` expanded), in view order: a random-resized
-    crop with the view's size, scale, ratio, flip, jitter and single ops; decoder and
-    interpolation ``cfg``'s."""
-    return tuple(replace(cfg, mode="random_resized_crop", output_size=g.output_size, rrc_scale=g.rrc_scale,
-                         rrc_ratio=g.rrc_ratio, flip=g.flip, brightness=g.brightness, contrast=g.contrast,
-                         saturation=g.saturation, hue=g.hue, jitter_p=g.jitter_p, lighting=0.0, views=(), ops=g.ops)
-                 for g in expand(cfg.views))
+    crop with the view's size, scale, ratio, flip, jitter, single ops, policy and random erasing
+    (made as the single-view path makes them: ``modes.finish``); decoder and interpolation ``cfg``'s.
+    A group's views share one config."""
+    made = {id(g): replace(cfg, mode="random_resized_crop", output_size=g.output_size, rrc_scale=g.rrc_scale,
+                           rrc_ratio=g.rrc_ratio, flip=g.flip, brightness=g.brightness, contrast=g.contrast,
+                           saturation=g.saturation, hue=g.hue, jitter_p=g.jitter_p, lighting=0.0, views=(), ops=g.ops,
+                           policy=g.policy, policy_args=g.policy_args, random_erasing=g.random_erasing)
+            for g in cfg.views}
+    return tuple(made[id(g)] for g in expand(cfg.views))
 
 
 def stream_shapes(cfg: AugmentConfig) -> tuple[tuple[int, int], ...]:

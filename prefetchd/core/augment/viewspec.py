@@ -13,16 +13,30 @@ probability; ``core.policyspec.OpsConfig``), made on each of its views after the
 grayscale and blur, BYOL's and DINO's solarize on one global view. Each view draws from its
 sample's key and its number (``seeds.sample_key``); the decode's DCT reduction is shared by the
 sample's views (``views``), so the views together are a pure function of ``(seed, epoch, sample)``.
+
+A group's ``policy`` (with ``policy_args``) and ``random_erasing`` are ``augment.policy``'s,
+``augment.policy_args``' and ``augment.random_erasing``'s keys (``core.policyspec``), made on each
+of the group's views where the single-view path makes them: after the jitter, the policy, then
+the ops, then the erasing, the flip last (``policies.apply_extras``), each from the view's own
+draws. ``erase_on: client`` leaves a group's boxes to the trainer's client, which erases each
+view of the group from the view's key (``erasing_meta``: what ``meta.json`` tells it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
-from prefetchd.core.policyspec import OpsConfig, ops_config
+from prefetchd.core.policyspec import (
+    ErasingConfig,
+    OpsConfig,
+    erasing_config,
+    ops_config,
+    policy_spec,
+)
 
 MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
 
@@ -42,10 +56,13 @@ class ViewGroup:
     hue: float = 0.0
     jitter_p: float = 1.0
     ops: OpsConfig = field(default_factory=OpsConfig)
+    policy: str = "none"  # augment.policy's values: randaugment, trivialaugment, autoaugment, rand-m9-...
+    policy_args: dict = field(default_factory=dict)
+    random_erasing: ErasingConfig = field(default_factory=ErasingConfig)
 
 
 _KEYS = [f.name for f in fields(ViewGroup)]
-_LATER = ("hue", "jitter_p", "ops")  # keys added later: in the fingerprint only when set
+_LATER = ("hue", "jitter_p", "ops", "policy", "policy_args", "random_erasing")  # in the fingerprint only when set
 
 
 def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
@@ -68,6 +85,7 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
                 raise _unknown(str(k), _KEYS, where)
         if "output_size" not in g:
             raise ConfigError(f"{where}.output_size", "is required (each view group's crop size, such as 224)")
+        policy_spec(g.get("policy", "none"), g.get("policy_args"), where)  # checked here: errors name the group
         groups.append(ViewGroup(
             output_size=_int(g["output_size"], f"{where}.output_size", 8, 4096),
             count=_int(g.get("count", 1), f"{where}.count", 1, MAX_VIEWS),
@@ -78,6 +96,9 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             hue=_float(g.get("hue", 0.0), f"{where}.hue", 0.0, 0.5),
             jitter_p=_float(g.get("jitter_p", 1.0), f"{where}.jitter_p", 0.0, 1.0),
             ops=ops_config(g.get("ops"), f"{where}.ops"),
+            policy=g.get("policy", "none"),
+            policy_args=dict(g.get("policy_args") or {}),
+            random_erasing=erasing_config(g.get("random_erasing"), f"{where}.random_erasing"),
         ))
     total = sum(g.count for g in groups)
     if total < 2:
@@ -110,5 +131,21 @@ def as_dicts(groups: tuple[ViewGroup, ...]) -> list[dict]:
                 d[k] = getattr(g, k)
         if g.ops != OpsConfig():
             d["ops"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(g.ops).items()}
+        if g.policy != "none":
+            d["policy"] = g.policy
+            d["policy_args"] = json.loads(json.dumps(g.policy_args, sort_keys=True))
+        if g.random_erasing != ErasingConfig():
+            d["random_erasing"] = json.loads(json.dumps(g.random_erasing.stream_dict()))
         out.append(d)
     return out
+
+
+def erasing_meta(groups: tuple[ViewGroup, ...], seed: int) -> dict | None:
+    """What ``meta.json``'s ``"erasing"`` tells the trainer's client when a group erases with
+    ``erase_on: client``: ``{"seed": seed, "views": [each view's spec or None, in view order]}``
+    (a spec as ``ErasingConfig.client_spec`` has it; the client draws view ``v`` of sample ``i``
+    from the key ``(seed, epoch, i, v)``); None when no group does."""
+    specs = [g.random_erasing.client_spec(seed) for g in expand(groups)]
+    if not any(specs):
+        return None
+    return {"seed": seed, "views": specs}
