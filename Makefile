@@ -29,7 +29,7 @@ demo: venv
 	$(PY) -m prefetchd demo
 
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=40  # the slowest, in every run's log (CONTRIBUTING.md: the suite's time)
 
 lint: venv
 	$(VENV)/bin/ruff check prefetchd client tests examples
