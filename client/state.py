@@ -55,7 +55,6 @@ class LoaderState:
     def _resume_fields(self) -> dict:
         """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
         return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "shuffle": self.cfg.loader.shuffle,  # true | false | "block": a switch is named on a refused resume
                 "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None,
                 # augment.transform's module file (its digits are in the fingerprints): a change is named as such
                 "transform_code": self._meta.get("transform_code") if self._meta else None}
@@ -118,7 +117,7 @@ class LoaderState:
         self._check_transform_file(state)
         if saved != have:
             raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
-                                f"{have} ({self._shuffle_switch(state) or 'dataset, seed or augment settings changed'}); resuming would not continue the "
+                                f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
                                 "same epoch: start the loader afresh or use the old config")
         drop_last = self._saved_drop_last(state, world, batch_size)
         self._check_offset(epoch, offset)
@@ -202,22 +201,12 @@ class LoaderState:
         dataset = self.meta().get("dataset_fingerprint")
         if self.split != "train" or not dataset:
             return None
-        if self._shuffle_switch(state):  # (true <-> block: the dataset's part differs too, so no flip below finds it)
-            return self._shuffle_switch(state)
         L = self.cfg.loader
         for key, theirs in (("drop_last", not L.drop_last), ("shuffle", not L.shuffle)):
             if status.stream_id(self.cfg.stream_fingerprint(**{key: theirs}), dataset) == fp:
                 return (f"loader.{key} changed: {str(theirs).lower()} in the job that saved it, "
                         f"{str(getattr(L, key)).lower()} in this config")
         return None
-
-    def _shuffle_switch(self, state: Mapping) -> str | None:
-        """``loader.shuffle changed: ...`` when the state says its job's shuffle and it is not this
-        config's (a state from before it said: None)."""
-        saved, mine = state.get("shuffle", None), self.cfg.loader.shuffle
-        if saved is None or saved == mine or not isinstance(saved, (bool, str)):
-            return None
-        return f"loader.shuffle changed: {str(saved).lower()} in the job that saved it, {str(mine).lower()} in this config"
 
     def _check_transform_file(self, state: Mapping) -> None:
         """A state saved before augment.transform's module file changed: said as such."""

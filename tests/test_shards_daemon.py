@@ -326,29 +326,3 @@ def test_check_warns_when_a_block_shuffle_meets_rows_grouped_by_label(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         said = "the files' rows are grouped by label" in r.stdout
         assert said == (name == "sorted"), r.stdout
-
-
-def test_a_state_saved_under_a_block_shuffle_resumed_under_a_full_one_names_loader_shuffle(tmp_path, daemon_factory):
-    """shuffle true <-> block also changes the dataset's part of the stream's identity, so no flip of
-    one setting finds it: the state says its job's shuffle, and the refusal names it, at the same
-    world size and at another."""
-    from prefetchd_client import PrefetchError
-
-    pytest.importorskip("pyarrow.parquet")
-    from test_parquet import _rows
-
-    _hf_files(tmp_path / "hf", _rows(20, seed=14), group=4)
-    block, full = (_config(tmp_path, n, str(tmp_path / "hf"), shuffle=s) for n, s in (("b", "block"), ("t", True)))
-    d = daemon_factory(block)
-    with PrefetchClient(block, rank=0, timeout=60, as_numpy=True) as loader:
-        next(iter(loader))
-        state = loader.state_dict()
-    assert d.stop() == 0 and state["shuffle"] == "block"
-    daemon_factory(full)
-    with PrefetchClient(full, rank=0, timeout=60, as_numpy=True) as loader:
-        for saved in (state, {**state, "world_size": 2}):
-            with pytest.raises(PrefetchError, match="loader.shuffle changed: block in the job that saved it, true in "
-                                                    "this config") as e:
-                loader.load_state_dict(saved)
-            assert "settings changed" not in str(e.value)
-        assert (loader.epoch, loader.batch) == (0, 0)
