@@ -213,9 +213,15 @@ def cmd_check(args) -> int:
           f"{', '.join(f'{h}x{w}' for h, w in shapes)}")
     if sampler.blocks is not None:
         bs = sampler.blocks
-        print(f"shuffle: block: {plural(len(bs.sizes), 'row group')} permuted each epoch, then the rows of each "
-              f"{bs.window} consecutive ones (~{bs.total * bs.window // len(bs.sizes)} rows) permuted together "
-              "(loader.shuffle_window)")
+        if bs.window >= len(bs.sizes):  # one window: every row permuted together, each group kept (as memory allows)
+            print(f"shuffle: block: loader.shuffle_window {bs.window} is at least the {plural(len(bs.sizes), 'row group')}"
+                  f": each epoch permutes all {bs.total} rows together, as loader.shuffle: true does, and a worker "
+                  "keeps every row group it reads (up to 512 MiB)" + ("; a smaller window mixes less and keeps fewer"
+                                                                  if len(bs.sizes) > 1 else ""))
+        else:
+            print(f"shuffle: block: {plural(len(bs.sizes), 'row group')} permuted each epoch, then the rows of each "
+                  f"{bs.window} consecutive ones (~{bs.total * bs.window // len(bs.sizes)} rows) permuted together "
+                  "(loader.shuffle_window)")
         _warn_grouped_labels(sampler, index.labels)
     elif getattr(index, "block_sizes", lambda: None)() is not None and L.shuffle is True:
         print("shuffle: full (each epoch a permutation of every row: each row's read is its row group's; "

@@ -12,7 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient
+from prefetchd_client import PrefetchClient, PrefetchError
 from test_daemon import collect, published, reference_batches
 from test_shards import _add, _samples, write_shards
 
@@ -326,3 +326,37 @@ def test_check_warns_when_a_block_shuffle_meets_rows_grouped_by_label(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         said = "the files' rows are grouped by label" in r.stdout
         assert said == (name == "sorted"), r.stdout
+
+
+def test_a_state_saved_under_another_shuffle_names_it_at_the_same_and_another_batch_size(tmp_path, daemon_factory):
+    """A checkpoint of ``loader.shuffle: true`` loaded after a switch to ``block`` (or to another
+    ``shuffle_window``): the refusal names the setting with both values, as a switch of true and
+    false does, not "dataset, loader or augment settings changed", at the job's own batch size
+    and at another (where the samples' fingerprint is compared)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(_rows(24, seed=17)), tmp_path / "hf" / "x.parquet", row_group_size=4)
+    root = str(tmp_path / "hf")
+    full = _config(tmp_path, "full", root, batch_size=4)
+    d = daemon_factory(full)
+    with PrefetchClient(full, timeout=60, as_numpy=True) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    assert d.stop() == 0
+    for name, loader_keys, said in (
+            ("block", {"batch_size": 4}, r"loader.shuffle changed: true in the job that saved it, block \(shuffle_window "
+                                         r"8\) in this config"),
+            ("resharded", {"batch_size": 3}, r"\(loader.shuffle changed: true in the job that saved it, block"),
+            ("window", {"batch_size": 4, "shuffle_window": 2}, None)):
+        cfg = _config(tmp_path, name, root, shuffle="block", **loader_keys)
+        d = daemon_factory(cfg)
+        with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+            if said is None:  # a state of the block shuffle at window 8, loaded at window 2
+                state = dict(state, shuffle="block:8", fingerprint=loader.state_dict()["fingerprint"][::-1])
+                said = r"loader.shuffle_window changed: 8 in the job that saved it, 2 in this config"
+            with pytest.raises(PrefetchError, match=said) as e:
+                loader.load_state_dict(state)
+            assert "settings changed" not in str(e.value), str(e.value)
+        assert d.stop() == 0
