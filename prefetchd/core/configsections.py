@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, parse_views
+from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, jitter_p_alone, parse_views
 from prefetchd.core.configvalues import (
     ConfigError,
     _bool,
@@ -364,6 +364,15 @@ class AugmentConfig:
         if self.views and (self.hue or self.jitter_p < 1.0):
             raise ConfigError("augment.hue" if self.hue else "augment.jitter_p", "is set in each view group with "
                               "augment.views (augment.views[i].hue, augment.views[i].jitter_p); remove it here")
+        if not builtin:  # the transform makes the whole sample: the built-in jitter would be accepted and do nothing
+            for k, default in (("brightness", 0.0), ("contrast", 0.0), ("saturation", 0.0), ("hue", 0.0),
+                               ("jitter_p", 1.0), ("lighting", 0.0)):
+                if getattr(self, k) != default:
+                    raise ConfigError(f"augment.{k}", f"is not applied with augment.transform (the transform makes the "
+                                      f"whole sample), got {getattr(self, k):g}; put the jitter in the transform "
+                                      f"(torchvision's ColorJitter) and remove augment.{k}")
+        if self.jitter_p < 1.0 and not (self.brightness or self.contrast or self.saturation or self.hue):
+            raise ConfigError("augment.jitter_p", jitter_p_alone(self.jitter_p, "augment."))
         if self.views and self.lighting:
             raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")

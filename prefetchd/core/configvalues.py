@@ -74,12 +74,25 @@ def _int(v: Any, key: str, lo: int | None = None, hi: int | None = None) -> int:
 
 def _float(v: Any, key: str, lo: float | None = None, hi: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(key, f"must be a number, got {v!r}")
+        raise ConfigError(key, f"must be a number, got {v!r}{_text_number(v)}")
     if lo is not None and v < lo:
         raise ConfigError(key, f"must be >= {lo}, got {v}")
     if hi is not None and v > hi:
         raise ConfigError(key, f"must be <= {hi}, got {v}")
     return float(v)
+
+
+def _text_number(v: Any) -> str:
+    """Why a number arrived as text: quoted, or YAML 1.1's exponent without a dot (1e-1 is text)."""
+    try:
+        x = float(v) if isinstance(v, str) else None
+    except ValueError:
+        return ""
+    if x is None or not math.isfinite(x):
+        return ""
+    if "e" in v.lower() and "." not in v:
+        return f" (YAML reads an exponent without a dot as text: write {x!r})"
+    return f" (YAML read it as text: write {x!r} unquoted)"
 
 
 def _bool(v: Any, key: str) -> bool:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
-from prefetchd.core.policyspec import OpsConfig, ops_config
+from prefetchd.core.policyspec import OpsConfig, misplaced_op, ops_config
 
 MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
 
@@ -65,7 +65,7 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             raise ConfigError(where, f"must be a mapping such as {{count: 2, output_size: 224}}, got {g!r}")
         for k in g:
             if k not in _KEYS:
-                raise _unknown(str(k), _KEYS, where)
+                raise misplaced_op(str(k), _KEYS, where) or _unknown(str(k), _KEYS, where)
         if "output_size" not in g:
             raise ConfigError(f"{where}.output_size", "is required (each view group's crop size, such as 224)")
         groups.append(ViewGroup(
@@ -79,6 +79,9 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             jitter_p=_float(g.get("jitter_p", 1.0), f"{where}.jitter_p", 0.0, 1.0),
             ops=ops_config(g.get("ops"), f"{where}.ops"),
         ))
+        g = groups[-1]
+        if g.jitter_p < 1.0 and not (g.brightness or g.contrast or g.saturation or g.hue):
+            raise ConfigError(f"{where}.jitter_p", jitter_p_alone(g.jitter_p, f"{where}."))
     total = sum(g.count for g in groups)
     if total < 2:
         raise ConfigError("augment.views", f"makes {total} view: list two or more (count: 2 for SimCLR's pair), or "
@@ -86,6 +89,12 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
     if total > MAX_VIEWS:
         raise ConfigError("augment.views", f"makes {total} views; a batch holds at most {MAX_VIEWS}")
     return tuple(groups)
+
+
+def jitter_p_alone(p: float, where: str) -> str:
+    """Why a ``jitter_p`` without a jitter strength is refused: it would be accepted and do nothing."""
+    return (f"({p:g}) is the colour jitter's probability, but {where}brightness, contrast, saturation and hue are "
+            f"all 0: no jitter to apply; set them (DINO's: 0.4, 0.4, 0.2, 0.1) or remove jitter_p")
 
 
 def expand(groups: tuple[ViewGroup, ...]) -> tuple[ViewGroup, ...]:
