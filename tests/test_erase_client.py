@@ -422,3 +422,22 @@ def test_a_daemon_stream_erased_on_the_gpu_is_the_cpu_clients(tmp_path, image_ro
         for k, top, left, h, w, _ in er.plan(0, idx, 64, 64):  # the normals themselves, to the bit
             box = np.s_[k, :, top:top + h, left:left + w]
             assert np.array_equal(gpu[key][box], x[box]), key
+
+
+@pytest.mark.parametrize("aug, words", [
+    ({"random_erasing": {"probability": 0.5}}, "augment.random_erasing.probability is not a random_erasing key; timm's "
+                                               "RandomErasing(probability=) is augment.random_erasing.p here"),
+    ({"random_erasing": {"p": 0.5, "max_count": 3}}, "augment.random_erasing.max_count is not a random_erasing key; "
+                                                     "timm's RandomErasing(max_count=) is augment.random_erasing.count"),
+    ({"random_erasing": {"p": 0.5, "device": "cuda"}}, "augment.random_erasing.device is not a random_erasing key; "
+                                                       "timm's RandomErasing(device=) is augment.random_erasing.erase_on"),
+    ({"re_prob": 0.25}, "augment.re_prob is not a known key; timm's re_prob is augment.random_erasing.p here"),
+    ({"color_jitter_prob": 0.8}, "augment.color_jitter_prob is not a known key; timm's color_jitter_prob is "
+                                 "augment.jitter_p here"),
+])
+def test_timms_erasing_and_jitter_argument_names_say_the_key_here(tmp_path, aug, words):
+    """A config written from timm's RandomErasing(...) or create_transform(...) arguments: each
+    name is said as this config's key, not "known: p, scale, ..." (a list to guess from)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(small_config(tmp_path, "/data", augment=aug))
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

@@ -140,7 +140,12 @@ PORTED_AUGMENT_KEYS = {
     "recount": "augment.random_erasing.count",
     "scale": "augment.rrc_scale (the crop's area fraction, [0.08, 1.0])",
     "ratio": "augment.rrc_ratio (the crop's aspect, [0.75, 1.333])",
-    "color_jitter": "augment.brightness, augment.contrast and augment.saturation (each x: factors in [1-x, 1+x])",
+    "color_jitter": "augment.brightness, augment.contrast and augment.saturation (each x: factors in [1-x, 1+x]; "
+                    "a 4th value is augment.hue)",
+    # create_transform's arguments (timm 1.x), beside train.py's flags
+    "color_jitter_prob": "augment.jitter_p", "grayscale_prob": "augment.ops.grayscale",
+    "gaussian_blur_prob": "augment.ops.blur", "re_prob": "augment.random_erasing.p",
+    "re_mode": "augment.random_erasing.mode", "re_count": "augment.random_erasing.count",
     "hflip": "augment.flip (true: a horizontal flip with probability 0.5)", "vflip": "augment.ops.vflip",
     "train_interpolation": "augment.interpolation",
 }

@@ -222,6 +222,13 @@ def _floats(v: Any, n: int, key: str, lo: float, hi: float) -> tuple[float, ...]
     return tuple(float(x) for x in v)
 
 
+# timm's RandomErasing arguments, as this section spells them
+_TIMM_ERASING = {"probability": "p", "min_area": "scale: [min_area, max_area]", "max_area": "scale: [min_area, max_area]",
+                 "min_aspect": "ratio: [min_aspect, max_aspect]", "max_aspect": "ratio: [min_aspect, max_aspect]",
+                 "min_count": "count: [min_count, max_count]", "max_count": "count: [min_count, max_count]",
+                 "device": "erase_on (client: the trainer's client erases its batch, on its device)"}
+
+
 def erasing_config(v: Any) -> ErasingConfig:
     """``augment.random_erasing`` checked: a mapping of ErasingConfig's keys (or null: off)."""
     key = "augment.random_erasing"
@@ -233,6 +240,9 @@ def erasing_config(v: Any) -> ErasingConfig:
         raise ConfigError(key, f"must be a mapping such as {{p: 0.25, mode: pixel}}, got {v!r}")
     known = [f for f in ErasingConfig.__dataclass_fields__]
     for k in v:
+        if k in _TIMM_ERASING:
+            raise ConfigError(f"{key}.{k}", f"is not a random_erasing key; timm's RandomErasing({k}=) is "
+                              f"{key}.{_TIMM_ERASING[k]} here")
         if k not in known:
             raise ConfigError(f"{key}.{k}", f"is not a random_erasing key; known: {', '.join(known)}")
     d = dict(v)
