@@ -240,5 +240,17 @@ def test_block_shuffle_needs_blocks_and_is_in_the_stream_fingerprint():
     with pytest.raises(ConfigError, match=r"^loader.shuffle must be true, false or block"):
         LoaderConfig(shuffle="blocks")
     values = [Config(dataset=DatasetConfig(root="/d"), loader=LoaderConfig(**kw)).stream_fingerprint()
-              for kw in ({}, {"shuffle_window": 4}, {"shuffle": "block"}, {"shuffle": "block", "shuffle_window": 4})]
+              for kw in ({}, {"shuffle_window": 8}, {"shuffle": "block"}, {"shuffle": "block", "shuffle_window": 4})]
     assert values[0] == values[1] and len(set(values)) == 3  # the window counts only for a block shuffle
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_shuffle_window_without_a_block_shuffle_is_refused(shuffle):
+    """``loader.shuffle_window: 4`` beside ``shuffle: true`` (or false) was accepted and did
+    nothing: the full shuffle has no window, and no row groups are kept for one."""
+    from prefetchd.core.config import ConfigError, LoaderConfig
+
+    with pytest.raises(ConfigError) as e:
+        LoaderConfig(shuffle=shuffle, shuffle_window=4)
+    assert str(e.value) == (f"loader.shuffle_window (4) is the window of loader.shuffle: block, and loader.shuffle is "
+                            f"{str(shuffle).lower()}: set shuffle: block (Parquet) or remove shuffle_window")

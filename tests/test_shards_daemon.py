@@ -227,7 +227,7 @@ def test_a_block_shuffle_reads_each_row_group_a_few_times_not_once_per_row():
         image_bytes = sum(len(index.read(i)) for i in range(len(index)))
         read = {}
         for shuffle in (True, "block"):
-            L = LoaderConfig(batch_size=16, shuffle=shuffle, shuffle_window=3)
+            L = LoaderConfig(batch_size=16, shuffle=shuffle, **({"shuffle_window": 3} if shuffle == "block" else {}))
             perm = for_loader(L, len(index), index.block_sizes()).permutation(0)
             parquet.keep_groups(3) if shuffle == "block" else parquet.keep_groups(0)
             parquet._groups.clear()

@@ -119,6 +119,10 @@ class LoaderConfig:
                 raise ConfigError("loader.shuffle", f"must be true, false or block (a permutation of Parquet row groups, "
                                   f"then of the rows within a window of loader.shuffle_window groups), got {self.shuffle!r}")
         _int(self.shuffle_window, "loader.shuffle_window", 1, 1 << 20)
+        if self.shuffle != "block" and self.shuffle_window != LoaderConfig.shuffle_window:  # it would do nothing
+            raise ConfigError("loader.shuffle_window", f"({self.shuffle_window}) is the window of loader.shuffle: "
+                              f"block, and loader.shuffle is {str(self.shuffle).lower()}: set shuffle: block (Parquet) "
+                              "or remove shuffle_window")
         _bool(self.drop_last, "loader.drop_last")
         _int(self.world_size, "loader.world_size", 1, 1 << 16)
         ranks = self.ranks
