@@ -58,6 +58,8 @@ class LoaderState:
                 "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None,
                 # loader.shuffle as the stream holds it (block: with its window): a switch is named as such
                 "shuffle": self.cfg.loader.shuffle_key() if self.split == "train" else None,
+                # the dataset's length: files added or removed since are named as such
+                "num_samples": self._meta.get("num_samples") if self._meta else None,
                 # augment.transform's module file (its digits are in the fingerprints): a change is named as such
                 "transform_code": self._meta.get("transform_code") if self._meta else None}
 
@@ -195,7 +197,8 @@ class LoaderState:
             raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
                                 f"{have} ({changed or 'dataset, loader or augment settings changed'}); resuming "
                                 "would not continue the same stream: start the loader afresh or use the old config"
-                                + (f" ({changed.split(' ')[0]} as it was)" if changed else ""))
+                                + (f" ({changed.split(' ')[0]} as it was)" if changed and changed.startswith("loader.")
+                                   else ""))
 
     def _changed_setting(self, state: Mapping, fp: str) -> str | None:
         """The one loader setting whose change alone makes this dataset's stream ``fp`` (the state's)
@@ -214,7 +217,11 @@ class LoaderState:
 
     def _shuffle_changed(self, state: Mapping) -> str | None:
         """``loader.shuffle`` (or a block shuffle's window) as the state's job had it, when it is not
-        this config's: true and block make other orders of the same samples, so their streams differ."""
+        this config's: true and block make other orders of the same samples, so their streams differ.
+        Before it: the dataset's length, when files were added or removed since the state was saved."""
+        then, now = state.get("num_samples"), (self._meta or {}).get("num_samples")
+        if self.split == "train" and isinstance(then, int) and isinstance(now, int) and then != now:
+            return f"the dataset changed: {now} samples now, {then} when the state was saved: files were added or removed"
         saved, mine = state.get("shuffle"), self.cfg.loader.shuffle_key()
         if self.split != "train" or not isinstance(saved, (bool, str)) or saved == mine:
             return None

@@ -360,3 +360,29 @@ def test_a_state_saved_under_another_shuffle_names_it_at_the_same_and_another_ba
                 loader.load_state_dict(state)
             assert "settings changed" not in str(e.value), str(e.value)
         assert d.stop() == 0
+
+
+def test_a_state_saved_before_a_parquet_file_was_added_says_the_dataset_changed(tmp_path, daemon_factory):
+    """A block-shuffled Parquet folder gains a file between runs: the checkpoint is refused (its
+    order is not this dataset's), and the refusal says the dataset changed, with both lengths,
+    not "dataset, loader or augment settings changed"."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(_rows(24, seed=18)), tmp_path / "hf" / "a.parquet", row_group_size=4)
+    cfg = _config(tmp_path, "c", str(tmp_path / "hf"), batch_size=4, shuffle="block", shuffle_window=2)
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    assert d.stop() == 0
+    pq.write_table(hf_table(_rows(8, seed=19)), tmp_path / "hf" / "b.parquet", row_group_size=4)
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+        with pytest.raises(PrefetchError, match="the dataset changed: 32 samples now, 24 when the state was saved: "
+                                                "files were added or removed") as e:
+            loader.load_state_dict(state)
+        assert "settings changed" not in str(e.value) and "as it was" not in str(e.value)
+        assert (loader.epoch, loader.batch) == (0, 0)
+    assert d.stop() == 0
