@@ -236,7 +236,9 @@ def _block_permutation(blocks: Blocks, seed: int, epoch: int) -> np.ndarray:
     bounds = np.concatenate(([0], np.cumsum(lens)[blocks.window - 1::blocks.window]))
     if bounds[-1] != blocks.total:
         bounds = np.append(bounds, blocks.total)
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    # a window of one sample draws nothing (numpy's shuffle of one element): skipped, the same
+    # permutation without a Python call per window (1.28 M single-row groups at window 1: 2.9 s)
+    for lo, hi in zip(bounds[:-1][np.diff(bounds) > 1], bounds[1:][np.diff(bounds) > 1], strict=True):
         rng.shuffle(perm[lo:hi])
     return perm
 
