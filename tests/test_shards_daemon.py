@@ -328,6 +328,35 @@ def test_check_warns_when_a_block_shuffle_meets_rows_grouped_by_label(tmp_path):
         assert said == (name == "sorted"), r.stdout
 
 
+def test_check_does_not_call_rows_in_no_order_grouped_when_one_label_dominates(tmp_path):
+    """200 labels, 80% of the rows one of them, in no order: a window of ~80 rows holds ~16 labels,
+    what rows drawn at random from these labels hold; ``check`` compared that with ~64 (every
+    label equally common) and said the rows were grouped by label. The same rows sorted by
+    label are still said to be."""
+    import subprocess
+    import sys
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import hf_table
+
+    from prefetchd.tools.samples import jpeg_bytes, photo_like
+
+    rng = np.random.default_rng(20)
+    image = jpeg_bytes(photo_like(rng, 40, 32), rng)
+    labels = np.where(rng.random(2000) < 0.8, 0, rng.integers(1, 200, 2000))
+    names = [f"c{k}" for k in range(200)]
+    for name, order in (("mixed", labels), ("sorted", np.sort(labels))):
+        os.makedirs(tmp_path / name)
+        pq.write_table(hf_table([(image, int(x)) for x in order], names=names), tmp_path / name / "x.parquet",
+                       row_group_size=10)
+        cfg = _config(tmp_path, "c" + name, str(tmp_path / name), shuffle="block", batch_size=8)
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = "the files' rows are grouped by label" in r.stdout
+        assert said == (name == "sorted"), r.stdout
+
+
 def test_a_state_saved_under_another_shuffle_names_it_at_the_same_and_another_batch_size(tmp_path, daemon_factory):
     """A checkpoint of ``loader.shuffle: true`` loaded after a switch to ``block`` (or to another
     ``shuffle_window``): the refusal names the setting with both values, as a switch of true and
