@@ -372,3 +372,26 @@ def test_jitter_and_op_keys_in_the_wrong_place_are_one_line_errors_saying_where(
         C.load(str(tmp_path / "c.yaml"))
     assert str(e.value) == words or str(e.value).startswith(words), str(e.value)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("augment, words", [
+    ("{hue: [-0.1, 0.1]}", "augment.hue must be one number x, for [-x, x]: [-0.1, 0.1] is torchvision's (min, max) "
+                           "form of hue: 0.1; write that"),
+    ("{brightness: [0.6, 1.4]}", "augment.brightness must be one number x, for [1-x, 1+x]: [0.6, 1.4] is "
+                                 "torchvision's (min, max) form of brightness: 0.4; write that"),
+    ("{hue: [0.0, 0.2]}", "augment.hue must be one number x, for [-x, x] (centred on 0); [0.0, 0.2] is off centre"),
+    ("views: [{count: 2, output_size: 32, saturation: [0.8, 1.2]}]",
+     "augment.views[0].saturation must be one number x, for [1-x, 1+x]: [0.8, 1.2] is torchvision's (min, max) form "
+     "of saturation: 0.2"),
+])
+def test_torchvisions_min_max_jitter_ranges_are_said_as_the_number_they_stand_for(tmp_path, augment, words):
+    """ColorJitter(hue=(-0.1, 0.1)) written as a list: said as hue: 0.1 (it said "must be a
+    number, got [-0.1, 0.1]"), or refused as off centre, never taken as another range."""
+    from prefetchd.core import config as C
+
+    text = f"dataset: {{root: /d}}\naugment: {augment}\n" if augment.startswith("{") else \
+        f"dataset: {{root: /d}}\naugment:\n  {augment}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        C.load(str(tmp_path / "c.yaml"))
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

@@ -25,6 +25,7 @@ from prefetchd.core.configvalues import (
     _path,
     _str,
     _unknown,
+    jitter_strength,
     parse_size,
 )
 from prefetchd.core.policyspec import (
@@ -342,8 +343,8 @@ class AugmentConfig:
             raise ConfigError("augment.eval_resize", f"must be >= augment.output_size ({self.output_size}), got {self.eval_resize}")
         _bool(self.flip, "augment.flip")
         for k in ("brightness", "contrast", "saturation"):
-            object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
-        object.__setattr__(self, "hue", _float(self.hue, "augment.hue", 0.0, 0.5))
+            object.__setattr__(self, k, jitter_strength(getattr(self, k), f"augment.{k}", 1.0))
+        object.__setattr__(self, "hue", jitter_strength(self.hue, "augment.hue", 0.5))
         object.__setattr__(self, "jitter_p", _float(self.jitter_p, "augment.jitter_p", 0.0, 1.0))
         object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
         _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)

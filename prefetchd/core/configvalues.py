@@ -82,6 +82,23 @@ def _float(v: Any, key: str, lo: float | None = None, hi: float | None = None) -
     return float(v)
 
 
+def jitter_strength(v: Any, key: str, hi: float) -> float:
+    """A colour jitter strength (``brightness``, ``contrast``, ``saturation``: factors in
+    ``[1-x, 1+x]``; ``hue``: a shift in ``[-x, x]``) as one number; torchvision's ``(min, max)``
+    form is said as the number it stands for, or as a range not made here."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                           for x in v):
+        hue = key.endswith("hue")
+        centre, form = (0.0, "[-x, x]") if hue else (1.0, "[1-x, 1+x]")
+        x = (v[1] - v[0]) / 2
+        if x >= 0 and math.isclose((v[0] + v[1]) / 2, centre, abs_tol=1e-9):
+            raise ConfigError(key, f"must be one number x, for {form}: {list(v)} is torchvision's (min, max) form "
+                              f"of {key.rpartition('.')[2]}: {x:g}; write that")
+        raise ConfigError(key, f"must be one number x, for {form} (centred on {centre:g}); {list(v)} is off centre, "
+                          "which torchvision's (min, max) form allows and this does not")
+    return _float(v, key, 0.0, hi)
+
+
 def _text_number(v: Any) -> str:
     """Why a number arrived as text: quoted, or YAML 1.1's exponent without a dot (1e-1 is text)."""
     try:

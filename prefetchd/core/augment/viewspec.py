@@ -21,7 +21,15 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
+from prefetchd.core.configvalues import (
+    ConfigError,
+    _bool,
+    _float,
+    _int,
+    _pair,
+    _unknown,
+    jitter_strength,
+)
 from prefetchd.core.policyspec import OpsConfig, misplaced_op, ops_config
 
 MAX_VIEWS = 64  # a batch file's limit (format.batchfile.MAX_VIEWS)
@@ -74,8 +82,8 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             rrc_scale=_pair(g.get("rrc_scale", (0.08, 1.0)), f"{where}.rrc_scale", 1e-6, 1.0),
             rrc_ratio=_pair(g.get("rrc_ratio", (3 / 4, 4 / 3)), f"{where}.rrc_ratio", 1e-3, 1e3),
             flip=_bool(g.get("flip", True), f"{where}.flip"),
-            **{k: _float(g.get(k, 0.0), f"{where}.{k}", 0.0, 1.0) for k in ("brightness", "contrast", "saturation")},
-            hue=_float(g.get("hue", 0.0), f"{where}.hue", 0.0, 0.5),
+            **{k: jitter_strength(g.get(k, 0.0), f"{where}.{k}", 1.0) for k in ("brightness", "contrast", "saturation")},
+            hue=jitter_strength(g.get("hue", 0.0), f"{where}.hue", 0.5),
             jitter_p=_float(g.get("jitter_p", 1.0), f"{where}.jitter_p", 0.0, 1.0),
             ops=ops_config(g.get("ops"), f"{where}.ops"),
         ))
