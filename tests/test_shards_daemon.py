@@ -382,6 +382,7 @@ def test_a_state_saved_under_another_shuffle_names_it_at_the_same_and_another_ba
         cfg = _config(tmp_path, name, root, shuffle="block", **loader_keys)
         d = daemon_factory(cfg)
         with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+            assert loader.sampler.shuffle is True  # DistributedSampler's is a bool (it was "block")
             if said is None:  # a state of the block shuffle at window 8, loaded at window 2
                 state = dict(state, shuffle="block:8", fingerprint=loader.state_dict()["fingerprint"][::-1])
                 said = r"loader.shuffle_window changed: 8 in the job that saved it, 2 in this config"
