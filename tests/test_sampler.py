@@ -281,3 +281,32 @@ def test_a_block_shuffle_of_single_row_groups_is_made_in_well_under_a_second():
     t0 = time.perf_counter()
     perm = _block_permutation(Blocks(np.ones(1_281_167, np.int64), 1), 0, 0)
     assert time.perf_counter() - t0 < 1.5 and len(perm) == 1_281_167
+
+
+def test_a_block_shuffled_epoch_resumed_at_random_world_and_batch_sizes_reads_every_row():
+    """A seeded walk: a block shuffle (group sizes 1 to 6, windows from 1 to past the group
+    count), k steps at W x B, the rest at W' x B': the permutation is the same whatever the
+    world and batch size, every row is read, and a row is read twice only as the padding of the
+    resumed remainder (fewer than W' repeats)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        sizes = rng.integers(1, 7, int(rng.integers(1, 30)))
+        n, window = int(sizes.sum()), int(rng.choice([1, 2, 3, len(sizes), len(sizes) + 5, 1 << 20]))
+        seed, epoch = int(rng.integers(0, 2**63 - 1)), int(rng.integers(0, 2**40))
+        world, batch = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        s = Sampler(n, batch, seed, "block", False, world, Blocks(sizes, window))
+        perm = s.permutation(epoch)
+        assert sorted(perm.tolist()) == list(range(n))
+        assert np.array_equal(perm, Sampler(n, batch + 1, seed, "block", True, 1, Blocks(list(sizes), window))
+                              .permutation(epoch))
+        k = int(rng.integers(0, s.batches_in(0) + 1))
+        read = [i for r in range(world) for b in range(k) for i in s.batch_indices(epoch, r, b).tolist()]
+        e, offset = s.resume(epoch, 0, k, world, batch)
+        if e != epoch:
+            continue
+        world2, batch2 = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        s2 = Sampler(n, batch2, seed, "block", False, world2, Blocks(sizes, window))
+        rest = [i for r in range(world2) for b in range(s2.batches_in(offset))
+                for i in s2.batch_indices(epoch, r, b, offset).tolist()]
+        assert set(read) | set(rest) == set(range(n)) and not set(read) & set(rest)
+        assert len(rest) - len(set(rest)) < world2
