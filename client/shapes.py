@@ -81,7 +81,7 @@ class DataLoaderShape:
         find none: the validation stream leaves none out (padded as that sampler pads, or, with
         ``validation.pad: false``, rank shares one sample shorter). Its ``set_epoch`` is the
         loader's (``client.shapes``)."""
-        shuffle = self.split == "train" and self.cfg.loader.shuffle
+        shuffle = self.split == "train" and bool(self.cfg.loader.shuffle)  # a bool, as torch's (block: True)
         return DistSampler(self, -(-len(self.dataset) // self.world_size), shuffle)
 
     @property

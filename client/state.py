@@ -56,6 +56,10 @@ class LoaderState:
         """What a job at another world or batch size needs to resume this state (see ``_reshard``)."""
         return {"offset": self._offset_of(self.epoch), "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "sample_fingerprint": self._meta.get("sample_fingerprint") if self._meta else None,
+                # loader.shuffle as the stream holds it (block: with its window): a switch is named as such
+                "shuffle": self.cfg.loader.shuffle_key() if self.split == "train" else None,
+                # the dataset's length: files added or removed since are named as such
+                "num_samples": self._meta.get("num_samples") if self._meta else None,
                 # augment.transform's module file (its digits are in the fingerprints): a change is named as such
                 "transform_code": self._meta.get("transform_code") if self._meta else None}
 
@@ -117,8 +121,8 @@ class LoaderState:
         self._check_transform_file(state)
         if saved != have:
             raise PrefetchError(f"this loader state is for samples {saved}, the daemon serving {self.dir} makes samples "
-                                f"{have} (dataset, seed or augment settings changed); resuming would not continue the "
-                                "same epoch: start the loader afresh or use the old config")
+                                f"{have} ({self._shuffle_changed(state) or 'dataset, seed or augment settings changed'}); "
+                                "resuming would not continue the same epoch: start the loader afresh or use the old config")
         drop_last = self._saved_drop_last(state, world, batch_size)
         self._check_offset(epoch, offset)
         L = self.cfg.loader
@@ -193,7 +197,8 @@ class LoaderState:
             raise PrefetchError(f"this loader state is for stream {fp}, the daemon serving {self.dir} makes stream "
                                 f"{have} ({changed or 'dataset, loader or augment settings changed'}); resuming "
                                 "would not continue the same stream: start the loader afresh or use the old config"
-                                + (f" ({changed.split(' ')[0]} as it was)" if changed else ""))
+                                + (f" ({changed.split(' ')[0]} as it was)" if changed and changed.startswith("loader.")
+                                   else ""))
 
     def _changed_setting(self, state: Mapping, fp: str) -> str | None:
         """The one loader setting whose change alone makes this dataset's stream ``fp`` (the state's)
@@ -202,11 +207,28 @@ class LoaderState:
         if self.split != "train" or not dataset:
             return None
         L = self.cfg.loader
+        if said := self._shuffle_changed(state):
+            return said
         for key, theirs in (("drop_last", not L.drop_last), ("shuffle", not L.shuffle)):
             if status.stream_id(self.cfg.stream_fingerprint(**{key: theirs}), dataset) == fp:
                 return (f"loader.{key} changed: {str(theirs).lower()} in the job that saved it, "
                         f"{str(getattr(L, key)).lower()} in this config")
         return None
+
+    def _shuffle_changed(self, state: Mapping) -> str | None:
+        """``loader.shuffle`` (or a block shuffle's window) as the state's job had it, when it is not
+        this config's: true and block make other orders of the same samples, so their streams differ.
+        Before it: the dataset's length, when files were added or removed since the state was saved."""
+        then, now = state.get("num_samples"), (self._meta or {}).get("num_samples")
+        if self.split == "train" and isinstance(then, int) and isinstance(now, int) and then != now:
+            return f"the dataset changed: {now} samples now, {then} when the state was saved: files were added or removed"
+        saved, mine = state.get("shuffle"), self.cfg.loader.shuffle_key()
+        if self.split != "train" or not isinstance(saved, (bool, str)) or saved == mine:
+            return None
+        if isinstance(saved, str) and isinstance(mine, str):  # both block: the window changed
+            return (f"loader.shuffle_window changed: {saved.partition(':')[2]} in the job that saved it, "
+                    f"{mine.partition(':')[2]} in this config")
+        return f"loader.shuffle changed: {_shuffle_words(saved)} in the job that saved it, {_shuffle_words(mine)} in this config"
 
     def _check_transform_file(self, state: Mapping) -> None:
         """A state saved before augment.transform's module file changed: said as such."""
@@ -226,6 +248,13 @@ class LoaderState:
             raise PrefetchError(f"this loader state is at batch {batch} of {what} {epoch}, which has {n} batches: "
                                 "past its end, so it is no position of this stream (another batch size, dataset "
                                 "or world size?)")
+
+
+def _shuffle_words(key: bool | str) -> str:
+    """A ``LoaderConfig.shuffle_key`` as the config spells it: ``true``, ``false``, ``block``."""
+    if isinstance(key, bool):
+        return str(key).lower()
+    return f"block (shuffle_window {key.partition(':')[2]})" if key.startswith("block:") else key
 
 
 def _state_int(state: Mapping, key: str, *default):

@@ -183,3 +183,29 @@ def test_reload_refuses_what_only_a_start_applies_to_the_workers():
     for change in ({"priority": "normal"}, {"executor": "mixed"}, {"ray": {"workers": 5}}):
         new = C.from_dict({**base, "workers": change})
         assert reload_blockers(old, new) == "workers.priority/executor/ray", change
+
+
+@pytest.mark.parametrize("daemon, client, said", [
+    ({}, {"augment": {"random_erasing": {"p": 1.0, "erase_on": "client"}}},
+     "augment.random_erasing.erase_on client here, daemon in the daemon's config; augment.random_erasing.p 1.0 here, "
+     "0.0 in the daemon's config"),
+    ({"augment": {"random_erasing": {"p": 1.0, "erase_on": "client"}}},
+     {"augment": {"random_erasing": {"p": 1.0, "erase_on": "client", "mode": "pixel"}}},
+     "augment.random_erasing.mode pixel here, const in the daemon's config"),
+    ({"loader": {"shuffle": "block"}}, {"loader": {"shuffle": "block", "shuffle_window": 2}},
+     "loader.shuffle_window 2 here, 8 in the daemon's config"),
+])
+def test_a_client_of_another_stream_is_told_the_keys_that_differ_and_no_others(daemon, client, said):
+    """The daemon's meta.json ``stream`` (read back from JSON: lists, not tuples) against the
+    client's config: only the keys that changed are named, a mapping's by its inner key; not
+    augment.ops and augment.policy beside them (equal, or left out of a config without extras),
+    and a block shuffle's window is named (it was "loader or augment settings differ")."""
+    import json
+
+    from prefetchd.core.streamkeys import differences, stream_settings
+
+    def cfg(body):
+        return C.from_dict({"dataset": {"root": "/d"}, **body})
+
+    theirs = json.loads(json.dumps(stream_settings(cfg(daemon))))
+    assert differences(stream_settings(cfg(client)), theirs) == said

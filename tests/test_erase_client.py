@@ -289,6 +289,100 @@ def test_an_erase_on_client_config_written_back_whole_loads_again(tmp_path):
     assert from_dict(d).augment.random_erasing == cfg.augment.random_erasing
 
 
+def _timm_random_erasing():
+    """timm's ``timm/data/random_erasing.py`` (it imports only random, math and torch), loaded from
+    its file without importing timm (which needs torchvision); skipped where timm is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("timm is not installed (pip install --no-deps timm)")
+    s = importlib.util.spec_from_file_location("_timm_random_erasing", os.path.join(
+        list(spec.submodule_search_locations)[0], "data", "random_erasing.py"))
+    mod = importlib.util.module_from_spec(s)
+    s.loader.exec_module(mod)
+    return mod
+
+
+class _TimmRandom:
+    """timm's calls of ``random`` answered from each sample's draws, in timm's order: whether,
+    how many (only when min < max), then per box up to ten tries of (area, aspect), and the
+    place of the try kept; so timm's own loop decides what the draws make."""
+
+    def __init__(self, draws):
+        self.draws = iter(draws)
+
+    def _u(self) -> float:
+        return self.p[42 + 40 * self.j + 4 * self.a + self.stage]
+
+    def random(self):
+        self.p, self.j, self.a, self.stage = next(self.draws), 0, 0, 0
+        return self.p[40]
+
+    def randint(self, lo, hi):
+        if self.stage == 0:  # the box count
+            return erasing._randint(self.p[41], lo, hi)
+        u = self._u()
+        self.stage += 1
+        if self.stage == 4:  # placed: the next box
+            self.j, self.a, self.stage = self.j + 1, 0, 0
+        return erasing._randint(u, lo, hi)
+
+    def uniform(self, lo, hi):
+        if self.stage == 2:  # the last try did not fit
+            self.a, self.stage = self.a + 1, 0
+        if self.a == 10:  # ten tries: the next box
+            self.j, self.a = self.j + 1, 0
+        u = self._u()
+        self.stage += 1
+        return lo + u * (hi - lo)
+
+
+def test_the_clients_erasing_is_timms_own_random_erasing_given_the_same_draws():
+    """timm's own ``RandomErasing`` on a CPU tensor, its ``random`` calls answered from the
+    samples' draws and its fills taken from ``erasing.noise`` in its call order, against the
+    client's erasing of the same normalised batch: the same tensor, bit for bit, over generated
+    configs (modes, counts, areas, aspects, p 0 and 1, images down to 2 x 2 where tries fail)."""
+    from prefetchd_client.erasing import ClientErasing
+
+    timm_re = _timm_random_erasing()
+    rng = np.random.default_rng(0)
+    erased = 0
+    for trial in range(240):
+        mode = ("const", "rand", "pixel")[trial % 3]
+        c0 = int(rng.integers(1, 5))
+        c1 = int(rng.integers(c0, 5))
+        lo = float(rng.uniform(0.01, 0.5))
+        hi = float(rng.uniform(lo, 1.0))
+        r0 = float(rng.uniform(0.1, 1.0))
+        r1 = float(rng.uniform(r0, 10.0))
+        p = float(rng.choice([0.0, 0.4, 1.0]))
+        h, w = int(rng.integers(2, 40)), int(rng.integers(2, 40))
+        mine = ClientErasing({"p": p, "scale": [lo, hi], "ratio": [r0, r1], "mode": mode, "count": [c0, c1], "seed": 11})
+        indices = rng.integers(0, 1000, 6)
+        x = torch.randn(6, 3, h, w, generator=torch.Generator().manual_seed(trial))
+        got = mine(x.numpy().copy(), 2, indices)
+        draws = [sample_draws(11, 2, int(i))[2] for i in indices]
+        fills = iter([(b, z) for d in draws for bs in [erasing.boxes(mine.cfg, d, h, w)]
+                      for b, z in zip(bs, erasing.noise(mine.cfg, d, bs), strict=True)])
+
+        def pixels(per_pixel, rand_color, patch_size, dtype=torch.float32, device="cpu", fills=fills):
+            (_, _, eh, ew, _), z = next(fills)
+            assert tuple(patch_size[1:]) == (eh, ew)  # timm's box is the client's
+            if z is None:
+                return torch.zeros((patch_size[0], 1, 1), dtype=dtype)
+            z = np.asarray(z, np.float32)
+            return torch.from_numpy(z[:, None, None] if z.ndim == 1 else np.ascontiguousarray(z.transpose(2, 0, 1)))
+
+        timm_re._get_pixels, timm_re.random = pixels, _TimmRandom(draws)
+        want = timm_re.RandomErasing(probability=p, min_area=lo, max_area=hi, min_aspect=r0, max_aspect=r1, mode=mode,
+                                     min_count=c0, max_count=c1, device="cpu")(x.clone()).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
+        assert next(fills, None) is None  # timm made every box the client made
+        erased += not np.array_equal(got, x.numpy())
+    assert erased > 60, erased
+
+
 # --- the GPU path (skipped where no CUDA device is present, as on this project's CI) -----------
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
@@ -328,3 +422,22 @@ def test_a_daemon_stream_erased_on_the_gpu_is_the_cpu_clients(tmp_path, image_ro
         for k, top, left, h, w, _ in er.plan(0, idx, 64, 64):  # the normals themselves, to the bit
             box = np.s_[k, :, top:top + h, left:left + w]
             assert np.array_equal(gpu[key][box], x[box]), key
+
+
+@pytest.mark.parametrize("aug, words", [
+    ({"random_erasing": {"probability": 0.5}}, "augment.random_erasing.probability is not a random_erasing key; timm's "
+                                               "RandomErasing(probability=) is augment.random_erasing.p here"),
+    ({"random_erasing": {"p": 0.5, "max_count": 3}}, "augment.random_erasing.max_count is not a random_erasing key; "
+                                                     "timm's RandomErasing(max_count=) is augment.random_erasing.count"),
+    ({"random_erasing": {"p": 0.5, "device": "cuda"}}, "augment.random_erasing.device is not a random_erasing key; "
+                                                       "timm's RandomErasing(device=) is augment.random_erasing.erase_on"),
+    ({"re_prob": 0.25}, "augment.re_prob is not a known key; timm's re_prob is augment.random_erasing.p here"),
+    ({"color_jitter_prob": 0.8}, "augment.color_jitter_prob is not a known key; timm's color_jitter_prob is "
+                                 "augment.jitter_p here"),
+])
+def test_timms_erasing_and_jitter_argument_names_say_the_key_here(tmp_path, aug, words):
+    """A config written from timm's RandomErasing(...) or create_transform(...) arguments: each
+    name is said as this config's key, not "known: p, scale, ..." (a list to guess from)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(small_config(tmp_path, "/data", augment=aug))
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

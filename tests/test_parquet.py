@@ -230,3 +230,29 @@ def test_the_row_groups_a_worker_keeps_are_bounded_in_bytes_too(tmp_path, monkey
         assert sum(c.nbytes for c in parquet._groups.values()) <= 2.5 * one * 1.2
     assert [k[1] for k in parquet._groups] == [8, 9]  # the newest two, by bytes (the count allows 10)
     parquet._groups.clear()
+
+
+@pytest.mark.parametrize("group, window", [(4, 3), (4, 100), (12, 8)])
+def test_check_says_a_window_of_every_row_group_is_a_full_shuffle(tmp_path, group, window):
+    """``loader.shuffle_window`` at least the row-group count (a window of 100 over 3 groups, or
+    one group): ``check`` says every row is permuted together, not "~400 rows permuted together"
+    of a 12-row file; and "1 row group", not "1 row groups"."""
+    import subprocess
+    import sys
+
+    from conftest import small_config
+
+    pq.write_table(hf_table(_rows(12, seed=6)), tmp_path / "x.parquet", row_group_size=group)
+    cfg = small_config(tmp_path, str(tmp_path / "x.parquet"), loader={"batch_size": 2, "shuffle": "block",
+                                                                      "shuffle_window": window})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    said = next(line for line in r.stdout.splitlines() if line.startswith("shuffle: block"))
+    groups = 12 // group
+    if window < groups:
+        assert f"{groups} row groups permuted each epoch, then the rows of each {window} consecutive" in said, said
+    else:
+        assert f"loader.shuffle_window {window} is at least the {groups} row group" in said, said
+        assert "all 12 rows together" in said and "consecutive" not in said, said
+    assert ("1 row group of ~12 rows" if groups == 1 else f"{groups} row groups of ~{group} rows") in r.stdout

@@ -339,3 +339,59 @@ def test_two_order_sensitive_single_ops_name_the_order_in_the_fingerprint():
     one = AugmentConfig(ops={"solarize": 0.5, "vflip": 0.5}).stream_dict()
     two = AugmentConfig(ops={"solarize": 0.5, "blur": 0.5}).stream_dict()
     assert "ops_order" not in one and two["ops_order"] == 2
+
+
+@pytest.mark.parametrize("augment, words", [
+    # an op one level up, a jitter key one level down: named where it goes, not "did you mean rrc_scale?"
+    ("views: [{count: 2, output_size: 32, grayscale: 0.2}]",
+     "augment.views[0].grayscale is an op: write it under augment.views[0].ops"),
+    ("{grayscale: 0.2}", "augment.grayscale is an op: write it under augment.ops"),
+    ("views: [{count: 2, output_size: 32, grayscal: 0.2}]", "augment.views[0].grayscal is not a known key (did you "
+                                                            "mean the op augment.views[0].ops.grayscale?)"),
+    ("views: [{count: 2, output_size: 32, ops: {hue: 0.1}}]",
+     "augment.views[0].ops.hue is the colour jitter's, not an op: write it beside ops, as augment.views[0].hue"),
+    ("{ops: {jitter_p: 0.8}}", "augment.ops.jitter_p is the colour jitter's, not an op: write it beside ops, as "
+                               "augment.jitter_p"),
+    # a jitter_p with nothing to jitter, a jitter beside a transform: accepted, they did nothing
+    ("{jitter_p: 0.8}", "augment.jitter_p (0.8) is the colour jitter's probability, but augment.brightness"),
+    ("views: [{count: 2, output_size: 32, jitter_p: 0.8}]", "augment.views[0].jitter_p (0.8) is the colour jitter's"),
+    ("{transform: 'tmod:make', hue: 0.1}", "augment.hue is not applied with augment.transform"),
+    ("{transform: 'tmod:make', brightness: 0.4, jitter_p: 0.8}", "augment.brightness is not applied with augment.transform"),
+    # YAML 1.1 reads 1e-1 (no dot) and quoted numbers as text
+    ("{hue: 1e-1}", "augment.hue must be a number, got '1e-1' (YAML reads an exponent without a dot as text: write 0.1)"),
+    ("views: [{count: 2, output_size: 32, hue: '0.1'}]",
+     "augment.views[0].hue must be a number, got '0.1' (YAML read it as text: write 0.1 unquoted)"),
+])
+def test_jitter_and_op_keys_in_the_wrong_place_are_one_line_errors_saying_where(tmp_path, augment, words):
+    from prefetchd.core import config as C
+
+    text = f"dataset: {{root: /d}}\naugment: {augment}\n" if augment.startswith("{") else \
+        f"dataset: {{root: /d}}\naugment:\n  {augment}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        C.load(str(tmp_path / "c.yaml"))
+    assert str(e.value) == words or str(e.value).startswith(words), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("augment, words", [
+    ("{hue: [-0.1, 0.1]}", "augment.hue must be one number x, for [-x, x]: [-0.1, 0.1] is torchvision's (min, max) "
+                           "form of hue: 0.1; write that"),
+    ("{brightness: [0.6, 1.4]}", "augment.brightness must be one number x, for [1-x, 1+x]: [0.6, 1.4] is "
+                                 "torchvision's (min, max) form of brightness: 0.4; write that"),
+    ("{hue: [0.0, 0.2]}", "augment.hue must be one number x, for [-x, x] (centred on 0); [0.0, 0.2] is off centre"),
+    ("views: [{count: 2, output_size: 32, saturation: [0.8, 1.2]}]",
+     "augment.views[0].saturation must be one number x, for [1-x, 1+x]: [0.8, 1.2] is torchvision's (min, max) form "
+     "of saturation: 0.2"),
+])
+def test_torchvisions_min_max_jitter_ranges_are_said_as_the_number_they_stand_for(tmp_path, augment, words):
+    """ColorJitter(hue=(-0.1, 0.1)) written as a list: said as hue: 0.1 (it said "must be a
+    number, got [-0.1, 0.1]"), or refused as off centre, never taken as another range."""
+    from prefetchd.core import config as C
+
+    text = f"dataset: {{root: /d}}\naugment: {augment}\n" if augment.startswith("{") else \
+        f"dataset: {{root: /d}}\naugment:\n  {augment}\n"
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        C.load(str(tmp_path / "c.yaml"))
+    assert str(e.value).startswith(words) and "\n" not in str(e.value), str(e.value)

@@ -12,7 +12,7 @@ import tarfile
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient
+from prefetchd_client import PrefetchClient, PrefetchError
 from test_daemon import collect, published, reference_batches
 from test_shards import _add, _samples, write_shards
 
@@ -227,7 +227,7 @@ def test_a_block_shuffle_reads_each_row_group_a_few_times_not_once_per_row():
         image_bytes = sum(len(index.read(i)) for i in range(len(index)))
         read = {}
         for shuffle in (True, "block"):
-            L = LoaderConfig(batch_size=16, shuffle=shuffle, shuffle_window=3)
+            L = LoaderConfig(batch_size=16, shuffle=shuffle, **({"shuffle_window": 3} if shuffle == "block" else {}))
             perm = for_loader(L, len(index), index.block_sizes()).permutation(0)
             parquet.keep_groups(3) if shuffle == "block" else parquet.keep_groups(0)
             parquet._groups.clear()
@@ -326,3 +326,93 @@ def test_check_warns_when_a_block_shuffle_meets_rows_grouped_by_label(tmp_path):
         assert r.returncode == 0, r.stdout + r.stderr
         said = "the files' rows are grouped by label" in r.stdout
         assert said == (name == "sorted"), r.stdout
+
+
+def test_check_does_not_call_rows_in_no_order_grouped_when_one_label_dominates(tmp_path):
+    """200 labels, 80% of the rows one of them, in no order: a window of ~80 rows holds ~16 labels,
+    what rows drawn at random from these labels hold; ``check`` compared that with ~64 (every
+    label equally common) and said the rows were grouped by label. The same rows sorted by
+    label are still said to be."""
+    import subprocess
+    import sys
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import hf_table
+
+    from prefetchd.tools.samples import jpeg_bytes, photo_like
+
+    rng = np.random.default_rng(20)
+    image = jpeg_bytes(photo_like(rng, 40, 32), rng)
+    labels = np.where(rng.random(2000) < 0.8, 0, rng.integers(1, 200, 2000))
+    names = [f"c{k}" for k in range(200)]
+    for name, order in (("mixed", labels), ("sorted", np.sort(labels))):
+        os.makedirs(tmp_path / name)
+        pq.write_table(hf_table([(image, int(x)) for x in order], names=names), tmp_path / name / "x.parquet",
+                       row_group_size=10)
+        cfg = _config(tmp_path, "c" + name, str(tmp_path / name), shuffle="block", batch_size=8)
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = "the files' rows are grouped by label" in r.stdout
+        assert said == (name == "sorted"), r.stdout
+
+
+def test_a_state_saved_under_another_shuffle_names_it_at_the_same_and_another_batch_size(tmp_path, daemon_factory):
+    """A checkpoint of ``loader.shuffle: true`` loaded after a switch to ``block`` (or to another
+    ``shuffle_window``): the refusal names the setting with both values, as a switch of true and
+    false does, not "dataset, loader or augment settings changed", at the job's own batch size
+    and at another (where the samples' fingerprint is compared)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(_rows(24, seed=17)), tmp_path / "hf" / "x.parquet", row_group_size=4)
+    root = str(tmp_path / "hf")
+    full = _config(tmp_path, "full", root, batch_size=4)
+    d = daemon_factory(full)
+    with PrefetchClient(full, timeout=60, as_numpy=True) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    assert d.stop() == 0
+    for name, loader_keys, said in (
+            ("block", {"batch_size": 4}, r"loader.shuffle changed: true in the job that saved it, block \(shuffle_window "
+                                         r"8\) in this config"),
+            ("resharded", {"batch_size": 3}, r"\(loader.shuffle changed: true in the job that saved it, block"),
+            ("window", {"batch_size": 4, "shuffle_window": 2}, None)):
+        cfg = _config(tmp_path, name, root, shuffle="block", **loader_keys)
+        d = daemon_factory(cfg)
+        with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+            assert loader.sampler.shuffle is True  # DistributedSampler's is a bool (it was "block")
+            if said is None:  # a state of the block shuffle at window 8, loaded at window 2
+                state = dict(state, shuffle="block:8", fingerprint=loader.state_dict()["fingerprint"][::-1])
+                said = r"loader.shuffle_window changed: 8 in the job that saved it, 2 in this config"
+            with pytest.raises(PrefetchError, match=said) as e:
+                loader.load_state_dict(state)
+            assert "settings changed" not in str(e.value), str(e.value)
+        assert d.stop() == 0
+
+
+def test_a_state_saved_before_a_parquet_file_was_added_says_the_dataset_changed(tmp_path, daemon_factory):
+    """A block-shuffled Parquet folder gains a file between runs: the checkpoint is refused (its
+    order is not this dataset's), and the refusal says the dataset changed, with both lengths,
+    not "dataset, loader or augment settings changed"."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    from test_parquet import _rows, hf_table
+
+    os.makedirs(tmp_path / "hf")
+    pq.write_table(hf_table(_rows(24, seed=18)), tmp_path / "hf" / "a.parquet", row_group_size=4)
+    cfg = _config(tmp_path, "c", str(tmp_path / "hf"), batch_size=4, shuffle="block", shuffle_window=2)
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    assert d.stop() == 0
+    pq.write_table(hf_table(_rows(8, seed=19)), tmp_path / "hf" / "b.parquet", row_group_size=4)
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+        with pytest.raises(PrefetchError, match="the dataset changed: 32 samples now, 24 when the state was saved: "
+                                                "files were added or removed") as e:
+            loader.load_state_dict(state)
+        assert "settings changed" not in str(e.value) and "as it was" not in str(e.value)
+        assert (loader.epoch, loader.batch) == (0, 0)
+    assert d.stop() == 0

@@ -376,8 +376,10 @@ def test_view_group_ops_are_checked_and_in_the_fingerprint_and_groups_without_ke
     with pytest.raises(ConfigError, match=r"^augment.views\[1\].ops.blur must be") as e:
         AugmentConfig(views=[{"count": 2, "output_size": 64}, {"output_size": 32, "ops": {"blur": 2}}])
     assert "\n" not in str(e.value)
-    with pytest.raises(ConfigError, match=r"^augment.views\[0\].ops.hue is not an op key"):
+    with pytest.raises(ConfigError, match=r"^augment.views\[0\].ops.hue is the colour jitter's, not an op"):
         AugmentConfig(views=[{"count": 2, "output_size": 64, "ops": {"hue": 0.1}}])
+    with pytest.raises(ConfigError, match=r"^augment.views\[0\].ops.sharpen is not an op key"):
+        AugmentConfig(views=[{"count": 2, "output_size": 64, "ops": {"sharpen": 0.1}}])
     base = [{"count": 2, "output_size": 64}]
     assert AugmentConfig(views=base).stream_dict()["views"] == [
         {"output_size": 64, "count": 2, "rrc_scale": [0.08, 1.0], "rrc_ratio": [0.75, 4 / 3], "flip": True,

@@ -40,6 +40,7 @@ from prefetchd.core.configsections import (  # noqa: F401 - re-exported: the pub
     WorkersConfig,
 )
 from prefetchd.core.configvalues import ConfigError, _unknown, format_size, parse_size  # noqa: F401
+from prefetchd.core.policyspec import misplaced_op
 
 EX_CONFIG = 78  # sysexits.h: configuration error; systemd's RestartPreventExitStatus uses it
 
@@ -140,7 +141,7 @@ def from_dict(data: Any, source: str | None = None) -> Config:
         known = [f.name for f in dataclasses.fields(cls)]
         for k in body:
             if k not in known:
-                raise _unknown(str(k), known, name)
+                raise (name == "augment" and misplaced_op(str(k), known, name)) or _unknown(str(k), known, name)
         try:
             sections[name] = cls(**body)
         except TypeError as e:  # pragma: no cover - all keys checked above

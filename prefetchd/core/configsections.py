@@ -14,7 +14,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefetchd.core.augment.viewspec import ViewGroup, as_dicts, erasing_meta, parse_views
+from prefetchd.core.augment.viewspec import (
+    ViewGroup,
+    as_dicts,
+    erasing_meta,
+    jitter_p_alone,
+    parse_views,
+)
 from prefetchd.core.configvalues import (
     ConfigError,
     _bool,
@@ -25,6 +31,7 @@ from prefetchd.core.configvalues import (
     _path,
     _str,
     _unknown,
+    jitter_strength,
     parse_size,
 )
 from prefetchd.core.policyspec import (
@@ -119,6 +126,10 @@ class LoaderConfig:
                 raise ConfigError("loader.shuffle", f"must be true, false or block (a permutation of Parquet row groups, "
                                   f"then of the rows within a window of loader.shuffle_window groups), got {self.shuffle!r}")
         _int(self.shuffle_window, "loader.shuffle_window", 1, 1 << 20)
+        if self.shuffle != "block" and self.shuffle_window != LoaderConfig.shuffle_window:  # it would do nothing
+            raise ConfigError("loader.shuffle_window", f"({self.shuffle_window}) is the window of loader.shuffle: "
+                              f"block, and loader.shuffle is {str(self.shuffle).lower()}: set shuffle: block (Parquet) "
+                              "or remove shuffle_window")
         _bool(self.drop_last, "loader.drop_last")
         _int(self.world_size, "loader.world_size", 1, 1 << 16)
         ranks = self.ranks
@@ -338,8 +349,8 @@ class AugmentConfig:
             raise ConfigError("augment.eval_resize", f"must be >= augment.output_size ({self.output_size}), got {self.eval_resize}")
         _bool(self.flip, "augment.flip")
         for k in ("brightness", "contrast", "saturation"):
-            object.__setattr__(self, k, _float(getattr(self, k), f"augment.{k}", 0.0, 1.0))
-        object.__setattr__(self, "hue", _float(self.hue, "augment.hue", 0.0, 0.5))
+            object.__setattr__(self, k, jitter_strength(getattr(self, k), f"augment.{k}", 1.0))
+        object.__setattr__(self, "hue", jitter_strength(self.hue, "augment.hue", 0.5))
         object.__setattr__(self, "jitter_p", _float(self.jitter_p, "augment.jitter_p", 0.0, 1.0))
         object.__setattr__(self, "lighting", _float(self.lighting, "augment.lighting", 0.0, 10.0))
         _choice(self.interpolation, "augment.interpolation", INTERPOLATIONS)
@@ -364,6 +375,15 @@ class AugmentConfig:
         if self.views and (self.hue or self.jitter_p < 1.0):
             raise ConfigError("augment.hue" if self.hue else "augment.jitter_p", "is set in each view group with "
                               "augment.views (augment.views[i].hue, augment.views[i].jitter_p); remove it here")
+        if not builtin:  # the transform makes the whole sample: the built-in jitter would be accepted and do nothing
+            for k, default in (("brightness", 0.0), ("contrast", 0.0), ("saturation", 0.0), ("hue", 0.0),
+                               ("jitter_p", 1.0), ("lighting", 0.0)):
+                if getattr(self, k) != default:
+                    raise ConfigError(f"augment.{k}", f"is not applied with augment.transform (the transform makes the "
+                                      f"whole sample), got {getattr(self, k):g}; put the jitter in the transform "
+                                      f"(torchvision's ColorJitter) and remove augment.{k}")
+        if self.jitter_p < 1.0 and not (self.brightness or self.contrast or self.saturation or self.hue):
+            raise ConfigError("augment.jitter_p", jitter_p_alone(self.jitter_p, "augment."))
         if self.views and self.lighting:
             raise ConfigError("augment.lighting", f"is not applied to augment.views (each view is a random-resized "
                               f"crop with its own flip and jitter), got {self.lighting}; set it to 0")

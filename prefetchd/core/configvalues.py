@@ -74,12 +74,42 @@ def _int(v: Any, key: str, lo: int | None = None, hi: int | None = None) -> int:
 
 def _float(v: Any, key: str, lo: float | None = None, hi: float | None = None) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(key, f"must be a number, got {v!r}")
+        raise ConfigError(key, f"must be a number, got {v!r}{_text_number(v)}")
     if lo is not None and v < lo:
         raise ConfigError(key, f"must be >= {lo}, got {v}")
     if hi is not None and v > hi:
         raise ConfigError(key, f"must be <= {hi}, got {v}")
     return float(v)
+
+
+def jitter_strength(v: Any, key: str, hi: float) -> float:
+    """A colour jitter strength (``brightness``, ``contrast``, ``saturation``: factors in
+    ``[1-x, 1+x]``; ``hue``: a shift in ``[-x, x]``) as one number; torchvision's ``(min, max)``
+    form is said as the number it stands for, or as a range not made here."""
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                           for x in v):
+        hue = key.endswith("hue")
+        centre, form = (0.0, "[-x, x]") if hue else (1.0, "[1-x, 1+x]")
+        x = (v[1] - v[0]) / 2
+        if x >= 0 and math.isclose((v[0] + v[1]) / 2, centre, abs_tol=1e-9):
+            raise ConfigError(key, f"must be one number x, for {form}: {list(v)} is torchvision's (min, max) form "
+                              f"of {key.rpartition('.')[2]}: {x:g}; write that")
+        raise ConfigError(key, f"must be one number x, for {form} (centred on {centre:g}); {list(v)} is off centre, "
+                          "which torchvision's (min, max) form allows and this does not")
+    return _float(v, key, 0.0, hi)
+
+
+def _text_number(v: Any) -> str:
+    """Why a number arrived as text: quoted, or YAML 1.1's exponent without a dot (1e-1 is text)."""
+    try:
+        x = float(v) if isinstance(v, str) else None
+    except ValueError:
+        return ""
+    if x is None or not math.isfinite(x):
+        return ""
+    if "e" in v.lower() and "." not in v:
+        return f" (YAML reads an exponent without a dot as text: write {x!r})"
+    return f" (YAML read it as text: write {x!r} unquoted)"
 
 
 def _bool(v: Any, key: str) -> bool:
@@ -127,7 +157,12 @@ PORTED_AUGMENT_KEYS = {
     "recount": "augment.random_erasing.count",
     "scale": "augment.rrc_scale (the crop's area fraction, [0.08, 1.0])",
     "ratio": "augment.rrc_ratio (the crop's aspect, [0.75, 1.333])",
-    "color_jitter": "augment.brightness, augment.contrast and augment.saturation (each x: factors in [1-x, 1+x])",
+    "color_jitter": "augment.brightness, augment.contrast and augment.saturation (each x: factors in [1-x, 1+x]; "
+                    "a 4th value is augment.hue)",
+    # create_transform's arguments (timm 1.x), beside train.py's flags
+    "color_jitter_prob": "augment.jitter_p", "grayscale_prob": "augment.ops.grayscale",
+    "gaussian_blur_prob": "augment.ops.blur", "re_prob": "augment.random_erasing.p",
+    "re_mode": "augment.random_erasing.mode", "re_count": "augment.random_erasing.count",
     "hflip": "augment.flip (true: a horizontal flip with probability 0.5)", "vflip": "augment.ops.vflip",
     "train_interpolation": "augment.interpolation",
 }

@@ -223,6 +223,13 @@ def _floats(v: Any, n: int, key: str, lo: float, hi: float) -> tuple[float, ...]
     return tuple(float(x) for x in v)
 
 
+# timm's RandomErasing arguments, as this section spells them
+_TIMM_ERASING = {"probability": "p", "min_area": "scale: [min_area, max_area]", "max_area": "scale: [min_area, max_area]",
+                 "min_aspect": "ratio: [min_aspect, max_aspect]", "max_aspect": "ratio: [min_aspect, max_aspect]",
+                 "min_count": "count: [min_count, max_count]", "max_count": "count: [min_count, max_count]",
+                 "device": "erase_on (client: the trainer's client erases its batch, on its device)"}
+
+
 def erasing_config(v: Any, key: str = "augment.random_erasing") -> ErasingConfig:
     """``augment.random_erasing`` (or a view group's: ``key``) checked: a mapping of
     ErasingConfig's keys (or null: off)."""
@@ -234,6 +241,9 @@ def erasing_config(v: Any, key: str = "augment.random_erasing") -> ErasingConfig
         raise ConfigError(key, f"must be a mapping such as {{p: 0.25, mode: pixel}}, got {v!r}")
     known = [f for f in ErasingConfig.__dataclass_fields__]
     for k in v:
+        if k in _TIMM_ERASING:
+            raise ConfigError(f"{key}.{k}", f"is not a random_erasing key; timm's RandomErasing({k}=) is "
+                              f"{key}.{_TIMM_ERASING[k]} here")
         if k not in known:
             raise ConfigError(f"{key}.{k}", f"is not a random_erasing key; known: {', '.join(known)}")
     d = dict(v)
@@ -291,6 +301,21 @@ class OpsConfig:
     posterize_bits: int = 4
 
 
+def misplaced_op(key: str, known: list[str], where: str) -> ConfigError | None:
+    """An unknown key of ``where`` (``augment`` or a view group, whose keys are ``known``) that is
+    an op, or closest to one: said as ``where.ops``' key; None otherwise."""
+    ops = list(OpsConfig.__dataclass_fields__)
+    if key in ops:  # grayscale beside brightness: an op, one level down
+        return ConfigError(f"{where}.{key}", f"is an op: write it under {where}.ops ({where}.ops: {{{key}: ...}})")
+    hint = difflib.get_close_matches(key, known + ops, n=1, cutoff=0.5)
+    if hint and hint[0] in ops and hint[0] not in known:  # grayscal: the op, not rrc_scale
+        return ConfigError(f"{where}.{key}", f"is not a known key (did you mean the op {where}.ops.{hint[0]}?)")
+    return None
+
+
+_JITTER_KEYS = ("brightness", "contrast", "saturation", "hue", "jitter_p")
+
+
 def ops_config(v: Any, key: str = "augment.ops") -> OpsConfig:
     """``augment.ops`` (or a view group's ``ops``: ``key``) checked: a mapping of OpsConfig's
     keys (or null: none)."""
@@ -302,6 +327,9 @@ def ops_config(v: Any, key: str = "augment.ops") -> OpsConfig:
         raise ConfigError(key, f"must be a mapping such as {{vflip: 0.5, grayscale: 0.2}}, got {v!r}")
     known = list(OpsConfig.__dataclass_fields__)
     for k in v:
+        if k in _JITTER_KEYS:  # the colour jitter's keys sit beside ops, not in it
+            parent = key.rpartition(".")[0]
+            raise ConfigError(f"{key}.{k}", f"is the colour jitter's, not an op: write it beside ops, as {parent}.{k}")
         if k not in known:
             raise ConfigError(f"{key}.{k}", f"is not an op key; known: {', '.join(known)}")
     d = dict(v)

@@ -14,8 +14,10 @@ Block shuffle (``shuffle="block"``, with ``blocks``: the index's blocks, contigu
 samples that are cheap to read together, such as a Parquet row group). The blocks are permuted,
 then taken ``window`` at a time, and the samples of each window are permuted among themselves:
 still a permutation of the epoch, a pure function of ``(seed, epoch)`` and the blocks, in which
-consecutive positions come from at most ``window`` (+1 at a window's edge) blocks, so a batch
-reads a few row groups rather than one per sample. Every sample keeps the same chance of every
+consecutive positions come from the ``window`` blocks of one window (of two at a window's edge:
+the end of one and the start of the next, each drawn from all its blocks), so a batch reads a few
+row groups rather than one per sample. A window of at least the block count is one window: every
+sample permuted together, as ``shuffle=True`` does (with its own draws). Every sample keeps the same chance of every
 place within its window; what is lost is mixing across windows in one epoch (each epoch draws
 new windows).
 
@@ -234,7 +236,9 @@ def _block_permutation(blocks: Blocks, seed: int, epoch: int) -> np.ndarray:
     bounds = np.concatenate(([0], np.cumsum(lens)[blocks.window - 1::blocks.window]))
     if bounds[-1] != blocks.total:
         bounds = np.append(bounds, blocks.total)
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+    # a window of one sample draws nothing (numpy's shuffle of one element): skipped, the same
+    # permutation without a Python call per window (1.28 M single-row groups at window 1: 2.9 s)
+    for lo, hi in zip(bounds[:-1][np.diff(bounds) > 1], bounds[1:][np.diff(bounds) > 1], strict=True):
         rng.shuffle(perm[lo:hi])
     return perm
 

@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from prefetchd.core.words import plural
 from prefetchd.sources.base import (
     DatasetError,
     Index,
@@ -69,8 +70,9 @@ _BYTES_KEPT = 512 << 20  # and at most this many bytes of them (pyarrow's own wr
 
 
 def keep_groups(window: int) -> None:
-    """Keep a block shuffle's window of row groups and two more (a batch's rows come from at most
-    a window and the next one's first group) in this process; never fewer than the default."""
+    """Keep a block shuffle's window of row groups and two more in this process; never fewer than
+    the default. A batch at a window's edge reads rows of two windows, but in position order (the
+    end of one window's, then the next one's), so a least-recently-used window's worth reads each once."""
     global _GROUPS_KEPT
     _GROUPS_KEPT = max(4, int(window) + 2)
 _ARRAYS = ("blob", "offsets", "labels", "file_ids", "group", "row")
@@ -334,7 +336,7 @@ class ParquetIndex(Index):
         groups = len(self.block_sizes())
         per = len(self) // max(groups, 1)
         return (f"{os.path.basename(self.root.rstrip('/')) or self.root}, {len(self.files)} Parquet file(s) "
-                f"(indexed in {self.scan_s:.1f} s); {groups} row groups of ~{per} rows: a sample's read is its row "
+                f"(indexed in {self.scan_s:.1f} s); {plural(groups, 'row group')} of ~{per} rows: a sample's read is its row "
                 f"group's image column, so a full shuffle (loader.shuffle: true) reads ~{per} x the image bytes; "
                 f"loader.shuffle: block reads each row group about once a window per worker")
 

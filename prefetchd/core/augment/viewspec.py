@@ -29,11 +29,20 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from prefetchd.core.configvalues import ConfigError, _bool, _float, _int, _pair, _unknown
+from prefetchd.core.configvalues import (
+    ConfigError,
+    _bool,
+    _float,
+    _int,
+    _pair,
+    _unknown,
+    jitter_strength,
+)
 from prefetchd.core.policyspec import (
     ErasingConfig,
     OpsConfig,
     erasing_config,
+    misplaced_op,
     ops_config,
     policy_spec,
 )
@@ -82,7 +91,7 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             raise ConfigError(where, f"must be a mapping such as {{count: 2, output_size: 224}}, got {g!r}")
         for k in g:
             if k not in _KEYS:
-                raise _unknown(str(k), _KEYS, where)
+                raise misplaced_op(str(k), _KEYS, where) or _unknown(str(k), _KEYS, where)
         if "output_size" not in g:
             raise ConfigError(f"{where}.output_size", "is required (each view group's crop size, such as 224)")
         policy_spec(g.get("policy", "none"), g.get("policy_args"), where)  # checked here: errors name the group
@@ -92,14 +101,17 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
             rrc_scale=_pair(g.get("rrc_scale", (0.08, 1.0)), f"{where}.rrc_scale", 1e-6, 1.0),
             rrc_ratio=_pair(g.get("rrc_ratio", (3 / 4, 4 / 3)), f"{where}.rrc_ratio", 1e-3, 1e3),
             flip=_bool(g.get("flip", True), f"{where}.flip"),
-            **{k: _float(g.get(k, 0.0), f"{where}.{k}", 0.0, 1.0) for k in ("brightness", "contrast", "saturation")},
-            hue=_float(g.get("hue", 0.0), f"{where}.hue", 0.0, 0.5),
+            **{k: jitter_strength(g.get(k, 0.0), f"{where}.{k}", 1.0) for k in ("brightness", "contrast", "saturation")},
+            hue=jitter_strength(g.get("hue", 0.0), f"{where}.hue", 0.5),
             jitter_p=_float(g.get("jitter_p", 1.0), f"{where}.jitter_p", 0.0, 1.0),
             ops=ops_config(g.get("ops"), f"{where}.ops"),
             policy=g.get("policy", "none"),
             policy_args=dict(g.get("policy_args") or {}),
             random_erasing=erasing_config(g.get("random_erasing"), f"{where}.random_erasing"),
         ))
+        g = groups[-1]
+        if g.jitter_p < 1.0 and not (g.brightness or g.contrast or g.saturation or g.hue):
+            raise ConfigError(f"{where}.jitter_p", jitter_p_alone(g.jitter_p, f"{where}."))
     total = sum(g.count for g in groups)
     if total < 2:
         raise ConfigError("augment.views", f"makes {total} view: list two or more (count: 2 for SimCLR's pair), or "
@@ -107,6 +119,12 @@ def parse_views(raw: Any) -> tuple[ViewGroup, ...]:
     if total > MAX_VIEWS:
         raise ConfigError("augment.views", f"makes {total} views; a batch holds at most {MAX_VIEWS}")
     return tuple(groups)
+
+
+def jitter_p_alone(p: float, where: str) -> str:
+    """Why a ``jitter_p`` without a jitter strength is refused: it would be accepted and do nothing."""
+    return (f"({p:g}) is the colour jitter's probability, but {where}brightness, contrast, saturation and hue are "
+            f"all 0: no jitter to apply; set them (DINO's: 0.4, 0.4, 0.2, 0.1) or remove jitter_p")
 
 
 def expand(groups: tuple[ViewGroup, ...]) -> tuple[ViewGroup, ...]:
