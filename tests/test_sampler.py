@@ -278,9 +278,9 @@ def test_a_block_shuffle_of_single_row_groups_is_made_in_well_under_a_second():
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             want.shuffle(perm[lo:hi])
         assert np.array_equal(_block_permutation(b, 3, 1), perm)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU (0.3 s; 2.9 s when every one-row window drew), not the machine's load
     perm = _block_permutation(Blocks(np.ones(1_281_167, np.int64), 1), 0, 0)
-    assert time.perf_counter() - t0 < 1.5 and len(perm) == 1_281_167
+    assert time.process_time() - t0 < 1.5 and len(perm) == 1_281_167
 
 
 def test_a_block_shuffled_epoch_resumed_at_random_world_and_batch_sizes_reads_every_row():
