@@ -239,3 +239,23 @@ def test_a_stop_mid_scan_leaves_no_scan_process_behind(sig):
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+def test_the_benchmark_writes_its_shards_as_tarfile_writes_them(tmp_path):
+    """``tarscale --wds-scale`` (BENCHMARKS.md's shards) writes headers itself, to leave holes for
+    JPEG-sized members: with 3-byte members, the bytes ``tarfile`` writes."""
+    from prefetchd.tools.bench.tarscale import write_wds
+
+    os.makedirs(tmp_path / "ours")
+    write_wds(str(tmp_path / "ours"), 7, 2)
+    for s, keys in enumerate((range(0, 4), range(4, 7))):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as t:
+            for k in keys:
+                _add(t, f"n{k:08d}.jpg", b"\xff\xd8\xff")
+                _add(t, f"n{k:08d}.cls", str(k).encode())
+        assert (tmp_path / "ours" / f"train-{s:06d}.tar").read_bytes() == buf.getvalue()
+    write_wds(str(tmp_path / "ours"), 3, 1, jpeg_bytes=110_000)
+    with tarfile.open(tmp_path / "ours" / "train-000000.tar") as t:
+        assert [(m.name, m.size) for m in t.getmembers()][:3] == [("n00000000.jpg", 110_000), ("n00000000.cls", 1),
+                                                                 ("n00000001.jpg", 110_000)]
