@@ -32,7 +32,7 @@ come many a read; a 110 KB JPEG costs one small read for its header). Classes ar
 
 **Processes**: the first shard is scanned here; if the rest would take over ``_POOL_FROM_S``
 CPU seconds by its measure, they are scanned by ``scanpool`` (a process a usable core, at most
-``os.cpu_count()``), and merged in shard order: the index, the skipped list and the first error
+``os.cpu_count()`` and 16), and merged in shard order: the index, the skipped list and the first error
 are those of one process scanning them in order.
 """
 
@@ -47,6 +47,8 @@ import time
 from dataclasses import replace
 
 from prefetchd.core.bars import bar
+from prefetchd.core.hostread import read_host
+from prefetchd.core.limits import cpu_bound
 from prefetchd.sources import scanpool
 from prefetchd.sources.archive import (
     Arrays,
@@ -105,10 +107,9 @@ def _label(fd: int, sample: dict[bytes, tuple[int, int]], bodies: dict, how: str
     if ext is None:
         return f"no .{' or .'.join(e.decode() for e in names)} member for its label"
     pos, size = sample[ext]
-    ext = ext.decode()
     if size > _LABEL_MEMBER_MAX:
-        return f"its .{ext} member is {size} bytes: not a label"
-    text = bodies.get(ext.encode())
+        return f"its .{ext.decode()} member is {size} bytes: not a label"
+    text = bodies.get(ext)
     if text is None:
         text = os.pread(fd, size, pos)
     try:
@@ -119,11 +120,11 @@ def _label(fd: int, sample: dict[bytes, tuple[int, int]], bodies: dict, how: str
             for part in (jkey or "").split("."):
                 value = value[part]
     except (ValueError, KeyError, TypeError, IndexError):
-        what = f"its .{ext} member {text[:40]!r} is not an integer" if how == "cls" else (
+        what = f"its .{ext.decode()} member {text[:40]!r} is not an integer" if how == "cls" else (
             f"its .json member has no {jkey!r} (or is not JSON)")
         return what
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-        return f"its label {value!r} (.{ext}) is not an integer in [0, 2**31)"
+        return f"its label {value!r} (.{ext.decode()}) is not an integer in [0, 2**31)"
     return value
 
 
@@ -142,6 +143,7 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
     images_of = frozenset(e[1:] for e in exts if e.startswith(b"."))  # b"jpg" is an image if b".jpg" is in exts
     wanted = _LABEL_EXTS[how]
     out, bad, dropped = Arrays(), None, []
+    blob, ends, labels, blocks, sizes = out.blob, out.ends, out.labels, out.block, out.size  # Arrays.add's, inline
 
     def sample_done(key: bytes, sample: dict, bodies: dict, problems: list) -> None:
         nonlocal bad
@@ -165,6 +167,13 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
             dropped.append((key, "; ".join(problems)))
         elif bad is None:
             pos, n = sample[images[0]]
+            if n < 1 << 32 and pos < BLOCK << 32:
+                blob.extend(prefix + key + b"." + images[0])
+                ends.append(len(blob))
+                labels.append(label)
+                blocks.append(pos // BLOCK)
+                sizes.append(n)
+                return
             try:
                 out.add(prefix + key + b"." + images[0], label, pos, n)
             except DatasetError as e:  # raised by the caller once the shard is read, as when it added them
@@ -213,14 +222,17 @@ def scan_path(path: str, rel: str, exts: tuple[bytes, ...], how: str, jkey: str 
 
 
 _POOL_FROM_S = 1.0  # CPU seconds the rest of the shards would take here (by the first's) that a pool pays for
-_MAX_PROCS = 32
+_MAX_PROCS = 16  # ~40 MB each; past this, starting them costs about what another one saves
 
 
-def _procs(first_s: float, rest: int) -> int:
-    """Processes for the rest of a scan whose first shard took ``first_s`` CPU seconds: one (this one)
-    for a short scan, else one a usable core (``os.cpu_count()`` at most, fewer under an affinity)."""
-    usable = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1, os.cpu_count() or 1)
-    return 1 if first_s * rest < _POOL_FROM_S else max(1, min(usable, rest, _MAX_PROCS))
+def _procs(first_s: float, rest: int) -> tuple[int, str]:
+    """Processes for the rest of a scan whose first shard took ``first_s`` CPU seconds, and why: one
+    (this one) for a short scan, else one a usable core (``os.cpu_count()`` at most; fewer under an
+    affinity mask, a cpuset or a CPU quota: ``core.limits.cpu_bound``)."""
+    if first_s * rest < _POOL_FROM_S:
+        return 1, "a short scan"
+    bound = cpu_bound(read_host())
+    return max(1, min(bound.value, os.cpu_count() or 1, rest, _MAX_PROCS)), bound.what
 
 
 def _scanned(jobs: list[tuple], procs: int | None):
@@ -228,12 +240,12 @@ def _scanned(jobs: list[tuple], procs: int | None):
     t = time.thread_time()
     yield scan_path(*jobs[0])
     rest = jobs[1:]
-    n = _procs(time.thread_time() - t, len(rest)) if procs is None else min(procs, len(rest))
+    n, why = _procs(time.thread_time() - t, len(rest)) if procs is None else (min(procs, len(rest)), "as asked")
     if n <= 1:
         for job in rest:
             yield scan_path(*job)
         return
-    log.info("indexing %d more shards in %d processes", len(rest), n)
+    log.info("indexing %d more shards in %d processes (%s)", len(rest), n, why)
     with contextlib.closing(scanpool.ordered(scan_path, rest, n, lambda i: rest[i][0])) as results:
         yield from results
 

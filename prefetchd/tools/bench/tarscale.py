@@ -166,8 +166,9 @@ h = hashlib.sha256(json.dumps([index.root, list(index.classes), index.fingerprin
                                [list(x) for x in index.identity], list(index.skipped)]).encode())
 for a in (index.blob, index.offsets, index.labels, index.archive_ids, index.block, index.size):
     h.update(b"-" if a is None else a.tobytes())
-import prefetchd, os
-print(json.dumps({"tree": os.path.dirname(os.path.dirname(prefetchd.__file__)), "samples": len(index), "scan_s": wall, "cpu_s": mine + theirs, "children_cpu_s": theirs,
+import os
+tree = os.path.dirname(os.path.dirname(os.path.dirname(webdataset.__file__)))  # above prefetchd/sources/
+print(json.dumps({"tree": tree, "samples": len(index), "scan_s": wall, "cpu_s": mine + theirs, "children_cpu_s": theirs,
                   "index_mib": index.nbytes / 2**20, "digest": h.hexdigest()[:16],
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
