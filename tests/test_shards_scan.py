@@ -259,3 +259,18 @@ def test_the_benchmark_writes_its_shards_as_tarfile_writes_them(tmp_path):
     with tarfile.open(tmp_path / "ours" / "train-000000.tar") as t:
         assert [(m.name, m.size) for m in t.getmembers()][:3] == [("n00000000.jpg", 110_000), ("n00000000.cls", 1),
                                                                  ("n00000001.jpg", 110_000)]
+
+
+def test_scan_processes_are_bounded_by_the_cpu_quota_not_the_cpus_shown(tmp_path, monkeypatch):
+    """A container shown every CPU of the node under a quota of 1.5 cores scans in 1 process; a
+    scan the first shard says is short stays in this one whatever the cores."""
+    from test_limits import _fake
+
+    proc = _fake(tmp_path, "0::/pod/ctr\n", [("/", "/cg", "cgroup2", "rw")], {"/cg/pod/cpu.max": "150000 100000\n",
+                                                                      "/cg/pod/ctr/cpu.max": "max 100000\n"})
+    monkeypatch.setenv("PREFETCHD_PROC", proc)
+    assert webdataset._procs(10.0, 1000) == (1, "the CPU quota of 1.5 cores")
+    assert webdataset._procs(0.0001, 1000) == (1, "a short scan")
+    monkeypatch.delenv("PREFETCHD_PROC")
+    n, why = webdataset._procs(10.0, 1000)
+    assert 1 <= n <= min(len(os.sched_getaffinity(0)), webdataset._MAX_PROCS) and why
