@@ -274,3 +274,15 @@ def test_scan_processes_are_bounded_by_the_cpu_quota_not_the_cpus_shown(tmp_path
     monkeypatch.delenv("PREFETCHD_PROC")
     n, why = webdataset._procs(10.0, 1000)
     assert 1 <= n <= min(len(os.sched_getaffinity(0)), webdataset._MAX_PROCS) and why
+
+
+@pytest.mark.parametrize("python", ["/bin/false", "/nonexistent/python3"])
+def test_scan_processes_that_cannot_start_leave_the_scan_to_this_process(tmp_path, monkeypatch, caplog, python):
+    """An interpreter that exits at once, or none to run (a frozen app; a pids limit fails the
+    same fork): the shards are indexed here, the same index, and the log says why."""
+    _tiny_shards(tmp_path / "wds", 6)
+    want = _outcome(webdataset.scan, str(tmp_path / "wds"), "cls", procs=1)
+    monkeypatch.setattr(sys, "executable", python)
+    assert _outcome(webdataset.scan, str(tmp_path / "wds"), "cls", procs=3) == want
+    assert f"cannot index shards in other processes ({python} " in caplog.text
+    assert "indexing the other 5 here" in caplog.text

@@ -19,12 +19,15 @@ generator closed early): done, each reads the end of its input and is waited for
 terminated, then killed if it does not go within ``_JOIN_TIMEOUT_S``. An interpreter that exits
 mid-scan (the daemon stopped during its scan, which runs on a thread it does not wait for) kills
 those still running as it exits (``atexit``): none is left behind. A process that dies mid-item is
-a ``DatasetError`` naming the item and how it died.
+a ``DatasetError`` naming the item and how it died. Processes that cannot be started at all (no
+fork: a pids limit; an interpreter that cannot be run or import ``prefetchd``: each says it is
+ready before its first item) are ``Unavailable``: the caller does the work itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import signal
 import subprocess
@@ -40,6 +43,11 @@ _WAIT_S = 1.0  # each wait for a result; the loop then looks again
 _live: set[_Proc] = set()  # started, not yet waited for: what an exit mid-scan kills
 _CHILD = "import sys; sys.path.insert(0, sys.argv[1]); from prefetchd.sources.scanpool import serve; serve()"
 _PR_SET_PDEATHSIG = 1
+_READY = "ready"
+
+
+class Unavailable(Exception):
+    """No process could be started for the work, or one could not run it (said why)."""
 
 
 def serve() -> None:
@@ -56,6 +64,8 @@ def serve() -> None:
     out = Connection(os.dup(1), readable=False)
     os.dup2(2, 1)  # a print on the way goes to stderr, not into the results
     inp = Connection(0, writable=False)
+    importlib.import_module(sys.argv[3])  # the work's module: it imports here, or the caller does the work
+    out.send(_READY)
     while True:
         try:
             fn, item = inp.recv()
@@ -82,22 +92,28 @@ def _how(code: int | None) -> str:
 
 
 class _Proc:
-    def __init__(self):
+    def __init__(self, module: str):
         top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above prefetchd/
-        self.p = subprocess.Popen([sys.executable, "-c", _CHILD, top, str(os.getpid())], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, close_fds=True)
+        try:
+            self.p = subprocess.Popen([sys.executable, "-c", _CHILD, top, str(os.getpid()), module],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+        except OSError as e:  # no fork (EAGAIN: a pids limit), no interpreter
+            raise Unavailable(f"{sys.executable} cannot be started: {e.strerror or e}") from None
         self.send = Connection(os.dup(self.p.stdin.fileno()), readable=False)
         self.recv = Connection(os.dup(self.p.stdout.fileno()), writable=False)
         self.p.stdin.close()
         self.p.stdout.close()
         self.item: int | None = None  # in flight
+        self.ready = False  # it said so: started, the work's module imported
         _live.add(self)
 
-    def died(self, name: str) -> DatasetError:
+    def died(self, name: str) -> Exception:
         try:
             self.p.wait(_JOIN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             pass
+        if not self.ready:
+            return Unavailable(f"{sys.executable} {_how(self.p.returncode)} before it was ready")
         return DatasetError(f"the process indexing {name} {_how(self.p.returncode)}; index again (dataset.root)")
 
 
@@ -112,11 +128,14 @@ def ordered(fn: Callable, items: Sequence[tuple], procs: int, name_of: Callable[
     def hand(w: _Proc) -> None:
         w.item = next(todo, None)
         if w.item is not None:
-            w.send.send((fn, items[w.item]))
+            try:
+                w.send.send((fn, items[w.item]))
+            except BrokenPipeError:
+                raise w.died(name_of(w.item)) from None
 
     try:
         for _ in range(max(1, min(procs, len(items)))):
-            workers.append(_Proc())
+            workers.append(_Proc(fn.__module__))
             hand(workers[-1])
         done: dict = {}
         first = 0
@@ -132,9 +151,13 @@ def ordered(fn: Callable, items: Sequence[tuple], procs: int, name_of: Callable[
             for conn in mp_wait([w.recv for w in busy], _WAIT_S):
                 w = next(w for w in busy if w.recv is conn)
                 try:
-                    done[w.item] = w.recv.recv()
+                    msg = w.recv.recv()
                 except EOFError:
                     raise w.died(name_of(w.item)) from None
+                if not w.ready:  # its first word: ready (its first item is already on its way)
+                    w.ready = msg == _READY
+                    continue
+                done[w.item] = msg
                 hand(w)
         clean = True
     finally:

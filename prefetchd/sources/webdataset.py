@@ -246,8 +246,16 @@ def _scanned(jobs: list[tuple], procs: int | None):
             yield scan_path(*job)
         return
     log.info("indexing %d more shards in %d processes (%s)", len(rest), n, why)
-    with contextlib.closing(scanpool.ordered(scan_path, rest, n, lambda i: rest[i][0])) as results:
-        yield from results
+    done = 0
+    try:
+        with contextlib.closing(scanpool.ordered(scan_path, rest, n, lambda i: rest[i][0])) as results:
+            for found in results:
+                yield found
+                done += 1
+    except scanpool.Unavailable as e:  # the same index, in this process
+        log.warning("cannot index shards in other processes (%s): indexing the other %d here", e, len(rest) - done)
+        for job in rest[done:]:
+            yield scan_path(*job)
 
 
 def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
