@@ -22,7 +22,8 @@ file: 1.28 M such samples take ~6 GB of disk, not 140); ``--keep`` keeps the sha
 ``--index-shards DIR``, which indexes them again in a fresh process a run, ``--repeat`` times,
 alternating the trees ``--tree`` names (a prefetchd checkout each, put on the child's
 ``PYTHONPATH``; this one if none): wall and CPU seconds (the scan processes' too), peak RSS, and
-a digest of the whole index (equal digests: the same index, byte for byte).
+a digest of the whole index (equal digests: the same index, byte for byte); ``--cold`` drops the
+shards' cached pages before each run (read from the disk).
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-shards", metavar="DIR", help="index these shards again (--tree, --repeat)")
     ap.add_argument("--tree", action="append", default=[], help="--index-shards: a prefetchd checkout (repeatable)")
     ap.add_argument("--repeat", type=int, default=1, help="--index-shards: runs of each tree, alternated")
+    ap.add_argument("--cold", action="store_true", help="--index-shards: drop the shards' cached pages before each run")
     ap.add_argument("--shards", type=int, default=1024)
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
@@ -259,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.index_shards:
         for k in range(args.repeat):
             for tree in args.tree or [None]:
+                if args.cold:
+                    for e in os.scandir(args.index_shards):
+                        if e.name.endswith(".tar"):
+                            _drop_cached_pages(e.path)
                 print(f"[{k + 1}/{args.repeat}] {tree or 'this tree'}: {_said(index_once(args.index_shards, tree))}",
                       flush=True)
         return 0
