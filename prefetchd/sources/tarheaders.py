@@ -128,7 +128,7 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
         if kind in _EXTENSIONS:
             j = data - at
             body = win[j:j + size] if j + size <= len(win) else os.pread(fd, size, data) if size <= _MAX_EXTENSION else b""
-            _extension(body, kind, name, size, ext, skipped, f"{where}: the {_EXTENSIONS[kind]} at offset {header_at - start}")
+            _extension(body, kind, name, size, ext, skipped, where, header_at - start)
             continue
         if ext:
             why = ext.get("why")
@@ -158,10 +158,11 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
                        "download: download it again)")
 
 
-def _extension(body: bytes, kind: bytes, name: bytes, size: int, ext: dict, skipped: list, what: str) -> None:
+def _extension(body: bytes, kind: bytes, name: bytes, size: int, ext: dict, skipped: list, where: str, at: int) -> None:
     """Read the extension header of type ``kind`` (its data ``body``, of ``size`` bytes) into
     ``ext``, what it says of the next member; a PAX global header goes to ``skipped``, or is an
-    error if it sets a path or size for every member after it (``what`` names it)."""
+    error if it sets a path or size for every member after it (naming it: at offset ``at`` of
+    ``where``). Every member of webdataset's ``TarWriter`` has one (its ``mtime``): it is fast."""
     if size > _MAX_EXTENSION:
         ext["why"] = f"described by a {_EXTENSIONS[kind]} of {size} bytes (too large to be metadata)"
         return
@@ -177,15 +178,17 @@ def _extension(body: bytes, kind: bytes, name: bytes, size: int, ext: dict, skip
             raise ValueError(new_size)
     except ValueError:
         if kind == b"g":
-            raise DatasetError(f"{what} is malformed; the archive is corrupt") from None
+            raise DatasetError(f"{where}: the {_EXTENSIONS[kind]} at offset {at} is malformed; the archive is "
+                               "corrupt") from None
         ext["why"] = f"described by a malformed {_EXTENSIONS[kind]}"
         return
-    sparse = any(k.startswith(b"GNU.sparse.") for k in records)
+    sparse = b"GNU.sparse." in body and any(k.startswith(b"GNU.sparse.") for k in records)
     if kind == b"g":
         sets = [k.decode("latin-1") for k in records if k in (b"path", b"size") or k.startswith(b"GNU.sparse.")]
         if sets:
-            raise DatasetError(f"{what} sets {', '.join(sets)} for every member after it: such archives are not "
-                               "supported (create it again without a global header)")
+            raise DatasetError(f"{where}: the {_EXTENSIONS[kind]} at offset {at} sets {', '.join(sets)} for every "
+                               "member after it: such archives are not supported (create it again without a global "
+                               "header)")
         skipped.append((name, "a PAX global header (its settings are not applied)"))
         return
     if sparse:
