@@ -20,8 +20,8 @@ _EXTENSIONS = {b"L": "GNU long-name header", b"K": "GNU long-link header", b"x":
                b"g": "PAX global header"}  # headers whose data describes the next member(s), not a file
 _MAX_EXTENSION = 1 << 20  # an extension header's data beyond this is not metadata
 _WINDOW_MIN, _WINDOW_MAX = 4096, 256 << 10  # bytes a read of headers takes (``walk``)
-_NOT_A_PATH = (b"", b".", b"..")
-_SIZES: dict[bytes, int] = {}  # a size field's bytes -> its value (``_header``)  # names without a slash that are not a member's relative path
+_NOT_A_PATH = (b"", b".", b"..")  # names without a slash that are not a member's relative path
+_SIZES: dict[bytes, int] = {}  # a size field's bytes -> its value (``_header``)
 _OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character device", b"4": "a block device",
           b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
 
