@@ -108,6 +108,12 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
             return
         name, kind, size = _header(hdr, where, off - start, last, top)  # offsets in messages: within `where`
         data = off + BLOCK
+        if kind == b"0" and not ext and b"/" not in name and name not in _NOT_A_PATH:  # a plain file: below, short
+            if size > end - data:
+                raise _truncated(where, name, size, data - start, end - data)
+            off, last = data + -(-size // BLOCK) * BLOCK, name
+            yield name, data, size, win, at
+            continue
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
                 ext_block = os.pread(fd, BLOCK, data)
@@ -122,8 +128,7 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
             raise DatasetError(f"{where}: the directory member {show(name)} at offset {off - start} claims {size} "
                                "bytes of data; the archive is corrupt")
         if size > end - data:
-            raise DatasetError(f"{where}: member {show(name)} needs {size} bytes at offset {data - start} but its archive "
-                               f"ends {max(end - data, 0)} bytes later; the archive is truncated (download it again)")
+            raise _truncated(where, name, size, data - start, end - data)
         header_at, off, last = off, data + -(-size // BLOCK) * BLOCK, name
         if kind in _EXTENSIONS:
             j = data - at
@@ -158,6 +163,11 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
                        "download: download it again)")
 
 
+def _truncated(where: str, name: bytes, size: int, at: int, left: int) -> DatasetError:
+    return DatasetError(f"{where}: member {show(name)} needs {size} bytes at offset {at} but its archive ends "
+                        f"{max(left, 0)} bytes later; the archive is truncated (download it again)")
+
+
 def _extension(body: bytes, kind: bytes, name: bytes, size: int, ext: dict, skipped: list, where: str, at: int) -> None:
     """Read the extension header of type ``kind`` (its data ``body``, of ``size`` bytes) into
     ``ext``, what it says of the next member; a PAX global header goes to ``skipped``, or is an
@@ -166,6 +176,10 @@ def _extension(body: bytes, kind: bytes, name: bytes, size: int, ext: dict, skip
     if size > _MAX_EXTENSION:
         ext["why"] = f"described by a {_EXTENSIONS[kind]} of {size} bytes (too large to be metadata)"
         return
+    if kind == b"x" and body[-1:] == b"\n":  # TarWriter's: one mtime record, which changes nothing here
+        sp = body.find(b" ", 0, 12)  # as _pax_records reads it: "<length> mtime=<value>\n", the length all of it
+        if sp > 0 and body[sp + 1:sp + 7] == b"mtime=" and body[:sp].isdigit() and int(body[:sp]) == len(body):
+            return
     if kind == b"L":
         ext["name"] = body.split(b"\0", 1)[0]
         return
