@@ -223,6 +223,19 @@ def _scan_children(pid: int) -> list[int]:
     return out
 
 
+def _in_their_item(pid: int) -> int:
+    """Scan processes of session ``pid`` inside their item (``time.sleep``): started, past the check
+    that their caller is alive, and past setting the signal they die with it by."""
+    n = 0
+    for child in _scan_children(pid):
+        try:
+            with open(f"/proc/{child}/wchan") as f:
+                n += "nanosleep" in f.read()
+        except OSError:
+            pass
+    return n
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_stop_mid_scan_leaves_no_scan_process_behind(sig):
     """Ctrl-C (a KeyboardInterrupt in the caller), a SIGTERM the caller exits on, and the caller
@@ -234,7 +247,7 @@ def test_a_stop_mid_scan_leaves_no_scan_process_behind(sig):
                          stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "go\n"
-        wait_until(lambda: len(_scan_children(p.pid)) == 4, 30, "the caller and its 3 scan processes")
+        wait_until(lambda: _in_their_item(p.pid) == 3, 30, "3 scan processes in their items")
         p.send_signal(sig)
         p.wait(timeout=20)
         assert p.returncode != 0 and ("KeyboardInterrupt" in p.stderr.read() if sig == signal.SIGINT else True)
@@ -350,3 +363,24 @@ def test_a_pax_header_reads_as_the_scan_before_read_it_on_fuzzed_records(tmp_pat
             except DatasetError as e:
                 outcomes.append(str(e))
         assert outcomes[0] == outcomes[1], body
+
+
+def test_a_caller_that_returns_mid_scan_from_another_thread_leaves_no_scan_process_behind():
+    """The daemon scans on a thread it does not wait for: stopped mid-scan, its main thread
+    returns and the interpreter exits; the scan processes go with it (atexit), not after their item."""
+    code = ("import threading, time; from prefetchd.sources import scanpool\n"
+            "threading.Thread(target=lambda: list(scanpool.ordered(time.sleep, [(60,)] * 6, 3, str)), daemon=True).start()\n"
+            "print('go', flush=True); input()")
+    p = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "go\n"
+        wait_until(lambda: _in_their_item(p.pid) == 3, 30, "3 scan processes in their items")
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(timeout=20) == 0
+        wait_until(lambda: _scan_children(p.pid) == [], 10, "no scan process left")
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
