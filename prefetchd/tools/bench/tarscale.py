@@ -18,7 +18,8 @@ Hugging Face's schema (``--per-shard`` rows a row group; HF's own default for im
 per image byte. ``--wds-scale N --dir D`` writes N tiny samples (a 3-byte ``.jpg`` and a ``.cls``)
 in ``--shards`` WebDataset shards in ``D`` and indexes them in a fresh process (then deletes them);
 ``--jpeg-bytes B`` makes each ``.jpg`` B bytes (a JPEG's 110,000, say), left as a hole (a sparse
-file: 1.28 M such samples take ~6 GB of disk, not 140); ``--keep`` keeps the shards for
+file: 1.28 M such samples take ~6 GB of disk, not 140); ``--tarwriter`` writes them with
+webdataset's ``TarWriter`` instead (the dev extra), as most shard sets are written; ``--keep`` keeps the shards for
 ``--index-shards DIR``, which indexes them again in a fresh process a run, ``--repeat`` times,
 alternating the trees ``--tree`` names (a prefetchd checkout each, put on the child's
 ``PYTHONPATH``; this one if none): wall and CPU seconds (the scan processes' too), peak RSS, and
@@ -177,10 +178,20 @@ print(json.dumps({"tree": tree, "samples": len(index), "scan_s": wall, "cpu_s": 
 """
 
 
-def write_wds(work: str, n: int, shards: int, jpeg_bytes: int = 3) -> None:
+def write_wds(work: str, n: int, shards: int, jpeg_bytes: int = 3, tarwriter: bool = False) -> None:
     """``n`` samples (``n%08d.jpg`` of ``jpeg_bytes``, a hole after its first 3, and a ``.cls``) in
-    ``shards`` shards under ``work``, as ``tarfile`` writes them (GNU headers, records of 10240)."""
+    ``shards`` shards under ``work``, as ``tarfile`` writes them (GNU headers, records of 10240);
+    ``tarwriter``: as webdataset's ``TarWriter`` does (a PAX header of its mtime before every
+    member; the JPEGs written whole)."""
     per = -(-n // shards)
+    if tarwriter:
+        import webdataset as wds
+
+        for s in range(shards):
+            with wds.TarWriter(os.path.join(work, f"train-{s:06d}.tar")) as w:
+                for k in range(s * per, min(n, (s + 1) * per)):
+                    w.write({"__key__": f"n{k:08d}", "jpg": b"\xff\xd8\xff".ljust(jpeg_bytes, b"\0"), "cls": k % 1000})
+        return
     for s in range(shards):
         with open(os.path.join(work, f"train-{s:06d}.tar"), "wb") as f:
             for k in range(s * per, min(n, (s + 1) * per)):
@@ -238,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
     ap.add_argument("--wds-scale", type=int, metavar="N", help="index N tiny samples in --shards shards (--dir)")
     ap.add_argument("--jpeg-bytes", type=int, default=3, help="--wds-scale: each .jpg's size (a hole: sparse files)")
+    ap.add_argument("--tarwriter", action="store_true", help="--wds-scale: write with webdataset's TarWriter")
     ap.add_argument("--keep", action="store_true", help="--wds-scale: keep the shards (their folder is printed)")
     ap.add_argument("--index-shards", metavar="DIR", help="index these shards again (--tree, --repeat)")
     ap.add_argument("--tree", action="append", default=[], help="--index-shards: a prefetchd checkout (repeatable)")
@@ -274,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         work = tempfile.mkdtemp(prefix="wdsscale-", dir=args.dir)
         try:
             t = time.monotonic()
-            write_wds(work, args.wds_scale, args.shards, args.jpeg_bytes)
+            write_wds(work, args.wds_scale, args.shards, args.jpeg_bytes, args.tarwriter)
             print(f"wrote {args.wds_scale:,} samples in {args.shards} shards in {time.monotonic() - t:.0f} s", flush=True)
             print(f"{args.shards} shards: {_said(index_once(work))}")
         finally:
