@@ -242,6 +242,17 @@ class Arrays:
         if self.multi:  # one archive (the train tar): no per-sample archive number
             self.arch.append(arch)
 
+    def extend(self, rows: Arrays, arch: int = 0) -> None:
+        """``add`` each of ``rows``' samples (another archive's, built apart: in a scan process), in order."""
+        base = len(self.blob)
+        self.blob += rows.blob
+        self.ends.frombytes((np.frombuffer(rows.ends, dtype=np.int64)[1:] + base).tobytes())
+        self.labels.extend(rows.labels)
+        self.block.extend(rows.block)
+        self.size.extend(rows.size)
+        if self.multi:
+            self.arch.extend(array("H", [arch]) * len(rows.labels))
+
     def index(self, root: str, classes: list[str], layout: str, archives: tuple[str, ...]) -> TarIndex:
         blob = np.frombuffer(self.blob, dtype=np.uint8) if self.blob else np.zeros(0, np.uint8)
         offsets, labels = np.frombuffer(self.ends, dtype=np.int64), np.frombuffer(self.labels, dtype=np.int32)

@@ -17,8 +17,8 @@ hence every batch, are byte for byte those of the extracted folder, with one exc
 and symbolic links in a class tar are skipped here (warned, listed by ``check``) where extracting
 makes files of them. A flat set is in name order.
 
-**Reading and identity** (``archive``): the scan reads the tar headers only (``tarheaders``: one
-512-byte ``pread`` per member, the data skipped); a worker reads a sample with one positioned read,
+**Reading and identity** (``archive``): the scan reads the tar headers only (``tarheaders``: a
+``pread`` per header at most, the data skipped); a worker reads a sample with one positioned read,
 checked against the archive's identity as indexed (``archive.TarIndex.read``).
 
 **Unusual and hostile members** each have one outcome:

@@ -25,12 +25,20 @@ two members of one extension (webdataset itself stops there) is skipped and kept
 
 **Reading and identity**: ``archive``'s (one positioned read per sample, each shard held to its
 identity as indexed; ``tarrecheck`` when its ctime alone moved). The index is built from the tar
-headers (``tarheaders``: one 512-byte read per member) and the label members (one small read each),
-never the images. Classes are ``"0" .. str(max label)``, as a file list's.
+headers and the label members, never the images, in one pass (``tarheaders.walk``: a read holds the
+next header and what follows it, so a label comes with its header, and small members' headers
+come many a read; a 110 KB JPEG costs one small read for its header). Classes are
+``"0" .. str(max label)``, as a file list's.
+
+**Processes**: the first shard is scanned here; if the rest would take over ``_POOL_FROM_S``
+CPU seconds by its measure, they are scanned by ``scanpool`` (a process a usable core, at most
+``os.cpu_count()`` and 16), and merged in shard order: the index, the skipped list and the first error
+are those of one process scanning them in order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,6 +47,9 @@ import time
 from dataclasses import replace
 
 from prefetchd.core.bars import bar
+from prefetchd.core.hostread import read_host
+from prefetchd.core.limits import cpu_bound
+from prefetchd.sources import scanpool
 from prefetchd.sources.archive import (
     Arrays,
     TarIndex,
@@ -52,7 +63,7 @@ from prefetchd.sources.archive import (
 from prefetchd.sources.base import DatasetError, cache_path, numbered_classes
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members, show
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, show, walk
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -83,18 +94,24 @@ def parse_label(spec: str) -> tuple[str, str | None]:
     raise DatasetError(f"dataset.label must be cls, json:KEY or none, got {spec!r}")
 
 
-def _label(fd: int, sample: dict[bytes, tuple[int, int]], how: str, jkey: str | None) -> int | str:
-    """The sample's label, or why it has none (a str)."""
+_LABEL_EXTS = {"cls": (b"cls", b"txt"), "json": (b"json",), "none": ()}  # the members a label is read from
+
+
+def _label(fd: int, sample: dict[bytes, tuple[int, int]], bodies: dict, how: str, jkey: str | None) -> int | str:
+    """The sample's label, or why it has none (a str); ``bodies``: the label members' data read
+    with their headers (None: not read yet)."""
     if how == "none":
         return -1
-    names = ("cls", "txt") if how == "cls" else ("json",)
-    ext = next((e for e in names if e.encode() in sample), None)
+    names = _LABEL_EXTS[how]
+    ext = names[0] if names[0] in sample else next((e for e in names[1:] if e in sample), None)
     if ext is None:
-        return f"no .{' or .'.join(names)} member for its label"
-    pos, size = sample[ext.encode()]
+        return f"no .{' or .'.join(e.decode() for e in names)} member for its label"
+    pos, size = sample[ext]
     if size > _LABEL_MEMBER_MAX:
-        return f"its .{ext} member is {size} bytes: not a label"
-    text = os.pread(fd, size, pos)
+        return f"its .{ext.decode()} member is {size} bytes: not a label"
+    text = bodies.get(ext)
+    if text is None:
+        text = os.pread(fd, size, pos)
     try:
         if how == "cls":
             value = int(text.strip())
@@ -103,42 +120,34 @@ def _label(fd: int, sample: dict[bytes, tuple[int, int]], how: str, jkey: str | 
             for part in (jkey or "").split("."):
                 value = value[part]
     except (ValueError, KeyError, TypeError, IndexError):
-        what = f"its .{ext} member {text[:40]!r} is not an integer" if how == "cls" else (
+        what = f"its .{ext.decode()} member {text[:40]!r} is not an integer" if how == "cls" else (
             f"its .json member has no {jkey!r} (or is not JSON)")
         return what
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**31:
-        return f"its label {value!r} (.{ext}) is not an integer in [0, 2**31)"
+        return f"its label {value!r} (.{ext.decode()}) is not an integer in [0, 2**31)"
     return value
 
 
-def _samples(found: list[tuple[bytes, int, int]]) -> list[tuple[bytes, dict[bytes, tuple[int, int]], list]]:
-    """Consecutive members of one key grouped, as webdataset groups them: (key, {ext: (pos, size)},
-    problems)."""
-    out: list = []
-    for name, pos, size in found:
-        parts = split_name(name)
-        if parts is None:
-            continue
-        key, ext = parts
-        if not out or out[-1][0] != key:
-            out.append((key, {}, []))
-        sample = out[-1]
-        if ext in sample[1]:
-            sample[2].append(f"two members of extension .{ext.decode('latin-1')}")
-        sample[1][ext] = (pos, size)
-    return out
+def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str | None, skipped: list,
+               prefix: bytes = b"") -> tuple[Arrays, str | None]:
+    """The samples of one shard open as ``fd``, as index rows named ``prefix + member name``, and
+    the first row the index cannot hold (``Arrays.add``'s error) or None; what is skipped goes to
+    ``skipped`` as (name or key, why): the members ``tarheaders`` skips, then the samples.
 
-
-def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str | None, skipped: list):
-    """The samples of one shard open as ``fd``: (member name, label, pos, size) each; what is
-    skipped goes to ``skipped`` as (key, why)."""
+    One pass over the headers (``tarheaders.walk``): consecutive members of one key are grouped as
+    webdataset groups them, and a label member's data is taken from the read that held its header."""
     size = os.fstat(fd).st_size
     if size == 0:
         raise DatasetError(f"the shard {where} is empty (0 bytes): not a tar; an interrupted write? write it again "
                            "or take it out of dataset.root")
-    out = []
-    for key, sample, problems in _samples(members(fd, 0, size, where, skipped)):
-        images = [e for e in sample if b"." + e in exts]
+    images_of = frozenset(e[1:] for e in exts if e.startswith(b"."))  # b"jpg" is an image if b".jpg" is in exts
+    wanted = _LABEL_EXTS[how]
+    out, bad, dropped = Arrays(), None, []
+    blob, ends, labels, blocks, sizes = out.blob, out.ends, out.labels, out.block, out.size  # Arrays.add's, inline
+
+    def sample_done(key: bytes, sample: dict, bodies: dict, problems: list) -> None:
+        nonlocal bad
+        images = [e for e in sample if e in images_of]
         if not images:
             problems.append(f"no image member (extensions {', '.join(e.decode() for e in exts)}); it has "
                             f"{', '.join('.' + e.decode('latin-1') for e in sample)}")
@@ -151,21 +160,109 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
         elif len(images) > 1:
             problems.append(f"{len(images)} image members ({', '.join('.' + e.decode() for e in images)}): which "
                             "is the image is not said")
-        label = _label(fd, sample, how, jkey) if not problems else 0
+        label = _label(fd, sample, bodies, how, jkey) if not problems else 0
         if isinstance(label, str):
             problems.append(label)
         if problems:
-            skipped.append((key, "; ".join(problems)))
-            continue
-        pos, n = sample[images[0]]
-        out.append((key + b"." + images[0], label, pos, n))
-    return out
+            dropped.append((key, "; ".join(problems)))
+        elif bad is None:
+            pos, n = sample[images[0]]
+            if n < 1 << 32 and pos < BLOCK << 32:
+                blob.extend(prefix + key + b"." + images[0])
+                ends.append(len(blob))
+                labels.append(label)
+                blocks.append(pos // BLOCK)
+                sizes.append(n)
+                return
+            try:
+                out.add(prefix + key + b"." + images[0], label, pos, n)
+            except DatasetError as e:  # raised by the caller once the shard is read, as when it added them
+                bad = str(e)
+
+    key, sample, bodies, problems = None, {}, {}, []
+    for name, pos, n, win, at in walk(fd, 0, size, where, skipped):
+        if b"/" not in name and name[:1] not in b"._":  # split_name's answer for a plain name, faster
+            dot = name.find(b".")
+            if dot < 0:
+                continue
+            k, ext = name[:dot], name[dot + 1:].lower()
+        else:
+            parts = split_name(name)
+            if parts is None:
+                continue
+            k, ext = parts
+        if k != key:
+            if key is not None:
+                sample_done(key, sample, bodies, problems)
+            key, sample, bodies, problems = k, {}, {}, []
+        if ext in sample:
+            problems.append(f"two members of extension .{ext.decode('latin-1')}")
+        sample[ext] = (pos, n)
+        if ext in wanted:
+            j = pos - at
+            bodies[ext] = win[j:j + n] if j + n <= len(win) else None
+    if key is not None:
+        sample_done(key, sample, bodies, problems)
+    skipped.extend(dropped)
+    return out, bad
+
+
+def scan_path(path: str, rel: str, exts: tuple[bytes, ...], how: str, jkey: str | None) -> tuple:
+    """One shard's scan, as ``scan`` uses it (here or in a ``scanpool`` process): (identity,
+    skipped, rows, the first row the index cannot hold or None)."""
+    fd = open_archive(path, "the shard")
+    try:
+        ident = identity_of(os.fstat(fd))  # before the headers: the offsets are this file's
+        skipped: list = []
+        rows, bad = scan_shard(fd, path, exts, how, jkey, skipped, os.fsencode(rel) + b"/")
+        unchanged(fd, path, ident)
+    finally:
+        os.close(fd)
+    return ident, skipped, rows, bad
+
+
+_POOL_FROM_S = 1.0  # CPU seconds the rest of the shards would take here (by the first's) that a pool pays for
+_MAX_PROCS = 16  # ~40 MB each; past this, starting them costs about what another one saves
+
+
+def _procs(first_s: float, rest: int) -> tuple[int, str]:
+    """Processes for the rest of a scan whose first shard took ``first_s`` CPU seconds, and why: one
+    (this one) for a short scan, else one a usable core (``os.cpu_count()`` at most; fewer under an
+    affinity mask, a cpuset or a CPU quota: ``core.limits.cpu_bound``)."""
+    if first_s * rest < _POOL_FROM_S:
+        return 1, "a short scan"
+    bound = cpu_bound(read_host())
+    return max(1, min(bound.value, os.cpu_count() or 1, rest, _MAX_PROCS)), bound.what
+
+
+def _scanned(jobs: list[tuple], procs: int | None):
+    """``scan_path`` of each job, in order: the first here, the rest here or by ``scanpool``."""
+    t = time.thread_time()
+    yield scan_path(*jobs[0])
+    rest = jobs[1:]
+    n, why = _procs(time.thread_time() - t, len(rest)) if procs is None else (min(procs, len(rest)), "as asked")
+    if n <= 1:
+        for job in rest:
+            yield scan_path(*job)
+        return
+    log.info("indexing %d more shards in %d processes (%s)", len(rest), n, why)
+    done = 0
+    try:
+        with contextlib.closing(scanpool.ordered(scan_path, rest, n, lambda i: rest[i][0])) as results:
+            for found in results:
+                yield found
+                done += 1
+    except scanpool.Unavailable as e:  # the same index, in this process
+        log.warning("cannot index shards in other processes (%s): indexing the other %d here", e, len(rest) - done)
+        for job in rest[done:]:
+            yield scan_path(*job)
 
 
 def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
-         key: str = "dataset.root") -> tuple[TarIndex, list]:
+         key: str = "dataset.root", procs: int | None = None) -> tuple[TarIndex, list]:
     """Index the shards ``root`` names (see the module docstring). Returns the index and the stamps
-    (each shard's identity, and the list file's or folder's) that validate a cache of it."""
+    (each shard's identity, and the list file's or folder's) that validate a cache of it. ``procs``:
+    processes to scan in (1: this one alone); None: as many as pay (``_procs``)."""
     how, jkey = parse_label(label)
     base, shards, stamps = resolve(root, key)
     if len(shards) > 65535:
@@ -176,26 +273,21 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
     notes: list = []
     identity = []
     empty = []
-    sbar = bar(shards, desc=f"indexing {root}", unit="shard", leave=False)
-    for a, rel in enumerate(sbar):
-        path = os.path.join(base, rel)
-        fd = open_archive(path, "the shard")
-        try:
-            ident = identity_of(os.fstat(fd))  # before the headers: the offsets are this file's
-            skipped: list = []
-            found = scan_shard(fd, path, exts, how, jkey, skipped)
-            unchanged(fd, path, ident)
-        finally:
-            os.close(fd)
-        identity.append(ident)
-        stamps.append([path, *ident])
-        warn_skipped(path, skipped, notes)
-        prefix = os.fsencode(rel) + b"/"
-        for name, lab, pos, size in found:
-            out.add(prefix + name, lab, pos, size, a)
-        if not found:
-            empty.append(rel)
-        sbar.set_postfix_str(f"{len(out.labels):,} samples", refresh=False)
+    jobs = [(os.path.join(base, rel), rel, exts, how, jkey) for rel in shards]
+    sbar = bar(total=len(shards), desc=f"indexing {root}", unit="shard", leave=False)
+    with contextlib.closing(_scanned(jobs, procs)) as results:
+        for a, (rel, (ident, skipped, rows, bad)) in enumerate(zip(shards, results, strict=True)):
+            path = jobs[a][0]
+            identity.append(ident)
+            stamps.append([path, *ident])
+            warn_skipped(path, skipped, notes)
+            if bad is not None:
+                raise DatasetError(bad)
+            out.extend(rows, a)
+            if not len(rows.labels):
+                empty.append(rel)
+            sbar.update()
+            sbar.set_postfix_str(f"{len(out.labels):,} samples", refresh=False)
     sbar.close()
     if empty:
         note = (f"{len(empty)} shard(s) hold no samples: {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}")

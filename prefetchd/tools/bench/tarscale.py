@@ -16,7 +16,15 @@ index, ``--per-shard`` samples each, in a fixed shuffled order), for ``prefetchd
 Hugging Face's schema (``--per-shard`` rows a row group; HF's own default for images is 100), and
 ``--amplification FILE`` reads it in a random permutation in-process and prints the bytes read
 per image byte. ``--wds-scale N --dir D`` writes N tiny samples (a 3-byte ``.jpg`` and a ``.cls``)
-in ``--shards`` WebDataset shards in ``D`` and indexes them in a fresh process (then deletes them).
+in ``--shards`` WebDataset shards in ``D`` and indexes them in a fresh process (then deletes them);
+``--jpeg-bytes B`` makes each ``.jpg`` B bytes (a JPEG's 110,000, say), left as a hole (a sparse
+file: 1.28 M such samples take ~6 GB of disk, not 140); ``--tarwriter`` writes them with
+webdataset's ``TarWriter`` instead (the dev extra), as most shard sets are written; ``--keep`` keeps the shards for
+``--index-shards DIR``, which indexes them again in a fresh process a run, ``--repeat`` times,
+alternating the trees ``--tree`` names (a prefetchd checkout each, put on the child's
+``PYTHONPATH``; this one if none): wall and CPU seconds (the scan processes' too), peak RSS, and
+a digest of the whole index (equal digests: the same index, byte for byte); ``--cold`` drops the
+shards' cached pages before each run (read from the disk).
 """
 
 from __future__ import annotations
@@ -147,30 +155,78 @@ def amplification(path: str) -> dict:
 
 
 _WDS_CHILD = r"""
-import json, resource, sys, time
+import hashlib, json, resource, sys, time
 from prefetchd.sources import webdataset
+def cpu(who):
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-t = time.monotonic()
+t, c = time.monotonic(), cpu(resource.RUSAGE_SELF)
 index, _ = webdataset.load(sys.argv[1], webdataset.DEFAULT_EXTENSIONS, "cls", sys.argv[2])
-print(json.dumps({"samples": len(index), "scan_s": time.monotonic() - t, "index_mib": index.nbytes / 2**20,
+wall, mine, theirs = time.monotonic() - t, cpu(resource.RUSAGE_SELF) - c, cpu(resource.RUSAGE_CHILDREN)
+h = hashlib.sha256(json.dumps([index.root, list(index.classes), index.fingerprint, list(index.archives),
+                               [list(x) for x in index.identity], list(index.skipped)]).encode())
+for a in (index.blob, index.offsets, index.labels, index.archive_ids, index.block, index.size):
+    h.update(b"-" if a is None else a.tobytes())
+import os
+tree = os.path.dirname(os.path.dirname(os.path.dirname(webdataset.__file__)))  # above prefetchd/sources/
+print(json.dumps({"tree": tree, "samples": len(index), "scan_s": wall, "cpu_s": mine + theirs, "children_cpu_s": theirs,
+                  "index_mib": index.nbytes / 2**20, "digest": h.hexdigest()[:16],
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "children_peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
                   "rss_before_mib": before / 1024}))
 """
 
 
-def wds_scale(work: str, n: int, shards: int) -> dict:
-    """Write ``n`` tiny samples in ``shards`` shards under ``work`` and index them in a fresh process."""
+def write_wds(work: str, n: int, shards: int, jpeg_bytes: int = 3, tarwriter: bool = False) -> None:
+    """``n`` samples (``n%08d.jpg`` of ``jpeg_bytes``, a hole after its first 3, and a ``.cls``) in
+    ``shards`` shards under ``work``, as ``tarfile`` writes them (GNU headers, records of 10240);
+    ``tarwriter``: as webdataset's ``TarWriter`` does (a PAX header of its mtime before every
+    member; the JPEGs written whole)."""
     per = -(-n // shards)
+    if tarwriter:
+        import webdataset as wds
+
+        for s in range(shards):
+            with wds.TarWriter(os.path.join(work, f"train-{s:06d}.tar")) as w:
+                for k in range(s * per, min(n, (s + 1) * per)):
+                    w.write({"__key__": f"n{k:08d}", "jpg": b"\xff\xd8\xff".ljust(jpeg_bytes, b"\0"), "cls": k % 1000})
+        return
     for s in range(shards):
-        with tarfile.open(os.path.join(work, f"train-{s:06d}.tar"), "w", format=tarfile.GNU_FORMAT) as t:
+        with open(os.path.join(work, f"train-{s:06d}.tar"), "wb") as f:
             for k in range(s * per, min(n, (s + 1) * per)):
-                for ext, data in (("jpg", b"\xff\xd8\xff"), ("cls", str(k % 1000).encode())):
+                for ext, size, data in (("jpg", jpeg_bytes, b"\xff\xd8\xff"), ("cls", None, str(k % 1000).encode())):
                     info = tarfile.TarInfo(f"n{k:08d}.{ext}")
-                    info.size = len(data)
-                    t.addfile(info, io.BytesIO(data))
-    cache = tempfile.mkdtemp(prefix="cache-", dir=work)
-    return json.loads(subprocess.run([sys.executable, "-c", _WDS_CHILD, work, cache], check=True,
-                                     capture_output=True, text=True).stdout)
+                    info.size = len(data) if size is None else size
+                    f.write(info.tobuf(tarfile.GNU_FORMAT) + data)
+                    f.seek(-(-info.size // 512) * 512 - len(data), os.SEEK_CUR)
+            f.write(bytes(1024))
+            f.truncate(-(-f.tell() // tarfile.RECORDSIZE) * tarfile.RECORDSIZE)
+
+
+def index_once(work: str, tree: str | None = None) -> dict:
+    """Index the shards in ``work`` in a fresh process (with ``tree`` first on its ``PYTHONPATH``)."""
+    tree = os.path.abspath(tree or os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p))
+    work = os.path.abspath(work)
+    cache = tempfile.mkdtemp(prefix="cache-", dir=os.path.dirname(work))
+    try:  # run in the cache folder: ``-c`` puts the working folder first on the path, before the tree
+        r = json.loads(subprocess.run([sys.executable, "-c", _WDS_CHILD, work, cache], check=True, cwd=cache,
+                                      capture_output=True, text=True, env=env).stdout)
+        if os.path.realpath(r["tree"]) != os.path.realpath(tree):
+            raise RuntimeError(f"the scan imported prefetchd from {r['tree']}, not {tree}")
+        return r
+    finally:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def _said(r: dict) -> str:
+    return (f"{r['samples']:,} samples indexed in {r['scan_s']:.1f} s, CPU {r['cpu_s']:.1f} s (scan processes "
+            f"{r['children_cpu_s']:.1f} s); peak RSS {r['peak_rss_mib']:.0f} MiB (before the scan "
+            f"{r['rss_before_mib']:.0f} MiB; a scan process {r['children_peak_rss_mib']:.0f} MiB); index arrays "
+            f"{r['index_mib']:.1f} MiB; digest {r['digest']}")
 
 
 def _drop_cached_pages(path: str) -> None:
@@ -192,6 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-shard", type=int, default=256, help="samples per shard, or rows per row group")
     ap.add_argument("--out", help="the tar --pack writes, or the folder of shards --pack-shards writes")
     ap.add_argument("--wds-scale", type=int, metavar="N", help="index N tiny samples in --shards shards (--dir)")
+    ap.add_argument("--jpeg-bytes", type=int, default=3, help="--wds-scale: each .jpg's size (a hole: sparse files)")
+    ap.add_argument("--tarwriter", action="store_true", help="--wds-scale: write with webdataset's TarWriter")
+    ap.add_argument("--keep", action="store_true", help="--wds-scale: keep the shards (their folder is printed)")
+    ap.add_argument("--index-shards", metavar="DIR", help="index these shards again (--tree, --repeat)")
+    ap.add_argument("--tree", action="append", default=[], help="--index-shards: a prefetchd checkout (repeatable)")
+    ap.add_argument("--repeat", type=int, default=1, help="--index-shards: runs of each tree, alternated")
+    ap.add_argument("--cold", action="store_true", help="--index-shards: drop the shards' cached pages before each run")
     ap.add_argument("--shards", type=int, default=1024)
     ap.add_argument("--members", type=int, default=1_281_167)
     ap.add_argument("--classes", type=int, default=1000)
@@ -207,19 +270,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['image_bytes'] / 2**20:.1f} MiB of images ({r['amplification']:.1f} x), "
               f"{r['ms_per_sample']:.2f} ms a sample")
         return 0
+    if args.index_shards:
+        for k in range(args.repeat):
+            for tree in args.tree or [None]:
+                if args.cold:
+                    for e in os.scandir(args.index_shards):
+                        if e.name.endswith(".tar"):
+                            _drop_cached_pages(e.path)
+                print(f"[{k + 1}/{args.repeat}] {tree or 'this tree'}: {_said(index_once(args.index_shards, tree))}",
+                      flush=True)
+        return 0
     if args.wds_scale:
         if not args.dir:
             ap.error("--wds-scale needs --dir")
         work = tempfile.mkdtemp(prefix="wdsscale-", dir=args.dir)
         try:
-            r = wds_scale(work, args.wds_scale, args.shards)
+            t = time.monotonic()
+            write_wds(work, args.wds_scale, args.shards, args.jpeg_bytes, args.tarwriter)
+            print(f"wrote {args.wds_scale:,} samples in {args.shards} shards in {time.monotonic() - t:.0f} s", flush=True)
+            print(f"{args.shards} shards: {_said(index_once(work))}")
         finally:
-            import shutil
+            if args.keep:
+                print(f"kept: {work}")
+            else:
+                import shutil
 
-            shutil.rmtree(work, ignore_errors=True)
-        print(f"{r['samples']:,} samples in {args.shards} shards indexed in {r['scan_s']:.1f} s; peak RSS "
-              f"{r['peak_rss_mib']:.0f} MiB (before the scan {r['rss_before_mib']:.0f} MiB); index arrays "
-              f"{r['index_mib']:.1f} MiB")
+                shutil.rmtree(work, ignore_errors=True)
         return 0
     if args.pack_shards:
         if not args.out:
