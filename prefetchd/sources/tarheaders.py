@@ -23,6 +23,17 @@ _OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character devic
           b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
 
 
+def pread(src, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset`` of ``src``: a descriptor, or an object with ``pread(size, offset)``
+    and ``size`` (a shard in a bucket read in large ranged chunks: ``bucketshards.ShardFile``)."""
+    return os.pread(src, size, offset) if isinstance(src, int) else src.pread(size, offset)
+
+
+def size_of(src) -> int:
+    """The size of ``src`` (as ``pread`` takes it)."""
+    return os.fstat(src).st_size if isinstance(src, int) else src.size
+
+
 def show(name: bytes) -> str:
     return os.fsdecode(name)
 
@@ -76,7 +87,7 @@ def members(fd: int, start: int, end: int, where: str, skipped: list, top: str =
     off, last = start, None
     ext: dict = {}  # what extension headers said of the next member: "name", "size", "why" (skip it)
     while end - off >= BLOCK:
-        hdr = os.pread(fd, BLOCK, off)
+        hdr = pread(fd, BLOCK, off)
         if len(hdr) < BLOCK:
             break
         if hdr == _ZERO:
@@ -85,7 +96,7 @@ def members(fd: int, start: int, end: int, where: str, skipped: list, top: str =
         data = off + BLOCK
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
-                ext_block = os.pread(fd, BLOCK, data)
+                ext_block = pread(fd, BLOCK, data)
                 data += BLOCK
                 if len(ext_block) < BLOCK or data > end or not ext_block[504]:
                     break
@@ -135,7 +146,7 @@ def _extension(fd: int, kind: bytes, name: bytes, data: int, size: int, ext: dic
     if size > _MAX_EXTENSION:
         ext["why"] = f"described by a {_EXTENSIONS[kind]} of {size} bytes (too large to be metadata)"
         return
-    body = os.pread(fd, size, data)
+    body = pread(fd, size, data)
     if kind == b"L":
         ext["name"] = body.split(b"\0", 1)[0]
         return

@@ -52,7 +52,7 @@ from prefetchd.sources.archive import (
 from prefetchd.sources.base import DatasetError, cache_path, numbered_classes
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members, show
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, members, pread, show, size_of
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -94,7 +94,7 @@ def _label(fd: int, sample: dict[bytes, tuple[int, int]], how: str, jkey: str | 
     pos, size = sample[ext.encode()]
     if size > _LABEL_MEMBER_MAX:
         return f"its .{ext} member is {size} bytes: not a label"
-    text = os.pread(fd, size, pos)
+    text = pread(fd, size, pos)
     try:
         if how == "cls":
             value = int(text.strip())
@@ -132,7 +132,7 @@ def _samples(found: list[tuple[bytes, int, int]]) -> list[tuple[bytes, dict[byte
 def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str | None, skipped: list):
     """The samples of one shard open as ``fd``: (member name, label, pos, size) each; what is
     skipped goes to ``skipped`` as (key, why)."""
-    size = os.fstat(fd).st_size
+    size = size_of(fd)
     if size == 0:
         raise DatasetError(f"the shard {where} is empty (0 bytes): not a tar; an interrupted write? write it again "
                            "or take it out of dataset.root")
@@ -168,16 +168,10 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
     (each shard's identity, and the list file's or folder's) that validate a cache of it."""
     how, jkey = parse_label(label)
     base, shards, stamps = resolve(root, key)
-    if len(shards) > 65535:
-        raise DatasetError(f"{key} {root} names {len(shards)} shards; at most 65535 are supported")
     exts = tuple(e.lower().encode() for e in extensions)
-    out = Arrays()
-    out.multi = len(shards) > 1
-    notes: list = []
     identity = []
-    empty = []
-    sbar = bar(shards, desc=f"indexing {root}", unit="shard", leave=False)
-    for a, rel in enumerate(sbar):
+
+    def one(rel: str) -> tuple[list, list]:
         path = os.path.join(base, rel)
         fd = open_archive(path, "the shard")
         try:
@@ -189,7 +183,26 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
             os.close(fd)
         identity.append(ident)
         stamps.append([path, *ident])
-        warn_skipped(path, skipped, notes)
+        return found, skipped
+
+    index = collect(root, base, shards, map(one, shards), extensions, label, key)
+    return replace(index, identity=tuple(identity)), stamps
+
+
+def collect(root: str, base: str, shards: list[str], scanned, extensions: tuple[str, ...], label: str,
+            key: str) -> TarIndex:
+    """The index of ``shards`` (names relative to ``base``) from ``scanned``: each shard's
+    ``scan_shard`` result and skipped list, in the shards' order (a local scan's or a bucket's,
+    ``bucketshards``). Its ``identity`` is the caller's to set."""
+    if len(shards) > 65535:
+        raise DatasetError(f"{key} {root} names {len(shards)} shards; at most 65535 are supported")
+    out = Arrays()
+    out.multi = len(shards) > 1
+    notes: list = []
+    empty = []
+    sbar = bar(shards, desc=f"indexing {root}", unit="shard", leave=False)
+    for a, (rel, (found, skipped)) in enumerate(zip(sbar, scanned, strict=True)):
+        warn_skipped(os.path.join(base, rel), skipped, notes)
         prefix = os.fsencode(rel) + b"/"
         for name, lab, pos, size in found:
             out.add(prefix + name, lab, pos, size, a)
@@ -205,11 +218,11 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
         raise DatasetError(f"{key} {root}: its {len(shards)} shard(s) hold no samples with an image "
                            f"({', '.join(extensions)}) and a label ({label})" + (
                                f"; e.g. {notes[0]}" if notes else ""))
-    top = max(out.labels) if how != "none" else -1
+    top = max(out.labels) if parse_label(label)[0] != "none" else -1
     k = out.labels.index(top)  # the sample of the largest label, for a message
     where = os.path.join(base, show(bytes(out.blob[out.ends[k]:out.ends[k + 1]])))
     index = out.index(base, numbered_classes(top, key, root, where), LAYOUT, tuple(shards))
-    return replace(index, identity=tuple(identity), skipped=kept_notes(notes), kind=LAYOUT), stamps
+    return replace(index, skipped=kept_notes(notes), kind=LAYOUT)
 
 
 def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | None, use_cache: bool = True,
@@ -243,7 +256,7 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
     for _ in range(probe):
         if off + BLOCK > size:
             break
-        hdr = os.pread(fd, BLOCK, off)
+        hdr = pread(fd, BLOCK, off)
         if len(hdr) < BLOCK or hdr == bytes(BLOCK):
             break
         try:
@@ -252,7 +265,7 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
             return False
         data, off = off + BLOCK, off + BLOCK + -(-n // BLOCK) * BLOCK
         if kind in (b"L", b"x") and n <= _LABEL_MEMBER_MAX:  # a name over 100 bytes: the next member's
-            body = os.pread(fd, n, data)
+            body = pread(fd, n, data)
             try:
                 long_name = body.split(b"\0", 1)[0] if kind == b"L" else _pax_records(body).get(b"path", long_name)
             except ValueError:
