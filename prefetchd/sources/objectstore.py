@@ -14,7 +14,8 @@ brings aiobotocore, botocore and an event loop per process.
   ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
   ``StorageChanged`` instead of another sample's bytes;
 * ``identity(handle)``: ``(size, ETag)``;
-* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client).
+* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client);
+  ``list_top(url)``: its top level only (objects and sub-prefixes, delimited by ``/``).
 
 Credentials and endpoint come the provider's standard way: the shared credentials file's
 profile (``~/.aws/credentials``, ``AWS_PROFILE``: read here, ``aws_profile``) when no key is in
@@ -85,7 +86,9 @@ def _os_error(e: Exception, url: str) -> OSError:
     from obstore import exceptions as x
 
     if isinstance(e, x.PreconditionError):
-        return StorageChanged(f"the archive {url}{StorageChanged.MARK} (its ETag differs)")
+        # (errno, message): the worker says its strerror (``executors.storage``), None without one
+        return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
+                              "in the bucket): batches from it wait; restart the daemon to index it again")
     code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
     return OSError(code, _first_line(e), url)
@@ -237,6 +240,19 @@ class ObjectStore:
                         yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
+
+    def list_top(self, url: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+        """The top level of the prefix ``url`` names, in one delimited listing: its objects'
+        ``(name, size, ETag)`` and its sub-prefixes' names (the "folders" under it)."""
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        try:
+            got = self._retry(lambda: self._obs.list_with_delimiter(self.client(), prefix=prefix or None))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        objects = [(m["path"][len(base):], int(m["size"]), m.get("e_tag") or "") for m in got["objects"]
+                   if m["path"].startswith(base)]
+        return objects, [p[len(base):].strip("/") for p in got["common_prefixes"] if p.startswith(base)]
 
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
