@@ -45,21 +45,13 @@ class BucketIndex(Index):
     """An ``Index`` whose root is a bucket URL: a sample is one GET of its object."""
 
     def read(self, i: int) -> bytes:
-        ahead = _AHEAD.pop((self.root, i), None)
-        if ahead is not None and ahead[0] == os.getpid():
-            return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
-        return objectstore.store_for(self.root).read(self.path(i))
+        return fetched(self.root, i, lambda: objectstore.store_for(self.root).read(self.path(i)))
 
     def prefetch(self, indices) -> None:
         """Start reading the objects of ``indices`` (a batch) with up to ``IN_FLIGHT`` GETs at once;
         ``read`` then takes each one's bytes. A batch's leftovers (a sample not read) are dropped."""
-        global _POOL
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
-        _AHEAD.clear()
         store = objectstore.store_for(self.root)
-        for i in dict.fromkeys(int(i) for i in indices):
-            _AHEAD[(self.root, i)] = (os.getpid(), _POOL[1].submit(store.read, self.path(i)))
+        fetch_ahead(self.root, indices, lambda i: store.read(self.path(i)))
 
     def content_stamp(self, i: int) -> str:
         """The object's size and ETag now (``Index.content_stamp``)."""
@@ -77,6 +69,26 @@ class BucketIndex(Index):
 
     def describe(self) -> str:
         return f"{self.root}, an ImageFolder in a bucket"
+
+
+def fetch_ahead(root: str, indices, fetch) -> None:
+    """Start ``fetch(i)`` for each of ``indices`` (a batch's samples of the index at ``root``) in
+    this process's pool of ``IN_FLIGHT`` threads; ``fetched`` takes each one's result. What the
+    batch before left unread is dropped."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
+    _AHEAD.clear()
+    for i in dict.fromkeys(int(i) for i in indices):
+        _AHEAD[(root, i)] = (os.getpid(), _POOL[1].submit(fetch, i))
+
+
+def fetched(root: str, i: int, read):
+    """Sample ``i``'s bytes as ``fetch_ahead`` fetched them, else ``read()`` now."""
+    ahead = _AHEAD.pop((root, i), None)
+    if ahead is not None and ahead[0] == os.getpid():
+        return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
+    return read()
 
 
 def stamps_valid(stamps: list) -> bool:

@@ -217,14 +217,11 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketfolder.py
-        if file_list is not None or devkit or layout not in ("auto", "imagefolder"):
-            raise DatasetError(f"{section}.root {root or file_list}: a bucket is read as an ImageFolder only so far "
-                               "(dataset.layout auto or imagefolder, no file_list or devkit); copy other layouts "
-                               "to a local disk")
-        from prefetchd.sources import bucketfolder
+    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketroot.py
+        from prefetchd.sources import bucketroot
 
-        return bucketfolder.load(root, extensions, cache_dir, use_cache, section, storage_options)
+        return bucketroot.load(root, file_list, extensions, cache_dir, use_cache, devkit, section, layout, label,
+                               image_column, label_column, storage_options)
     found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
@@ -326,10 +323,10 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    from prefetchd.sources import bucketfolder, parquet
+    from prefetchd.sources import bucketfolder, bucketshards, parquet
 
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
-        or folder.load_cached(files_dir, validate=False)
+        or bucketshards.open_files(files_dir) or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -339,9 +336,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    from prefetchd.sources import bucketfolder, parquet
+    from prefetchd.sources import bucketfolder, bucketshards, parquet
 
-    for mod in (archive, parquet, bucketfolder):
+    for mod in (archive, parquet, bucketfolder, bucketshards):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid
