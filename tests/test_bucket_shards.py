@@ -224,3 +224,24 @@ def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_
     assert "indexing them again" in d.log()
     assert np.array_equal(got[(0, 0, 0)][0], ref[(0, 0, 0)][0])
     assert not np.array_equal(got[(0, 0, 4)][0], ref[(0, 0, 4)][0])  # shard 2's samples in their new order
+
+
+def test_check_on_a_shards_pattern_lists_its_folder_and_reads_the_first_shards_head_only(
+        s3, bucket_shards, local_shards, tmp_path):
+    import subprocess
+    import sys
+
+    s3.put("big/train-000000.tar", bytes(3 << 20))  # a shard larger than what check reads of it
+    for root, first in ((bucket_shards + "/train-{000000..000002}.tar", "train-000000.tar"),
+                        (bucket_shards + "/train-000001.tar", "train-000000.tar"),
+                        (f"s3://{BUCKET}/big", "train-000000.tar")):
+        cfg = small_config(tmp_path, root)
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, **s3.env()})
+        lines = r.stdout.splitlines()
+        assert lines[1].startswith("list: ok (") and first in lines[1], r.stdout + r.stderr
+        assert lines[2].startswith("read: ok (") and int(lines[2].split()[2].strip("(").replace(",", "")) <= 1 << 20, lines[2]
+        if "big" not in root:
+            assert r.returncode == 0 and "WebDataset shards in a bucket" in r.stdout, r.stdout + r.stderr
+        else:  # a tar of zeros holds no samples: one line naming the key
+            assert r.returncode != 0 and "dataset.root" in r.stdout + r.stderr, r.stdout + r.stderr

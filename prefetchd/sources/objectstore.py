@@ -313,6 +313,7 @@ _BACKOFF_START = timedelta(milliseconds=20)
 _BACKOFF_MAX = timedelta(milliseconds=200)
 _FAULT_SINCE: dict[str, float] = {}  # bucket -> when its fault episode began (this process)
 _STORES: dict[tuple[str, str], ObjectStore] = {}
+_PROBE_BYTES = 1 << 20  # what ``probe`` reads of the first object
 
 
 def store_for(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> ObjectStore:
@@ -330,6 +331,10 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     store = store_for(url, storage_options, key)
     lines = [f"storage: {url} as {store.describe()}"]
     first = None
+    where = url  # the prefix listed: a brace pattern's or one object's folder (``bucketshards``)
+    if "{" in url or url.lower().endswith((".tar", ".parquet")):
+        where = url[:url.index("{")].rpartition("/")[0] if "{" in url else url.rpartition("/")[0]
+    url = where
     try:
         for rel, size, _ in store.list(url):
             first = (rel, size)
@@ -339,8 +344,8 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
     lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
-    try:
-        data = store.read(url.rstrip("/") + "/" + first[0])
+    try:  # its first bytes only: the first object may be a shard of gigabytes
+        data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0)
     except OSError as e:
         raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
