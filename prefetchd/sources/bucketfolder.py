@@ -75,12 +75,17 @@ def fetch_ahead(root: str, indices, fetch) -> None:
     """Start ``fetch(i)`` for each of ``indices`` (a batch's samples of the index at ``root``) in
     this process's pool of ``IN_FLIGHT`` threads; ``fetched`` takes each one's result. What the
     batch before left unread is dropped."""
+    _AHEAD.clear()
+    for i in dict.fromkeys(int(i) for i in indices):
+        _AHEAD[(root, i)] = (os.getpid(), pool().submit(fetch, i))
+
+
+def pool() -> ThreadPoolExecutor:
+    """This process's pool of ``IN_FLIGHT`` threads for GETs (a forked child makes its own)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():
         _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
-    _AHEAD.clear()
-    for i in dict.fromkeys(int(i) for i in indices):
-        _AHEAD[(root, i)] = (os.getpid(), _POOL[1].submit(fetch, i))
+    return _POOL[1]
 
 
 def fetched(root: str, i: int, read):

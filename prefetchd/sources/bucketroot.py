@@ -6,7 +6,8 @@ The layouts read from a bucket: an ImageFolder of objects (``bucketfolder``), We
 (one request, whatever lies below): a brace pattern or a ``.tar`` object is shards, a
 ``.parquet`` object is Parquet; a prefix whose top level holds ``.tar`` objects is shards (when
 its first tar's first members are WebDataset samples: ``webdataset.looks_like_shards``, one small
-ranged GET), one holding ``.parquet`` objects and no folders is Parquet, else an ImageFolder.
+ranged GET), one holding ``.parquet`` objects and no folders is Parquet, else an ImageFolder. A
+glob (``*?[``) is read for Parquet only (shards are named by a brace pattern, as webdataset's).
 ImageNet's tars, ``file_list`` and ``validation.devkit`` are read from a local disk only.
 """
 
@@ -30,7 +31,7 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
     if shardnames.is_pattern(prefix) or prefix.lower().endswith(".tar"):
         return "webdataset"
     if prefix.endswith(".parquet"):
-        return "parquet"
+        return "parquet"  # one, or a glob of them
     store = objectstore.store_for(root, storage_options, key)
     try:
         objects, folders = store.list_top(root)

@@ -323,10 +323,11 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    from prefetchd.sources import bucketfolder, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
 
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
-        or bucketshards.open_files(files_dir) or folder.load_cached(files_dir, validate=False)
+        or bucketshards.open_files(files_dir) or bucketparquet.open_files(files_dir) \
+        or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
     if fingerprint is not None and index.fingerprint != fingerprint:
@@ -336,9 +337,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    from prefetchd.sources import bucketfolder, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
 
-    for mod in (archive, parquet, bucketfolder, bucketshards):
+    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid
