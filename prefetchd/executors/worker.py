@@ -158,6 +158,10 @@ class BatchMaker:
                 from prefetchd.sources.objectstore import store_for
 
                 store_for(root, self.cfg.dataset.storage_options or None)
+        if self.cfg.dataset.cache:  # a bucket's fetched bytes kept on local disk (sources/bytecache.py)
+            from prefetchd.sources import bytecache
+
+            bytecache.configure(self.cfg.dataset.cache)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
         if self.cfg.loader.shuffle == "block" and self.index.block_sizes() is not None:

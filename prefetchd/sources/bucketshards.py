@@ -113,7 +113,7 @@ class ShardFile:
         for k in range(offset // c, (end - 1) // c + 1):
             if k not in self._have:
                 want = min(c, self.size - k * c)
-                data = self.store.pread(self.handle, want, k * c)
+                data = self.store.pread(self.handle, want, k * c, cache=False)  # no sample reads it again
                 self.gets += 1
                 if len(data) != want:
                     raise OSError(errno.EIO, f"{len(data)} bytes at offset {k * c}, not {want}", self.url)

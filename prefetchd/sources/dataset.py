@@ -206,20 +206,23 @@ def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset", layout: str = "auto", label: str = "cls", image_column: str = "image",
-               label_column: str = "label", storage_options: dict | None = None) -> tuple[Index, bool]:
+               label_column: str = "label", storage_options: dict | None = None,
+               cache: dict | None = None) -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
     validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
     (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
-    Parquet's; ``storage_options``: a bucket root's client options (``dataset.storage_options``)."""
+    Parquet's; ``storage_options``: a bucket root's client options (``dataset.storage_options``);
+    ``cache``: its node-local cache of fetched bytes (``dataset.cache``, ``bytecache``)."""
     from prefetchd.sources import parquet, webdataset
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketroot.py
-        from prefetchd.sources import bucketroot
+        from prefetchd.sources import bucketroot, bytecache
 
+        bytecache.configure(cache)
         return bucketroot.load(root, file_list, extensions, cache_dir, use_cache, devkit, section, layout, label,
                                image_column, label_column, storage_options)
     found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout

@@ -37,6 +37,7 @@ import re
 import time
 from datetime import timedelta
 
+from prefetchd.sources import bytecache
 from prefetchd.sources.base import DatasetError, StorageChanged
 
 log = logging.getLogger("prefetchd.objectstore")
@@ -178,16 +179,27 @@ class ObjectStore:
         self._handles[url] = h
         return h
 
-    def pread(self, h: Handle, size: int, offset: int) -> bytes:
+    def pread(self, h: Handle, size: int, offset: int, cache: bool = True) -> bytes:
+        """``size`` bytes at ``offset`` (fewer at the object's end); from the node-local cache
+        (``bytecache``) when it holds them for this ETag and ``cache``, which then keeps what is fetched."""
+        size = min(offset + size, h.size) - offset
         if size <= 0:
             return b""
-        options = {"range": (offset, min(offset + size, h.size))}
+        kept = bytecache.current() if cache and h.etag else None
+        if kept is not None:
+            data = kept.get(h.key, h.etag, offset, size)
+            if data is not None:
+                return data
+        options = {"range": (offset, offset + size)}
         if h.etag:
             options["if_match"] = h.etag
         try:
-            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
+            data = self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
+        if kept is not None and len(data) == size:
+            kept.put(h.key, h.etag, offset, data)
+        return data
 
     def _retry(self, call):
         """``call()``, retried with exponential back-off and full jitter while the fault is
@@ -345,7 +357,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
     lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
     try:  # its first bytes only: the first object may be a shard of gigabytes
-        data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0)
+        data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
         raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
