@@ -173,3 +173,20 @@ def test_the_daemon_on_bucket_parquet_makes_the_local_files_batches_and_writes_n
     for path in written:
         with open(path, "rb") as f:
             assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, local_hf, tmp_path):
+    import io
+
+    from prefetchd.sources.dataset import unchanged_since_scan
+
+    folder, rows = local_hf
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            s3.put(f"hfreload/{name}", f.read())
+    index, _ = load_index(f"s3://{BUCKET}/hfreload", None, EXTS, str(tmp_path / "cache"))
+    assert unchanged_since_scan(index.files_dir, index.fingerprint)
+    buf = io.BytesIO()
+    pq.write_table(hf_table(rows[:ROWS // 2][::-1]), buf, row_group_size=GROUP)
+    s3.put("hfreload/train-00000-of-00002.parquet", buf.getvalue())
+    assert not unchanged_since_scan(index.files_dir, index.fingerprint)

@@ -245,3 +245,16 @@ def test_check_on_a_shards_pattern_lists_its_folder_and_reads_the_first_shards_h
             assert r.returncode == 0 and "WebDataset shards in a bucket" in r.stdout, r.stdout + r.stderr
         else:  # a tar of zeros holds no samples: one line naming the key
             assert r.returncode != 0 and "dataset.root" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_a_reload_sees_a_shard_overwritten_since_the_index(s3, s3_env, local_shards, tmp_path):
+    from prefetchd.sources.dataset import unchanged_since_scan
+
+    _, paths, samples = local_shards
+    for p in paths:
+        with open(p, "rb") as f:
+            s3.put(f"reload/{os.path.basename(p)}", f.read())
+    index, _ = load_index(f"s3://{BUCKET}/reload", None, EXTS, str(tmp_path / "cache"))
+    assert unchanged_since_scan(index.files_dir, index.fingerprint)  # one HEAD a shard, all as indexed
+    s3.put("reload/train-000000.tar", _reversed_shard(samples[:12]))
+    assert not unchanged_since_scan(index.files_dir, index.fingerprint)
