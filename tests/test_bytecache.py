@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from conftest import small_config
+from conftest import small_config, wait_until
 from s3fixture import BUCKET
 from s3proxy import FaultProxy
 from test_bucket_shards import _reversed_shard
@@ -22,6 +22,7 @@ from test_shards import _samples, write_shards
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 
 from prefetchd.core import config as C  # noqa: E402
+from prefetchd.format import status  # noqa: E402
 from prefetchd.sources import bytecache, objectstore  # noqa: E402
 from prefetchd.sources.base import DatasetError  # noqa: E402
 from prefetchd.sources.dataset import load_index  # noqa: E402
@@ -159,15 +160,35 @@ def test_the_daemons_second_run_over_a_warm_cache_makes_the_same_batches_with_no
         cfg = small_config(tmp_path / "b", root, dataset={"cache": {"dir": str(tmp_path / "bytes"),
                                                                      "max_bytes": "1GiB"}})
         env = {**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
-        runs = []
+        runs, said = [], []
+        buf = str(tmp_path / "b" / "buffer")
         for _ in range(2):
             before = proxy.requests
             d = daemon_factory(cfg, env=env)
             got = collect(cfg)
+            wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("storage"), 10,
+                       "the storage counts in status.json")
+            said.append(status.read_json(buf, status.STATUS_NAME)["storage"])
             assert d.stop() == 0
             runs.append(proxy.requests - before)
             for k in ref:
                 assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
         assert runs[0] >= 24 and runs[1] <= 6, runs  # the second: listings and auto's probe, no sample
+        # status: the workers' requests and bytes, the cache's hits (2 epochs of 24 samples, 4 batches of 6 an epoch)
+        assert said[0]["requests"] >= 24 and said[0]["bytes"] > 0 and said[0]["cache_misses"] >= 24, said
+        assert said[0]["cache_hits"] >= 16 and 0 < said[0]["cache_hit_rate"] < 1, said
+        assert said[1]["requests"] == 0 and said[1]["cache_hits"] >= 48 and said[1]["cache_hit_rate"] == 1.0, said
     finally:
         proxy.stop()
+
+
+def test_metrics_carry_the_storage_counts_of_a_bucket_root_only():
+    from prefetchd.daemon.metrics import families
+
+    st = {"requests": 7, "bytes": 900, "errors": 1, "cache_hits": 3, "cache_misses": 4, "cache_hit_bytes": 50,
+          "cache_hit_rate": 3 / 7}
+    got = {f.name: f.samples[0].value for f in families({"storage": st}) if f.name.startswith("prefetchd_storage")}
+    assert got == {"prefetchd_storage_requests": 7, "prefetchd_storage_bytes": 900, "prefetchd_storage_errors": 1,
+                   "prefetchd_storage_cache_hits": 3, "prefetchd_storage_cache_misses": 4,
+                   "prefetchd_storage_cache_hit_bytes": 50}
+    assert not [f for f in families({}) if f.name.startswith("prefetchd_storage")]

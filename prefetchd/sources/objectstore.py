@@ -34,6 +34,7 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from datetime import timedelta
 
@@ -209,12 +210,17 @@ class ObjectStore:
         x = self._obs.exceptions
         delay, start, tries = _BACKOFF_START_S, None, 0
         while True:
+            _count(requests=1)
             try:
                 out = call()
+                if isinstance(out, bytes):
+                    _count(bytes=len(out))
             except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
                     x.InvalidPathError, x.NotSupportedError):
+                _count(errors=1)
                 raise
             except x.BaseError as e:
+                _count(errors=1)
                 now = time.monotonic()
                 if start is None:
                     start = now
@@ -325,6 +331,25 @@ _BACKOFF_START = timedelta(milliseconds=20)
 _BACKOFF_MAX = timedelta(milliseconds=200)
 _FAULT_SINCE: dict[str, float] = {}  # bucket -> when its fault episode began (this process)
 _STORES: dict[tuple[str, str], ObjectStore] = {}
+_COUNTS = {"requests": 0, "bytes": 0, "errors": 0}  # this process's, for status and metrics (``counts``)
+_COUNTS_LOCK = threading.Lock()  # a worker's GETs run in a thread pool
+
+
+def _count(**by: int) -> None:
+    with _COUNTS_LOCK:
+        for k, v in by.items():
+            _COUNTS[k] += v
+
+
+def counts() -> tuple:
+    """This process's totals since it started, ``(pid, requests, bytes, errors, cache hits, cache
+    misses, bytes from the cache)``: what a worker sends with each result (the daemon sums the
+    latest of each process: ``daemon.outages``); () when it has asked no bucket anything."""
+    c = bytecache.current()
+    hits = (c.stats["hits"], c.stats["misses"], c.stats["hit_bytes"]) if c is not None else (0, 0, 0)
+    if not _COUNTS["requests"] and not any(hits):
+        return ()
+    return (os.getpid(), _COUNTS["requests"], _COUNTS["bytes"], _COUNTS["errors"], *hits)
 _PROBE_BYTES = 1 << 20  # what ``probe`` reads of the first object
 
 
