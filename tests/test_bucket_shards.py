@@ -258,3 +258,29 @@ def test_a_reload_sees_a_shard_overwritten_since_the_index(s3, s3_env, local_sha
     assert unchanged_since_scan(index.files_dir, index.fingerprint)  # one HEAD a shard, all as indexed
     s3.put("reload/train-000000.tar", _reversed_shard(samples[:12]))
     assert not unchanged_since_scan(index.files_dir, index.fingerprint)
+
+
+def test_the_daemon_on_bucket_shards_through_503s_resets_and_an_outage_makes_the_same_batches(
+        s3, bucket_shards, local_shards, tmp_path, daemon_factory):
+    (tmp_path / "l").mkdir()
+    local_cfg = small_config(tmp_path / "l", local_shards[0])
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    (tmp_path / "b").mkdir()
+    cfg = small_config(tmp_path / "b", bucket_shards)
+    proxy = FaultProxy(s3.port)
+    try:
+        proxy.faults(n503=10, resets=6, after_requests=8)  # after the listings and the scan's first GETs
+        proxy.outage(2.0, after_requests=40)  # then the endpoint gone for 2 s, during the first epoch
+        d = daemon_factory(cfg, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
+        got = collect(cfg)
+        assert d.stop() == 0
+    finally:
+        proxy.stop()
+    assert proxy.faulted > 16
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    log = d.log()
+    assert "retrying with back-off" in log and log.count("answers again after") == log.count("retrying with back-off")
+    assert "quarantin" not in log.lower() and "changed since it was indexed" not in log, log
