@@ -284,3 +284,20 @@ def test_the_daemon_on_bucket_shards_through_503s_resets_and_an_outage_makes_the
     log = d.log()
     assert "retrying with back-off" in log and log.count("answers again after") == log.count("retrying with back-off")
     assert "quarantin" not in log.lower() and "changed since it was indexed" not in log, log
+
+
+def test_a_bad_first_shard_is_said_without_reading_the_others(s3, s3_env, local_shards, monkeypatch, tmp_path):
+    with open(local_shards[1][0], "rb") as f:
+        good = f.read()
+    s3.put("many/train-000000.tar", b"")  # empty: an interrupted upload
+    for k in range(1, 64):
+        s3.put(f"many/train-{k:06d}.tar", good)
+    proxy = FaultProxy(s3.port, latency_s=0.05)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        objectstore._STORES.clear()
+        with pytest.raises(DatasetError, match="train-000000.tar is empty"):
+            load_index(f"s3://{BUCKET}/many", None, EXTS, str(tmp_path / "cache"), layout="webdataset")
+        assert proxy.requests <= 1 + 2 * bucketshards.SCANS_IN_FLIGHT, proxy.requests  # not 1 + 63
+    finally:
+        proxy.stop()
