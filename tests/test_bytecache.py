@@ -192,3 +192,28 @@ def test_metrics_carry_the_storage_counts_of_a_bucket_root_only():
                    "prefetchd_storage_cache_hits": 3, "prefetchd_storage_cache_misses": 4,
                    "prefetchd_storage_cache_hit_bytes": 50}
     assert not [f for f in families({}) if f.name.startswith("prefetchd_storage")]
+
+
+def test_an_imagefolder_in_a_bucket_is_cached_by_its_listed_etag(s3, proxied, image_root, tmp_path):
+    s3.upload_tree(image_root, "cfolder")
+    root = f"s3://{BUCKET}/cfolder"
+    cache = {"dir": str(tmp_path / "bytes"), "max_bytes": 1 << 30}
+    index, _ = load_index(root, None, EXTS, str(tmp_path / "idx"), cache=cache)
+    first = [index.read(i) for i in range(len(index))]
+    with open(os.path.join(image_root, index.relpath(0)), "rb") as f:
+        assert first[0] == f.read()
+    assert len(_entries(tmp_path / "bytes")) == len(index)
+    before = proxied.requests
+    assert [index.read(i) for i in range(len(index))] == first and proxied.requests == before
+    again, cached = load_index(root, None, EXTS, str(tmp_path / "idx"), cache=cache)  # the cached index: ETags kept
+    before = proxied.requests  # (auto's one listing of the top level)
+    assert cached and again.read(1) == first[1] and proxied.requests == before
+    s3.put(f"cfolder/{index.relpath(1)}", b"new bytes")  # overwritten after the listing
+    relisted, _ = load_index(root, None, EXTS, str(tmp_path / "idx"), use_cache=False, cache=cache)
+    assert relisted.read(1) == b"new bytes"  # listed anew (a reload): its new ETag is a miss
+    newer = bytes(reversed(first[2]))  # the same size: only the ETag tells
+    s3.put(f"cfolder/{index.relpath(2)}", newer)  # overwritten after the listing, not cached yet: read as it is
+    bytecache.configure(None)
+    bytecache.configure({"dir": str(tmp_path / "bytes2"), "max_bytes": 1 << 30})
+    assert relisted.read(2) == newer and relisted.read(2) == newer
+    assert not _entries(tmp_path / "bytes2")  # not kept under the ETag listed before the overwrite

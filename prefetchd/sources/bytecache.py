@@ -2,9 +2,10 @@
 
 Later epochs read a sample's bytes from local disk instead of the bucket. What is cached: every
 ranged read of an object whose ETag is known (``objectstore.ObjectStore.pread``: a shard's
-member, a Parquet row group's column chunk or footer), keyed by (URL, ETag, offset, size); not
-the chunks read while a shard is indexed (a sample never reads them again), and not an
-ImageFolder's whole-object GETs (its index holds no ETag to key them on).
+member, a Parquet row group's column chunk or footer), keyed by (URL, ETag, offset, size), and an
+ImageFolder's objects, keyed by (URL, the ETag listed, 0, the size listed) and kept only when the
+GET's ETag is the listed one (``bucketfolder.BucketIndex``); not the chunks read while a shard
+is indexed (a sample never reads them again).
 
 **Entries**: one file per range, named by the SHA-256 of its key, in 256 sub-folders of ``dir``.
 Written to a temporary name in the same folder and renamed, so a reader sees no entry or a whole
@@ -12,10 +13,11 @@ one, and several worker processes writing the same entry at once each rename a w
 size is checked at read (another size is a miss, and the file removed). A hit sets the file's
 mtime to now: the least recently used are those of the oldest mtime.
 
-**The same object overwritten**: the key holds the ETag the index was built with, and every read
-of a bucket layout asks for that ETag (``If-Match``); once the object is indexed again (its new
-ETag), its old entries are never read again and age out. Until then an entry holds the indexed
-object's bytes, which are what the index's offsets and labels name.
+**The same object overwritten**: the key holds the ETag the index was built with (the ranged
+reads ask for it: ``If-Match``); once the object is indexed or listed again (its new ETag), its
+old entries are never read again and age out. Until then an entry holds the indexed object's
+bytes, which are what the index's offsets and labels name: a shard's or Parquet file's member as
+indexed (never another sample's), an ImageFolder object's bytes as listed (its path's label).
 
 **Bounded**: when a process has added more than ``max_bytes / 32`` since it last looked (and at
 its first write), it lists the cache and removes the least recently used files until the total

@@ -160,6 +160,19 @@ class ObjectStore:
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
 
+    def read_tagged(self, url: str) -> tuple[bytes, str]:
+        """The whole object and the ETag of what was read, one GET."""
+        def get():
+            got = self._obs.get(self.client(), self.object_key(url))
+            return bytes(got.bytes()), got.meta.get("e_tag") or ""
+
+        try:
+            data, etag = self._retry(get)
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        _count(bytes=len(data))
+        return data, etag
+
     def head(self, url: str) -> Handle:
         try:
             meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
