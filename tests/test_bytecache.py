@@ -217,3 +217,18 @@ def test_an_imagefolder_in_a_bucket_is_cached_by_its_listed_etag(s3, proxied, im
     bytecache.configure({"dir": str(tmp_path / "bytes2"), "max_bytes": 1 << 30})
     assert relisted.read(2) == newer and relisted.read(2) == newer
     assert not _entries(tmp_path / "bytes2")  # not kept under the ETag listed before the overwrite
+
+
+def test_a_killed_writers_temporary_file_is_removed_when_the_cache_is_listed(tmp_path):
+    c = bytecache.ByteCache(str(tmp_path / "b"), 1 << 20)
+    c.put("s3://b/z.tar", "e", 0, b"x" * 100)
+    left = c._path("s3://b/z.tar", "e", 100, 50) + ".tmp-99999-1"  # what a SIGKILL mid-write leaves
+    fresh = c._path("s3://b/z.tar", "e", 200, 50) + ".tmp-99998-1"  # another process writing now
+    for p in (left, fresh):
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(b"y" * 50)
+    os.utime(left, (1, 1))
+    c.evict()
+    assert not os.path.exists(left) and os.path.exists(fresh)
+    assert c.get("s3://b/z.tar", "e", 0, 100) == b"x" * 100

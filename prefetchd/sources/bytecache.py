@@ -21,7 +21,8 @@ indexed (never another sample's), an ImageFolder object's bytes as listed (its p
 
 **Bounded**: when a process has added more than ``max_bytes / 32`` since it last looked (and at
 its first write), it lists the cache and removes the least recently used files until the total
-is at most 90% of ``max_bytes``; two processes removing the same file is harmless.
+is at most 90% of ``max_bytes``; two processes removing the same file is harmless. A temporary
+file over an hour old (its writer killed mid-write) is removed then too.
 
 ``dir`` must be on a local disk: not the RAM ring's ``buffer.dir`` (``Config`` refuses it) nor any
 tmpfs (``configure`` refuses it: a cache in RAM competes with the ring for the memory it needs).
@@ -33,6 +34,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 
 from prefetchd.core.bufferdir import is_tmpfs
 from prefetchd.sources.base import DatasetError
@@ -41,6 +43,7 @@ log = logging.getLogger("prefetchd.dataset")
 
 _LOW_WATER = 0.9  # an eviction brings the total down to this share of max_bytes
 _LOOK_EVERY = 32  # a process lists the cache after adding max_bytes / this many bytes
+_STALE_TMP_S = 3600  # a temporary file this old is a dead writer's: removed when the cache is listed
 
 
 class ByteCache:
@@ -111,12 +114,15 @@ class ByteCache:
             subs = [e.path for e in os.scandir(self.dir) if e.is_dir() and len(e.name) == 2]
         except OSError:
             return 0
+        stale = time.time_ns() - _STALE_TMP_S * 10**9
         for sub in subs:
             try:
                 for e in os.scandir(sub):
+                    st = e.stat()
                     if ".tmp-" not in e.name:
-                        st = e.stat()
                         entries.append((st.st_mtime_ns, st.st_size, e.path))
+                    elif st.st_mtime_ns < stale:  # a writer killed mid-write (SIGKILL, out of memory) left it
+                        os.unlink(e.path)
             except OSError:
                 continue
         total = sum(s for _, s, _ in entries)
