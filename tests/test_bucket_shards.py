@@ -164,6 +164,11 @@ def test_bad_bucket_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_sh
             _add(t, f"n0144{k}.tar", bytes(1024))
     s3.put("classtars/ILSVRC2012_img_train.tar", buf.getvalue())
     assert "not WebDataset shards" in _error(f"s3://{BUCKET}/classtars", tmp_path)
+    s3.upload_tree(image_root, "imgs2")
+    s3.put("imgs2/backup.tar", buf.getvalue())  # an ImageFolder with a stray tar at its top
+    said = _error(f"s3://{BUCKET}/imgs2", tmp_path)
+    assert "holds folders (n00000000, n00000001, n00000002 ...) and tars that are not WebDataset shards" in said, said
+    assert len(load_index(f"s3://{BUCKET}/imgs2", None, EXTS, str(tmp_path / "cache"), layout="imagefolder")[0]) == 48
     s3.put("empty/train-000000.tar", bytes(1024))
     assert "hold no samples" in _error(f"s3://{BUCKET}/empty", tmp_path, layout="webdataset")
 

@@ -53,6 +53,10 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
             shards = True  # the scan says what is wrong with it
         finally:
             f.close()
+        if shards is False and dirs:
+            raise DatasetError(f"{key} {root} holds folders ({', '.join(dirs[:3])}{' ...' if len(dirs) > 3 else ''}) "
+                               f"and tars that are not WebDataset shards ({tars[0]}): one kind of dataset per root; "
+                               "move the tars out, or set dataset.layout: imagefolder to read the folders alone")
         if shards is False:
             raise DatasetError(f"{key} {root} holds tars that are not WebDataset shards ({tars[0]}: ImageNet's class "
                                "tars?): from a bucket, ImageNet's tars are not read yet; copy them to a local disk, or "
