@@ -190,3 +190,17 @@ def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, 
     pq.write_table(hf_table(rows[:ROWS // 2][::-1]), buf, row_group_size=GROUP)
     s3.put("hfreload/train-00000-of-00002.parquet", buf.getvalue())
     assert not unchanged_since_scan(index.files_dir, index.fingerprint)
+
+
+def test_a_block_shuffle_from_bucket_parquet_makes_the_local_files_batches(s3, bucket_hf, local_hf, tmp_path,
+                                                                          daemon_factory):
+    got = {}
+    for name, root, env in (("local", local_hf[0], None), ("bucket", bucket_hf, s3.env())):
+        (tmp_path / name).mkdir()
+        cfg = small_config(tmp_path / name, root, loader={"shuffle": "block", "shuffle_window": 2})
+        d = daemon_factory(cfg, env=env)
+        got[name] = collect(cfg)
+        assert d.stop() == 0
+    assert sorted(got["local"]) == sorted(got["bucket"]) and len(got["local"]) >= 8
+    for k, (x, y) in got["local"].items():
+        assert np.array_equal(got["bucket"][k][0], x) and np.array_equal(got["bucket"][k][1], y), k
