@@ -28,8 +28,8 @@ from s3proxy import FaultProxy  # noqa: E402
 from prefetchd.tools.samples import make_image_folder  # noqa: E402
 
 
-def _config(d: str, root: str, batch: int) -> str:
-    cfg = {"dataset": {"root": root, "cache_dir": os.path.join(d, "cache")},
+def _config(d: str, root: str, batch: int, **dataset) -> str:
+    cfg = {"dataset": {"root": root, "cache_dir": os.path.join(d, "cache"), **dataset},
            "loader": {"batch_size": batch, "seed": 7, "epochs": 2}, "workers": {"count": 2},
            "buffer": {"dir": os.path.join(d, "buffer"), "capacity": 8, "refill_at": 6, "max_bytes": "256MiB",
                       "min_free_bytes": "1MiB"},
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--per-class", type=int, default=60)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--latency-ms", type=float, default=20.0)
+    ap.add_argument("--cache", action="store_true", help="with dataset.cache: a second bucket run over the warm cache")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = os.path.join(tmp, "images")
@@ -88,6 +89,18 @@ def main() -> None:
             print(f"local disk: {n_local / t_local:7.1f} img/s ({n_local} images, {t_local:.2f} s)")
             print(f"bucket, {a.latency_ms:g} ms a request: {n_s3 / t_s3:7.1f} img/s ({n_s3} images, {t_s3:.2f} s), "
                   f"{n_s3 / t_s3 / (n_local / t_local):.2f}x; {proxy.requests} requests; batches equal: {same}")
+            if a.cache:  # dataset.cache: the first run fills it, a second daemon reads it (the bucket run above had none)
+                d = os.path.join(tmp, "cached")
+                os.makedirs(d)
+                cfg = _config(d, f"s3://{BUCKET}/bench", a.batch,
+                              cache={"dir": os.path.join(tmp, "bytes"), "max_bytes": "4GiB"})
+                for run in ("cold", "warm"):
+                    before = proxy.requests
+                    t, n, got = _run(cfg, env)
+                    same = all(np.array_equal(p[0], q[0]) and np.array_equal(p[1], q[1])
+                               for p, q in zip(ref, got, strict=True))
+                    print(f"bucket with dataset.cache, {run}: {n / t:7.1f} img/s ({t:.2f} s), "
+                          f"{n / t / (n_local / t_local):.2f}x; {proxy.requests - before} requests; batches equal: {same}")
         finally:
             proxy.stop()
             server.stop()

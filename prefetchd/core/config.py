@@ -67,6 +67,12 @@ class Config:
         if v.resize < size:
             raise ConfigError("validation.resize", f"must be >= augment.output_size ({size}), got {v.resize}")
         object.__setattr__(self, "validation", v)
+        c = self.dataset.cache
+        if c and self.buffer.dir:
+            d, b = os.path.realpath(c["dir"]), os.path.realpath(self.buffer.dir)
+            if d == b or d.startswith(b + os.sep) or b.startswith(d + os.sep):
+                raise ConfigError("dataset.cache.dir", f"{c['dir']} is in buffer.dir {self.buffer.dir} (the batch ring, "
+                                  "in RAM) or holds it: set it to a folder on a local disk outside it")
 
     def _train_capacity(self) -> int:
         c = self.buffer.capacity

@@ -59,9 +59,12 @@ class DatasetConfig:
     label_column: str = "label"  # Parquet: the label column (integers)
     # a bucket root's client options beyond the environment's (sources/objectstore.py); may hold a secret: no repr
     storage_options: dict = field(default_factory=dict, repr=False)
+    # a node-local cache of a bucket's fetched bytes, {dir, max_bytes} (sources/bytecache.py); {}: none
+    cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _bool(self.one_class, "dataset.one_class")
+        self._check_cache()
         so = self.storage_options
         if so is None:
             object.__setattr__(self, "storage_options", {})
@@ -98,11 +101,28 @@ class DatasetConfig:
             norm.append(e if e.startswith(".") else "." + e)
         object.__setattr__(self, "extensions", tuple(norm))
 
+    def _check_cache(self) -> None:
+        c = self.cache
+        if not c:
+            object.__setattr__(self, "cache", {})
+            return
+        if not isinstance(c, dict) or set(c) != {"dir", "max_bytes"}:
+            raise ConfigError("dataset.cache", f"must be {{dir: a folder on a local disk, max_bytes: a size such as "
+                              f"100GiB}}, got {c!r}")
+        if "://" not in (self.root or ""):
+            raise ConfigError("dataset.cache", "keeps a bucket's fetched bytes on a local disk, and dataset.root is "
+                              "not a bucket URL: remove dataset.cache")
+        size = parse_size(c["max_bytes"], "dataset.cache.max_bytes")
+        if size <= 0:
+            raise ConfigError("dataset.cache.max_bytes", f"must be a positive size such as 100GiB, got {c['max_bytes']!r}")
+        object.__setattr__(self, "cache", {"dir": _path(c["dir"], "dataset.cache.dir"), "max_bytes": size})
+
     def index_options(self, validation: bool = False) -> dict:
         """``sources.dataset.load_index``'s keyword arguments from this section (the validation set's
         layout is told by itself: ``auto``)."""
         return {"one_class": self.one_class, "label": self.label, "image_column": self.image_column,
-                "label_column": self.label_column, "storage_options": self.storage_options or None, **({} if validation else {"layout": self.layout})}
+                "label_column": self.label_column, "storage_options": self.storage_options or None,
+                "cache": self.cache or None, **({} if validation else {"layout": self.layout})}
 
 
 @dataclass(frozen=True)

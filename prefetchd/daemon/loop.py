@@ -448,13 +448,13 @@ class Daemon:
             if res.unavailable:  # the storage's fault, not the batch's: no back-off, said once per outage
                 if planner.finished(key):
                     planner.deferred(key, self.clock() + STORAGE_RETRY_S)
-                self.outages.failed(self._root_of(res.rank), res.error, self.clock())
+                self.outages.failed(self._root_of(res.rank), res.error, self.clock(), res.storage)
             elif planner.finished(key):
                 delay = planner.failed(key, self.clock())
                 log.error("batch r%d e%d b%d failed: %s; trying it again in %.0f s", *key, res.error, delay)
             self.failed_batches += 1
             return
-        self.outages.succeeded(self._root_of(res.rank), self.clock())
+        self.outages.succeeded(self._root_of(res.rank), self.clock(), res.storage)
         if not planner.finished(key):
             Ring._unlink(res.tmp_path)  # no longer wanted (the trainer moved on) or already made
             return

@@ -77,6 +77,15 @@ def families(rec: dict):
     yield gauge("prefetchd_quarantined_samples", "Samples quarantined (unreadable images)", rec.get("quarantined"))
     yield counter("prefetchd_samples_quarantined", "Samples quarantined (unreadable images), those of earlier runs "
                   "read at start included: increase() is the new ones", rec.get("quarantined"))
+    st = rec.get("storage")
+    if st:  # a bucket root (sources/objectstore.py): the workers' requests, bytes, errors and cache hits
+        for k, doc in (("requests", "Requests sent to the bucket by the workers (each try of a retried one)"),
+                       ("bytes", "Bytes the workers fetched from the bucket"),
+                       ("errors", "Requests to the bucket that failed (retried or not)"),
+                       ("cache_hits", "Reads served from the node-local cache (dataset.cache)"),
+                       ("cache_misses", "Reads the node-local cache did not hold (dataset.cache)"),
+                       ("cache_hit_bytes", "Bytes served from the node-local cache (dataset.cache)")):
+            yield counter(f"prefetchd_storage_{k}", doc, st.get(k))
     yield gauge("prefetchd_resident_memory_bytes", "Resident memory of the daemon and its workers", rec.get("rss_bytes"))
     yield gauge("prefetchd_blocked", "1 while the train stream's production waits on max_bytes or free space",
                 1 if rec.get("blocked") else 0)

@@ -23,9 +23,25 @@ class Outages:
     def __init__(self) -> None:
         self._out: dict[str, tuple[float, str]] = {}  # root -> (since, why)
         self._changed: dict[str, str] = {}  # "the archive PATH" -> why: until a restart
+        self._counts: dict[int, tuple] = {}  # worker pid -> its latest totals (``objectstore.counts``)
 
-    def failed(self, root: str, why: str, now: float) -> None:
+    def counted(self, storage: tuple) -> None:
+        """A worker's bucket totals, sent with a result (cumulative: a result lost loses nothing)."""
+        if storage:
+            self._counts[storage[0]] = storage[1:]
+
+    def storage(self) -> dict | None:
+        """The workers' bucket requests, bytes, errors and node-local cache hits, for status and
+        metrics; None when no worker has read a bucket."""
+        if not self._counts:
+            return None
+        t = [sum(c[k] for c in self._counts.values()) for k in range(6)]
+        return {"requests": t[0], "bytes": t[1], "errors": t[2], "cache_hits": t[3], "cache_misses": t[4],
+                "cache_hit_bytes": t[5], "cache_hit_rate": t[3] / (t[3] + t[4]) if t[3] + t[4] else None}
+
+    def failed(self, root: str, why: str, now: float, storage: tuple = ()) -> None:
         """A batch from ``root`` met unreadable storage (``why``: the worker's one line)."""
+        self.counted(storage)
         if StorageChanged.MARK in why:
             archive = why.partition(StorageChanged.MARK)[0]
             if archive not in self._changed:
@@ -38,8 +54,9 @@ class Outages:
                       "meanwhile", why, STORAGE_RETRY_S)
             self._out[root] = (now, why)
 
-    def succeeded(self, root: str, now: float) -> None:
+    def succeeded(self, root: str, now: float, storage: tuple = ()) -> None:
         """A batch from ``root`` was made: its outage, if any, is over."""
+        self.counted(storage)
         out = self._out.pop(root, None)
         if out is not None:
             log.info("the dataset root is readable again: %s (unreadable for %.1f s)", root, now - out[0])

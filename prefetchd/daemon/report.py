@@ -71,6 +71,7 @@ def status_record(d) -> dict:
         "main_cpu_s": _own_cpu_s(), "val_ranks": d.val.status(now) if d.val else None,
         "resume": d.segments.status(),
         "dataset_unreadable": d.outages.describe(),
+        "storage": d.outages.storage(),  # a bucket's requests, bytes, errors, cache hits (sources/objectstore.py)
         "sizing": list(d.sizing.why.values()),  # each auto value and why (core.sizing)
     }
 

@@ -22,8 +22,7 @@ import os
 import stat
 import time
 
-import psutil
-
+from prefetchd.core.bufferdir import is_tmpfs  # noqa: F401 - the daemon's callers import it from here
 from prefetchd.format import batchfile, jpegbatch
 from prefetchd.format.progress import VAL_LANE
 from prefetchd.format.status import FILE_MODE, LOCK_NAME
@@ -136,16 +135,6 @@ def _regroup_files(path: str, gid: int) -> None:
         for e in it:
             if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == os.geteuid():
                 os.chown(e.path, -1, gid, follow_symlinks=False)
-
-
-def is_tmpfs(path: str) -> bool:
-    real = os.path.realpath(path)
-    best, fstype = "", ""
-    for part in psutil.disk_partitions(all=True):
-        mp = part.mountpoint
-        if (real == mp or real.startswith(mp.rstrip("/") + "/")) and len(mp) > len(best):
-            best, fstype = mp, part.fstype
-    return fstype in ("tmpfs", "ramfs")
 
 
 class Lock:

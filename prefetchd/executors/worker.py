@@ -31,7 +31,7 @@ import os
 import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -46,6 +46,7 @@ from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, re
 from prefetchd.format import batchfile
 from prefetchd.format.progress import VAL_LANE
 from prefetchd.format.status import FILE_MODE
+from prefetchd.sources import objectstore
 from prefetchd.sources.dataset import Index, open_index_files
 
 _REPLACE_TAG = 0x52504C43  # "RPLC"
@@ -110,6 +111,7 @@ class Result:
     error: str | None = None  # the whole batch failed (e.g. the buffer filesystem is full)
     unavailable: bool = False  # ...because the dataset root could not be read (storage.StorageUnavailable)
     offset: int = 0  # the task's segment (``Task.offset``)
+    storage: tuple = ()  # a bucket's: this process's request totals (``sources.objectstore.counts``)
 
 
 @dataclass(frozen=True)
@@ -153,11 +155,16 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
+        self.bucket = any("://" in (r or "") for r in (self.cfg.dataset.root, self.cfg.validation.root))
         for root in (self.cfg.dataset.root, self.cfg.validation.root):
             if "://" in (root or ""):  # a bucket: its client made with dataset.storage_options (both sets' roots)
                 from prefetchd.sources.objectstore import store_for
 
                 store_for(root, self.cfg.dataset.storage_options or None)
+        if self.cfg.dataset.cache:  # a bucket's fetched bytes kept on local disk (sources/bytecache.py)
+            from prefetchd.sources import bytecache
+
+            bytecache.configure(self.cfg.dataset.cache)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
         if self.cfg.loader.shuffle == "block" and self.index.block_sizes() is not None:
@@ -372,6 +379,8 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
         except Exception as e:  # a bug or an unreadable dataset: report, do not die silently
             result = Result(task.rank, task.epoch, task.batch, None, error=f"{type(e).__name__}: {e}",
                             offset=task.offset)
+        if maker.bucket:  # this process's requests, bytes, errors and cache hits so far, with each result
+            result = replace(result, storage=objectstore.counts())
         try:
             conn.send(result)
         except (EOFError, OSError, BrokenPipeError):

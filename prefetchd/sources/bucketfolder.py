@@ -6,7 +6,8 @@ class's images in torchvision's order (folders by their whole path, then names);
 components, ``._*`` files and ``__MACOSX`` are skipped; extensions matched case-insensitively.
 A bucket has no empty folders and no symlinks, so those rules of the local scan have nothing to
 do here. The index's root is the URL, so ``Index.read`` reads each sample as one GET (whole
-object) through ``objectstore``.
+object) through ``objectstore``; the index keeps each object's size and ETag as listed, which key
+it in the node-local cache (``bytecache``, ``dataset.cache``) when there is one.
 
 Listing a large prefix takes minutes: the index is cached like a local one (the same
 ``meta.json`` and ``.npy`` files, written with no credential in them) and kept until a reload
@@ -21,7 +22,9 @@ import posixpath
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from prefetchd.sources import folder, objectstore
+import numpy as np
+
+from prefetchd.sources import bytecache, folder, objectstore
 from prefetchd.sources.base import (
     CACHE_VERSION,
     DatasetError,
@@ -44,22 +47,32 @@ META = "bucket-meta.json"  # not folder's meta.json: ``dataset.open_index_files`
 class BucketIndex(Index):
     """An ``Index`` whose root is a bucket URL: a sample is one GET of its object."""
 
+    sizes: np.ndarray | None = None  # int64 [n]: each object's size as listed (None: a cache from before)
+    etags: np.ndarray | None = None  # bytes [n]: each object's ETag as listed
+
     def read(self, i: int) -> bytes:
-        ahead = _AHEAD.pop((self.root, i), None)
-        if ahead is not None and ahead[0] == os.getpid():
-            return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
-        return objectstore.store_for(self.root).read(self.path(i))
+        return fetched(self.root, i, lambda: self._get(i))
 
     def prefetch(self, indices) -> None:
         """Start reading the objects of ``indices`` (a batch) with up to ``IN_FLIGHT`` GETs at once;
         ``read`` then takes each one's bytes. A batch's leftovers (a sample not read) are dropped."""
-        global _POOL
-        if _POOL is None or _POOL[0] != os.getpid():
-            _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
-        _AHEAD.clear()
+        fetch_ahead(self.root, indices, self._get)
+
+    def _get(self, i: int) -> bytes:
+        """The object's bytes: from the node-local cache (``bytecache``) when it holds them for the
+        ETag listed; else one GET, kept there when the object is still the one listed (an object
+        overwritten since is read as it is now, and not cached under the listed ETag)."""
         store = objectstore.store_for(self.root)
-        for i in dict.fromkeys(int(i) for i in indices):
-            _AHEAD[(self.root, i)] = (os.getpid(), _POOL[1].submit(store.read, self.path(i)))
+        kept = bytecache.current() if self.etags is not None else None
+        etag = self.etags[i].decode() if kept is not None else ""
+        if kept is not None and etag:
+            data = kept.get(self.path(i), etag, 0, int(self.sizes[i]))
+            if data is not None:
+                return data
+        data, now = store.read_tagged(self.path(i))
+        if kept is not None and etag and now == etag and len(data) == int(self.sizes[i]):
+            kept.put(self.path(i), etag, 0, data)
+        return data
 
     def content_stamp(self, i: int) -> str:
         """The object's size and ETag now (``Index.content_stamp``)."""
@@ -79,6 +92,31 @@ class BucketIndex(Index):
         return f"{self.root}, an ImageFolder in a bucket"
 
 
+def fetch_ahead(root: str, indices, fetch) -> None:
+    """Start ``fetch(i)`` for each of ``indices`` (a batch's samples of the index at ``root``) in
+    this process's pool of ``IN_FLIGHT`` threads; ``fetched`` takes each one's result. What the
+    batch before left unread is dropped."""
+    _AHEAD.clear()
+    for i in dict.fromkeys(int(i) for i in indices):
+        _AHEAD[(root, i)] = (os.getpid(), pool().submit(fetch, i))
+
+
+def pool() -> ThreadPoolExecutor:
+    """This process's pool of ``IN_FLIGHT`` threads for GETs (a forked child makes its own)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
+    return _POOL[1]
+
+
+def fetched(root: str, i: int, read):
+    """Sample ``i``'s bytes as ``fetch_ahead`` fetched them, else ``read()`` now."""
+    ahead = _AHEAD.pop((root, i), None)
+    if ahead is not None and ahead[0] == os.getpid():
+        return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
+    return read()
+
+
 def stamps_valid(stamps: list) -> bool:
     """A bucket's index is valid until a reload lists again (no directory mtimes to compare)."""
     return True
@@ -88,7 +126,7 @@ def open_files(cdir: str) -> BucketIndex | None:
     """The cached bucket index in ``cdir``, or None (none there, or another kind's cache)."""
     def build(meta: dict, arrays: dict) -> BucketIndex:
         return BucketIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
-                           meta["fingerprint"], files_dir=cdir)
+                           meta["fingerprint"], files_dir=cdir, sizes=arrays.get("sizes"), etags=arrays.get("etags"))
 
     return read_cache(cdir, META, CACHE_VERSION, build)
 
@@ -98,10 +136,10 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
     """The index of the ImageFolder under the bucket URL ``root``."""
     store = objectstore.store_for(root, storage_options, key)
     exts = tuple(e.lower() for e in extensions)
-    by_class: dict[str, list[tuple[str, str]]] = {}  # class -> (folder, name) of its images
+    by_class: dict[str, list[tuple[str, str, int, str]]] = {}  # class -> (folder, name, size, ETag) of its images
     apple = 0
     try:
-        for rel, _size, _etag in store.list(root):
+        for rel, size, etag in store.list(root):
             parts = rel.split("/")
             if len(parts) < 2 or any(p.startswith(".") or not p for p in parts) or parts[0] == folder.MACOSX:
                 continue
@@ -111,7 +149,7 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
                 continue
             by_class.setdefault(parts[0], [])
             if name.lower().endswith(exts):
-                by_class[parts[0]].append((posixpath.dirname(rel), name))
+                by_class[parts[0]].append((posixpath.dirname(rel), name, size, etag))
     except OSError as e:
         raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
     classes = sorted(by_class)
@@ -119,13 +157,17 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
         raise DatasetError(f"{key} {root} has no class folders (expected {root.rstrip('/')}/<class>/<image>)")
     rel_paths: list[bytes] = []
     labels: list[int] = []
+    sizes: list[int] = []
+    etags: list[bytes] = []
     empty = []
     for label, cls in enumerate(classes):
-        images = sorted(by_class[cls])  # torchvision's order: by folder path as str, then by name
+        images = sorted(by_class[cls])  # torchvision's order: by folder path as str, then by name (unique)
         if not images:
             empty.append(cls)
-        rel_paths.extend(f"{d}/{n}".encode("utf-8", "surrogateescape") for d, n in images)
+        rel_paths.extend(f"{d}/{n}".encode("utf-8", "surrogateescape") for d, n, _, _ in images)
         labels.extend([label] * len(images))
+        sizes.extend(s for _, _, s, _ in images)
+        etags.extend(e.encode() for _, _, _, e in images)
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))
@@ -134,7 +176,8 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
     if not rel_paths:
         raise DatasetError(f"{key} {root} holds no images with extensions {', '.join(exts)}")
     plain = build_index(root.rstrip("/"), classes, rel_paths, labels)
-    return BucketIndex(plain.root, plain.classes, plain.blob, plain.offsets, plain.labels, plain.fingerprint)
+    return BucketIndex(plain.root, plain.classes, plain.blob, plain.offsets, plain.labels, plain.fingerprint,
+                       sizes=np.asarray(sizes, np.int64), etags=np.asarray(etags, dtype=f"S{max(1, *map(len, etags))}"))
 
 
 def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cache: bool = True,
@@ -154,7 +197,7 @@ def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cach
     index = scan(root, extensions, f"{section}.root", storage_options)
     if use_cache:
         try:
-            write_cache(cdir, META, {k: getattr(index, k) for k in ("blob", "offsets", "labels")},
+            write_cache(cdir, META, {k: getattr(index, k) for k in ("blob", "offsets", "labels", "sizes", "etags")},
                         {"version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
                          "fingerprint": index.fingerprint, "stamps": [], "count": len(index)})
             index = open_files(cdir) or index

@@ -237,25 +237,25 @@ def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -
 def load_index(root: str | None, file_list: str | None, extensions: tuple[str, ...],
                cache_dir: str | None, use_cache: bool = True, devkit: str | None = None,
                section: str = "dataset", layout: str = "auto", label: str = "cls", image_column: str = "image",
-               label_column: str = "label", storage_options: dict | None = None) -> tuple[Index, bool]:
+               label_column: str = "label", storage_options: dict | None = None,
+               cache: dict | None = None) -> tuple[Index, bool]:
     """Return (index, from_cache). Scans and (re)writes the cache when it is missing or stale.
     ``devkit``: the ImageNet devkit that labels a flat validation set (``validation.devkit``).
     ``section``: the config section that names ``root`` or ``file_list`` (``validation`` for the
     validation set), so a message names the key the user wrote. ``layout``: ``dataset.layout``
     (``LAYOUTS``); ``label``: ``dataset.label`` (shards only); ``image_column``, ``label_column``:
-    Parquet's; ``storage_options``: a bucket root's client options (``dataset.storage_options``)."""
+    Parquet's; ``storage_options``: a bucket root's client options (``dataset.storage_options``);
+    ``cache``: its node-local cache of fetched bytes (``dataset.cache``, ``bytecache``)."""
     from prefetchd.sources import parquet, webdataset
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketfolder.py
-        if file_list is not None or devkit or layout not in ("auto", "imagefolder"):
-            raise DatasetError(f"{section}.root {root or file_list}: a bucket is read as an ImageFolder only so far "
-                               "(dataset.layout auto or imagefolder, no file_list or devkit); copy other layouts "
-                               "to a local disk")
-        from prefetchd.sources import bucketfolder
+    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketroot.py
+        from prefetchd.sources import bucketroot, bytecache
 
-        return bucketfolder.load(root, extensions, cache_dir, use_cache, section, storage_options)
+        bytecache.configure(cache)
+        return bucketroot.load(root, file_list, extensions, cache_dir, use_cache, devkit, section, layout, label,
+                               image_column, label_column, storage_options)
     found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
@@ -357,9 +357,10 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    from prefetchd.sources import bucketfolder, parquet
+    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
 
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
+        or bucketshards.open_files(files_dir) or bucketparquet.open_files(files_dir) \
         or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
@@ -370,9 +371,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    from prefetchd.sources import bucketfolder, parquet
+    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
 
-    for mod in (archive, parquet, bucketfolder):
+    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid

@@ -14,7 +14,8 @@ brings aiobotocore, botocore and an event loop per process.
   ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
   ``StorageChanged`` instead of another sample's bytes;
 * ``identity(handle)``: ``(size, ETag)``;
-* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client).
+* ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client);
+  ``list_top(url)``: its top level only (objects and sub-prefixes, delimited by ``/``).
 
 Credentials and endpoint come the provider's standard way: the shared credentials file's
 profile (``~/.aws/credentials``, ``AWS_PROFILE``: read here, ``aws_profile``) when no key is in
@@ -33,9 +34,11 @@ import logging
 import os
 import random
 import re
+import threading
 import time
 from datetime import timedelta
 
+from prefetchd.sources import bytecache
 from prefetchd.sources.base import DatasetError, StorageChanged
 
 log = logging.getLogger("prefetchd.objectstore")
@@ -85,7 +88,9 @@ def _os_error(e: Exception, url: str) -> OSError:
     from obstore import exceptions as x
 
     if isinstance(e, x.PreconditionError):
-        return StorageChanged(f"the archive {url}{StorageChanged.MARK} (its ETag differs)")
+        # (errno, message): the worker says its strerror (``executors.storage``), None without one
+        return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
+                              "in the bucket): batches from it wait; restart the daemon to index it again")
     code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
     return OSError(code, _first_line(e), url)
@@ -155,6 +160,19 @@ class ObjectStore:
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
 
+    def read_tagged(self, url: str) -> tuple[bytes, str]:
+        """The whole object and the ETag of what was read, one GET."""
+        def get():
+            got = self._obs.get(self.client(), self.object_key(url))
+            return bytes(got.bytes()), got.meta.get("e_tag") or ""
+
+        try:
+            data, etag = self._retry(get)
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        _count(bytes=len(data))
+        return data, etag
+
     def head(self, url: str) -> Handle:
         try:
             meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
@@ -175,16 +193,27 @@ class ObjectStore:
         self._handles[url] = h
         return h
 
-    def pread(self, h: Handle, size: int, offset: int) -> bytes:
+    def pread(self, h: Handle, size: int, offset: int, cache: bool = True) -> bytes:
+        """``size`` bytes at ``offset`` (fewer at the object's end); from the node-local cache
+        (``bytecache``) when it holds them for this ETag and ``cache``, which then keeps what is fetched."""
+        size = min(offset + size, h.size) - offset
         if size <= 0:
             return b""
-        options = {"range": (offset, min(offset + size, h.size))}
+        kept = bytecache.current() if cache and h.etag else None
+        if kept is not None:
+            data = kept.get(h.key, h.etag, offset, size)
+            if data is not None:
+                return data
+        options = {"range": (offset, offset + size)}
         if h.etag:
             options["if_match"] = h.etag
         try:
-            return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
+            data = self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
+        if kept is not None and len(data) == size:
+            kept.put(h.key, h.etag, offset, data)
+        return data
 
     def _retry(self, call):
         """``call()``, retried with exponential back-off and full jitter while the fault is
@@ -194,12 +223,17 @@ class ObjectStore:
         x = self._obs.exceptions
         delay, start, tries = _BACKOFF_START_S, None, 0
         while True:
+            _count(requests=1)
             try:
                 out = call()
+                if isinstance(out, bytes):
+                    _count(bytes=len(out))
             except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
                     x.InvalidPathError, x.NotSupportedError):
+                _count(errors=1)
                 raise
             except x.BaseError as e:
+                _count(errors=1)
                 now = time.monotonic()
                 if start is None:
                     start = now
@@ -237,6 +271,19 @@ class ObjectStore:
                         yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
+
+    def list_top(self, url: str) -> tuple[list[tuple[str, int, str]], list[str]]:
+        """The top level of the prefix ``url`` names, in one delimited listing: its objects'
+        ``(name, size, ETag)`` and its sub-prefixes' names (the "folders" under it)."""
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        try:
+            got = self._retry(lambda: self._obs.list_with_delimiter(self.client(), prefix=prefix or None))
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+        objects = [(m["path"][len(base):], int(m["size"]), m.get("e_tag") or "") for m in got["objects"]
+                   if m["path"].startswith(base)]
+        return objects, [p[len(base):].strip("/") for p in got["common_prefixes"] if p.startswith(base)]
 
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
@@ -297,6 +344,26 @@ _BACKOFF_START = timedelta(milliseconds=20)
 _BACKOFF_MAX = timedelta(milliseconds=200)
 _FAULT_SINCE: dict[str, float] = {}  # bucket -> when its fault episode began (this process)
 _STORES: dict[tuple[str, str], ObjectStore] = {}
+_COUNTS = {"requests": 0, "bytes": 0, "errors": 0}  # this process's, for status and metrics (``counts``)
+_COUNTS_LOCK = threading.Lock()  # a worker's GETs run in a thread pool
+
+
+def _count(**by: int) -> None:
+    with _COUNTS_LOCK:
+        for k, v in by.items():
+            _COUNTS[k] += v
+
+
+def counts() -> tuple:
+    """This process's totals since it started, ``(pid, requests, bytes, errors, cache hits, cache
+    misses, bytes from the cache)``: what a worker sends with each result (the daemon sums the
+    latest of each process: ``daemon.outages``); () when it has asked no bucket anything."""
+    c = bytecache.current()
+    hits = (c.stats["hits"], c.stats["misses"], c.stats["hit_bytes"]) if c is not None else (0, 0, 0)
+    if not _COUNTS["requests"] and not any(hits):
+        return ()
+    return (os.getpid(), _COUNTS["requests"], _COUNTS["bytes"], _COUNTS["errors"], *hits)
+_PROBE_BYTES = 1 << 20  # what ``probe`` reads of the first object
 
 
 def store_for(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> ObjectStore:
@@ -314,6 +381,10 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     store = store_for(url, storage_options, key)
     lines = [f"storage: {url} as {store.describe()}"]
     first = None
+    where = url  # the prefix listed: a brace pattern's or one object's folder (``bucketshards``)
+    if "{" in url or url.lower().endswith((".tar", ".parquet")):
+        where = url[:url.index("{")].rpartition("/")[0] if "{" in url else url.rpartition("/")[0]
+    url = where
     try:
         for rel, size, _ in store.list(url):
             first = (rel, size)
@@ -323,8 +394,8 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
     lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
-    try:
-        data = store.read(url.rstrip("/") + "/" + first[0])
+    try:  # its first bytes only: the first object may be a shard of gigabytes
+        data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
         raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")

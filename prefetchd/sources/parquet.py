@@ -32,6 +32,7 @@ another row's bytes. Reading needs ``pyarrow`` (``pip install 'prefetchd[parquet
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
@@ -180,42 +181,62 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
          key: str = "dataset.root") -> tuple[ParquetIndex, list]:
     """Index the Parquet files ``root`` names (see the module docstring). Returns the index and the
     stamps (each file's identity) that validate a cache of it."""
+    base, files = files_of(root, key)
+    index = collect(root, base, files, _opened_local, image_column, label_column, key)
+    return index, [[os.path.join(base, n), *ident] for n, ident in zip(files, index.identity, strict=True)]
+
+
+@contextlib.contextmanager
+def _opened_local(path: str):
+    """(a file object of ``path``, its identity taken before its footer is read), checked again after."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise DatasetError(f"the Parquet file {path} cannot be opened: {e.strerror}") from None
+    try:
+        ident = identity_of(os.fstat(fd))
+        with os.fdopen(os.dup(fd), "rb") as f:
+            yield f, ident
+        if identity_of(os.fstat(fd)) != ident:
+            raise DatasetError(f"{path} changed while it was being indexed: is a copy still writing it?")
+    finally:
+        os.close(fd)
+
+
+def collect(root: str, base: str, files: list[str], opened, image_column: str, label_column: str,
+            key: str) -> ParquetIndex:
+    """The index of ``files`` (relative to ``base``), each read through ``opened(path)``: a context
+    manager giving (a file object pyarrow reads, the file's identity), raising a DatasetError
+    when the file changed while it was read (a local file's ``_opened_local``, a bucket's
+    ``bucketparquet``)."""
     pq = pyarrow_parquet()
     import pyarrow as pa
 
-    base, files = files_of(root, key)
     if len(files) > 65535:
         raise DatasetError(f"{key} {root} names {len(files)} files; at most 65535 are supported")
-    rel, labels, fids, groups, rows, identity, stamps, skipped = [], [], [], [], [], [], [], []
+    rel, labels, fids, groups, rows, identity, skipped = [], [], [], [], [], [], []
     names: list[str] | None = None
     for a, name in enumerate(files):
         path = os.path.join(base, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise DatasetError(f"the Parquet file {path} cannot be opened: {e.strerror}") from None
-        try:
-            ident = identity_of(os.fstat(fd))
-            with os.fdopen(os.dup(fd), "rb") as f:
-                try:
-                    pf = pq.ParquetFile(f)
-                    _check_columns(pf.schema_arrow, path, image_column, label_column)
-                    col = pf.read(columns=[label_column]).column(0)
-                except (pa.ArrowException, OSError) as e:
-                    raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
-                                       "corrupt copy? write it again") from None
-                own = _class_names(pf.schema_arrow, label_column)
-                if names is not None and own is not None and own != names:  # label k is another class there
-                    raise DatasetError(f"{path}: its ClassLabel names ({', '.join(own[:4])} ...) are not those of "
-                                       f"{files[0]} ({', '.join(names[:4])} ...), so one label would be two classes: "
-                                       f"set {key} to the files of one data set")
-                names = names or own
-                sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
-                pathonly = _without_bytes(pf, image_column)
-            if identity_of(os.fstat(fd)) != ident:
-                raise DatasetError(f"{path} changed while it was being indexed: is a copy still writing it?")
-        finally:
-            os.close(fd)
+        with opened(path) as (f, ident):
+            try:
+                pf = pq.ParquetFile(f)
+                _check_columns(pf.schema_arrow, path, image_column, label_column)
+                col = pf.read(columns=[label_column]).column(0)
+            except StorageChanged:  # a bucket's object overwritten while it was read (its ETag moved)
+                raise DatasetError(f"{path} changed while it was being indexed: is an upload still writing it? start "
+                                   "again once it is complete") from None
+            except (pa.ArrowException, OSError) as e:
+                raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
+                                   "corrupt copy? write it again") from None
+            own = _class_names(pf.schema_arrow, label_column)
+            if names is not None and own is not None and own != names:  # label k is another class there
+                raise DatasetError(f"{path}: its ClassLabel names ({', '.join(own[:4])} ...) are not those of "
+                                   f"{files[0]} ({', '.join(names[:4])} ...), so one label would be two classes: "
+                                   f"set {key} to the files of one data set")
+            names = names or own
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.metadata.num_row_groups)]
+            pathonly = _without_bytes(pf, image_column)
         values = col.to_numpy(zero_copy_only=False)
         valid = np.asarray(col.is_valid())
         if pathonly is not None and sum(sizes) and pathonly.all():
@@ -239,7 +260,6 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
                     rows.append(r)
                 k += 1
         identity.append(ident)
-        stamps.append([path, *ident])
     if not rel:
         raise DatasetError(f"{key} {root}: its {len(files)} file(s) hold no labelled rows")
     top = max(labels)
@@ -254,7 +274,7 @@ def scan(root: str, image_column: str = "image", label_column: str = "label",
                          skipped=tuple(skipped[:1000]), kind="parquet", files=tuple(files),
                          file_ids=np.asarray(fids, np.uint16), group=np.asarray(groups, np.uint32),
                          row=np.asarray(rows, np.uint32), identity=tuple(identity), image_column=image_column)
-    return index, stamps
+    return index
 
 
 def _without_bytes(pf, column: str) -> np.ndarray | None:
@@ -310,13 +330,17 @@ class ParquetIndex(Index):
 
     def read(self, i: int) -> bytes:
         """Row ``i``'s image bytes (its row group's image column read, or kept from a read before)."""
-        a, g = int(self.file_ids[i]), int(self.group[i])
-        column = _group(self.file(i), a, g, self.identity[a], self.image_column)
+        column = self._column(i)
         value = column[int(self.row[i])].as_py()
         data = value.get("bytes") if isinstance(value, dict) else value
         if not data:
             raise OSError(errno.ENODATA, "the row holds no image bytes (an image kept by path only?)")
         return data
+
+    def _column(self, i: int):
+        """The image column of row ``i``'s row group."""
+        a, g = int(self.file_ids[i]), int(self.group[i])
+        return _group(self.file(i), a, g, self.identity[a], self.image_column)
 
     def content_stamp(self, i: int) -> str:
         a = int(self.file_ids[i])
@@ -350,7 +374,10 @@ _groups_pid = 0
 _read_bytes = [0]  # compressed bytes of the row groups read by this process (the amplification's numerator)
 
 
-def _group(path: str, a: int, g: int, identity: tuple, column: str):
+def _group(path: str, a: int, g: int, identity: tuple, column: str, read=None):
+    """Row group ``g``'s ``column`` of the file ``path`` (identity as indexed: ``identity``), kept
+    for the next samples of it; ``read(path, g, identity, column)`` reads it (``_read_group``: a
+    local file; ``bucketparquet``'s: an object)."""
     global _groups_pid
     if _groups_pid != os.getpid():
         _groups.clear()
@@ -359,6 +386,15 @@ def _group(path: str, a: int, g: int, identity: tuple, column: str):
     if hit is not None:
         _groups.move_to_end((path, g))
         return hit
+    got = (read or _read_group)(path, g, identity, column)
+    _groups[(path, g)] = got
+    kept = sum(c.nbytes for c in _groups.values())
+    while len(_groups) > _GROUPS_KEPT or (kept > _BYTES_KEPT and len(_groups) > 1):
+        kept -= _groups.popitem(last=False)[1].nbytes  # the oldest first, the group just read kept
+    return got
+
+
+def _read_group(path: str, g: int, identity: tuple, column: str):
     pq = pyarrow_parquet()
     fd = LOCAL.open(path)
     try:
@@ -392,10 +428,6 @@ def _group(path: str, a: int, g: int, identity: tuple, column: str):
         LOCAL.forget(path)
         raise StorageChanged(errno.ESTALE, f"the archive {path}{StorageChanged.MARK} ({', '.join(changed)} moved): "
                              "its rows may be others now, so batches from it wait; restart the daemon to index it again")
-    _groups[(path, g)] = got
-    kept = sum(c.nbytes for c in _groups.values())
-    while len(_groups) > _GROUPS_KEPT or (kept > _BYTES_KEPT and len(_groups) > 1):
-        kept -= _groups.popitem(last=False)[1].nbytes  # the oldest first, the group just read kept
     return got
 
 

@@ -26,6 +26,17 @@ _OTHER = {b"1": "a hard link", b"2": "a symbolic link", b"3": "a character devic
           b"6": "a FIFO", b"S": "a GNU sparse file", b"g": "a PAX global header (its settings are not applied)"}
 
 
+def pread(src, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset`` of ``src``: a descriptor, or an object with ``pread(size, offset)``
+    and ``size`` (a shard in a bucket read in large ranged chunks: ``bucketshards.ShardFile``)."""
+    return os.pread(src, size, offset) if isinstance(src, int) else src.pread(size, offset)
+
+
+def size_of(src) -> int:
+    """The size of ``src`` (as ``pread`` takes it)."""
+    return os.fstat(src).st_size if isinstance(src, int) else src.size
+
+
 def show(name: bytes) -> str:
     return os.fsdecode(name)
 
@@ -100,7 +111,7 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
         i = off - at
         if i + BLOCK > len(win):
             chunk = min(2 * chunk, _WINDOW_MAX) if off - at - len(win) < chunk else _WINDOW_MIN
-            win, at, i = os.pread(fd, min(chunk, end - off), off), off, 0
+            win, at, i = pread(fd, min(chunk, end - off), off), off, 0
             if len(win) < BLOCK:
                 break
         hdr = win[i:i + BLOCK]
@@ -116,7 +127,7 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
             continue
         if kind == b"S" and hdr[482]:  # old GNU sparse: extension blocks follow the header
             while True:
-                ext_block = os.pread(fd, BLOCK, data)
+                ext_block = pread(fd, BLOCK, data)
                 data += BLOCK
                 if len(ext_block) < BLOCK or data > end or not ext_block[504]:
                     break
@@ -132,7 +143,7 @@ def walk(fd: int, start: int, end: int, where: str, skipped: list, top: str = ""
         header_at, off, last = off, data + -(-size // BLOCK) * BLOCK, name
         if kind in _EXTENSIONS:
             j = data - at
-            body = win[j:j + size] if j + size <= len(win) else os.pread(fd, size, data) if size <= _MAX_EXTENSION else b""
+            body = win[j:j + size] if j + size <= len(win) else pread(fd, size, data) if size <= _MAX_EXTENSION else b""
             _extension(body, kind, name, size, ext, skipped, where, header_at - start)
             continue
         if ext:

@@ -63,7 +63,7 @@ from prefetchd.sources.archive import (
 from prefetchd.sources.base import DatasetError, cache_path, numbered_classes
 from prefetchd.sources.shardnames import resolve
 from prefetchd.sources.store import identity_of
-from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, show, walk
+from prefetchd.sources.tarheaders import BLOCK, _header, _pax_records, pread, show, size_of, walk
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -111,7 +111,7 @@ def _label(fd: int, sample: dict[bytes, tuple[int, int]], bodies: dict, how: str
         return f"its .{ext.decode()} member is {size} bytes: not a label"
     text = bodies.get(ext)
     if text is None:
-        text = os.pread(fd, size, pos)
+        text = pread(fd, size, pos)
     try:
         if how == "cls":
             value = int(text.strip())
@@ -136,7 +136,7 @@ def scan_shard(fd: int, where: str, exts: tuple[bytes, ...], how: str, jkey: str
 
     One pass over the headers (``tarheaders.walk``): consecutive members of one key are grouped as
     webdataset groups them, and a label member's data is taken from the read that held its header."""
-    size = os.fstat(fd).st_size
+    size = size_of(fd)
     if size == 0:
         raise DatasetError(f"the shard {where} is empty (0 bytes): not a tar; an interrupted write? write it again "
                            "or take it out of dataset.root")
@@ -265,29 +265,44 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
     processes to scan in (1: this one alone); None: as many as pay (``_procs``)."""
     how, jkey = parse_label(label)
     base, shards, stamps = resolve(root, key)
+    exts = tuple(e.lower().encode() for e in extensions)
+    identity = []
+
+    def results():
+        with contextlib.closing(_scanned(jobs, procs)) as found:
+            for a, (ident, skipped, rows, bad) in enumerate(found):
+                identity.append(ident)
+                stamps.append([jobs[a][0], *ident])
+                yield rows, bad, skipped
+
+    jobs = [(os.path.join(base, rel), rel, exts, how, jkey) for rel in shards]
+    with contextlib.closing(results()) as scanned:
+        index = collect(root, base, shards, scanned, extensions, label, key)
+    return replace(index, identity=tuple(identity)), stamps
+
+
+def collect(root: str, base: str, shards: list[str], scanned, extensions: tuple[str, ...], label: str,
+            key: str) -> TarIndex:
+    """The index of ``shards`` (names relative to ``base``) from ``scanned``: each shard's
+    ``scan_shard`` result (rows, the first row the index cannot hold or None) and skipped list, in
+    the shards' order (a local scan's or a bucket's, ``bucketshards``). Its ``identity`` is the
+    caller's to set."""
     if len(shards) > 65535:
         raise DatasetError(f"{key} {root} names {len(shards)} shards; at most 65535 are supported")
-    exts = tuple(e.lower().encode() for e in extensions)
     out = Arrays()
     out.multi = len(shards) > 1
     notes: list = []
-    identity = []
     empty = []
-    jobs = [(os.path.join(base, rel), rel, exts, how, jkey) for rel in shards]
     sbar = bar(total=len(shards), desc=f"indexing {root}", unit="shard", leave=False)
-    with contextlib.closing(_scanned(jobs, procs)) as results:
-        for a, (rel, (ident, skipped, rows, bad)) in enumerate(zip(shards, results, strict=True)):
-            path = jobs[a][0]
-            identity.append(ident)
-            stamps.append([path, *ident])
-            warn_skipped(path, skipped, notes)
-            if bad is not None:
-                raise DatasetError(bad)
-            out.extend(rows, a)
-            if not len(rows.labels):
-                empty.append(rel)
-            sbar.update()
-            sbar.set_postfix_str(f"{len(out.labels):,} samples", refresh=False)
+    for a, (rel, (rows, bad, skipped)) in enumerate(zip(shards, scanned, strict=True)):
+        warn_skipped(os.path.join(base, rel), skipped, notes)
+        if bad is not None:
+            raise DatasetError(bad)
+        out.extend(rows, a)
+        if not len(rows.labels):
+            empty.append(rel)
+        sbar.update()
+        sbar.set_postfix_str(f"{len(out.labels):,} samples", refresh=False)
     sbar.close()
     if empty:
         note = (f"{len(empty)} shard(s) hold no samples: {', '.join(empty[:5])}{' ...' if len(empty) > 5 else ''}")
@@ -297,11 +312,11 @@ def scan(root: str, extensions: tuple[str, ...], label: str = "cls",
         raise DatasetError(f"{key} {root}: its {len(shards)} shard(s) hold no samples with an image "
                            f"({', '.join(extensions)}) and a label ({label})" + (
                                f"; e.g. {notes[0]}" if notes else ""))
-    top = max(out.labels) if how != "none" else -1
+    top = max(out.labels) if parse_label(label)[0] != "none" else -1
     k = out.labels.index(top)  # the sample of the largest label, for a message
     where = os.path.join(base, show(bytes(out.blob[out.ends[k]:out.ends[k + 1]])))
     index = out.index(base, numbered_classes(top, key, root, where), LAYOUT, tuple(shards))
-    return replace(index, identity=tuple(identity), skipped=kept_notes(notes), kind=LAYOUT), stamps
+    return replace(index, skipped=kept_notes(notes), kind=LAYOUT)
 
 
 def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | None, use_cache: bool = True,
@@ -335,7 +350,7 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
     for _ in range(probe):
         if off + BLOCK > size:
             break
-        hdr = os.pread(fd, BLOCK, off)
+        hdr = pread(fd, BLOCK, off)
         if len(hdr) < BLOCK or hdr == bytes(BLOCK):
             break
         try:
@@ -344,7 +359,7 @@ def looks_like_shards(fd: int, size: int, exts: tuple[bytes, ...], probe: int = 
             return False
         data, off = off + BLOCK, off + BLOCK + -(-n // BLOCK) * BLOCK
         if kind in (b"L", b"x") and n <= _LABEL_MEMBER_MAX:  # a name over 100 bytes: the next member's
-            body = os.pread(fd, n, data)
+            body = pread(fd, n, data)
             try:
                 long_name = body.split(b"\0", 1)[0] if kind == b"L" else _pax_records(body).get(b"path", long_name)
             except ValueError:

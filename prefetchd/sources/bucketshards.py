@@ -1,0 +1,263 @@
+"""WebDataset shards in a bucket: ``s3://bucket/prefix/`` holding ``.tar`` objects, a brace pattern
+of object names (``s3://bucket/wds/train-{000000..000099}.tar``) or one ``.tar`` object.
+
+**The same index** as ``webdataset.scan`` gives for the same shards on a disk: the same code reads
+the headers and labels (``webdataset.scan_shard``, ``tarheaders.members``) and builds the index
+(``webdataset.collect``), so the same seed gives the same batches from either. The shards are a
+prefix's top-level ``.tar`` objects by name (a listing with ``/`` as delimiter: one request per
+1,000 objects, nothing under the folders beside them), or the objects a pattern names, all of
+which must be there (``shardnames``' rules and messages: numbers missing between the first and
+last, the shards of several splits).
+
+**Indexing over the network.** A shard's headers and label members are read through a
+``ShardFile``: the object fetched in ranged GETs of ``CHUNK`` bytes (8 MiB), each chunk at most
+once, into a sparse temporary file in the index cache's folder (local disk, deleted as soon as the
+shard is indexed); only the chunks that hold a header or a label are fetched, so a shard of
+members larger than a chunk is not read whole. Never one request per member: a shard of N bytes
+costs at most ``ceil(N / CHUNK)`` GETs. ``SCANS_IN_FLIGHT`` shards are indexed at once (their GETs
+overlap each other's latency); the temporary files then hold at most that many shards' bytes.
+
+**Identity.** A shard's identity is its (size, ETag) as listed. Every ranged GET, of the scan and of
+each sample, is sent with ``If-Match: <that ETag>``: an object overwritten since answers 412, which
+is a one-line error during the scan and ``StorageChanged`` in a worker (its batches wait, said once
+in the log; a restart indexes it anew), never another sample's bytes under the indexed label. The
+index is cached like a local one (``bucket-tarmeta.json`` and the ``.npy`` files, keyed on the root,
+the label and the endpoint, with no credential in them); a start with a cached index lists the
+shards again and indexes anew when their names, a size or an ETag differ.
+
+**Reading.** A sample is one ranged GET of its member's bytes; a worker starts the GETs of the
+batch it makes together (``bucketfolder.fetch_ahead``, ``IN_FLIGHT`` at once).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import posixpath
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+from prefetchd.sources import bucketfolder, objectstore, shardnames, webdataset
+from prefetchd.sources.archive import TarIndex
+from prefetchd.sources.base import (
+    DatasetError,
+    StorageChanged,
+    cache_path,
+    default_cache_dir,
+    read_cache,
+    write_cache,
+)
+from prefetchd.sources.tarheaders import BLOCK
+
+log = logging.getLogger("prefetchd.dataset")
+
+META = "bucket-tarmeta.json"  # not archive's tarmeta.json: ``dataset.open_index_files`` tells the kinds apart by it
+_VERSION = 1
+CHUNK = 8 << 20  # bytes of a shard one GET of the scan fetches
+SCANS_IN_FLIGHT = 8  # shards indexed at once
+_ARRAYS = ("blob", "offsets", "labels", "archive_ids", "block", "size")
+
+
+@dataclass(frozen=True)
+class BucketShardIndex(TarIndex):
+    """A ``TarIndex`` of shards in a bucket: ``identity`` holds each shard's (size, ETag)."""
+
+    def read(self, i: int) -> bytes:
+        return bucketfolder.fetched(self.root, i, lambda: self._get(i))
+
+    def prefetch(self, indices) -> None:
+        """Start the ranged GETs of ``indices`` (a batch) together; ``read`` takes each one's bytes."""
+        bucketfolder.fetch_ahead(self.root, indices, self._get)
+
+    def _get(self, i: int) -> bytes:
+        a = 0 if self.archive_ids is None else int(self.archive_ids[i])
+        size, etag = self.identity[a]
+        n = int(self.size[i])
+        handle = objectstore.Handle(self.archive(i), int(size), etag)  # If-Match: the ETag indexed, no HEAD
+        data = objectstore.store_for(self.root).pread(handle, n, int(self.block[i]) * BLOCK)
+        if len(data) != n:
+            raise OSError(errno.EIO, f"the shard {self.archive(i)} ends {n - len(data)} bytes short of this member")
+        return data
+
+    def archive(self, i: int) -> str:
+        return f"{self.root}/{self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]}"
+
+    def path(self, i: int) -> str:
+        return f"{self.root}/{self.relpath(i)}"
+
+    def describe(self) -> str:
+        return f"{self.root}, WebDataset shards in a bucket (indexed in {self.scan_s:.1f} s)"
+
+
+class ShardFile:
+    """A shard in a bucket as ``tarheaders.pread`` reads it (see the module docstring): ``pread``
+    fetches the ``CHUNK``-byte chunks a read touches that are not fetched yet (ranged GETs with
+    If-Match, so the bytes are all of the listed object) into a sparse temporary file."""
+
+    def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0):
+        self.store, self.url, self.size, self.chunk = store, url, size, chunk or CHUNK
+        self.handle = objectstore.Handle(url, size, etag)
+        self._file = tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+        self._have: set[int] = set()
+        self.gets = 0
+
+    def pread(self, size: int, offset: int) -> bytes:
+        end = min(offset + size, self.size)
+        if end <= offset:
+            return b""
+        fd = self._file.fileno()
+        c = self.chunk
+        for k in range(offset // c, (end - 1) // c + 1):
+            if k not in self._have:
+                want = min(c, self.size - k * c)
+                data = self.store.pread(self.handle, want, k * c, cache=False)  # no sample reads it again
+                self.gets += 1
+                if len(data) != want:
+                    raise OSError(errno.EIO, f"{len(data)} bytes at offset {k * c}, not {want}", self.url)
+                os.pwrite(fd, data, k * c)
+                self._have.add(k)
+        return os.pread(fd, end - offset, offset)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def shards_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[str], dict[str, tuple[int, str]]]:
+    """(the base URL the shard names are relative to, the shard names in order, each one's
+    (size, ETag) as listed) of the bucket ``root``; a one-line DatasetError naming ``key`` when
+    it names no shards."""
+    scheme, bucket, prefix = objectstore.split(root, key)
+    top = f"{scheme}://{bucket}"
+    try:
+        if shardnames.is_pattern(prefix):
+            base_key = posixpath.dirname(prefix[:prefix.index("{")])  # a brace may stand for folders too
+            base = f"{top}/{base_key}" if base_key else top
+            names = [posixpath.relpath(p, base_key) if base_key else p for p in shardnames.expand(prefix)]
+            listed = {rel: (size, etag) for rel, size, etag in store.list(base)}
+            absent = [n for n in names if n not in listed]
+            if absent:
+                raise shardnames._missing(key, root, names, absent, "the pattern names")
+            return base, names, {n: listed[n] for n in names}
+        if prefix.lower().endswith(".tar"):
+            h = store.head(root)
+            base, _, name = root.rpartition("/")
+            return base, [name], {name: (h.size, h.etag)}
+        objects, folders = store.list_top(root)
+    except FileNotFoundError:
+        raise DatasetError(f"{key} {root}: no such object in the bucket (check the bucket and the key)") from None
+    except OSError as e:
+        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+    listed = {n: (size, etag) for n, size, etag in objects if not n.startswith(".")}
+    tars = sorted(n for n in listed if n.lower().endswith(".tar"))
+    if not tars:
+        packed = sorted(n for n in listed if n.lower().endswith(shardnames.COMPRESSED))
+        if packed:
+            raise DatasetError(f"{key} {root} holds compressed shards ({packed[0]} ...), not .tar ones: shards are read "
+                               "in place, uncompressed; decompress them (gunzip, zstd -d, ...) and upload them again")
+        if not listed and not folders:
+            raise DatasetError(f"{key} {root} lists no objects: check the bucket and the prefix")
+        seen = [f + "/" for f in folders[:3]] + sorted(listed)[:3]
+        raise DatasetError(f"{key} {root} holds no .tar shards at its top level (it holds {', '.join(seen[:3])} ...): "
+                           "set it to the prefix of the shards, or dataset.layout to what it is")
+    shardnames._one_split(key, root, tars)
+    shardnames._no_gaps(key, root, tars)
+    return root.rstrip("/"), tars, {n: listed[n] for n in tars}
+
+
+def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tmpdir: str) -> BucketShardIndex:
+    """Index the shards the bucket ``root`` names (see the module docstring)."""
+    how, jkey = webdataset.parse_label(label)
+    base, shards, idents = shards_of(root, store, key)
+    exts = tuple(e.lower().encode() for e in extensions)
+    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+
+    def one(rel: str) -> tuple:
+        url = f"{base}/{rel}"
+        f = ShardFile(store, url, *idents[rel], tmpdir)
+        skipped: list = []
+        try:
+            rows, bad = webdataset.scan_shard(f, url, exts, how, jkey, skipped, os.fsencode(rel) + b"/")
+            return rows, bad, skipped
+        except StorageChanged:
+            raise DatasetError(f"the shard {url} changed while it was being indexed (its ETag differs): is an upload "
+                               "still writing it? start again once it is complete") from None
+        except OSError as e:
+            raise DatasetError(f"the shard {url} cannot be read: {e.strerror or e}") from None
+        finally:
+            f.close()
+
+    with ThreadPoolExecutor(SCANS_IN_FLIGHT, thread_name_prefix="prefetchd-index") as pool:
+        index = webdataset.collect(root, base, shards, pool.map(one, shards), extensions, label, key)
+    return BucketShardIndex(**{**_fields(index), "identity": tuple(idents[n] for n in shards)})
+
+
+def _fields(index: TarIndex) -> dict:
+    return {f: getattr(index, f) for f in ("root", "classes", "blob", "offsets", "labels", "fingerprint", "skipped",
+                                           "kind", "layout", "archives", "archive_ids", "block", "size", "scan_s")}
+
+
+def stamps_valid(stamps: list) -> bool:
+    """Still the shards indexed? One HEAD each (a reload asks; a start lists instead: ``load``)."""
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            now = list(pool.map(lambda s: objectstore.store_for(s[0]).head(s[0]), stamps))
+    except (OSError, DatasetError):
+        return False
+    return all([h.size, h.etag] == list(s[1:]) for s, h in zip(stamps, now, strict=True))
+
+
+def load_cached(cdir: str, validate: bool = False) -> BucketShardIndex | None:
+    """The cached index in ``cdir`` (``load`` checks it against a listing; a worker opens it as is)."""
+    def build(meta: dict, arrays: dict) -> BucketShardIndex:
+        return BucketShardIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"],
+                                arrays["labels"], meta["fingerprint"], files_dir=cdir, layout=meta["layout"],
+                                archives=tuple(meta["archives"]), archive_ids=arrays.get("archive_ids"),
+                                block=arrays.get("block"), size=arrays.get("size"), scan_s=meta["scan_s"],
+                                identity=tuple((int(s), e) for s, e in meta["identity"]),
+                                skipped=tuple(meta.get("skipped", ())), kind=meta.get("kind", "webdataset"))
+
+    return read_cache(cdir, META, _VERSION, build)
+
+
+def open_files(cdir: str) -> BucketShardIndex | None:
+    """The cached bucket shards index in ``cdir`` (what workers open), or None if it is another kind's."""
+    return load_cached(cdir) if os.path.exists(os.path.join(cdir, META)) else None
+
+
+def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | None, use_cache: bool = True,
+         key: str = "dataset.root", storage_options: dict | None = None) -> tuple[BucketShardIndex, bool]:
+    """(index, from_cache) of the shards the bucket URL ``root`` names."""
+    store = objectstore.store_for(root, storage_options, key)
+    endpoint = store.endpoint()
+    cdir = cache_path(cache_dir, f"{root}|label={label}" + (f" at {endpoint}" if endpoint else ""),
+                      "bucket-webdataset", extensions)
+    if use_cache:
+        cached = load_cached(cdir)
+        if cached is not None:
+            base, shards, idents = shards_of(root, store, key)  # one listing: still the shards indexed?
+            now = tuple(idents[n] for n in shards)
+            if (base, tuple(shards), now) == (cached.root, cached.archives, cached.identity):
+                return cached, True
+            moved = [n for n, was, is_ in zip(cached.archives, cached.identity, now, strict=False) if was != is_]
+            log.warning("the shards under %s changed since they were indexed (%s): indexing them again", root,
+                        f"{len(moved)} overwritten, e.g. {moved[0]}" if moved else "other shards")
+    t0 = time.monotonic()
+    index = scan(root, extensions, label, key, store, os.path.join(cache_dir or default_cache_dir(), "tmp"))
+    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
+    if use_cache:
+        try:
+            write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
+                        {"version": _VERSION, "layout": index.layout, "root": index.root,
+                         "classes": list(index.classes), "archives": list(index.archives),
+                         "fingerprint": index.fingerprint, "count": len(index), "scan_s": index.scan_s,
+                         "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
+                         "kind": index.kind,
+                         "stamps": [[f"{index.root}/{n}", *ident] for n, ident in zip(index.archives, index.identity,
+                                                                                        strict=True)]})
+            index = load_cached(cdir) or index
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
+    return index, False

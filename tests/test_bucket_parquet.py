@@ -1,0 +1,206 @@
+"""Parquet files in a bucket against a real S3 server (SeaweedFS on loopback, tests/s3fixture.py), no
+mock: the index is the local files' (a folder prefix, a glob, one object), built from footers and
+label columns with ranged GETs (counted at a proxy: never the images); a sample's read is its row
+group's column chunk, one ranged GET; an object overwritten in the bucket is never read as other
+rows, and a start indexes it anew; bad roots are one line naming the key; the real daemon makes
+the local files' batches byte for byte."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from conftest import small_config
+from s3fixture import BUCKET, SECRET_KEY
+from s3proxy import FaultProxy
+from test_daemon import collect
+
+pq = pytest.importorskip("pyarrow.parquet")
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+from test_parquet import _rows, hf_table  # noqa: E402
+
+from prefetchd.sources import objectstore  # noqa: E402
+from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
+from prefetchd.sources.dataset import load_index  # noqa: E402
+
+EXTS = (".jpeg", ".jpg", ".png")
+ROWS = 30
+GROUP = 5
+
+
+@pytest.fixture(scope="session")
+def local_hf(tmp_path_factory):
+    """``ROWS`` rows as Hugging Face writes a split: two files of row groups of ``GROUP`` rows."""
+    folder = tmp_path_factory.mktemp("hf")
+    rows = _rows(ROWS, seed=12)
+    half = ROWS // 2
+    for k in range(2):
+        pq.write_table(hf_table(rows[half * k:half * k + half]), folder / f"train-{k:05d}-of-00002.parquet",
+                       row_group_size=GROUP)
+    return str(folder), rows
+
+
+@pytest.fixture(scope="session")
+def bucket_hf(s3, local_hf) -> str:
+    assert s3.upload_tree(local_hf[0], "hf") == 2
+    return f"s3://{BUCKET}/hf"
+
+
+@pytest.fixture
+def proxy(s3):
+    p = FaultProxy(s3.port)
+    yield p
+    p.stop()
+
+
+def _same(index, local) -> None:
+    assert index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert [index.relpath(i) for i in range(len(index))] == [local.relpath(i) for i in range(len(local))]
+    assert [local.read(i) for i in range(len(local))] == [index.read(i) for i in range(len(index))]
+
+
+def test_the_bucket_parquet_index_is_the_local_one_read_with_ranged_gets(s3_env, bucket_hf, local_hf, proxy,
+                                                                           monkeypatch, tmp_path):
+    local, _ = load_index(local_hf[0], None, EXTS, str(tmp_path / "local-cache"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    index, cached = load_index(bucket_hf, None, EXTS, str(tmp_path / "cache"))
+    assert not cached and index.kind == "parquet" and index.root == bucket_hf
+    # auto's listing, the files' listing, then per file its footer and its label column's chunks (one a row
+    # group at most): never the image column
+    assert proxy.requests <= 2 + 2 * (1 + ROWS // GROUP), proxy.requests
+    before = proxy.requests
+    for i in range(len(index)):
+        assert index.read(i) == local.read(i)
+    groups = ROWS // GROUP
+    # a row group's image column: one GET (two files' footers: one GET each, kept by the process)
+    assert proxy.requests - before <= groups + 2, proxy.requests - before
+    _same(index, local)
+    again, cached = load_index(bucket_hf, None, EXTS, str(tmp_path / "cache"))
+    assert cached and again.fingerprint == index.fingerprint
+    for root in (bucket_hf + "/train-*.parquet", bucket_hf + "/train-0000[01]-of-00002.parquet"):
+        other, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
+        _same(other, local)
+    one, _ = load_index(bucket_hf + "/train-00001-of-00002.parquet", None, EXTS, str(tmp_path / "cache"))
+    assert len(one) == ROWS // 2 and one.read(0) == local.read(ROWS // 2)
+    for dirpath, _, files in os.walk(tmp_path / "cache"):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                assert SECRET_KEY.encode() not in f.read()
+
+
+def test_an_overwritten_parquet_object_is_never_read_as_other_rows_and_a_start_indexes_it_anew(
+        s3, s3_env, local_hf, tmp_path, caplog):
+    folder, rows = local_hf
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            s3.put(f"hfover/{name}", f.read())
+    root = f"s3://{BUCKET}/hfover"
+    index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
+    assert index.read(len(index) - 1) == rows[-1][0]
+    import io
+
+    buf = io.BytesIO()
+    pq.write_table(hf_table(rows[ROWS // 2:][::-1]), buf, row_group_size=GROUP)  # other rows in the same places
+    s3.put("hfover/train-00001-of-00002.parquet", buf.getvalue())
+    objectstore._STORES.clear()
+    from prefetchd.sources import bucketparquet
+
+    bucketparquet._FOOTERS.clear()
+    from prefetchd.sources import parquet
+
+    parquet._groups.clear()
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        index.read(len(index) - 1)
+    assert index.read(0) == rows[0][0]  # the other file reads on
+    with caplog.at_level("WARNING", logger="prefetchd.dataset"):
+        again, cached = load_index(root, None, EXTS, str(tmp_path / "cache"))
+    assert not cached and "1 overwritten, e.g. train-00001-of-00002.parquet" in caplog.text
+    assert again.read(len(again) - 1) == rows[ROWS // 2][0] and int(again.labels[-1]) == rows[ROWS // 2][1]
+
+
+def _error(root, tmp_path, **kw) -> str:
+    with pytest.raises(DatasetError) as e:
+        load_index(root, None, EXTS, str(tmp_path / "cache"), **kw)
+    said = str(e.value)
+    assert "\n" not in said and "s3://" in said, said  # the root (dataset.root) or the object at fault
+    return said
+
+
+def test_bad_bucket_parquet_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_hf, image_root, tmp_path):
+    assert "lists no objects" in _error(f"s3://{BUCKET}/no-such-prefix", tmp_path, layout="parquet")
+    assert "matches no objects" in _error(f"s3://{BUCKET}/hf/test-*.parquet", tmp_path)
+    assert "no such object" in _error(f"s3://{BUCKET}/hf/nothere.parquet", tmp_path)
+    s3.upload_tree(image_root, "pimgs")
+    said = _error(f"s3://{BUCKET}/pimgs", tmp_path, layout="parquet")
+    assert "holds no .parquet files at its top level" in said and "n00000000/" in said, said
+    s3.put("splits/train-00000-of-00001.parquet", b"x")
+    s3.put("splits/test-00000-of-00001.parquet", b"x")
+    assert "holds the Parquet files of 2 splits" in _error(f"s3://{BUCKET}/splits", tmp_path)
+    s3.put("cut/train.parquet", b"PAR1" + bytes(100))
+    assert "is not a readable Parquet file" in _error(f"s3://{BUCKET}/cut", tmp_path)
+    s3.put("nocol/train.parquet", b"")
+    import io
+
+    import pyarrow as pa
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"img": [b"x"], "label": [1]}), buf)
+    s3.put("nocol/train.parquet", buf.getvalue())
+    assert "has no column 'image'" in _error(f"s3://{BUCKET}/nocol", tmp_path)
+
+
+def test_the_daemon_on_bucket_parquet_makes_the_local_files_batches_and_writes_no_secret(
+        s3, bucket_hf, local_hf, tmp_path, daemon_factory):
+    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
+    local_dir.mkdir()
+    bucket_dir.mkdir()
+    local_cfg = small_config(local_dir, local_hf[0])
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg)
+    assert d.stop() == 0
+    cfg = small_config(bucket_dir, bucket_hf)
+    d = daemon_factory(cfg, env=s3.env())
+    got = collect(cfg)
+    assert d.stop() == 0
+    assert sorted(got) == sorted(ref) and len(ref) >= 8
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names] + [d.log_path]
+    assert any(p.endswith("bucket-parquetmeta.json") for p in written)
+    for path in written:
+        with open(path, "rb") as f:
+            assert SECRET_KEY.encode() not in f.read(), path
+
+
+def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, local_hf, tmp_path):
+    import io
+
+    from prefetchd.sources.dataset import unchanged_since_scan
+
+    folder, rows = local_hf
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            s3.put(f"hfreload/{name}", f.read())
+    index, _ = load_index(f"s3://{BUCKET}/hfreload", None, EXTS, str(tmp_path / "cache"))
+    assert unchanged_since_scan(index.files_dir, index.fingerprint)
+    buf = io.BytesIO()
+    pq.write_table(hf_table(rows[:ROWS // 2][::-1]), buf, row_group_size=GROUP)
+    s3.put("hfreload/train-00000-of-00002.parquet", buf.getvalue())
+    assert not unchanged_since_scan(index.files_dir, index.fingerprint)
+
+
+def test_a_block_shuffle_from_bucket_parquet_makes_the_local_files_batches(s3, bucket_hf, local_hf, tmp_path,
+                                                                          daemon_factory):
+    got = {}
+    for name, root, env in (("local", local_hf[0], None), ("bucket", bucket_hf, s3.env())):
+        (tmp_path / name).mkdir()
+        cfg = small_config(tmp_path / name, root, loader={"shuffle": "block", "shuffle_window": 2})
+        d = daemon_factory(cfg, env=env)
+        got[name] = collect(cfg)
+        assert d.stop() == 0
+    assert sorted(got["local"]) == sorted(got["bucket"]) and len(got["local"]) >= 8
+    for k, (x, y) in got["local"].items():
+        assert np.array_equal(got["bucket"][k][0], x) and np.array_equal(got["bucket"][k][1], y), k
