@@ -4,7 +4,8 @@ do: latency on every request, 503 SlowDown answers, connections reset without an
 Requests are forwarded unchanged (their Host header too, so SigV4 signatures still hold);
 ``faults(n503=, resets=)`` makes the next requests fail that way, ``outage(seconds)`` resets
 every request for a while (the endpoint gone), ``latency_s`` delays each one.
-``requests`` and ``faulted`` count what went through.
+``requests`` and ``faulted`` count what went through, ``max_in_flight`` the most requests it held
+at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class FaultProxy:
         self.latency_s = latency_s
         self.requests = 0
         self.faulted = 0
+        self.in_flight = self.max_in_flight = 0
         self._plan: list[str] = []  # "503" or "reset", one per coming request
         self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
         self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
@@ -82,7 +84,17 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _any
+            def _counted(self):  # the requests in flight at once: what fetching together is seen by
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.max_in_flight = max(proxy.max_in_flight, proxy.in_flight)
+                try:
+                    self._any()
+                finally:
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            do_GET = do_PUT = do_HEAD = do_POST = do_DELETE = _counted
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True

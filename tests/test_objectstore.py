@@ -286,16 +286,17 @@ def test_a_batchs_objects_are_fetched_together_not_one_latency_each(s3, proxy, b
     objectstore._STORES.clear()
     index, _ = load_index(bucket_root, None, EXTS, str(tmp_path / "cache"))
     local, _ = scan_image_folder(image_root, EXTS)
-    proxy.latency_s = 0.1
+    proxy.latency_s = 0.3  # each request held this long at the proxy: requests sent together overlap there
     batch = [3, 40, 17, 8, 25, 33, 1, 46]
-    t0 = time.monotonic()
+    proxy.max_in_flight = 0
     index.prefetch(batch)
     got = [index.read(i) for i in batch]
-    took = time.monotonic() - t0
     for i, data in zip(batch, got, strict=True):
         with open(local.path(i), "rb") as f:
             assert data == f.read()
-    assert took < 0.1 * len(batch) / 2, took  # one at a time it would be >= 0.8 s
+    # counted where the requests arrive, not timed (a loaded machine stretches any time): one at a
+    # time would hold 1 at once
+    assert proxy.max_in_flight >= len(batch) // 2, proxy.max_in_flight
 
 
 def test_a_cached_bucket_index_reads_with_the_configs_storage_options(s3, bucket_root, image_root, tmp_path,
