@@ -10,8 +10,10 @@
 
 Recipes: ``deit`` (RandomResizedCrop 224 bicubic, flip, RandAugment m9 n2 (the fast path runs
 timm's ``rand-m9-mstd0.5-inc1``, torchvision has no magnitude std), colour jitter 0.4, random
-erasing 0.25 (the fast path per-pixel noise, torchvision value 0)); ``trivialaugment`` (the
-same with TrivialAugmentWide in place of RandAugment). The rows are run in turns (``--rounds``),
+erasing 0.25 (``--erase-mode``: ``const``, the default, fills with 0 as torchvision's
+``RandomErasing(value=0)`` does on the other two rows, so all three do the same work; ``pixel``,
+timm's per-pixel noise, on the fast path alone)); ``trivialaugment`` (the same with
+TrivialAugmentWide in place of RandAugment). The rows are run in turns (``--rounds``),
 so a machine's changing load falls on all of them; images/s from each row's first batch to its
 last (the daemon's start-up and the DataLoader's first batch are left out). ``--cpu-only``: the
 CPU time per sample of the fast path and of torchvision's transform in one process instead.
@@ -47,12 +49,12 @@ def torchvision_recipe(recipe: str = "deit", size: int = 224):
     ])
 
 
-def fast_path_augment(recipe: str, size: int = 224) -> dict:
+def fast_path_augment(recipe: str, size: int = 224, erase_mode: str = "const") -> dict:
     return {"mode": "random_resized_crop", "output_size": size, "interpolation": "bicubic", "flip": True,
             "brightness": 0.4, "contrast": 0.4, "saturation": 0.4,
             "policy": "rand-m9-mstd0.5-inc1" if recipe == "deit" else "trivialaugment",
             "policy_args": {"interpolation": "bicubic"},
-            "random_erasing": {"p": 0.25, "mode": "pixel"}}
+            "random_erasing": {"p": 0.25, "mode": erase_mode}}
 
 
 class _Folder:
@@ -85,7 +87,8 @@ def dataloader_img_s(paths: list[str], workers: int, batch_size: int, recipe: st
     return n / (time.perf_counter() - t)
 
 
-def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int) -> dict[str, list[float]]:
+def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int,
+                   erase_mode: str = "const") -> dict[str, list[float]]:
     """CPU time per sample in this one process (``time.process_time``, so other processes'
     load counts less than in wall time): the fast path's ``make_sample`` against Pillow's open
     and torchvision's transform, in alternated blocks of ``samples``."""
@@ -97,7 +100,7 @@ def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int) -> 
     from prefetchd.core.configsections import AugmentConfig
 
     datas = [open(p, "rb").read() for p in paths[:samples]]
-    cfg = AugmentConfig(**fast_path_augment(recipe))
+    cfg = AugmentConfig(**fast_path_augment(recipe, erase_mode=erase_mode))
     tv = torchvision_recipe(recipe)
     out: dict[str, list[float]] = {"fast path": [], "torchvision": []}
     for r in range(rounds):
@@ -122,12 +125,14 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=1, help="epochs per daemon row")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recipe", choices=("deit", "trivialaugment"), default="deit")
+    ap.add_argument("--erase-mode", choices=("const", "pixel"), default="const",
+                    help="the fast path's erasing fill: const (torchvision's value=0, as the other rows) or pixel")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--cpu-only", action="store_true", help="only the per-sample CPU time in one process")
     args = ap.parse_args(argv)
     paths = list_images(args.root)
     if args.cpu_only:
-        ms = per_sample_cpu(paths, args.recipe, 100, args.rounds)
+        ms = per_sample_cpu(paths, args.recipe, 100, args.rounds, args.erase_mode)
         f, t = statistics.median(ms["fast path"]), statistics.median(ms["torchvision"])
         print(f"{args.recipe}: CPU ms per sample, one process, {args.rounds} alternated rounds of 100 (median): "
               f"fast path {f:.2f} (runs {', '.join(f'{x:.1f}' for x in ms['fast path'])}), torchvision {t:.2f} "
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
     rows: dict[str, list[float]] = {"fast path": [], "user transform": [], "DataLoader": []}
     for r in range(args.rounds):
         rows["fast path"].append(daemon_run(args.root, args.workers, args.batch_size, args.epochs,
-                                            fast_path_augment(args.recipe), work, parent)["img_s"])
+                                            fast_path_augment(args.recipe, erase_mode=args.erase_mode), work,
+                                            parent)["img_s"])
         rows["user transform"].append(daemon_run(args.root, args.workers, args.batch_size, args.epochs, user,
                                                  work, parent)["img_s"])
         rows["DataLoader"].append(dataloader_img_s(paths, args.workers, args.batch_size, args.recipe, args.epochs))
