@@ -98,6 +98,17 @@ def test_shards_named_by_a_letter_range_are_read_and_a_bad_pattern_is_one_line(t
         load_index(str(tmp_path / "wds" / "s-{a..c}{x.tar"), None, EXTS, None, use_cache=False)
     with pytest.raises(DatasetError, match=r"names more than 1048576 shards$"):
         expand("s-{0..2000000}.tar")
+    import tracemalloc
+    tracemalloc.start()
+    try:  # a bound with a digit too many: refused before braceexpand builds the range whole (~800 MB here)
+        with pytest.raises(DatasetError, match=r"names more than 1048576 shards$"):
+            expand("train-{0000000..9999999}.tar")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 10_000_000, peak
+    with pytest.raises(DatasetError, match=r"names more than 1048576 shards$"):
+        expand("s-{0..2000}-{0..2000}.tar")  # each range small, the names they multiply out to not
 
 
 def test_shards_by_gnu_tar_from_a_folder_of_key_files(tmp_path):

@@ -28,6 +28,7 @@ from prefetchd.sources.archive import stamp_of
 from prefetchd.sources.base import DatasetError
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
+_INT_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?\}")  # braceexpand's numeric range
 MAX_SHARDS = 1 << 20  # a pattern expanding past this is a mistake, not a data set
 
 
@@ -50,7 +51,14 @@ def is_pattern(root: str) -> bool:
 
 def expand(pattern: str) -> list[str]:
     """The names a brace pattern stands for, in order: webdataset's own expander (``braceexpand``), so
-    every form its users write means the same here: ranges with a step and letters, lists, nesting."""
+    every form its users write means the same here: ranges with a step and letters, lists, nesting.
+    Numeric ranges are counted first: braceexpand builds a range whole before it yields one name, so a
+    typo in a bound (``{0..9999999999}``) would take the memory before any limit could refuse it."""
+    count = 1
+    for lo, hi, step in _INT_RANGE.findall(pattern):
+        count *= abs(int(hi) - int(lo)) // max(int(step or 1), 1) + 1
+        if count > MAX_SHARDS:
+            raise DatasetError(f"the brace pattern {pattern} names more than {MAX_SHARDS} shards")
     try:
         names = list(itertools.islice(braceexpand.braceexpand(pattern), MAX_SHARDS + 1))
     except braceexpand.UnbalancedBracesError:
