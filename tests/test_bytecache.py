@@ -166,8 +166,11 @@ def test_the_daemons_second_run_over_a_warm_cache_makes_the_same_batches_with_no
             before = proxy.requests
             d = daemon_factory(cfg, env=env)
             got = collect(cfg)
-            wait_until(lambda: (status.read_json(buf, status.STATUS_NAME) or {}).get("storage"), 10,
-                       "the storage counts in status.json")
+            def counted():  # every sample's read counted (status.json is written each second, mid-run too)
+                st = (status.read_json(buf, status.STATUS_NAME) or {}).get("storage") or {}
+                return st.get("cache_hits", 0) + st.get("cache_misses", 0) >= 48
+
+            wait_until(counted, 20, "the storage counts of the run's 48 sample reads in status.json")
             said.append(status.read_json(buf, status.STATUS_NAME)["storage"])
             assert d.stop() == 0
             runs.append(proxy.requests - before)
