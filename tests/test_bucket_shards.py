@@ -306,3 +306,59 @@ def test_a_bad_first_shard_is_said_without_reading_the_others(s3, s3_env, local_
         assert proxy.requests <= 1 + 2 * bucketshards.SCANS_IN_FLIGHT, proxy.requests  # not 1 + 63
     finally:
         proxy.stop()
+
+
+@pytest.fixture(scope="session")
+def forty_shards(s3, tmp_path_factory) -> str:
+    """40 one-sample shards under ``s3://BUCKET/forty``."""
+    folder = tmp_path_factory.mktemp("forty")
+    write_shards(folder, _samples(40, seed=21), per_shard=1)
+    assert s3.upload_tree(str(folder), "forty") == 40
+    return f"s3://{BUCKET}/forty"
+
+
+def test_a_scan_left_early_starts_no_more_than_its_window():
+    """The index's consumer stops (an error of its own, past the shards' scans): the shards queued
+    after the window are never started (all were queued at once, and the pool's exit ran them all)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    started, gate = [], threading.Event()
+
+    def one(x):
+        started.append(x)
+        gate.wait(10)
+        return x
+
+    pool = ThreadPoolExecutor(2)
+    results = bucketshards._in_order(pool, one, list(range(100)), 4)
+    gate.set()
+    assert next(results) == 0
+    results.close()  # the consumer gone
+    pool.shutdown(wait=True)
+    assert len(started) <= 5, started  # the window, and the one submitted as the first was taken
+
+
+def test_a_process_leaving_a_bucket_scan_midway_fetches_no_more_shards(s3, forty_shards, proxy, tmp_path):
+    """The daemon indexes on a thread it does not wait for: a stop during the scan ends the process,
+    whose exit must not first fetch every shard still queued (concurrent.futures joins its threads)."""
+    import subprocess
+    import sys
+
+    proxy.latency_s = 0.3
+    code = ("import sys, threading; from prefetchd.sources import bucketshards, objectstore\n"
+            f"root = {forty_shards!r}\n"
+            "threading.Thread(target=bucketshards.scan, args=(root, ('.jpg',), 'cls', 'dataset.root', "
+            f"objectstore.store_for(root), {str(tmp_path / 'tmp')!r}), daemon=True).start()\n"
+            "sys.stdin.read()\n")  # the stop: when the test closes its input
+    env = {**os.environ, **s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: proxy.requests >= 8, 60, "the scan fetching shards")  # the listing, then shards
+        p.stdin.close()
+        at_stop = proxy.requests
+        assert p.wait(60) == 0, p.stderr.read()[-2000:]
+    finally:
+        p.kill()
+    # those in flight at the stop end; no shard queued behind them is fetched (all 40 were)
+    assert proxy.requests <= at_stop + bucketshards.SCANS_IN_FLIGHT < 40, (at_stop, proxy.requests)

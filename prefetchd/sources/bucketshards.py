@@ -31,11 +31,16 @@ batch it makes together (``bucketfolder.fetch_ahead``, ``IN_FLIGHT`` at once).
 
 from __future__ import annotations
 
+import atexit
+import collections
+import contextlib
 import errno
+import itertools
 import logging
 import os
 import posixpath
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -58,6 +63,10 @@ META = "bucket-tarmeta.json"  # not archive's tarmeta.json: ``dataset.open_index
 _VERSION = 1
 CHUNK = 8 << 20  # bytes of a shard one GET of the scan fetches
 SCANS_IN_FLIGHT = 8  # shards indexed at once
+# set as the interpreter exits, before concurrent.futures joins its threads: a daemon stopped while
+# it indexes (on a thread it does not wait for) waits for no shard's remaining chunks
+_EXITING = threading.Event()
+getattr(threading, "_register_atexit", atexit.register)(_EXITING.set)
 _ARRAYS = ("blob", "offsets", "labels", "archive_ids", "block", "size")
 
 
@@ -97,8 +106,10 @@ class ShardFile:
     fetches the ``CHUNK``-byte chunks a read touches that are not fetched yet (ranged GETs with
     If-Match, so the bytes are all of the listed object) into a sparse temporary file."""
 
-    def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0):
+    def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0,
+                 stop: threading.Event | None = None):
         self.store, self.url, self.size, self.chunk = store, url, size, chunk or CHUNK
+        self.stop = stop  # set: the scan was left (an error elsewhere, a stop): no more chunks fetched
         self.handle = objectstore.Handle(url, size, etag)
         self._file = tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
         self._have: set[int] = set()
@@ -112,6 +123,8 @@ class ShardFile:
         c = self.chunk
         for k in range(offset // c, (end - 1) // c + 1):
             if k not in self._have:
+                if _EXITING.is_set() or (self.stop is not None and self.stop.is_set()):
+                    raise DatasetError(f"indexing {self.url} stopped")
                 want = min(c, self.size - k * c)
                 data = self.store.pread(self.handle, want, k * c, cache=False)  # no sample reads it again
                 self.gets += 1
@@ -174,9 +187,11 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
     exts = tuple(e.lower().encode() for e in extensions)
     os.makedirs(tmpdir, mode=0o700, exist_ok=True)
 
+    stop = threading.Event()
+
     def one(rel: str) -> tuple:
         url = f"{base}/{rel}"
-        f = ShardFile(store, url, *idents[rel], tmpdir)
+        f = ShardFile(store, url, *idents[rel], tmpdir, stop=stop)
         skipped: list = []
         try:
             rows, bad = webdataset.scan_shard(f, url, exts, how, jkey, skipped, os.fsencode(rel) + b"/")
@@ -189,9 +204,32 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
         finally:
             f.close()
 
-    with ThreadPoolExecutor(SCANS_IN_FLIGHT, thread_name_prefix="prefetchd-index") as pool:
-        index = webdataset.collect(root, base, shards, pool.map(one, shards), extensions, label, key)
+    if len(shards) > 65535:  # before a shard is fetched (collect says so too, after its arguments are made)
+        raise DatasetError(f"{key} {root} names {len(shards)} shards; at most 65535 are supported")
+    pool = ThreadPoolExecutor(SCANS_IN_FLIGHT, thread_name_prefix="prefetchd-index")
+    try:
+        with contextlib.closing(_in_order(pool, one, shards, 2 * SCANS_IN_FLIGHT)) as scanned:
+            index = webdataset.collect(root, base, shards, scanned, extensions, label, key)
+    finally:  # an error, or a stop: the shards not started are not, those started stop at their next chunk
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
     return BucketShardIndex(**{**_fields(index), "identity": tuple(idents[n] for n in shards)})
+
+
+def _in_order(pool, fn, items: list, ahead: int):
+    """``fn(item)`` of each item, in order, at most ``ahead`` submitted to ``pool`` at once (a scan that
+    stops early, on an error, leaves the rest unstarted)."""
+    futures = collections.deque(pool.submit(fn, x) for x in items[:ahead])
+    rest = iter(items[ahead:])
+    try:
+        while futures:
+            result = futures.popleft().result()
+            for x in itertools.islice(rest, 1):
+                futures.append(pool.submit(fn, x))
+            yield result
+    finally:
+        for f in futures:
+            f.cancel()
 
 
 def _fields(index: TarIndex) -> dict:
