@@ -235,3 +235,21 @@ def test_a_killed_writers_temporary_file_is_removed_when_the_cache_is_listed(tmp
     c.evict()
     assert not os.path.exists(left) and os.path.exists(fresh)
     assert c.get("s3://b/z.tar", "e", 0, 100) == b"x" * 100
+
+
+def test_the_same_object_at_another_endpoint_is_another_cache_entry(s3, cshards, s3_env, tmp_path):
+    """Two endpoints answering for one bucket name are two buckets (the index caches say so too):
+    an entry fetched through one is never served for the other, whose ETag strings may match."""
+    root, _, samples = cshards
+    url = f"{root}/train-000000.tar"
+    cache = bytecache.configure({"dir": str(tmp_path / "bytes"), "max_bytes": 1 << 30})
+    try:
+        reads = []
+        for endpoint in (s3.endpoint, s3.endpoint.replace("127.0.0.1", "localhost")):
+            store = objectstore.ObjectStore("s3", BUCKET, {"endpoint": endpoint})
+            reads.append(store.pread(store.head(url), 512, 0))
+        assert reads[0] == reads[1] and cache.stats["misses"] == 2 and cache.stats["hits"] == 0
+        store.pread(store.head(url), 512, 0)
+        assert cache.stats["hits"] == 1  # (and that endpoint's own entry is served)
+    finally:
+        bytecache.configure(None)

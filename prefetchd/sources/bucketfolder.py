@@ -66,12 +66,12 @@ class BucketIndex(Index):
         kept = bytecache.current() if self.etags is not None else None
         etag = self.etags[i].decode() if kept is not None else ""
         if kept is not None and etag:
-            data = kept.get(self.path(i), etag, 0, int(self.sizes[i]))
+            data = kept.get(store.cache_key(self.path(i)), etag, 0, int(self.sizes[i]))
             if data is not None:
                 return data
         data, now = store.read_tagged(self.path(i))
         if kept is not None and etag and now == etag and len(data) == int(self.sizes[i]):
-            kept.put(self.path(i), etag, 0, data)
+            kept.put(store.cache_key(self.path(i)), etag, 0, data)
         return data
 
     def content_stamp(self, i: int) -> str:

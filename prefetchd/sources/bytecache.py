@@ -2,7 +2,7 @@
 
 Later epochs read a sample's bytes from local disk instead of the bucket. What is cached: every
 ranged read of an object whose ETag is known (``objectstore.ObjectStore.pread``: a shard's
-member, a Parquet row group's column chunk or footer), keyed by (URL, ETag, offset, size), and an
+member, a Parquet row group's column chunk or footer), keyed by (endpoint and URL, ETag, offset, size), and an
 ImageFolder's objects, keyed by (URL, the ETag listed, 0, the size listed) and kept only when the
 GET's ETag is the listed one (``bucketfolder.BucketIndex``); not the chunks read while a shard
 is indexed (a sample never reads them again).
@@ -117,14 +117,18 @@ class ByteCache:
         stale = time.time_ns() - _STALE_TMP_S * 10**9
         for sub in subs:
             try:
-                for e in os.scandir(sub):
+                found = list(os.scandir(sub))
+            except OSError:
+                continue
+            for e in found:
+                try:  # each entry on its own: another process renames or evicts them meanwhile
                     st = e.stat()
                     if ".tmp-" not in e.name:
                         entries.append((st.st_mtime_ns, st.st_size, e.path))
                     elif st.st_mtime_ns < stale:  # a writer killed mid-write (SIGKILL, out of memory) left it
                         os.unlink(e.path)
-            except OSError:
-                continue
+                except OSError:
+                    continue
         total = sum(s for _, s, _ in entries)
         if total <= self.max_bytes:
             return 0

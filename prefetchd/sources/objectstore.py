@@ -200,8 +200,9 @@ class ObjectStore:
         if size <= 0:
             return b""
         kept = bytecache.current() if cache and h.etag else None
+        where = self.cache_key(h.key)
         if kept is not None:
-            data = kept.get(h.key, h.etag, offset, size)
+            data = kept.get(where, h.etag, offset, size)
             if data is not None:
                 return data
         options = {"range": (offset, offset + size)}
@@ -212,7 +213,7 @@ class ObjectStore:
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
         if kept is not None and len(data) == size:
-            kept.put(h.key, h.etag, offset, data)
+            kept.put(where, h.etag, offset, data)
         return data
 
     def _retry(self, call):
@@ -295,6 +296,11 @@ class ObjectStore:
         if self.scheme == "s3":
             return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or ""
         return ""
+
+    def cache_key(self, url: str) -> str:
+        """``url`` as the node-local cache keys it: with the endpoint (the same bucket name on two
+        endpoints is two buckets, whose objects' ETags may match)."""
+        return f"{self.endpoint()}|{url}"
 
     def describe(self) -> str:
         """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
