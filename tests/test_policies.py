@@ -380,6 +380,10 @@ def test_jitter_and_op_keys_in_the_wrong_place_are_one_line_errors_saying_where(
     ("{brightness: [0.6, 1.4]}", "augment.brightness must be one number x, for [1-x, 1+x]: [0.6, 1.4] is "
                                  "torchvision's (min, max) form of brightness: 0.4; write that"),
     ("{hue: [0.0, 0.2]}", "augment.hue must be one number x, for [-x, x] (centred on 0); [0.0, 0.2] is off centre"),
+    ("{brightness: [1.4, 0.6]}", "augment.brightness must be one number x, for [1-x, 1+x]: [1.4, 0.6] is a (min, "
+                                 "max) range written backwards; as one number: 0.4"),  # (it said off centre)
+    ("{hue: [-0.6, 0.6]}", "augment.hue must be one number x, for [-x, x], at most 0.5: [-0.6, 0.6] is "
+                           "torchvision's (min, max) form of hue: 0.6, past what it allows"),  # (it said write 0.6)
     ("views: [{count: 2, output_size: 32, saturation: [0.8, 1.2]}]",
      "augment.views[0].saturation must be one number x, for [1-x, 1+x]: [0.8, 1.2] is torchvision's (min, max) form "
      "of saturation: 0.2"),

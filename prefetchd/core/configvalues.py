@@ -91,11 +91,17 @@ def jitter_strength(v: Any, key: str, hi: float) -> float:
         hue = key.endswith("hue")
         centre, form = (0.0, "[-x, x]") if hue else (1.0, "[1-x, 1+x]")
         x = (v[1] - v[0]) / 2
-        if x >= 0 and math.isclose((v[0] + v[1]) / 2, centre, abs_tol=1e-9):
-            raise ConfigError(key, f"must be one number x, for {form}: {list(v)} is torchvision's (min, max) form "
-                              f"of {key.rpartition('.')[2]}: {x:g}; write that")
-        raise ConfigError(key, f"must be one number x, for {form} (centred on {centre:g}); {list(v)} is off centre, "
-                          "which torchvision's (min, max) form allows and this does not")
+        if not math.isclose((v[0] + v[1]) / 2, centre, abs_tol=1e-9):
+            raise ConfigError(key, f"must be one number x, for {form} (centred on {centre:g}); {list(v)} is off "
+                              "centre, which torchvision's (min, max) form allows and this does not")
+        if x < 0:
+            raise ConfigError(key, f"must be one number x, for {form}: {list(v)} is a (min, max) range written "
+                              f"backwards; as one number: {-x:g}")
+        if x > hi:
+            raise ConfigError(key, f"must be one number x, for {form}, at most {hi:g}: {list(v)} is torchvision's "
+                              f"(min, max) form of {key.rpartition('.')[2]}: {x:g}, past what it allows")
+        raise ConfigError(key, f"must be one number x, for {form}: {list(v)} is torchvision's (min, max) form "
+                          f"of {key.rpartition('.')[2]}: {x:g}; write that")
     return _float(v, key, 0.0, hi)
 
 
