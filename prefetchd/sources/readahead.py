@@ -85,6 +85,7 @@ def fetched(root: str, i: int, read: Callable[[], object]):
     return read()
 
 
-def pending(root: str) -> int:
-    """Samples of ``root`` fetched or being fetched ahead and not taken yet (tests, status)."""
-    return sum(1 for k in _AHEAD if k[0] == root)
+def pending(root: str, done: bool = False) -> int:
+    """Samples of ``root`` fetched or being fetched ahead and not taken yet (``done``: only those
+    whose fetch has ended)."""
+    return sum(1 for k, (_, f) in _AHEAD.items() if k[0] == root and (f.done() or not done))
