@@ -22,7 +22,7 @@ from test_shards import _add, _samples, write_shards
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 
-from prefetchd.sources import bucketshards, objectstore  # noqa: E402
+from prefetchd.sources import bucketshards, objectstore, readahead  # noqa: E402
 from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
 from prefetchd.sources.dataset import load_index  # noqa: E402
 
@@ -362,3 +362,27 @@ def test_a_process_leaving_a_bucket_scan_midway_fetches_no_more_shards(s3, forty
         p.kill()
     # those in flight at the stop end; no shard queued behind them is fetched (all 40 were)
     assert proxy.requests <= at_stop + bucketshards.SCANS_IN_FLIGHT < 40, (at_stop, proxy.requests)
+
+
+def test_a_shard_overwritten_after_its_members_were_read_ahead_gives_their_indexed_bytes_or_refuses(
+        s3, s3_env, local_shards, tmp_path):
+    """Members fetched ahead before the overwrite are the indexed members' bytes; one fetched after
+    it is refused (If-Match), never the new shard's bytes at the old offsets."""
+    _, paths, samples = local_shards
+    for p in paths:
+        with open(p, "rb") as f:
+            s3.put(f"readahead/{os.path.basename(p)}", f.read())
+    root = f"s3://{BUCKET}/readahead"
+    index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
+    index.prefetch([0, 1], [[24, 25]])  # 24 and 25 are in train-000002.tar: fetched ahead
+    assert [index.read(0), index.read(1)] == [samples[0][1], samples[1][1]]
+    wait_until(lambda: readahead.pending(root, done=True) == 2, what="the next batch's members fetched")
+    with open(paths[2], "rb") as f:
+        size = len(f.read())
+    new = _reversed_shard(samples[24:])
+    assert len(new) == size  # the same size: only the ETag tells
+    s3.put("readahead/train-000002.tar", new)
+    index.prefetch([24, 25, 26], [])
+    assert [index.read(24), index.read(25)] == [samples[24][1], samples[25][1]]
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        index.read(26)

@@ -26,6 +26,7 @@ one image section per view (``batchfile`` version 2). Their shapes are the strea
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -281,13 +282,17 @@ class BatchMaker:
                 replaced[k] = used[k]
                 used[k] = i
 
-    def make(self, task: Task) -> Result:
+    def make(self, task: Task, queued: tuple[Task, ...] = ()) -> Result:
+        """Make ``task``'s batch; ``queued``: the tasks this worker will make after it, in order
+        (a bucket's objects for them are read ahead, ``sources.readahead``)."""
         t0 = time.perf_counter()
         for i, reason in task.crashers:
             self.bad.setdefault(i, reason)
         builder = self.builder_for(task.epoch, task.batch)
-        if hasattr(self.index, "prefetch"):  # a bucket: the batch's objects fetched together (sources/bucketfolder.py)
-            self.index.prefetch([i for i in task.indices if i not in self.bad])
+        if hasattr(self.index, "prefetch"):  # a bucket: the batch's objects fetched together, the next ones' ahead
+            ahead = [[i for i in t.indices if i not in self.bad] for t in queued if (t.rank < VAL_LANE) ==
+                     (task.rank < VAL_LANE)]
+            self.index.prefetch([i for i in task.indices if i not in self.bad], ahead)
         _, used, labels, replaced, quarantined = self.fill(task.epoch, task.indices, builder)
         builder.fit(task.budget)
         if self.current is not None:  # a death from here on (out of memory while writing) is no sample's fault
@@ -295,17 +300,17 @@ class BatchMaker:
         return write_temp(self.buffer_dir, task, self.fingerprint, self.worker_id, builder, used, labels,
                           replaced, quarantined, time.perf_counter() - t0)
 
-    def make_any(self, task: Task) -> Result:
+    def make_any(self, task: Task, queued: tuple[Task, ...] = ()) -> Result:
         """``make``, for a task of either stream: a validation lane's batch is made by a second
         maker built from ``setup.val`` (eval augmentation, the val index and fingerprint)."""
         if task.rank < VAL_LANE:
-            return self.make(task)
+            return self.make(task, queued)
         if self._val is None:
             if self._setup.val is None:
                 raise RuntimeError(f"a validation batch (lane {task.rank}) but validation is not set up")
             # no ``current`` slot: a val index must not be blamed (quarantined) as a train sample
             self._val = BatchMaker(self._setup.val, self.worker_id, None)
-        return self._val.make(task)
+        return self._val.make(task, queued)
 
 
 def write_temp(buffer_dir: str, task: Task, fingerprint: int, worker_id: int, builder: Builder,
@@ -364,15 +369,19 @@ def worker_main(conn: Connection, worker_id: int, setup: WorkerSetup, current=No
     got = priority.apply(setup.config.workers.priority)  # below the trainers: they win a contended core
     maker = BatchMaker(setup, worker_id, current)
     conn.send(("ready", worker_id, os.getpid(), got))
+    queued: collections.deque = collections.deque()  # tasks read out of the pipe, made in the order sent
     while True:
         try:
-            task = conn.recv()
+            if maker.bucket:  # what is queued behind this task: its objects are read ahead
+                while conn.poll(0):
+                    queued.append(conn.recv())
+            task = queued.popleft() if queued else conn.recv()
         except (EOFError, OSError):
             return  # the daemon is gone
         if task is None:
             return
         try:
-            result = maker.make_any(task)
+            result = maker.make_any(task, tuple(t for t in queued if t is not None))
         except StorageUnavailable as e:  # said once by the daemon, which tries the batch again soon
             result = Result(task.rank, task.epoch, task.batch, None, error=str(e), unavailable=True,
                             offset=task.offset)

@@ -17,14 +17,12 @@ scans again (``use_cache=False``); a bucket has no directory mtimes to tell a ch
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
-from prefetchd.sources import bytecache, folder, objectstore
+from prefetchd.sources import bytecache, folder, objectstore, readahead
 from prefetchd.sources.base import (
     CACHE_VERSION,
     DatasetError,
@@ -37,9 +35,6 @@ from prefetchd.sources.base import (
 
 log = logging.getLogger("prefetchd.dataset")
 
-IN_FLIGHT = 16  # GETs a worker keeps in flight for the batch it makes (obstore releases the GIL while they wait)
-_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool): a forked child makes its own
-_AHEAD: dict = {}  # (root, sample) -> (pid, the future of its bytes): the batch being made
 META = "bucket-meta.json"  # not folder's meta.json: ``dataset.open_index_files`` tells the kinds apart by it
 
 
@@ -51,12 +46,15 @@ class BucketIndex(Index):
     etags: np.ndarray | None = None  # bytes [n]: each object's ETag as listed
 
     def read(self, i: int) -> bytes:
-        return fetched(self.root, i, lambda: self._get(i))
+        return readahead.fetched(self.root, i, lambda: self._get(i))
 
-    def prefetch(self, indices) -> None:
-        """Start reading the objects of ``indices`` (a batch) with up to ``IN_FLIGHT`` GETs at once;
-        ``read`` then takes each one's bytes. A batch's leftovers (a sample not read) are dropped."""
-        fetch_ahead(self.root, indices, self._get)
+    def prefetch(self, indices, ahead=()) -> None:
+        """Start reading the objects of ``indices`` (the batch being made), then those of ``ahead``
+        (the batches queued after it, in order), within ``readahead``'s bounds; ``read`` then takes
+        each one's bytes."""
+        sizes = self.sizes
+        readahead.fetch_ahead(self.root, [indices, *ahead], self._get,
+                              None if sizes is None else lambda i: int(sizes[i]))
 
     def _get(self, i: int) -> bytes:
         """The object's bytes: from the node-local cache (``bytecache``) when it holds them for the
@@ -90,31 +88,6 @@ class BucketIndex(Index):
 
     def describe(self) -> str:
         return f"{self.root}, an ImageFolder in a bucket"
-
-
-def fetch_ahead(root: str, indices, fetch) -> None:
-    """Start ``fetch(i)`` for each of ``indices`` (a batch's samples of the index at ``root``) in
-    this process's pool of ``IN_FLIGHT`` threads; ``fetched`` takes each one's result. What the
-    batch before left unread is dropped."""
-    _AHEAD.clear()
-    for i in dict.fromkeys(int(i) for i in indices):
-        _AHEAD[(root, i)] = (os.getpid(), pool().submit(fetch, i))
-
-
-def pool() -> ThreadPoolExecutor:
-    """This process's pool of ``IN_FLIGHT`` threads for GETs (a forked child makes its own)."""
-    global _POOL
-    if _POOL is None or _POOL[0] != os.getpid():
-        _POOL = (os.getpid(), ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-get"))
-    return _POOL[1]
-
-
-def fetched(root: str, i: int, read):
-    """Sample ``i``'s bytes as ``fetch_ahead`` fetched them, else ``read()`` now."""
-    ahead = _AHEAD.pop((root, i), None)
-    if ahead is not None and ahead[0] == os.getpid():
-        return ahead[1].result()  # raises what the read raised: storage.py judges it as a direct read
-    return read()
 
 
 def stamps_valid(stamps: list) -> bool:

@@ -38,7 +38,7 @@ import posixpath
 import time
 from dataclasses import dataclass, replace
 
-from prefetchd.sources import bucketfolder, objectstore, parquet
+from prefetchd.sources import objectstore, parquet, readahead
 from prefetchd.sources.base import DatasetError, StorageChanged, cache_path, read_cache, write_cache
 
 log = logging.getLogger("prefetchd.dataset")
@@ -100,14 +100,16 @@ class BucketParquetIndex(parquet.ParquetIndex):
             read = lambda *_: ahead[1].result()  # noqa: E731 - what the batch's prefetch fetched (or raised)
         return parquet._group(url, a, g, self.identity[a], self.image_column, read)
 
-    def prefetch(self, indices) -> None:
-        """Start reading the row groups of ``indices`` (a batch) that are not kept, together."""
+    def prefetch(self, indices, ahead=()) -> None:
+        """Start reading the row groups of ``indices`` (a batch) that are not kept, together
+        (``ahead``, the batches queued after it, is not read ahead: a row group is shared by many
+        batches and kept whole, ``parquet.keep_groups``)."""
         _AHEAD.clear()
         for i in indices:
             a, g = int(self.file_ids[i]), int(self.group[i])
             url = self.file(i)
             if (url, g) not in _AHEAD and (url, g) not in parquet._groups:
-                _AHEAD[(url, g)] = (os.getpid(), bucketfolder.pool().submit(
+                _AHEAD[(url, g)] = (os.getpid(), readahead.pool().submit(
                     _read_group, url, g, self.identity[a], self.image_column))
 
     def describe(self) -> str:

@@ -26,7 +26,7 @@ the label and the endpoint, with no credential in them); a start with a cached i
 shards again and indexes anew when their names, a size or an ETag differ.
 
 **Reading.** A sample is one ranged GET of its member's bytes; a worker starts the GETs of the
-batch it makes together (``bucketfolder.fetch_ahead``, ``IN_FLIGHT`` at once).
+batch it makes together, and those of the batches queued after it (``readahead``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from prefetchd.sources import bucketfolder, objectstore, shardnames, webdataset
+from prefetchd.sources import objectstore, readahead, shardnames, webdataset
 from prefetchd.sources.archive import TarIndex
 from prefetchd.sources.base import (
     DatasetError,
@@ -75,11 +75,12 @@ class BucketShardIndex(TarIndex):
     """A ``TarIndex`` of shards in a bucket: ``identity`` holds each shard's (size, ETag)."""
 
     def read(self, i: int) -> bytes:
-        return bucketfolder.fetched(self.root, i, lambda: self._get(i))
+        return readahead.fetched(self.root, i, lambda: self._get(i))
 
-    def prefetch(self, indices) -> None:
-        """Start the ranged GETs of ``indices`` (a batch) together; ``read`` takes each one's bytes."""
-        bucketfolder.fetch_ahead(self.root, indices, self._get)
+    def prefetch(self, indices, ahead=()) -> None:
+        """Start the ranged GETs of ``indices`` (the batch being made), then of ``ahead`` (the
+        batches queued after it), within ``readahead``'s bounds; ``read`` takes each one's bytes."""
+        readahead.fetch_ahead(self.root, [indices, *ahead], self._get, lambda i: int(self.size[i]))
 
     def _get(self, i: int) -> bytes:
         a = 0 if self.archive_ids is None else int(self.archive_ids[i])
