@@ -97,6 +97,17 @@ _OWNERS: dict[tuple[str, int], weakref.ref] = {}
 _OWNERS_LOCK = threading.Lock()
 
 
+_LANE_LOCKS: dict[tuple[str, int], threading.Lock] = {}
+
+
+def _lane_lock(key: tuple[str, int]) -> threading.Lock:
+    """Held from a client's look at who owns the lane to its progress write: else a left-behind
+    loader's reader could see the lane still its own, and write after the new loader took it and
+    wrote (each client's own lock does not order the two), moving the rank back."""
+    with _OWNERS_LOCK:
+        return _LANE_LOCKS.setdefault(key, threading.Lock())
+
+
 def _take_lane(key: tuple[str, int], client) -> None:
     with _OWNERS_LOCK:
         _OWNERS[key] = weakref.ref(client)

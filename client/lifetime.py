@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from prefetchd.format import progress
 
-from .common import _OWNERS, _owns_lane
+from .common import _OWNERS, _lane_lock, _owns_lane
 
 
 class Lifetime:
@@ -42,16 +42,17 @@ class Lifetime:
         closed): it moves nothing. Said only by the process that wrote it and owns the lane; a
         failed write is not the trainer's business (the next record says it all). Lock held."""
         last = self._last_record
-        if last is None or last.pid != os.getpid() or not _owns_lane((self.progress_dir, self._lane), self):
-            return
-        if self._finished and not _still_ours(self.progress_dir, last):
-            return
-        p = self._last_record = replace(last, time=time.time(), wait_s=round(self.wait_s, 6),
-                                        waiting_since=self._waiting_since, closed=self._finished)
-        try:
-            progress.write(self.progress_dir, p)
-        except OSError:
-            return
+        with _lane_lock((self.progress_dir, self._lane)):  # (the owner looked at and the write, as one)
+            if last is None or last.pid != os.getpid() or not _owns_lane((self.progress_dir, self._lane), self):
+                return
+            if self._finished and not _still_ours(self.progress_dir, last):
+                return
+            p = self._last_record = replace(last, time=time.time(), wait_s=round(self.wait_s, 6),
+                                            waiting_since=self._waiting_since, closed=self._finished)
+            try:
+                progress.write(self.progress_dir, p)
+            except OSError:
+                return
         self._unsaved = None
 
     def _say_finished(self) -> None:
@@ -141,9 +142,10 @@ def _at_exit() -> None:
             pass
     for key, p in list(_LEFT.items()):
         directory = key[0]
-        if p.pid != os.getpid() or not _owns_lane(key, None) or not _still_ours(directory, p):
-            continue  # another client of this process, or another process, took the lane since
-        try:
-            progress.write(directory, replace(p, time=time.time(), waiting_since=0.0, closed=True))
-        except OSError:
-            pass
+        with _lane_lock(key):
+            if p.pid != os.getpid() or not _owns_lane(key, None) or not _still_ours(directory, p):
+                continue  # another client of this process, or another process, took the lane since
+            try:
+                progress.write(directory, replace(p, time=time.time(), waiting_since=0.0, closed=True))
+            except OSError:
+                pass

@@ -47,6 +47,7 @@ from .common import (
     ConfigError,
     PrefetchError,
     PrefetchTimeout,
+    _lane_lock,
     _owns_lane,
     _Stopped,
     _take_lane,
@@ -470,10 +471,10 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
         moves (``take``) make this client its lane's in this process; a reader's report (``reader``)
         or a clean-up (``take=False``) of a client another one has taken the lane from says nothing
         (and that reader stops)."""
-        with self._progress_lock:
+        lane = (self.progress_dir, self._lane)
+        with self._progress_lock, _lane_lock(lane):
             if reader is not None and reader.is_set():
                 raise _Stopped()  # a stopped reader's report would undo the seek that stopped it
-            lane = (self.progress_dir, self._lane)
             if reader is None and take:
                 _take_lane(lane, self)
             elif not _owns_lane(lane, self):

@@ -64,3 +64,35 @@ def test_a_loader_another_took_the_rank_from_reports_nothing_until_it_moves_agai
         old.seek(0, 3)  # the old loader used again: it moves, the rank is its
         assert progress.read(path).position == (0, 3)
     assert d.stop() == 0
+
+
+def test_a_left_behind_readers_report_in_flight_never_lands_after_the_new_loaders_move(
+        tmp_path, image_root, daemon_factory, monkeypatch):
+    """The old reader looked and saw the lane still its own, then wrote: between the two, the new
+    loader took the lane and wrote its seek. Each client's own lock does not order them; the old
+    write landed last and the daemon moved the rank back (CI: 'rank 0 jumped back from epoch 1
+    batch 0 to epoch 0 batch 4'). The look and the write are one step for the lane now."""
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3})
+    d = daemon_factory(cfg)
+    real, paused = progress.write, threading.Event()
+
+    def slow(directory, p):  # the old reader's next report held between its look and its write
+        if p.epoch == 0 and threading.current_thread() is not threading.main_thread() and not paused.is_set():
+            paused.set()
+            threading.Event().wait(0.5)
+        return real(directory, p)
+
+    old = PrefetchClient(cfg, timeout=30, as_numpy=True)
+    it = iter(old)
+    next(it)
+    monkeypatch.setattr(progress, "write", slow)
+    assert paused.wait(30), "the old reader reported no batch read ahead"
+    with PrefetchClient(cfg, timeout=30, as_numpy=True) as new:
+        new.seek(1, 0)  # while the old report is held
+        threading.Event().wait(0.7)  # the old report's write has ended either way
+        on_disk = progress.read(progress.progress_path(new.progress_dir, 0))
+        assert on_disk.epoch == 1 and on_disk.pid == os.getpid(), on_disk
+    it.close()
+    old.close()
+    assert "jumped back" not in d.log(), d.log()
+    assert d.stop() == 0
