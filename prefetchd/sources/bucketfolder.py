@@ -151,7 +151,7 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
             if name.lower().endswith(exts):
                 by_class[parts[0]].append((posixpath.dirname(rel), name, size, etag))
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     classes = sorted(by_class)
     if not classes:
         raise DatasetError(f"{key} {root} has no class folders (expected {root.rstrip('/')}/<class>/<image>)")

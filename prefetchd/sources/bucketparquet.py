@@ -171,7 +171,7 @@ def files_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[str
     except FileNotFoundError:
         raise DatasetError(f"{key} {root}: no such object in the bucket (check the bucket and the key)") from None
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     names = sorted(listed)
     parquet._one_split(root, key, base, names)
     return base, names, listed

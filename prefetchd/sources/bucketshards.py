@@ -149,7 +149,7 @@ def shards_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[st
     except FileNotFoundError:
         raise DatasetError(f"{key} {root}: no such object in the bucket (check the bucket and the key)") from None
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     listed = {n: (size, etag) for n, size, etag in objects if not n.startswith(".")}
     tars = sorted(n for n in listed if n.lower().endswith(".tar"))
     if not tars:

@@ -91,9 +91,26 @@ def _os_error(e: Exception, url: str) -> OSError:
         # (errno, message): the worker says its strerror (``executors.storage``), None without one
         return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
                               "in the bucket): batches from it wait; restart the daemon to index it again")
-    code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
-        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
+    status = _status(e)
+    code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
+        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
+        else errno.EIO)
     return OSError(code, _first_line(e), url)
+
+
+_STATUS = re.compile(r"status code: (\d{3})\b")
+
+
+def _status(e: Exception) -> int:
+    """The HTTP status an obstore error carries in its text, 0 without one: a listing's 403 or
+    404 (NoSuchBucket) comes as a GenericError, not as PermissionDenied or NotFound."""
+    m = _STATUS.search(str(e).split("\n", 1)[0])
+    return int(m.group(1)) if m else 0
+
+
+def _permanent(e: Exception) -> bool:
+    """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
+    return 400 <= _status(e) < 500 and _status(e) not in (408, 429)
 
 
 # an AWS access key id (AKIA... long-term, ASIA... temporary) or what a server echoes in <AccessKeyId>
@@ -234,6 +251,8 @@ class ObjectStore:
                 raise
             except x.BaseError as e:
                 _count(errors=1)
+                if _permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
+                    raise
                 now = time.monotonic()
                 if start is None:
                     start = now
@@ -390,7 +409,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
             first = (rel, size)
             break
     except OSError as e:
-        raise DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}") from None
+        raise listing_error(key, url, store, e) from None
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
     lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
@@ -400,6 +419,11 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
+
+
+def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> DatasetError:
+    """The one line for a prefix that cannot be listed: as whom, where, and what the answer means."""
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}")
 
 
 def _words(e: OSError) -> str:
