@@ -232,3 +232,57 @@ def test_a_killed_writers_temporary_file_is_removed_when_the_cache_is_listed(tmp
     c.evict()
     assert not os.path.exists(left) and os.path.exists(fresh)
     assert c.get("s3://b/z.tar", "e", 0, 100) == b"x" * 100
+
+
+_AS_ANOTHER_USER = """
+import logging, os, resource, signal, sys
+import psutil  # noqa: F401 - imported as root: the other user cannot read this interpreter's library
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from prefetchd.sources import bytecache
+from prefetchd.sources.base import DatasetError
+if sys.argv[2] == "nobody":  # imports done: the daemon's own user is another than the folder's owner
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+if sys.argv[2] == "fsize":  # a write past this size fails as on a full disk (EFBIG), the signal ignored
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    c = bytecache.configure({"dir": sys.argv[1], "max_bytes": 1 << 30})
+except DatasetError as e:
+    sys.exit(f"refused: {e}")
+for k in range(3):
+    c.put("s3://b/x.tar", "e", k * 5000, bytes(5000))
+print("gets", [c.get("s3://b/x.tar", "e", k * 5000, 5000) for k in range(3)], c.stats["errors"])
+"""
+
+
+def test_a_cache_dir_the_daemons_user_cannot_write_is_one_line_and_a_full_one_is_said_once(tmp_path):
+    """A folder made by root for a daemon that runs as another user: every entry failed, said at
+    debug level only, and the cache stayed empty (hit rate 0) with no word at start."""
+    import subprocess
+    import sys
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="pfd-cache-")  # not under pytest's private tmp: the other user must reach it
+    try:
+        os.chmod(top, 0o755)
+        cache = os.path.join(top, "bytes")
+        os.mkdir(cache, 0o755)
+        root = os.geteuid() == 0
+        if not root:
+            os.chmod(cache, 0o555)
+        r = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, cache, "nobody" if root else "-"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+        assert r.stderr.startswith(f"refused: dataset.cache.dir {cache} is not writable by this user"), r.stderr
+        os.chmod(cache, 0o755)
+        r = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, cache, "fsize"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "gets [None, None, None] 3" in r.stdout, r.stdout + r.stderr
+        said = [ln for ln in r.stderr.splitlines() if "cannot write an entry" in ln]
+        assert len(said) == 1 and "reads go on from the bucket" in said[0], r.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
