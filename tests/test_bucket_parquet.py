@@ -227,3 +227,22 @@ def test_shards_beside_parquet_files_are_one_line_in_a_bucket_as_on_a_disk_and_a
         bucket, _ = load_index(f"s3://{BUCKET}/mixed", None, EXTS, str(tmp_path / "cache"), layout=layout)
         assert len(local) == n
         _same(bucket, local)
+
+
+def test_a_prefix_one_level_above_the_shards_or_parquet_files_names_the_folder_to_set(s3, s3_env, local_hf,
+                                                                                      tmp_path):
+    """A prefix of train/ and val/ shard folders, or a Hugging Face repo's root (its Parquet under
+    data/): read as an ImageFolder, it said only 'holds no images with extensions .jpeg, ...'."""
+    from test_shards import _samples, write_shards
+
+    for p in write_shards(tmp_path / "wds", _samples(8, seed=4), per_shard=4):
+        for split in ("train", "val"):
+            s3.put(f"above/{split}/{os.path.basename(p)}", open(p, "rb").read())
+    name = sorted(os.listdir(local_hf[0]))[0]
+    s3.put(f"hfrepo/data/{name}", open(os.path.join(local_hf[0], name), "rb").read())
+    s3.put("hfrepo/README.md", b"---\nlicense: mit\n---\n")
+    for root, folder, kind in ((f"s3://{BUCKET}/above", "train", ".tar"), (f"s3://{BUCKET}/hfrepo/", "data", ".parquet")):
+        said = _error(root, tmp_path)
+        assert f"the folder {folder}/ is not a class: no images, only" in said and kind in said, said
+        assert f"set dataset.root to {root.rstrip('/')}/{folder}/ to read them" in said, said
+        assert len(load_index(f"{root.rstrip('/')}/{folder}/", None, EXTS, str(tmp_path / "cache"))[0]) in (8, ROWS // 2)
