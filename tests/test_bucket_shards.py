@@ -306,3 +306,20 @@ def test_a_bad_first_shard_is_said_without_reading_the_others(s3, s3_env, local_
         assert proxy.requests <= 1 + 2 * bucketshards.SCANS_IN_FLIGHT, proxy.requests  # not 1 + 63
     finally:
         proxy.stop()
+
+
+def test_a_brace_pattern_or_an_imagefolder_listed_through_503s_and_an_outage_at_start_is_indexed(
+        s3, s3_env, bucket_shards, local_shards, image_root, proxy, monkeypatch, tmp_path):
+    """Their listings (every object under the prefix) were not retried past the client's two quick
+    tries: a start during a SlowDown episode or a 2 s outage was a configuration error (exit 78,
+    which systemd's RestartPreventExitStatus keeps down), where a prefix of shards waited."""
+    assert s3.upload_tree(image_root, "listed") == 48
+    pattern = f"{bucket_shards}/train-{{000000..000002}}.tar"
+    _via(proxy, monkeypatch)
+    for k, fault in enumerate(({"n503": 8}, {"outage": 2.0})):
+        for root, local, layout in ((pattern, local_shards[0], "auto"), (f"s3://{BUCKET}/listed", image_root,
+                                                                         "imagefolder")):
+            objectstore._STORES.clear()
+            proxy.outage(fault["outage"]) if "outage" in fault else proxy.faults(**fault)
+            index, _ = load_index(root, None, EXTS, str(tmp_path / f"{k}{layout}"), layout=layout)
+            _same(index, load_index(local, None, EXTS, str(tmp_path / "local"), layout=layout)[0])

@@ -278,18 +278,29 @@ class ObjectStore:
     def forget(self, url: str) -> None:
         self._handles.pop(url, None)
 
-    def list(self, url: str):
-        """Yield ``(relative key, size, ETag)`` of every object under the prefix ``url`` names."""
-        prefix = self.object_key(url)
-        base = prefix + "/" if prefix else ""
+    def list(self, url: str) -> list[tuple[str, int, str]]:
+        """``(relative key, size, ETag)`` of every object under the prefix ``url`` names: the whole
+        listing, listed again from its start through a transient fault (``_retry``: a 503 SlowDown
+        or an outage at start failed a brace pattern's or an ImageFolder's listing at once)."""
         try:
-            for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
-                for meta in page:
-                    path = meta["path"]
-                    if path.startswith(base):
-                        yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
+            return self._retry(lambda: list(self._listing(url)))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
+
+    def first(self, url: str) -> tuple[str, int, str] | None:
+        """The first object under the prefix ``url`` names (one request, not retried: ``probe``'s)."""
+        try:
+            return next(self._listing(url), None)
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def _listing(self, url: str):
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
+            for m in page:
+                if m["path"].startswith(base):
+                    yield m["path"][len(base):], int(m["size"]), m.get("e_tag") or ""
 
     def list_top(self, url: str) -> tuple[list[tuple[str, int, str]], list[str]]:
         """The top level of the prefix ``url`` names, in one delimited listing: its objects'
@@ -405,9 +416,8 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         where = url[:url.index("{")].rpartition("/")[0] if "{" in url else url.rpartition("/")[0]
     url = where
     try:
-        for rel, size, _ in store.list(url):
-            first = (rel, size)
-            break
+        got = store.first(url)
+        first = got[:2] if got else None
     except OSError as e:
         raise listing_error(key, url, store, e) from None
     if first is None:
