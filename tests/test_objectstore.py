@@ -130,6 +130,23 @@ def test_the_daemon_with_a_wrong_key_or_no_such_bucket_stops_at_once_with_one_li
         assert len(lines) == 1 and said in lines[0] and "retrying" not in out and "wrong-secret" not in out, out
 
 
+def test_an_endpoint_down_past_the_retries_at_start_exits_75_to_be_restarted_not_78(s3, bucket_root, tmp_path):
+    """The bucket not answering at start (a store started after the daemon at boot) ended as a
+    'configuration error' (exit 78), which the shipped unit's RestartPreventExitStatus=78 never
+    restarts. The real CLI, its retry episode cut to 2 s, against a port nothing listens on."""
+    from s3fixture import _free_ports
+
+    cfg = small_config(tmp_path, bucket_root)
+    run = ("import sys; from prefetchd.sources import objectstore; objectstore._RETRY_TIMEOUT_S = 2.0; "
+           "from prefetchd.cli import main; sys.exit(main(['run', '--config', sys.argv[1]]))")
+    env = {**os.environ, **s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_ports(1)[0]}"}
+    r = subprocess.run([sys.executable, "-c", run, cfg], capture_output=True, text=True, timeout=90, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out
+    said = [ln for ln in out.splitlines() if "dataset.root" in ln]
+    assert len(said) == 1 and "the bucket did not answer" in said[0] and "configuration error" not in out, out
+
+
 def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secret(s3, bucket_root, image_root,
                                                                                   tmp_path, daemon_factory):
     local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"

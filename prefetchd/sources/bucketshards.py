@@ -45,6 +45,7 @@ from prefetchd.sources.archive import TarIndex
 from prefetchd.sources.base import (
     DatasetError,
     StorageChanged,
+    StorageUnavailable,
     cache_path,
     default_cache_dir,
     read_cache,
@@ -185,6 +186,9 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
             raise DatasetError(f"the shard {url} changed while it was being indexed (its ETag differs): is an upload "
                                "still writing it? start again once it is complete") from None
         except OSError as e:
+            if objectstore.unavailable(e):
+                raise StorageUnavailable(f"the shard {url} cannot be read: the bucket did not answer "
+                                         f"({e.strerror or e}); the daemon exits 75 to be started again") from None
             raise DatasetError(f"the shard {url} cannot be read: {e.strerror or e}") from None
         finally:
             f.close()

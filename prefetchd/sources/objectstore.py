@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 
 from prefetchd.sources import bytecache
-from prefetchd.sources.base import DatasetError, StorageChanged
+from prefetchd.sources.base import DatasetError, StorageChanged, StorageUnavailable
 
 log = logging.getLogger("prefetchd.objectstore")
 
@@ -94,7 +94,7 @@ def _os_error(e: Exception, url: str) -> OSError:
     status = _status(e)
     code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
-        else errno.EIO)
+        else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
     return OSError(code, _first_line(e), url)
 
 
@@ -261,6 +261,7 @@ class ObjectStore:
                         log.warning("%s://%s: %s; retrying with back-off (said once until it answers again)",
                                     self.scheme, self.bucket, _first_line(e))
                 if now - start > _RETRY_TIMEOUT_S:
+                    e.retried_out = True  # the bucket did not answer for the whole episode: ``unavailable``
                     raise
                 tries += 1
                 time.sleep(random.uniform(0, delay))  # full jitter: workers retrying together do not stampede
@@ -432,8 +433,19 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
 
 
 def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> DatasetError:
-    """The one line for a prefix that cannot be listed: as whom, where, and what the answer means."""
+    """The one line for a prefix that cannot be listed: as whom, where, and what the answer means;
+    a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
+    if unavailable(e):
+        return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e)}); is {store.endpoint() or 'the endpoint'} "
+                                  "up? the daemon exits 75 to be started again")
     return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}")
+
+
+def unavailable(e: OSError) -> bool:
+    """Did ``e`` end a transient fault's whole retry episode (an outage, throttling), not a refusal
+    or a key file that cannot be read (``_retry`` marks it; ``_os_error`` makes it ETIMEDOUT)?"""
+    return e.errno == errno.ETIMEDOUT
 
 
 def _words(e: OSError) -> str:
