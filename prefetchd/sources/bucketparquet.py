@@ -191,10 +191,10 @@ def scan(root: str, image_column: str, label_column: str, key: str, store) -> Bu
 
 
 def stamps_valid(stamps: list) -> bool:
-    """A reload's check (``bucketshards.stamps_valid``: one HEAD a file)."""
+    """A reload's check (``bucketshards.stamps_valid``: the root listed again)."""
     from prefetchd.sources import bucketshards
 
-    return bucketshards.stamps_valid(stamps)
+    return bucketshards.stamps_valid(stamps, files_of)
 
 
 def load_cached(cdir: str, validate: bool = False) -> BucketParquetIndex | None:
@@ -241,8 +241,8 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
                          "fingerprint": index.fingerprint, "count": len(index), "skipped": list(index.skipped),
                          "files_": list(index.files), "identity": [list(x) for x in index.identity],
                          "image_column": index.image_column, "scan_s": index.scan_s,
-                         "stamps": [[f"{index.root}/{n}", *ident] for n, ident in zip(index.files, index.identity,
-                                                                                        strict=True)]})
+                         "stamps": [["list", root]] + [[f"{index.root}/{n}", *ident] for n, ident in
+                                                       zip(index.files, index.identity, strict=True)]})
             index = load_cached(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
