@@ -286,3 +286,17 @@ def test_a_cache_dir_the_daemons_user_cannot_write_is_one_line_and_a_full_one_is
         import shutil
 
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_max_bytes_smaller_than_one_read_is_said_once_and_nothing_is_written(tmp_path, caplog):
+    """``max_bytes: 100`` (bytes, where MB was meant): each read was written, then the whole cache
+    listed and the entry removed at once; hit rate 0 and nothing said."""
+    c = bytecache.ByteCache(str(tmp_path / "b"), 100)
+    with caplog.at_level("WARNING", logger="prefetchd.dataset"):
+        for k in range(3):
+            c.put("s3://b/x.tar", "e", k * 4096, os.urandom(4096))
+    said = [r.getMessage() for r in caplog.records if "max_bytes" in r.getMessage()]
+    assert len(said) == 1 and "smaller than what one read fetches (4096 bytes)" in said[0], said
+    assert c.stats["fetched_bytes"] == 0 and not _entries(tmp_path / "b")
+    c.put("s3://b/x.tar", "e", 0, b"x" * 50)  # what fits is kept
+    assert c.get("s3://b/x.tar", "e", 0, 50) == b"x" * 50

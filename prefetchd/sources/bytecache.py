@@ -54,7 +54,7 @@ class ByteCache:
         self.dir, self.max_bytes = dir, int(max_bytes)
         self.stats = {"hits": 0, "misses": 0, "hit_bytes": 0, "fetched_bytes": 0, "errors": 0}
         self._added = max_bytes  # look at the first write
-        self._warned = False
+        self._warned = self._said_small = False  # each said once a process
         self._lock = threading.Lock()  # the counters and eviction: a worker reads with several threads
 
     def _path(self, url: str, etag: str, offset: int, size: int) -> str:
@@ -84,6 +84,12 @@ class ByteCache:
         return data
 
     def put(self, url: str, etag: str, offset: int, data: bytes) -> None:
+        if len(data) > self.max_bytes * _LOW_WATER:  # written, then evicted at once with the whole cache listed
+            if not self._said_small:
+                self._said_small = True
+                log.warning("dataset.cache.max_bytes (%d bytes) is smaller than what one read fetches (%d bytes): "
+                            "nothing that large is cached; raise it (a size such as 100GiB)", self.max_bytes, len(data))
+            return
         path = self._path(url, etag, offset, len(data))
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
