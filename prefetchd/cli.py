@@ -21,7 +21,7 @@ import sys
 import time
 
 from prefetchd import __version__
-from prefetchd.core.config import EX_CONFIG, Config, ConfigError, format_size
+from prefetchd.core.config import EX_CONFIG, EX_TEMPFAIL, Config, ConfigError, format_size
 from prefetchd.core.config import load as load_config
 
 log = logging.getLogger("prefetchd")
@@ -76,7 +76,7 @@ def cmd_run(args) -> int:
                       "it starts: unset it to start a daemon by hand", file=sys.stderr, flush=True)
             return EX_CONFIG
     from prefetchd.daemon.ring import BufferBusy, RingError
-    from prefetchd.sources.dataset import DatasetError
+    from prefetchd.sources.base import DatasetError, StorageUnavailable
 
     try:
         cfg = _load(args.config)
@@ -100,9 +100,9 @@ def cmd_run(args) -> int:
     except BufferBusy as e:
         log.error("%s", e)
         return 1
-    except (ConfigError, DatasetError, RingError) as e:
-        log.error("configuration error: %s", e)
-        return EX_CONFIG
+    except (ConfigError, DatasetError, RingError) as e:  # a bucket that did not answer: 75, started again
+        log.error("%s" if isinstance(e, StorageUnavailable) else "configuration error: %s", e)
+        return EX_TEMPFAIL if isinstance(e, StorageUnavailable) else EX_CONFIG
     except KeyboardInterrupt:
         return 0
     except OSError as e:  # e.g. the metrics port is taken

@@ -204,3 +204,45 @@ def test_a_block_shuffle_from_bucket_parquet_makes_the_local_files_batches(s3, b
     assert sorted(got["local"]) == sorted(got["bucket"]) and len(got["local"]) >= 8
     for k, (x, y) in got["local"].items():
         assert np.array_equal(got["bucket"][k][0], x) and np.array_equal(got["bucket"][k][1], y), k
+
+
+def test_shards_beside_parquet_files_are_one_line_in_a_bucket_as_on_a_disk_and_a_layout_reads_either(
+        s3, s3_env, local_hf, tmp_path):
+    """The same folder of both kinds gave the Parquet rows from a local disk and the shards from a
+    bucket: one dataset.root, two datasets, depending only on where the files lay."""
+    from test_shards import _samples, write_shards
+
+    mixed = tmp_path / "mixed"
+    write_shards(mixed, _samples(8, seed=3), per_shard=4)
+    for name in os.listdir(local_hf[0]):
+        (mixed / name).write_bytes(open(os.path.join(local_hf[0], name), "rb").read())
+    assert s3.upload_tree(str(mixed), "mixed") == 4
+    for root in (str(mixed), f"s3://{BUCKET}/mixed"):
+        with pytest.raises(DatasetError) as e:
+            load_index(root, None, EXTS, str(tmp_path / "cache"))
+        assert "holds both .tar files (train-000000.tar ...) and Parquet files" in str(e.value), str(e.value)
+        assert "dataset.layout: webdataset or parquet" in str(e.value) and "\n" not in str(e.value)
+    for layout, n in (("webdataset", 8), ("parquet", ROWS)):
+        local, _ = load_index(str(mixed), None, EXTS, str(tmp_path / "cache"), layout=layout)
+        bucket, _ = load_index(f"s3://{BUCKET}/mixed", None, EXTS, str(tmp_path / "cache"), layout=layout)
+        assert len(local) == n
+        _same(bucket, local)
+
+
+def test_a_prefix_one_level_above_the_shards_or_parquet_files_names_the_folder_to_set(s3, s3_env, local_hf,
+                                                                                      tmp_path):
+    """A prefix of train/ and val/ shard folders, or a Hugging Face repo's root (its Parquet under
+    data/): read as an ImageFolder, it said only 'holds no images with extensions .jpeg, ...'."""
+    from test_shards import _samples, write_shards
+
+    for p in write_shards(tmp_path / "wds", _samples(8, seed=4), per_shard=4):
+        for split in ("train", "val"):
+            s3.put(f"above/{split}/{os.path.basename(p)}", open(p, "rb").read())
+    name = sorted(os.listdir(local_hf[0]))[0]
+    s3.put(f"hfrepo/data/{name}", open(os.path.join(local_hf[0], name), "rb").read())
+    s3.put("hfrepo/README.md", b"---\nlicense: mit\n---\n")
+    for root, folder, kind in ((f"s3://{BUCKET}/above", "train", ".tar"), (f"s3://{BUCKET}/hfrepo/", "data", ".parquet")):
+        said = _error(root, tmp_path)
+        assert f"the folder {folder}/ is not a class: no images, only" in said and kind in said, said
+        assert f"set dataset.root to {root.rstrip('/')}/{folder}/ to read them" in said, said
+        assert len(load_index(f"{root.rstrip('/')}/{folder}/", None, EXTS, str(tmp_path / "cache"))[0]) in (8, ROWS // 2)

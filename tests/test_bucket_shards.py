@@ -265,6 +265,37 @@ def test_a_reload_sees_a_shard_overwritten_since_the_index(s3, s3_env, local_sha
     assert not unchanged_since_scan(index.files_dir, index.fingerprint)
 
 
+def test_a_reload_sees_a_shard_or_parquet_file_uploaded_since_the_index_as_a_local_folder_does(
+        s3, s3_env, local_shards, tmp_path):
+    """A reload (SIGHUP) checked the indexed objects alone (one HEAD each): a shard uploaded since
+    (`aws s3 sync` of the next ones) was never indexed until a restart, where a local folder's
+    mtime shows it."""
+    import shutil
+
+    import pyarrow.parquet as pq
+    from test_parquet import _rows, hf_table
+
+    from prefetchd.sources.dataset import unchanged_since_scan
+
+    _, paths, _ = local_shards
+    local = tmp_path / "local"
+    local.mkdir()
+    pq.write_table(hf_table(_rows(6, seed=2)), tmp_path / "one.parquet", row_group_size=3)
+    for p in paths[:2]:
+        s3.put(f"grow/{os.path.basename(p)}", open(p, "rb").read())
+        shutil.copy(p, local)
+    s3.put("growpq/train-00000-of-00002.parquet", (tmp_path / "one.parquet").read_bytes())
+    roots = (f"s3://{BUCKET}/grow", str(local), f"s3://{BUCKET}/growpq/")
+    indexes = [load_index(r, None, EXTS, str(tmp_path / "cache"))[0] for r in roots]
+    assert [len(i) for i in indexes] == [24, 24, 6]
+    assert all(unchanged_since_scan(i.files_dir, i.fingerprint) for i in indexes)
+    s3.put(f"grow/{os.path.basename(paths[2])}", open(paths[2], "rb").read())
+    shutil.copy(paths[2], local)
+    s3.put("growpq/train-00001-of-00002.parquet", (tmp_path / "one.parquet").read_bytes())
+    assert not any(unchanged_since_scan(i.files_dir, i.fingerprint) for i in indexes)
+    assert [len(load_index(r, None, EXTS, str(tmp_path / "cache"))[0]) for r in roots] == [36, 36, 12]
+
+
 def test_the_daemon_on_bucket_shards_through_503s_resets_and_an_outage_makes_the_same_batches(
         s3, bucket_shards, local_shards, tmp_path, daemon_factory):
     (tmp_path / "l").mkdir()
@@ -386,3 +417,20 @@ def test_a_shard_overwritten_after_its_members_were_read_ahead_gives_their_index
     assert [index.read(24), index.read(25)] == [samples[24][1], samples[25][1]]
     with pytest.raises(StorageChanged, match="changed since it was indexed"):
         index.read(26)
+
+
+def test_a_brace_pattern_or_an_imagefolder_listed_through_503s_and_an_outage_at_start_is_indexed(
+        s3, s3_env, bucket_shards, local_shards, image_root, proxy, monkeypatch, tmp_path):
+    """Their listings (every object under the prefix) were not retried past the client's two quick
+    tries: a start during a SlowDown episode or a 2 s outage was a configuration error (exit 78,
+    which systemd's RestartPreventExitStatus keeps down), where a prefix of shards waited."""
+    assert s3.upload_tree(image_root, "listed") == 48
+    pattern = f"{bucket_shards}/train-{{000000..000002}}.tar"
+    _via(proxy, monkeypatch)
+    for k, fault in enumerate(({"n503": 8}, {"outage": 2.0})):
+        for root, local, layout in ((pattern, local_shards[0], "auto"), (f"s3://{BUCKET}/listed", image_root,
+                                                                         "imagefolder")):
+            objectstore._STORES.clear()
+            proxy.outage(fault["outage"]) if "outage" in fault else proxy.faults(**fault)
+            index, _ = load_index(root, None, EXTS, str(tmp_path / f"{k}{layout}"), layout=layout)
+            _same(index, load_index(local, None, EXTS, str(tmp_path / "local"), layout=layout)[0])

@@ -253,3 +253,71 @@ def test_the_same_object_at_another_endpoint_is_another_cache_entry(s3, cshards,
         assert cache.stats["hits"] == 1  # (and that endpoint's own entry is served)
     finally:
         bytecache.configure(None)
+
+
+_AS_ANOTHER_USER = """
+import logging, os, resource, signal, sys
+import psutil  # noqa: F401 - imported as root: the other user cannot read this interpreter's library
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from prefetchd.sources import bytecache
+from prefetchd.sources.base import DatasetError
+if sys.argv[2] == "nobody":  # imports done: the daemon's own user is another than the folder's owner
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+if sys.argv[2] == "fsize":  # a write past this size fails as on a full disk (EFBIG), the signal ignored
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+try:
+    c = bytecache.configure({"dir": sys.argv[1], "max_bytes": 1 << 30})
+except DatasetError as e:
+    sys.exit(f"refused: {e}")
+for k in range(3):
+    c.put("s3://b/x.tar", "e", k * 5000, bytes(5000))
+print("gets", [c.get("s3://b/x.tar", "e", k * 5000, 5000) for k in range(3)], c.stats["errors"])
+"""
+
+
+def test_a_cache_dir_the_daemons_user_cannot_write_is_one_line_and_a_full_one_is_said_once(tmp_path):
+    """A folder made by root for a daemon that runs as another user: every entry failed, said at
+    debug level only, and the cache stayed empty (hit rate 0) with no word at start."""
+    import subprocess
+    import sys
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="pfd-cache-")  # not under pytest's private tmp: the other user must reach it
+    try:
+        os.chmod(top, 0o755)
+        cache = os.path.join(top, "bytes")
+        os.mkdir(cache, 0o755)
+        root = os.geteuid() == 0
+        if not root:
+            os.chmod(cache, 0o555)
+        r = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, cache, "nobody" if root else "-"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stdout + r.stderr
+        assert r.stderr.startswith(f"refused: dataset.cache.dir {cache} is not writable by this user"), r.stderr
+        os.chmod(cache, 0o755)
+        r = subprocess.run([sys.executable, "-c", _AS_ANOTHER_USER, cache, "fsize"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "gets [None, None, None] 3" in r.stdout, r.stdout + r.stderr
+        said = [ln for ln in r.stderr.splitlines() if "cannot write an entry" in ln]
+        assert len(said) == 1 and "reads go on from the bucket" in said[0], r.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_max_bytes_smaller_than_one_read_is_said_once_and_nothing_is_written(tmp_path, caplog):
+    """``max_bytes: 100`` (bytes, where MB was meant): each read was written, then the whole cache
+    listed and the entry removed at once; hit rate 0 and nothing said."""
+    c = bytecache.ByteCache(str(tmp_path / "b"), 100)
+    with caplog.at_level("WARNING", logger="prefetchd.dataset"):
+        for k in range(3):
+            c.put("s3://b/x.tar", "e", k * 4096, os.urandom(4096))
+    said = [r.getMessage() for r in caplog.records if "max_bytes" in r.getMessage()]
+    assert len(said) == 1 and "smaller than what one read fetches (4096 bytes)" in said[0], said
+    assert c.stats["fetched_bytes"] == 0 and not _entries(tmp_path / "b")
+    c.put("s3://b/x.tar", "e", 0, b"x" * 50)  # what fits is kept
+    assert c.get("s3://b/x.tar", "e", 0, 50) == b"x" * 50

@@ -114,6 +114,39 @@ def test_check_says_who_where_and_whether_it_lists_and_reads(s3, bucket_root, tm
     assert len(said) == 1 and "wrong-secret" not in bad.stdout + bad.stderr, bad.stdout + bad.stderr
 
 
+def test_the_daemon_with_a_wrong_key_or_no_such_bucket_stops_at_once_with_one_line(s3, bucket_root, tmp_path):
+    """A listing's 403 and 404 come from obstore as a GenericError: they were retried as transient
+    for 120 s ("retrying with back-off"), then the root was read as an ImageFolder."""
+    for name, root, env, said in (("key", bucket_root, s3.env(secret="wrong-secret"), "access denied (403)"),
+                                  ("bucket", "s3://no-such-bucket-pfd/shards", s3.env(), "no such bucket")):
+        (tmp_path / name).mkdir()
+        cfg = small_config(tmp_path / name, root)
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "prefetchd", "run", "--config", cfg], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, **env})
+        out = r.stdout + r.stderr
+        assert r.returncode == 78 and time.monotonic() - t0 < 30, out
+        lines = [ln for ln in out.splitlines() if "dataset.root" in ln]
+        assert len(lines) == 1 and said in lines[0] and "retrying" not in out and "wrong-secret" not in out, out
+
+
+def test_an_endpoint_down_past_the_retries_at_start_exits_75_to_be_restarted_not_78(s3, bucket_root, tmp_path):
+    """The bucket not answering at start (a store started after the daemon at boot) ended as a
+    'configuration error' (exit 78), which the shipped unit's RestartPreventExitStatus=78 never
+    restarts. The real CLI, its retry episode cut to 2 s, against a port nothing listens on."""
+    from s3fixture import _free_ports
+
+    cfg = small_config(tmp_path, bucket_root)
+    run = ("import sys; from prefetchd.sources import objectstore; objectstore._RETRY_TIMEOUT_S = 2.0; "
+           "from prefetchd.cli import main; sys.exit(main(['run', '--config', sys.argv[1]]))")
+    env = {**os.environ, **s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_ports(1)[0]}"}
+    r = subprocess.run([sys.executable, "-c", run, cfg], capture_output=True, text=True, timeout=90, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode == 75, out
+    said = [ln for ln in out.splitlines() if "dataset.root" in ln]
+    assert len(said) == 1 and "the bucket did not answer" in said[0] and "configuration error" not in out, out
+
+
 def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secret(s3, bucket_root, image_root,
                                                                                   tmp_path, daemon_factory):
     local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"

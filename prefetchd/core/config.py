@@ -43,6 +43,7 @@ from prefetchd.core.configvalues import ConfigError, _unknown, format_size, pars
 from prefetchd.core.policyspec import misplaced_op
 
 EX_CONFIG = 78  # sysexits.h: configuration error; systemd's RestartPreventExitStatus uses it
+EX_TEMPFAIL = 75  # sysexits.h: try again later (the bucket did not answer at start); Restart=on-failure restarts
 
 
 @dataclass(frozen=True)

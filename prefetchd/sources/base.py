@@ -44,6 +44,12 @@ def numbered_classes(top: int, key: str, root: str, where: str) -> list[str]:
     return [str(i) for i in range(top + 1)]
 
 
+class StorageUnavailable(DatasetError):
+    """A bucket that did not answer at start for the whole retry episode (its endpoint down, a
+    network not up yet at boot, throttling): not the configuration's fault, so ``prefetchd run``
+    exits 75 (EX_TEMPFAIL), which a service manager restarts, not 78."""
+
+
 class StorageChanged(OSError):
     """What ``Index.read`` reads from is no longer what was indexed (an archive replaced or cut):
     the storage's state, not the sample's fault (``executors.storage`` waits for it). Its message

@@ -111,6 +111,7 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
     exts = tuple(e.lower() for e in extensions)
     by_class: dict[str, list[tuple[str, str, int, str]]] = {}  # class -> (folder, name, size, ETag) of its images
     apple = 0
+    datasets: dict[str, list[str]] = {}  # a "folder" -> the shards or Parquet files at its top
     try:
         for rel, size, etag in store.list(root):
             parts = rel.split("/")
@@ -121,10 +122,12 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
                 apple += name.lower().endswith(exts)
                 continue
             by_class.setdefault(parts[0], [])
+            if len(parts) == 2 and name.lower().endswith((".tar", ".parquet")):
+                datasets.setdefault(parts[0], []).append(name)
             if name.lower().endswith(exts):
                 by_class[parts[0]].append((posixpath.dirname(rel), name, size, etag))
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     classes = sorted(by_class)
     if not classes:
         raise DatasetError(f"{key} {root} has no class folders (expected {root.rstrip('/')}/<class>/<image>)")
@@ -141,6 +144,12 @@ def scan(root: str, extensions: tuple[str, ...], key: str = "dataset.root",
         labels.extend([label] * len(images))
         sizes.extend(s for _, _, s, _ in images)
         etags.extend(e.encode() for _, _, _, e in images)
+    held = [c for c in empty if c in datasets]
+    if held:  # a split's prefix (train/, data/ of a Hugging Face repo) one level up: no class
+        c = held[0]
+        raise DatasetError(f"{key} {root}: the folder {c}/ is not a class: no images, only {len(datasets[c])} "
+                           f"{'.tar' if datasets[c][0].lower().endswith('.tar') else '.parquet'} object(s) "
+                           f"({datasets[c][0]} ...); set {key} to {root.rstrip('/')}/{c}/ to read them")
     if empty:
         log.warning("%d class folder(s) hold no images (their labels stay reserved): %s",
                     len(empty), ", ".join(empty[:5]) + (" ..." if len(empty) > 5 else ""))

@@ -173,7 +173,7 @@ def files_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[str
     except FileNotFoundError:
         raise DatasetError(f"{key} {root}: no such object in the bucket (check the bucket and the key)") from None
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     names = sorted(listed)
     parquet._one_split(root, key, base, names)
     return base, names, listed
@@ -193,10 +193,10 @@ def scan(root: str, image_column: str, label_column: str, key: str, store) -> Bu
 
 
 def stamps_valid(stamps: list) -> bool:
-    """A reload's check (``bucketshards.stamps_valid``: one HEAD a file)."""
+    """A reload's check (``bucketshards.stamps_valid``: the root listed again)."""
     from prefetchd.sources import bucketshards
 
-    return bucketshards.stamps_valid(stamps)
+    return bucketshards.stamps_valid(stamps, files_of)
 
 
 def load_cached(cdir: str, validate: bool = False) -> BucketParquetIndex | None:
@@ -243,8 +243,8 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
                          "fingerprint": index.fingerprint, "count": len(index), "skipped": list(index.skipped),
                          "files_": list(index.files), "identity": [list(x) for x in index.identity],
                          "image_column": index.image_column, "scan_s": index.scan_s,
-                         "stamps": [[f"{index.root}/{n}", *ident] for n, ident in zip(index.files, index.identity,
-                                                                                        strict=True)]})
+                         "stamps": [["list", root]] + [[f"{index.root}/{n}", *ident] for n, ident in
+                                                       zip(index.files, index.identity, strict=True)]})
             index = load_cached(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)

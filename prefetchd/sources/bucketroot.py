@@ -35,12 +35,15 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
     store = objectstore.store_for(root, storage_options, key)
     try:
         objects, folders = store.list_top(root)
-    except OSError:
-        return "imagefolder"  # whose listing says why it cannot list
+    except OSError as e:  # a wrong key (403), no such bucket (404), an endpoint down past the retries
+        raise objectstore.listing_error(key, root, store, e) from None
     if not objects and not folders:
         raise DatasetError(f"{key} {root} lists no objects: check the bucket and the prefix")
     listed = {n: (size, etag) for n, size, etag in objects if not n.startswith(".")}
     tars = sorted(n for n in listed if n.lower().endswith(".tar"))
+    parquets = sorted(n for n in listed if n.endswith(".parquet"))
+    if tars and parquets:  # a local folder of both was read as Parquet, the bucket's as shards
+        raise shardnames.both_kinds(key, root, tars, parquets)
     stems = {t[:-4] for t in tars}
     dirs = sorted(f for f in folders if not f.startswith(".") and f not in _LEFTOVERS and f not in stems)
     if tars:

@@ -50,6 +50,7 @@ from prefetchd.sources.archive import TarIndex
 from prefetchd.sources.base import (
     DatasetError,
     StorageChanged,
+    StorageUnavailable,
     cache_path,
     default_cache_dir,
     read_cache,
@@ -163,7 +164,7 @@ def shards_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[st
     except FileNotFoundError:
         raise DatasetError(f"{key} {root}: no such object in the bucket (check the bucket and the key)") from None
     except OSError as e:
-        raise DatasetError(f"{key} {root} cannot be listed: {e.strerror}") from None
+        raise objectstore.listing_error(key, root, store, e) from None
     listed = {n: (size, etag) for n, size, etag in objects if not n.startswith(".")}
     tars = sorted(n for n in listed if n.lower().endswith(".tar"))
     if not tars:
@@ -201,6 +202,9 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
             raise DatasetError(f"the shard {url} changed while it was being indexed (its ETag differs): is an upload "
                                "still writing it? start again once it is complete") from None
         except OSError as e:
+            if objectstore.unavailable(e):
+                raise StorageUnavailable(f"the shard {url} cannot be read: the bucket did not answer "
+                                         f"({e.strerror or e}); the daemon exits 75 to be started again") from None
             raise DatasetError(f"the shard {url} cannot be read: {e.strerror or e}") from None
         finally:
             f.close()
@@ -238,8 +242,18 @@ def _fields(index: TarIndex) -> dict:
                                            "kind", "layout", "archives", "archive_ids", "block", "size", "scan_s")}
 
 
-def stamps_valid(stamps: list) -> bool:
-    """Still the shards indexed? One HEAD each (a reload asks; a start lists instead: ``load``)."""
+def stamps_valid(stamps: list, listed=None) -> bool:
+    """Still the shards indexed (a reload asks)? The root listed again, as a start does (``load``):
+    a shard uploaded since is seen, as a local folder's mtime shows one (one HEAD each, which an
+    older cache's stamps without the root get, saw only those indexed). ``listed``: ``shards_of``
+    or ``bucketparquet.files_of``."""
+    if stamps and stamps[0][0] == "list":
+        root = stamps[0][1]
+        try:
+            base, names, idents = (listed or shards_of)(root, objectstore.store_for(root))
+        except (OSError, DatasetError):
+            return False
+        return [[f"{base}/{n}", *idents[n]] for n in names] == [list(s) for s in stamps[1:]]
     try:
         with ThreadPoolExecutor(16) as pool:
             now = list(pool.map(lambda s: objectstore.store_for(s[0]).head(s[0]), stamps))
@@ -294,8 +308,8 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
                          "fingerprint": index.fingerprint, "count": len(index), "scan_s": index.scan_s,
                          "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
                          "kind": index.kind,
-                         "stamps": [[f"{index.root}/{n}", *ident] for n, ident in zip(index.archives, index.identity,
-                                                                                        strict=True)]})
+                         "stamps": [["list", root]] + [[f"{index.root}/{n}", *ident] for n, ident in
+                                                       zip(index.archives, index.identity, strict=True)]})
             index = load_cached(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import tempfile
 import threading
 import time
 
@@ -53,6 +54,7 @@ class ByteCache:
         self.dir, self.max_bytes = dir, int(max_bytes)
         self.stats = {"hits": 0, "misses": 0, "hit_bytes": 0, "fetched_bytes": 0, "errors": 0}
         self._added = max_bytes  # look at the first write
+        self._warned = self._said_small = False  # each said once a process
         self._lock = threading.Lock()  # the counters and eviction: a worker reads with several threads
 
     def _path(self, url: str, etag: str, offset: int, size: int) -> str:
@@ -82,6 +84,12 @@ class ByteCache:
         return data
 
     def put(self, url: str, etag: str, offset: int, data: bytes) -> None:
+        if len(data) > self.max_bytes * _LOW_WATER:  # written, then evicted at once with the whole cache listed
+            if not self._said_small:
+                self._said_small = True
+                log.warning("dataset.cache.max_bytes (%d bytes) is smaller than what one read fetches (%d bytes): "
+                            "nothing that large is cached; raise it (a size such as 100GiB)", self.max_bytes, len(data))
+            return
         path = self._path(url, etag, offset, len(data))
         tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
         try:
@@ -91,7 +99,10 @@ class ByteCache:
             os.rename(tmp, path)
         except OSError as e:  # a full disk: the read goes on, uncached
             self._count(errors=1)
-            log.debug("cannot cache %s: %s", path, e)
+            if not self._warned:  # a full disk: said once a process, the reads go on from the bucket
+                self._warned = True
+                log.warning("dataset.cache.dir %s: cannot write an entry (%s): reads go on from the bucket, "
+                            "uncached; free space there or lower dataset.cache.max_bytes", self.dir, e.strerror or e)
             try:
                 os.unlink(tmp)
             except OSError:
@@ -175,6 +186,13 @@ def configure(cache: dict | None, key: str = "dataset.cache") -> ByteCache | Non
         os.makedirs(d, mode=0o700, exist_ok=True)
     except OSError as e:
         raise DatasetError(f"{key}.dir {d} cannot be made: {e.strerror}; set it to a folder on a local disk") from None
+    try:  # a folder root made for a service user that runs as another: every entry would fail, unsaid
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DatasetError(f"{key}.dir {d} is not writable by this user ({e.strerror}): give it to the user the "
+                           "daemon runs as (chown), or set it to a folder that user can write") from None
     if is_tmpfs(d):
         raise DatasetError(f"{key}.dir {d} is on tmpfs (RAM), where it would take the memory the batch ring needs: "
                            "set it to a folder on a local disk")

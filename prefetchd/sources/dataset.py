@@ -195,6 +195,11 @@ def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -
     if root.endswith(".parquet") or (os.path.isdir(root) and any(
             e.name.endswith(".parquet") for e in os.scandir(root)) and not any(
             e.is_dir() and not e.name.startswith(".") for e in os.scandir(root))):  # .cache: huggingface_hub's
+        if not root.endswith(".parquet"):
+            names = sorted(e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
+            tars = [n for n in names if n.lower().endswith(".tar")]
+            if tars:  # a bucket prefix of both is refused too: the same files give the same dataset anywhere
+                raise shardnames.both_kinds(key, root, tars, [n for n in names if n.endswith(".parquet")])
         return "parquet"
     if shardnames.is_pattern(root) and not os.path.exists(root):
         return "webdataset"

@@ -39,7 +39,7 @@ import time
 from datetime import timedelta
 
 from prefetchd.sources import bytecache
-from prefetchd.sources.base import DatasetError, StorageChanged
+from prefetchd.sources.base import DatasetError, StorageChanged, StorageUnavailable
 
 log = logging.getLogger("prefetchd.objectstore")
 
@@ -91,9 +91,26 @@ def _os_error(e: Exception, url: str) -> OSError:
         # (errno, message): the worker says its strerror (``executors.storage``), None without one
         return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
                               "in the bucket): batches from it wait; restart the daemon to index it again")
-    code = errno.ENOENT if isinstance(e, x.NotFoundError) else (
-        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) else errno.EIO)
+    status = _status(e)
+    code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
+        errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
+        else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
     return OSError(code, _first_line(e), url)
+
+
+_STATUS = re.compile(r"status code: (\d{3})\b")
+
+
+def _status(e: Exception) -> int:
+    """The HTTP status an obstore error carries in its text, 0 without one: a listing's 403 or
+    404 (NoSuchBucket) comes as a GenericError, not as PermissionDenied or NotFound."""
+    m = _STATUS.search(str(e).split("\n", 1)[0])
+    return int(m.group(1)) if m else 0
+
+
+def _permanent(e: Exception) -> bool:
+    """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
+    return 400 <= _status(e) < 500 and _status(e) not in (408, 429)
 
 
 # an AWS access key id (AKIA... long-term, ASIA... temporary) or what a server echoes in <AccessKeyId>
@@ -235,6 +252,8 @@ class ObjectStore:
                 raise
             except x.BaseError as e:
                 _count(errors=1)
+                if _permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
+                    raise
                 now = time.monotonic()
                 if start is None:
                     start = now
@@ -243,6 +262,7 @@ class ObjectStore:
                         log.warning("%s://%s: %s; retrying with back-off (said once until it answers again)",
                                     self.scheme, self.bucket, _first_line(e))
                 if now - start > _RETRY_TIMEOUT_S:
+                    e.retried_out = True  # the bucket did not answer for the whole episode: ``unavailable``
                     raise
                 tries += 1
                 time.sleep(random.uniform(0, delay))  # full jitter: workers retrying together do not stampede
@@ -260,18 +280,29 @@ class ObjectStore:
     def forget(self, url: str) -> None:
         self._handles.pop(url, None)
 
-    def list(self, url: str):
-        """Yield ``(relative key, size, ETag)`` of every object under the prefix ``url`` names."""
-        prefix = self.object_key(url)
-        base = prefix + "/" if prefix else ""
+    def list(self, url: str) -> list[tuple[str, int, str]]:
+        """``(relative key, size, ETag)`` of every object under the prefix ``url`` names: the whole
+        listing, listed again from its start through a transient fault (``_retry``: a 503 SlowDown
+        or an outage at start failed a brace pattern's or an ImageFolder's listing at once)."""
         try:
-            for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
-                for meta in page:
-                    path = meta["path"]
-                    if path.startswith(base):
-                        yield path[len(base):], int(meta["size"]), meta.get("e_tag") or ""
+            return self._retry(lambda: list(self._listing(url)))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
+
+    def first(self, url: str) -> tuple[str, int, str] | None:
+        """The first object under the prefix ``url`` names (one request, not retried: ``probe``'s)."""
+        try:
+            return next(self._listing(url), None)
+        except self._obs.exceptions.BaseError as e:
+            raise _os_error(e, url) from None
+
+    def _listing(self, url: str):
+        prefix = self.object_key(url)
+        base = prefix + "/" if prefix else ""
+        for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
+            for m in page:
+                if m["path"].startswith(base):
+                    yield m["path"][len(base):], int(m["size"]), m.get("e_tag") or ""
 
     def list_top(self, url: str) -> tuple[list[tuple[str, int, str]], list[str]]:
         """The top level of the prefix ``url`` names, in one delimited listing: its objects'
@@ -392,11 +423,10 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         where = url[:url.index("{")].rpartition("/")[0] if "{" in url else url.rpartition("/")[0]
     url = where
     try:
-        for rel, size, _ in store.list(url):
-            first = (rel, size)
-            break
+        got = store.first(url)
+        first = got[:2] if got else None
     except OSError as e:
-        raise DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}") from None
+        raise listing_error(key, url, store, e) from None
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
     lines.append(f"list: ok ({url.rstrip('/')}/{first[0]} is the first object)")
@@ -406,6 +436,22 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
+
+
+def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> DatasetError:
+    """The one line for a prefix that cannot be listed: as whom, where, and what the answer means;
+    a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
+    if unavailable(e):
+        return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e)}); is {store.endpoint() or 'the endpoint'} "
+                                  "up? the daemon exits 75 to be started again")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}")
+
+
+def unavailable(e: OSError) -> bool:
+    """Did ``e`` end a transient fault's whole retry episode (an outage, throttling), not a refusal
+    or a key file that cannot be read (``_retry`` marks it; ``_os_error`` makes it ETIMEDOUT)?"""
+    return e.errno == errno.ETIMEDOUT
 
 
 def _words(e: OSError) -> str:

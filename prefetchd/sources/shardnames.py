@@ -121,6 +121,14 @@ def _missing(key: str, root: str, paths: list[str], absent: list[str], what: str
                         "a set without them trains on part of the data; restore them, or name only those present")
 
 
+def both_kinds(key: str, root: str, tars: list[str], parquets: list[str]) -> DatasetError:
+    """A root holding ``.tar`` shards and ``.parquet`` files side by side (a local folder or a bucket
+    prefix alike): which one is the dataset is the user's to say."""
+    return DatasetError(f"{key} {root} holds both .tar files ({tars[0]} ...) and Parquet files ({parquets[0]} ...): "
+                        "one kind of dataset per root; set dataset.layout: webdataset or parquet to read one, or "
+                        "move the other out")
+
+
 def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]:
     """(base folder, shard names relative to it, cache stamps) of ``root``: see the module docstring."""
     if is_pattern(root) and not os.path.exists(root):
