@@ -216,15 +216,15 @@ def test_shards_beside_parquet_files_are_one_line_in_a_bucket_as_on_a_disk_and_a
     write_shards(mixed, _samples(8, seed=3), per_shard=4)
     for name in os.listdir(local_hf[0]):
         (mixed / name).write_bytes(open(os.path.join(local_hf[0], name), "rb").read())
-    assert s3.upload_tree(str(mixed), "mixed") == 4
-    for root in (str(mixed), f"s3://{BUCKET}/mixed"):
+    assert s3.upload_tree(str(mixed), "pqmixed") == 4  # (test_bucket_shards has its own mixed/: one bucket, one session)
+    for root in (str(mixed), f"s3://{BUCKET}/pqmixed"):
         with pytest.raises(DatasetError) as e:
             load_index(root, None, EXTS, str(tmp_path / "cache"))
         assert "holds both .tar files (train-000000.tar ...) and Parquet files" in str(e.value), str(e.value)
         assert "dataset.layout: webdataset or parquet" in str(e.value) and "\n" not in str(e.value)
     for layout, n in (("webdataset", 8), ("parquet", ROWS)):
         local, _ = load_index(str(mixed), None, EXTS, str(tmp_path / "cache"), layout=layout)
-        bucket, _ = load_index(f"s3://{BUCKET}/mixed", None, EXTS, str(tmp_path / "cache"), layout=layout)
+        bucket, _ = load_index(f"s3://{BUCKET}/pqmixed", None, EXTS, str(tmp_path / "cache"), layout=layout)
         assert len(local) == n
         _same(bucket, local)
 
