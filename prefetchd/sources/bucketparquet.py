@@ -226,11 +226,10 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
     if use_cache:
         cached = load_cached(cdir)
         if cached is not None:
-            base, names, idents = files_of(root, store, key)  # one listing: still the files indexed?
-            now = tuple(idents[n] for n in names)
-            if (base, tuple(names), now) == (cached.root, cached.files, cached.identity):
+            moved = objectstore.moved_since(cached.root, cached.files, cached.identity,
+                                            files_of(root, store, key))  # one listing: still the files indexed?
+            if moved is None:
                 return cached, True
-            moved = [n for n, was, is_ in zip(cached.files, cached.identity, now, strict=False) if was != is_]
             log.warning("the Parquet files under %s changed since they were indexed (%s): indexing them again", root,
                         f"{len(moved)} overwritten, e.g. {moved[0]}" if moved else "other files")
     t0 = time.monotonic()
@@ -243,8 +242,7 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
                          "fingerprint": index.fingerprint, "count": len(index), "skipped": list(index.skipped),
                          "files_": list(index.files), "identity": [list(x) for x in index.identity],
                          "image_column": index.image_column, "scan_s": index.scan_s,
-                         "stamps": [["list", root]] + [[f"{index.root}/{n}", *ident] for n, ident in
-                                                       zip(index.files, index.identity, strict=True)]})
+                         "stamps": objectstore.listing_stamps(root, index.root, index.files, index.identity)})
             index = load_cached(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)

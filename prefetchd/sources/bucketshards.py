@@ -290,11 +290,10 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
     if use_cache:
         cached = load_cached(cdir)
         if cached is not None:
-            base, shards, idents = shards_of(root, store, key)  # one listing: still the shards indexed?
-            now = tuple(idents[n] for n in shards)
-            if (base, tuple(shards), now) == (cached.root, cached.archives, cached.identity):
+            moved = objectstore.moved_since(cached.root, cached.archives, cached.identity,
+                                            shards_of(root, store, key))  # one listing: still the shards indexed?
+            if moved is None:
                 return cached, True
-            moved = [n for n, was, is_ in zip(cached.archives, cached.identity, now, strict=False) if was != is_]
             log.warning("the shards under %s changed since they were indexed (%s): indexing them again", root,
                         f"{len(moved)} overwritten, e.g. {moved[0]}" if moved else "other shards")
     t0 = time.monotonic()
@@ -308,8 +307,7 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
                          "fingerprint": index.fingerprint, "count": len(index), "scan_s": index.scan_s,
                          "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
                          "kind": index.kind,
-                         "stamps": [["list", root]] + [[f"{index.root}/{n}", *ident] for n, ident in
-                                                       zip(index.archives, index.identity, strict=True)]})
+                         "stamps": objectstore.listing_stamps(root, index.root, index.archives, index.identity)})
             index = load_cached(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)

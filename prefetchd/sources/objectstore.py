@@ -403,6 +403,21 @@ def counts() -> tuple:
 _PROBE_BYTES = 1 << 20  # what ``probe`` reads of the first object
 
 
+def moved_since(cached_root: str, cached_names, cached_identity: tuple, listing: tuple) -> list[str] | None:
+    """None when ``listing`` (base, names, {name: (size, ETag)}) shows the objects a cached bucket
+    index holds, in its order; else the names it holds whose size or ETag moved (none: other objects)."""
+    base, names, idents = listing
+    now = tuple(idents[n] for n in names)
+    if (base, tuple(names), now) == (cached_root, tuple(cached_names), cached_identity):
+        return None
+    return [n for n, was, is_ in zip(cached_names, cached_identity, now, strict=False) if was != is_]
+
+
+def listing_stamps(root: str, base: str, names, identity) -> list:
+    """A bucket index cache's stamps: the root listed, and each object's (size, ETag) as indexed."""
+    return [["list", root]] + [[f"{base}/{n}", *ident] for n, ident in zip(names, identity, strict=True)]
+
+
 def store_for(url: str, storage_options: dict | None = None, key: str = "dataset.root") -> ObjectStore:
     """The ``ObjectStore`` of ``url``'s bucket (one per bucket in a process)."""
     scheme, bucket, _ = split(url, key)
