@@ -12,7 +12,7 @@ import os
 import numpy as np
 import pytest
 from conftest import small_config
-from s3fixture import BUCKET, SECRET_KEY
+from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -154,25 +154,8 @@ def test_bad_bucket_parquet_roots_are_one_line_each_naming_the_key(s3, s3_env, b
 
 def test_the_daemon_on_bucket_parquet_makes_the_local_files_batches_and_writes_no_secret(
         s3, bucket_hf, local_hf, tmp_path, daemon_factory):
-    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
-    local_dir.mkdir()
-    bucket_dir.mkdir()
-    local_cfg = small_config(local_dir, local_hf[0])
-    d = daemon_factory(local_cfg)
-    ref = collect(local_cfg)
-    assert d.stop() == 0
-    cfg = small_config(bucket_dir, bucket_hf)
-    d = daemon_factory(cfg, env=s3.env())
-    got = collect(cfg)
-    assert d.stop() == 0
-    assert sorted(got) == sorted(ref) and len(ref) >= 8
-    for k in ref:
-        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
-    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names] + [d.log_path]
-    assert any(p.endswith("bucket-parquetmeta.json") for p in written)
-    for path in written:
-        with open(path, "rb") as f:
-            assert SECRET_KEY.encode() not in f.read(), path
+    same_batches_from_the_bucket_and_no_secret(tmp_path, local_hf[0], bucket_hf, s3.env(), daemon_factory,
+                                               "bucket-parquetmeta.json")
 
 
 def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, local_hf, tmp_path):

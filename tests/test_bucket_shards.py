@@ -15,7 +15,7 @@ import tarfile
 import numpy as np
 import pytest
 from conftest import small_config, wait_until
-from s3fixture import BUCKET, SECRET_KEY
+from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
 from s3proxy import FaultProxy
 from test_daemon import collect, published
 from test_shards import _add, _samples, write_shards
@@ -175,25 +175,8 @@ def test_bad_bucket_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_sh
 
 def test_the_daemon_on_bucket_shards_makes_the_local_shards_batches_and_writes_no_secret(
         s3, bucket_shards, local_shards, tmp_path, daemon_factory):
-    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
-    local_dir.mkdir()
-    bucket_dir.mkdir()
-    local_cfg = small_config(local_dir, local_shards[0])
-    d = daemon_factory(local_cfg)
-    ref = collect(local_cfg)
-    assert d.stop() == 0
-    cfg = small_config(bucket_dir, bucket_shards)
-    d = daemon_factory(cfg, env=s3.env())
-    got = collect(cfg)
-    assert d.stop() == 0
-    assert sorted(got) == sorted(ref) and len(ref) >= 8
-    for k in ref:
-        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
-    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names] + [d.log_path]
-    assert any(p.endswith("bucket-tarmeta.json") for p in written)
-    for path in written:
-        with open(path, "rb") as f:
-            assert SECRET_KEY.encode() not in f.read(), path
+    same_batches_from_the_bucket_and_no_secret(tmp_path, local_shards[0], bucket_shards, s3.env(), daemon_factory,
+                                               "bucket-tarmeta.json")
 
 
 def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_anew(

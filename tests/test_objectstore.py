@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 from conftest import small_config
-from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -149,28 +149,10 @@ def test_an_endpoint_down_past_the_retries_at_start_exits_75_to_be_restarted_not
 
 def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secret(s3, bucket_root, image_root,
                                                                                   tmp_path, daemon_factory):
-    local_dir, bucket_dir = tmp_path / "local", tmp_path / "bucket"
-    local_dir.mkdir()
-    bucket_dir.mkdir()
-    local_cfg = small_config(local_dir, image_root)
-    d = daemon_factory(local_cfg)
-    ref = collect(local_cfg)
-    assert d.stop() == 0
-    cfg = small_config(bucket_dir, bucket_root)
-    with open(cfg) as f:
+    with open(small_config(tmp_path, bucket_root)) as f:
         assert yaml.safe_load(f)["dataset"]["root"] == bucket_root
-    d = daemon_factory(cfg, env=s3.env())
-    got = collect(cfg)
-    assert d.stop() == 0
-    assert sorted(got) == sorted(ref) and len(ref) >= 8
-    for k in ref:
-        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
-    written = [os.path.join(p, n) for p, _, names in os.walk(bucket_dir) for n in names]
-    written += [d.log_path]
-    assert any(p.endswith("bucket-meta.json") for p in written)  # the index cache among them
-    for path in written:
-        with open(path, "rb") as f:
-            assert SECRET_KEY.encode() not in f.read(), path
+    same_batches_from_the_bucket_and_no_secret(tmp_path, image_root, bucket_root, s3.env(), daemon_factory,
+                                               "bucket-meta.json")
 
 
 def test_an_s3_root_without_the_extra_is_one_line(monkeypatch, tmp_path):
