@@ -340,7 +340,8 @@ def test_hostile_progress_file_is_rejected_with_one_warning_also_at_start_up(tmp
     assert d.proc.poll() is None and d.stop() == 0
     log = d.log()
     assert "Traceback" not in log and log.count("ignoring") == 2
-    assert all(len(line) < 400 for line in log.splitlines())  # one short line, not the file echoed
+    # one short line, not the file echoed (the paths of the test's own folder not counted: pytest-xdist's are longer)
+    assert all(len(line.replace(str(tmp_path), "T")) < 400 for line in log.splitlines())
 
 
 def _position(buf):

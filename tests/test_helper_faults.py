@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pathlib
 import random
+import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -17,6 +20,7 @@ import psutil
 import pytest
 from conftest import small_config, wait_until
 from prefetchd_client import PrefetchClient
+from test_daemon import published
 
 from prefetchd.core.config import load as load_config
 from prefetchd.core.sampler import Sampler
@@ -112,13 +116,16 @@ def _named_shm(pid: int) -> list[str]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_helper_process_faults_keep_the_daemon_up_and_change_nothing(case, tmp_path, image_root, daemon_factory):
+def test_helper_process_faults_keep_the_daemon_up_and_change_nothing(case, tmp_path, image_root, daemon_factory,
+                                                                    request):
     fault, counter, max_wait_s = CASES[case]
     cfg = small_config(tmp_path, image_root, loader={"epochs": None},
                        buffer={"capacity": 12, "refill_at": 12}, workers={"count": WORKERS})
     buf = str(tmp_path / "buffer")
-    tmpdir = tmp_path / "tmp"  # the daemon's: multiprocessing's sockets, which must all go
-    tmpdir.mkdir()
+    # the daemon's: multiprocessing's sockets, which must all go. Not under tmp_path, which
+    # pytest-xdist makes long enough that the daemon would put them in /tmp (helpers.short_temp_dir)
+    tmpdir = pathlib.Path(tempfile.mkdtemp(prefix="pfd-hf-"))
+    request.addfinalizer(lambda: shutil.rmtree(tmpdir, ignore_errors=True))
     d = daemon_factory(cfg, env={"TMPDIR": str(tmpdir)})
     got: dict = {}
     waits: list[tuple[float, int]] = []  # (seconds the trainer waited for a batch, faults done by then)
@@ -241,3 +248,21 @@ def test_a_worker_that_cannot_be_started_is_retried_with_the_back_off_and_only_a
                                                 r"\(pid 1234\) did not answer"):
         p.results()
     p.stop()
+
+
+def test_a_temporary_folder_too_long_for_the_forkserver_socket_is_said_once_and_workers_start(tmp_path, image_root,
+                                                                                               daemon_factory):
+    """multiprocessing makes the forkserver's socket at $TMPDIR/pymp-X/listener-X: a TMPDIR of 80
+    bytes fails every worker start with "AF_UNIX path too long" under Python 3.13 and older, and the
+    daemon retried it every 10 s forever. pytest-xdist's folders are that long."""
+    long_tmp = tmp_path / ("t" * max(1, 90 - len(str(tmp_path))))
+    long_tmp.mkdir()
+    cfg = small_config(tmp_path, image_root, loader={"epochs": None})
+    d = daemon_factory(cfg, env={"TMPDIR": str(long_tmp)})
+    buf = str(tmp_path / "buffer")
+    wait_until(lambda: published(buf), 30, "a batch")
+    assert d.stop() == 0
+    log = d.log()
+    assert log.count("(TMPDIR) is ") == 1 and "the workers' sockets go in /tmp instead" in log, log
+    assert "AF_UNIX" not in log and "Traceback" not in log
+    assert not list(long_tmp.iterdir())

@@ -16,6 +16,10 @@ with it. Neither may be a single point of failure, so this module:
   and their exit status is still known (``waitid`` on their pidfd) and nothing is left a zombie;
 - stops both at the process's exit within a bounded time (``stop_helpers``), even when one of
   them is stopped (SIGSTOP) or hung;
+- keeps the forkserver's socket path short enough (``short_temp_dir``): multiprocessing puts it
+  at ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``, and under Python 3.13 and older a ``TMPDIR``
+  past 75 bytes fails every worker's start ("AF_UNIX path too long"); then a short folder
+  (``/tmp``, ``/var/tmp``) is used instead, said in one line, as Python 3.14 does itself;
 - starts both with ``GROUP_SIGNALS`` blocked (``ensure_helpers``): a signal sent to the daemon's
   whole process group (a terminal's Ctrl-C, ``kill -TERM -PGID``, ``timeout``, Slurm's
   ``scancel``, which signals every process of the step) is the daemon's to act on, and it ends
@@ -38,6 +42,7 @@ import logging
 import os
 import select
 import signal
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -54,6 +59,11 @@ _PR_SET_CHILD_SUBREAPER = 36
 # What a sender aims at the daemon's whole process group: the daemon acts on them (stop, reload),
 # its helpers and workers are born with them blocked and leave them to it
 GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+# Linux's sun_path holds 108 bytes with its NUL; multiprocessing adds this much to the temp folder
+_SUN_PATH_MAX = 107
+_SOCKET_SUFFIX = len("/pymp-12345678/listener-12345678")
+_SHORT_TEMP_DIRS = ("/tmp", "/var/tmp", "/usr/tmp")
 
 FORKSERVER = "forkserver"
 TRACKER = "resource tracker"
@@ -216,6 +226,8 @@ class Helpers:
         fs = forkserver._forkserver
         try:  # started here, not by start(): with the mask that leaves group signals to the daemon
             ensure_helpers()
+        except SpawnError:  # no temporary folder the socket fits in: said as the start's failure
+            raise
         except Exception:  # noqa: BLE001 -- start() tries again, and fails in the way said below
             pass
         timeout = _SPAWN_TIMEOUT_S if self._answered is not None and self._answered == fs._forkserver_pid \
@@ -282,12 +294,39 @@ class Helpers:
         self._watched.clear()
 
 
+def short_temp_dir() -> str | None:
+    """Make ``tempfile``'s folder, in which multiprocessing makes the forkserver's socket, one
+    where the socket's path fits ``sun_path``. Returns the line that says a change, else None;
+    raises ``SpawnError`` where no folder fits. Before multiprocessing's first use of it only
+    (it keeps the folder it made): ``ensure_helpers`` calls it first."""
+    base = tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_SUFFIX <= _SUN_PATH_MAX:
+        return None
+    limit = _SUN_PATH_MAX - _SOCKET_SUFFIX
+    for short in _SHORT_TEMP_DIRS:
+        if os.path.isdir(short) and os.access(short, os.W_OK | os.X_OK):
+            tempfile.tempdir = short
+            return (f"the temporary folder {base} (TMPDIR) is {len(os.fsencode(base))} bytes long, past the "
+                    f"{limit} a forkserver socket's path leaves it: the workers' sockets go in {short} instead")
+    raise SpawnError(f"the temporary folder {base} (TMPDIR) is {len(os.fsencode(base))} bytes long, past the "
+                     f"{limit} a forkserver socket's path leaves it, and none of {', '.join(_SHORT_TEMP_DIRS)} "
+                     "is writable: set TMPDIR to a shorter folder")
+
+
+_TEMP_DIR_CHECKED = []
+
+
 def ensure_helpers(forkserver_too: bool = True) -> None:
     """Start the resource tracker and (``forkserver_too``) the forkserver if they do not run,
     each born with ``GROUP_SIGNALS`` blocked: the mask is inherited through fork and exec, and
     neither unblocks them (the tracker ignores SIGINT and SIGTERM besides), so from their first
     instruction a signal to the daemon's group stays pending in them, harmless. Blocked in this
     thread only for the start itself (a fork and exec): the daemon's own signals then arrive."""
+    if not _TEMP_DIR_CHECKED:
+        said = short_temp_dir()
+        _TEMP_DIR_CHECKED.append(True)
+        if said:
+            log.warning("%s", said)
     old = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
     try:
         with warnings.catch_warnings():  # "resource_tracker: process died unexpectedly": said by the caller
