@@ -2,12 +2,15 @@
 
 CI runs the suite as root on a machine that may be new: a test that needs a Debian package's tool
 installs it (``apt-get update`` once per run, then ``apt-get install``), with ``policy-rc.d``
-keeping the package's services from starting on this host. Where that cannot be done (not root, no
+keeping the package's services from starting on this host. pytest-xdist's workers install one
+at a time (a lock file: two apt-gets at once fail on dpkg's lock). Where that cannot be done (not root, no
 apt-get, no network to the archive) the test skips and says why.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -16,11 +19,21 @@ import subprocess
 import pytest
 
 _updated = False
+_LOCK = "/tmp/prefetchd-tests-apt.lock"
+
+
+@contextlib.contextmanager
+def _one_at_a_time():
+    with open(_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure(tools: dict[str, str]) -> None:
     """Each tool in ``tools`` (name -> Debian package) on PATH, or skip the calling test."""
-    global _updated
     missing = {t: p for t, p in tools.items() if not shutil.which(t)}
     if not missing:
         return
@@ -30,6 +43,16 @@ def ensure(tools: dict[str, str]) -> None:
         pytest.skip(f"{what} and no apt-get to install it")
     if os.geteuid() != 0:
         pytest.skip(f"{what}: installing it needs root (apt-get install {' '.join(packages)})")
+    with _one_at_a_time():
+        if any(not shutil.which(t) for t in missing):  # else another worker installed them meanwhile
+            _install(missing, packages, what)
+    still = [t for t in missing if not shutil.which(t)]
+    if still:
+        pytest.skip(f"{', '.join(still)} still missing after apt-get install {' '.join(packages)}")
+
+
+def _install(missing: dict[str, str], packages: list[str], what: str) -> None:
+    global _updated
     policy = pathlib.Path("/usr/sbin/policy-rc.d")
     ours = not policy.exists()
     if ours:
@@ -49,6 +72,3 @@ def ensure(tools: dict[str, str]) -> None:
     finally:
         if ours:
             policy.unlink()
-    still = [t for t in missing if not shutil.which(t)]
-    if still:
-        pytest.skip(f"{', '.join(still)} still missing after apt-get install {' '.join(packages)}")
