@@ -255,12 +255,17 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketroot.py
+    from prefetchd.sources import bucketlist
+
+    if objectstore.is_url(root) or objectstore.is_url(file_list) or (
+            root is None and file_list is not None and bucketlist.names_objects(file_list)):  # sources/bucketroot.py
         from prefetchd.sources import bucketroot, bytecache
 
         bytecache.configure(cache)
         return bucketroot.load(root, file_list, extensions, cache_dir, use_cache, devkit, section, layout, label,
                                image_column, label_column, storage_options)
+    if objectstore.is_url(devkit):  # a local set labelled by a devkit in a bucket: the config's keys for it
+        objectstore.store_for(devkit, storage_options, "validation.devkit")
     found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
@@ -362,10 +367,11 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketimagenet, bucketparquet, bucketshards, parquet
 
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
         or bucketshards.open_files(files_dir) or bucketparquet.open_files(files_dir) \
+        or bucketimagenet.open_files(files_dir) \
         or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
@@ -376,9 +382,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketimagenet, bucketparquet, bucketshards, parquet
 
-    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet):
+    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet, bucketimagenet):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid

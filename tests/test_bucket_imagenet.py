@@ -1,0 +1,195 @@
+"""ImageNet's tars in a bucket against a real S3 server (SeaweedFS on loopback, tests/s3fixture.py),
+no mock: each form (the train tar of class tars, a prefix of class tars, the flat validation tar
+with the devkit, local or in the bucket) gives the local index (classes, order, labels,
+fingerprint) and the same bytes; the headers are read by range, never the whole train tar in one
+GET (counted at a proxy); an object overwritten in the bucket is never read at its indexed
+offsets; bad inputs are one line; the real daemon makes the local tar's batches byte for byte."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from imagenet_archives import make_imagenet, tar_bytes
+from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3proxy import FaultProxy
+
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+from prefetchd.sources import bucketimagenet, objectstore  # noqa: E402
+from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
+from prefetchd.sources.dataset import load_index, unchanged_since_scan  # noqa: E402
+
+EXTS = (".jpeg", ".jpg", ".png")
+P = "inet"  # this file's prefix in the session's bucket
+
+
+@pytest.fixture(scope="session")
+def inet(tmp_path_factory):
+    return make_imagenet(str(tmp_path_factory.mktemp("inet")), classes=4, per_class=7, val=9, seed=3)  # 28: 8 batches of 6 in 2 epochs
+
+
+@pytest.fixture(scope="session")
+def uploaded(s3, inet) -> str:
+    """The archives under ``s3://BUCKET/inet``: the train and validation tars, the devkit, the class tars."""
+    for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
+        with open(path, "rb") as f:
+            s3.put(f"{P}/{os.path.basename(path)}", f.read())
+    s3.upload_tree(inet.train_tars, f"{P}/train_tars")
+    s3.upload_tree(inet.devkit_folder, f"{P}/devkit")
+    return f"s3://{BUCKET}/{P}"
+
+
+@pytest.fixture
+def proxy(s3, monkeypatch):
+    p = FaultProxy(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    objectstore._STORES.clear()
+    yield p
+    p.stop()
+
+
+def _same(index, local) -> None:
+    assert index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert index.layout == local.layout and len(index) == len(local)
+    assert [index.relpath(i) for i in range(len(index))] == [local.relpath(i) for i in range(len(local))]
+    assert list(index.labels) == list(local.labels)
+    assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_each_form_of_imagenets_tars_in_a_bucket_is_the_local_index_read_by_ranges(
+        s3_env, inet, uploaded, proxy, tmp_path):
+    forms = [(inet.train_tar, f"{uploaded}/ILSVRC2012_img_train.tar", None, None),
+             (inet.train_tars, f"{uploaded}/train_tars", None, None),
+             (inet.val_tar, f"{uploaded}/ILSVRC2012_img_val.tar", inet.devkit_tgz, inet.devkit_tgz),
+             (inet.val_tar, f"{uploaded}/ILSVRC2012_img_val.tar", inet.devkit_tgz, f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz"),
+             (inet.val_tar, f"{uploaded}/ILSVRC2012_img_val.tar", inet.devkit_tgz, f"{uploaded}/devkit")]
+    for local_root, url, local_devkit, devkit in forms:
+        section = "validation" if devkit else "dataset"
+        local, _ = load_index(local_root, None, EXTS, str(tmp_path / "local"), devkit=local_devkit, section=section)
+        before = len(proxy.log)
+        index, cached = load_index(url, None, EXTS, str(tmp_path / "cache"), devkit=devkit, section=section)
+        assert not cached and index.root == url and local.layout in ("tar", "tars", "flat-tar")
+        scan = proxy.log[before:]
+        tar_gets = [e for e in scan if e[0] == "GET" and "ILSVRC2012_img" in e[1] or "train_tars/" in e[1]]
+        assert tar_gets and all(r is not None for _, _, r, _ in tar_gets), scan  # ranged, never a whole tar
+        _same(index, local)
+        again, cached = load_index(url, None, EXTS, str(tmp_path / "cache"), devkit=devkit, section=section)
+        assert cached and again.fingerprint == index.fingerprint
+        assert unchanged_since_scan(again.files_dir, again.fingerprint)
+    for dirpath, _, files in os.walk(tmp_path / "cache"):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                assert SECRET_KEY.encode() not in f.read()
+
+
+def test_the_train_tars_headers_are_read_in_chunks_that_skip_large_members(s3, s3_env, tmp_path, proxy,
+                                                                            monkeypatch):
+    big = make_imagenet(str(tmp_path / "big"), classes=3, per_class=4, val=2, seed=5, side=400)
+    with open(big.train_tar, "rb") as f:
+        data = f.read()
+    s3.put("inet-big/ILSVRC2012_img_train.tar", data)
+    local, _ = load_index(big.train_tar, None, EXTS, str(tmp_path / "local"))
+    assert min(int(s) for s in local.size) > 16 << 10  # every member larger than a chunk
+    monkeypatch.setattr(bucketimagenet, "CHUNK", 8 << 10)
+    monkeypatch.setattr(bucketimagenet, "TOP_CHUNK", 4 << 10)
+    before = len(proxy.log)
+    index, _ = load_index(f"s3://{BUCKET}/inet-big/ILSVRC2012_img_train.tar", None, EXTS, str(tmp_path / "cache"),
+                          layout="imagenet_tars")  # auto's probe (one GET of 256 KiB) apart
+    gets = [e for e in proxy.log[before:] if e[0] == "GET" and e[1].endswith("ILSVRC2012_img_train.tar")]
+    fetched = sum(n for *_, n in gets)
+    assert all(r is not None for _, _, r, _ in gets) and fetched < len(data) // 2, (fetched, len(data))
+    # the first header, the top level (3 class tars, the end) and each class tar's 4 headers and its end
+    # (a header read takes 4 KiB, which may straddle two chunks); never one GET of a member's data
+    assert len(gets) <= 1 + 4 + 3 * 2 * (4 + 1), gets
+    _same(index, local)
+
+
+def test_an_overwritten_tar_is_never_read_at_its_old_offsets_and_a_start_indexes_it_anew(
+        s3, s3_env, inet, tmp_path, caplog):
+    with open(inet.train_tar, "rb") as f:
+        s3.put("inet-over/ILSVRC2012_img_train.tar", f.read())
+    url = f"s3://{BUCKET}/inet-over/ILSVRC2012_img_train.tar"
+    index, _ = load_index(url, None, EXTS, str(tmp_path / "cache"))
+    local, _ = load_index(inet.train_tar, None, EXTS, str(tmp_path / "local"))
+    assert index.read(0) == local.read(0)
+    # the same class tars in another order: the same size, every member elsewhere
+    inner = {w: open(os.path.join(inet.train_tars, w + ".tar"), "rb").read() for w in inet.wnids}
+    new = tar_bytes([(w + ".tar", inner[w]) for w in sorted(inet.wnids, reverse=True)])
+    assert len(new) == os.path.getsize(inet.train_tar)
+    s3.put("inet-over/ILSVRC2012_img_train.tar", new)
+    objectstore._STORES.clear()
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        index.read(0)
+    assert not unchanged_since_scan(index.files_dir, index.fingerprint)
+    with caplog.at_level("WARNING", logger="prefetchd.dataset"):
+        again, cached = load_index(url, None, EXTS, str(tmp_path / "cache"))
+    assert not cached and "changed since it was indexed (1 overwritten" in caplog.text
+    _same(again, local)  # the same classes and members, read at their new offsets
+
+
+def _error(root, tmp_path, key="dataset.root", **kw) -> str:
+    with pytest.raises(DatasetError) as e:
+        load_index(root, None, EXTS, str(tmp_path / "cache"), **kw)
+    said = str(e.value)
+    assert "\n" not in said and key in said, said
+    return said
+
+
+def test_bad_imagenet_inputs_in_a_bucket_are_one_line_each(s3, s3_env, inet, uploaded, image_root, tmp_path):
+    val = f"{uploaded}/ILSVRC2012_img_val.tar"
+    said = _error(val, tmp_path, "validation.devkit", devkit=f"{uploaded}/no-such-devkit.tar.gz", section="validation")
+    assert "is not in the bucket (404)" in said, said
+    said = _error(val, tmp_path, "validation.root", section="validation", layout="imagenet_tars")
+    assert "flat set of 9 images" in said and "validation.devkit" in said, said
+    s3.put("inet-bad/junk/ILSVRC2012_img_train.tar", os.urandom(4096))
+    said = _error(f"s3://{BUCKET}/inet-bad/junk/ILSVRC2012_img_train.tar", tmp_path)
+    assert "no valid tar header at offset 0" in said, said
+    with open(os.path.join(inet.train_tars, inet.wnids[0] + ".tar"), "rb") as f:
+        s3.put("inet-bad/mixed/n01.tar", f.read())
+    s3.upload_tree(image_root, "inet-bad/mixed")
+    said = _error(f"s3://{BUCKET}/inet-bad/mixed", tmp_path)
+    assert "holds class tars (n01.tar ...) and folders (n00000000, n00000001, n00000002 ...)" in said, said
+    s3.put("inet-bad/download/ILSVRC2012_img_train.tar", open(inet.train_tar, "rb").read())
+    s3.put("inet-bad/download/ILSVRC2012_img_val.tar", open(inet.val_tar, "rb").read())
+    said = _error(f"s3://{BUCKET}/inet-bad/download", tmp_path)
+    assert "looks like ImageNet's download folder" in said, said
+    said = _error(f"{uploaded}/train_tars", tmp_path, "validation.root", section="validation",
+                  devkit=inet.devkit_tgz)
+    assert "is a folder of class tars (a train set), but validation.devkit labels" in said, said
+    s3.put("inet-bad/devkit-junk.tar.gz", b"not a gzip")
+    said = _error(val, tmp_path, "validation.devkit", section="validation",
+                  devkit=f"s3://{BUCKET}/inet-bad/devkit-junk.tar.gz")
+    assert "is not a readable tar" in said, said
+
+
+def test_a_local_validation_tar_labelled_by_a_devkit_in_the_bucket(s3_env, inet, uploaded, tmp_path):
+    local, _ = load_index(inet.val_tar, None, EXTS, str(tmp_path / "a"), devkit=inet.devkit_tgz, section="validation")
+    other, cached = load_index(inet.val_tar, None, EXTS, str(tmp_path / "b"), section="validation",
+                               devkit=f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz")
+    assert not cached and other.fingerprint == local.fingerprint and other.classes == local.classes
+    again, cached = load_index(inet.val_tar, None, EXTS, str(tmp_path / "b"), section="validation",
+                               devkit=f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz")
+    assert cached and unchanged_since_scan(again.files_dir, again.fingerprint)
+
+
+def test_the_daemon_on_the_train_tar_in_a_bucket_makes_the_local_tars_batches_and_writes_no_secret(
+        s3, inet, uploaded, tmp_path, daemon_factory):
+    same_batches_from_the_bucket_and_no_secret(tmp_path, inet.train_tar, f"{uploaded}/ILSVRC2012_img_train.tar",
+                                               s3.env(), daemon_factory, "bucket-imagenetmeta.json")
+
+
+def test_the_daemon_on_a_prefix_of_class_tars_makes_the_local_folders_batches(
+        s3, inet, uploaded, tmp_path, daemon_factory):
+    local = tmp_path / "tars"
+    shutil.copytree(inet.train_tars, local)
+    same_batches_from_the_bucket_and_no_secret(tmp_path, str(local), f"{uploaded}/train_tars", s3.env(),
+                                               daemon_factory, "bucket-imagenetmeta.json")
+
+
+def test_a_devkit_that_is_no_archive_is_one_line_on_a_disk_too(inet, tmp_path):
+    junk = tmp_path / "ILSVRC2012_devkit_t12.tar.gz"
+    junk.write_bytes(b"not a gzip")  # tarfile's r:* said each compression it tried, one line each
+    said = _error(inet.val_tar, tmp_path, "validation.devkit", section="validation", devkit=str(junk))
+    assert "is not a readable tar or .tar.gz archive (neither a tar nor a gzip, bzip2 or xz file)" in said, said
