@@ -193,3 +193,99 @@ def test_a_devkit_that_is_no_archive_is_one_line_on_a_disk_too(inet, tmp_path):
     junk.write_bytes(b"not a gzip")  # tarfile's r:* said each compression it tried, one line each
     said = _error(inet.val_tar, tmp_path, "validation.devkit", section="validation", devkit=str(junk))
     assert "is not a readable tar or .tar.gz archive (neither a tar nor a gzip, bzip2 or xz file)" in said, said
+
+
+# --- file lists of objects (dataset.file_list: s3://..., or a local list of s3:// URLs) ---------------
+
+
+def _listed(root: str, tmp_path) -> str:
+    """A file list of the ImageFolder ``root`` (every other image, labels by class), beside it."""
+    lines = ["# path label"]
+    for label, cls in enumerate(sorted(os.listdir(root))):
+        lines += [f"{cls}/{n} {label}" for n in sorted(os.listdir(os.path.join(root, cls)))[::2]]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_file_list_in_the_bucket_or_of_urls_is_the_local_lists_index(s3, s3_env, image_root, tmp_path, proxy):
+    text = _listed(image_root, tmp_path)
+    local_list = os.path.join(tmp_path, "imgs", "list.txt")
+    shutil.copytree(image_root, tmp_path / "imgs")
+    with open(local_list, "w") as f:
+        f.write(text)
+    local, _ = load_index(None, local_list, EXTS, str(tmp_path / "local"))
+    s3.upload_tree(str(tmp_path / "imgs"), "inet-list")
+    index, cached = load_index(None, f"s3://{BUCKET}/inet-list/list.txt", EXTS, str(tmp_path / "cache"))
+    assert not cached and index.root == f"s3://{BUCKET}/inet-list" and index.kind == "list"
+    _same_plain(index, local)
+    again, cached = load_index(None, f"s3://{BUCKET}/inet-list/list.txt", EXTS, str(tmp_path / "cache"))
+    assert cached and again.fingerprint == index.fingerprint
+    urls = tmp_path / "urls.txt"  # a local list naming the objects by URL
+    urls.write_text("".join(f"s3://{BUCKET}/inet-list/{line}\n" for line in text.splitlines()[1:]))
+    by_url, _ = load_index(None, str(urls), EXTS, str(tmp_path / "cache"))
+    assert by_url.root == f"s3://{BUCKET}/inet-list"
+    _same_plain(by_url, local)
+
+
+def _same_plain(index, local) -> None:
+    assert index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def test_bad_file_lists_of_objects_are_one_line_each(s3, s3_env, image_root, tmp_path):
+    def said(path, text=None) -> str:
+        if text is not None:
+            s3.put(path.split(f"{BUCKET}/", 1)[1], text.encode()) if path.startswith("s3://") else open(
+                path, "w").write(text)
+        with pytest.raises(DatasetError) as e:
+            load_index(None, path, EXTS, str(tmp_path / "cache"))
+        assert "\n" not in str(e.value) and "dataset.file_list" in str(e.value), e.value
+        return str(e.value)
+
+    s3.upload_tree(image_root, "inet-badlist")
+    base = f"s3://{BUCKET}/inet-badlist"
+    assert "no such object in the bucket" in said(f"{base}/nothere.txt")
+    assert "1 of the 2 images it lists are not in the bucket (e.g. " in said(
+        f"{base}/a.txt", "n00000000/img_00000.JPEG 0\nn00000000/gone.jpg 1\n")
+    assert "is not under the list's folder" in said(f"{base}/b.txt", "../x.jpg 0\n")
+    assert "expected 'path label'" in said(f"{base}/c.txt", "n00000000/img_00000.JPEG\n")
+    assert "names objects in a bucket" in said(str(tmp_path / "mixed.txt"),
+                                               f"{base}/n00000000/img_00000.JPEG 0\nlocal.jpg 1\n")
+
+
+def test_the_daemon_on_a_file_list_in_the_bucket_makes_the_local_lists_batches(s3, image_root, tmp_path,
+                                                                                 daemon_factory):
+    import numpy as np
+    from conftest import small_config
+    from test_daemon import collect
+
+    shutil.copytree(image_root, tmp_path / "imgs")
+    (tmp_path / "imgs" / "list.txt").write_text(_listed(image_root, tmp_path))
+    s3.upload_tree(str(tmp_path / "imgs"), "inet-dlist")
+    refs = []
+    for name, lst, env in (("l", str(tmp_path / "imgs" / "list.txt"), None),
+                           ("b", f"s3://{BUCKET}/inet-dlist/list.txt", s3.env())):
+        (tmp_path / name).mkdir()
+        cfg = small_config(tmp_path / name, None, dataset={"root": None, "file_list": lst})
+        d = daemon_factory(cfg, env=env) if env else daemon_factory(cfg)
+        refs.append(collect(cfg))
+        assert d.stop() == 0
+    ref, got = refs
+    assert sorted(got) == sorted(ref) and len(ref) >= 6
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+
+
+def test_a_byte_cache_is_accepted_for_a_file_list_of_objects_and_refused_for_local_files(tmp_path):
+    from prefetchd.core import config as C
+
+    def load(file_list: str) -> C.Config:
+        p = tmp_path / "c.yaml"
+        p.write_text(f"dataset: {{file_list: '{file_list}', cache: {{dir: {tmp_path}/b, max_bytes: 1GiB}}}}\n")
+        return C.load(str(p))
+
+    assert load("s3://b/lists/train.txt").dataset.cache["max_bytes"] == 1 << 30
+    (tmp_path / "urls.txt").write_text("# path label\ns3://b/x/a.jpg 0\n")
+    assert load(str(tmp_path / "urls.txt")).dataset.cache["max_bytes"] == 1 << 30
+    (tmp_path / "files.txt").write_text("x/a.jpg 0\n")
+    with pytest.raises(C.ConfigError, match="not a bucket URL: remove dataset.cache"):
+        load(str(tmp_path / "files.txt"))

@@ -109,7 +109,7 @@ class DatasetConfig:
         if not isinstance(c, dict) or set(c) != {"dir", "max_bytes"}:
             raise ConfigError("dataset.cache", f"must be {{dir: a folder on a local disk, max_bytes: a size such as "
                               f"100GiB}}, got {c!r}")
-        if "://" not in (self.root or ""):
+        if "://" not in (self.root or self.file_list or "") and not lists_objects(self.file_list):
             raise ConfigError("dataset.cache", "keeps a bucket's fetched bytes on a local disk, and dataset.root is "
                               "not a bucket URL: remove dataset.cache")
         size = parse_size(c["max_bytes"], "dataset.cache.max_bytes")
@@ -582,3 +582,19 @@ class ValidationConfig:
             _int(self.resize, "validation.resize", 1, 1 << 14)
         if self.capacity is not None:
             _int(self.capacity, "validation.capacity", 1, 1 << 20)
+
+
+
+def lists_objects(file_list: str | None) -> bool:
+    """Does the local file list ``file_list`` name objects in a bucket (its first path an ``s3://`` or
+    ``gs://`` URL: ``sources/bucketlist.py``)?"""
+    try:
+        with open(file_list or "", "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False  # the scan says why
+    for line in head.splitlines():
+        line = line.strip()
+        if line and not line.startswith(b"#"):
+            return line.startswith((b"s3://", b"gs://"))
+    return False

@@ -35,20 +35,6 @@ log = logging.getLogger("prefetchd.dataset")
 _SCHEMES = (b"s3://", b"gs://")
 
 
-def names_objects(list_path: str) -> bool:
-    """Does the local file list ``list_path`` name objects in a bucket (its first path is a URL)?"""
-    try:
-        with open(list_path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return False  # the local scan says why
-    for line in head.splitlines():
-        line = line.strip()
-        if line and not line.startswith(b"#"):
-            return line.startswith(_SCHEMES)
-    return False
-
-
 def _urls(paths: list[bytes], folder: str | None, where: str, key: str) -> list[str]:
     """Each path as a full URL: a URL as it is, a relative path under ``folder`` (None: a local
     list, where every path must be a URL)."""

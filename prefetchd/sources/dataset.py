@@ -255,10 +255,10 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    from prefetchd.sources import bucketlist
+    from prefetchd.core.configsections import lists_objects
 
     if objectstore.is_url(root) or objectstore.is_url(file_list) or (
-            root is None and file_list is not None and bucketlist.names_objects(file_list)):  # sources/bucketroot.py
+            root is None and file_list is not None and lists_objects(file_list)):  # sources/bucketroot.py
         from prefetchd.sources import bucketroot, bytecache
 
         bytecache.configure(cache)
