@@ -289,3 +289,24 @@ def test_a_byte_cache_is_accepted_for_a_file_list_of_objects_and_refused_for_loc
     (tmp_path / "files.txt").write_text("x/a.jpg 0\n")
     with pytest.raises(C.ConfigError, match="not a bucket URL: remove dataset.cache"):
         load(str(tmp_path / "files.txt"))
+
+
+def test_the_wrong_object_as_the_devkit_or_the_devkit_as_the_root_is_one_line_and_nothing_large_read(
+        s3, s3_env, inet, uploaded, proxy, tmp_path, monkeypatch):
+    from prefetchd.sources import devkit
+
+    val = f"{uploaded}/ILSVRC2012_img_val.tar"
+    monkeypatch.setattr(devkit, "_MAX_BYTES", 4096, raising=False)  # the train tar (147 GB) as the devkit: here a few KB
+    before = len(proxy.log)
+    said = _error(val, tmp_path, "validation.devkit", section="validation",
+                  devkit=f"{uploaded}/ILSVRC2012_img_train.tar")
+    assert "bytes, not ImageNet's devkit (2.5 MB): give ILSVRC2012_devkit_t12.tar.gz" in said, said
+    assert not [e for e in proxy.log[before:] if e[0] == "GET" and e[1].endswith("ILSVRC2012_img_train.tar")]
+    with open(inet.devkit_tgz, "rb") as f:  # a folder holding the devkit's archive, not the devkit extracted
+        s3.put("inet-dk/ILSVRC2012_devkit_t12.tar.gz", f.read())
+    said = _error(val, tmp_path, "validation.devkit", section="validation", devkit=f"s3://{BUCKET}/inet-dk/")
+    assert f"set validation.devkit to s3://{BUCKET}/inet-dk/ILSVRC2012_devkit_t12.tar.gz" in said, said
+    said = _error(val, tmp_path, "validation.devkit", section="validation", devkit=f"s3://{BUCKET}/no-devkit/")
+    assert "lists no objects" in said, said
+    said = _error(f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz", tmp_path)
+    assert "is ImageNet's devkit, which holds no images" in said, said

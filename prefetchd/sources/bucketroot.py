@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 from prefetchd.core.configsections import IMAGE_EXTENSIONS
+from prefetchd.sources import devkit as dk
 from prefetchd.sources import objectstore, shardnames
 from prefetchd.sources.base import DatasetError, Index, default_cache_dir
 
@@ -116,6 +117,11 @@ def load(root: str | None, file_list: str | None, extensions: tuple[str, ...], c
         return bucketlist.load(file_list, extensions, cache_dir, use_cache, section, storage_options)
     key = f"{section}.root"
     objectstore.split(root, key)  # a URL prefetchd cannot read is one line, before any listing
+    if dk.is_devkit(root):  # by its name: as a prefix it lists nothing, which misled
+        also = ("dataset.root to the train tar (ILSVRC2012_img_train.tar)" if section == "dataset"
+                else "validation.root to the validation tar (ILSVRC2012_img_val.tar)")
+        raise DatasetError(f"{key} {root} is ImageNet's devkit, which holds no images: it labels the validation set; "
+                           f"set validation.devkit to it, and {also}")
     objectstore.store_for(root, storage_options, key)
     found = detect(root, key, storage_options, cache_dir, devkit) if layout == "auto" else layout
     if found == "imagenet_tars":

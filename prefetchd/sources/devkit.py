@@ -154,6 +154,9 @@ class DevkitError(ValueError):
     pass
 
 
+_MAX_BYTES = 64 << 20  # a devkit object larger than this is another file (ImageNet's is 2.5 MB)
+
+
 def _read_files(devkit: str) -> tuple[bytes, bytes]:
     """(meta.mat, ground truth) from the devkit archive or its extracted folder."""
     want = {META: None, GROUND_TRUTH: None}
@@ -195,6 +198,10 @@ def _read_url(devkit: str) -> dict[str, bytes]:
     try:
         store = objectstore.store_for(devkit, None, "validation.devkit")
         if devkit.lower().endswith((".tar.gz", ".tgz", ".tar")):
+            size = store.head(devkit).size
+            if size > _MAX_BYTES:  # the train tar given as the devkit: not 147 GB read into memory
+                raise DevkitError(f"validation.devkit {devkit} is {size:,} bytes, not ImageNet's devkit (2.5 MB): "
+                                  "give ILSVRC2012_devkit_t12.tar.gz")
             data = store.read(devkit)
             try:
                 with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
@@ -203,11 +210,19 @@ def _read_url(devkit: str) -> dict[str, bytes]:
                 raise DevkitError(f"validation.devkit {devkit} is not a readable tar or .tar.gz archive "
                                   f"({_said(e)}); give ILSVRC2012_devkit_t12.tar.gz or the prefix it was "
                                   "extracted to") from None
-        found = {}
+        found, listed = {}, []
         for rel, _, _ in store.list(devkit):
+            listed.append(rel)
             for want in (META, GROUND_TRUTH):
                 if want not in found and (rel == want or rel.endswith("/" + want)):
                     found[want] = rel
+        if not listed:
+            raise DevkitError(f"validation.devkit {devkit} lists no objects: give the URL of "
+                              "ILSVRC2012_devkit_t12.tar.gz in the bucket, or the prefix it was extracted to")
+        archives = [r for r in listed if "devkit" in r.lower() and r.lower().endswith((".tar.gz", ".tgz"))]
+        if len(found) < 2 and archives:  # the folder holding the devkit's archive
+            raise DevkitError(f"validation.devkit {devkit} is no extracted devkit, but holds "
+                              f"{archives[0]}: set validation.devkit to {devkit.rstrip('/')}/{archives[0]}")
         return {want: store.read(f"{devkit.rstrip('/')}/{rel}") for want, rel in found.items()}
     except FileNotFoundError:
         raise DevkitError(f"validation.devkit {devkit} is not in the bucket (404): give the URL of "
