@@ -310,3 +310,28 @@ def test_the_wrong_object_as_the_devkit_or_the_devkit_as_the_root_is_one_line_an
     assert "lists no objects" in said, said
     said = _error(f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz", tmp_path)
     assert "is ImageNet's devkit, which holds no images" in said, said
+
+
+def test_class_tars_are_indexed_several_at_once_in_label_order(s3, s3_env, inet, uploaded, tmp_path, monkeypatch):
+    local, _ = load_index(inet.train_tars, None, EXTS, str(tmp_path / "local"))
+    p = FaultProxy(s3.port, latency_s=0.02)  # each GET waits: the class tars' GETs overlap
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+        objectstore._STORES.clear()
+        for url in (f"{uploaded}/train_tars", f"{uploaded}/ILSVRC2012_img_train.tar"):
+            p.max_in_flight = 0
+            index, _ = load_index(url, None, EXTS, str(tmp_path / "cache"), layout="imagenet_tars")
+            assert p.max_in_flight >= 3, (url, p.max_in_flight)  # 4 class tars, up to 8 at once
+            assert index.fingerprint == local.fingerprint
+    finally:
+        p.stop()
+
+
+def test_the_train_tar_left_beside_its_class_tars_is_refused_before_it_is_read(s3, s3_env, inet, tmp_path, proxy):
+    s3.upload_tree(inet.train_tars, "inet-beside")
+    with open(inet.train_tar, "rb") as f:
+        s3.put("inet-beside/ILSVRC2012_img_train.tar", f.read())
+    before = len(proxy.log)
+    said = _error(f"s3://{BUCKET}/inet-beside", tmp_path, layout="imagenet_tars")
+    assert "1 of its 5 tars are not class tars: ILSVRC2012_img_train.tar (named as one of ImageNet's" in said, said
+    assert not [e for e in proxy.log[before:] if e[0] == "GET" and "ILSVRC2012_img_train.tar" in e[1]]

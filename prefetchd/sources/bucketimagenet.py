@@ -9,15 +9,19 @@ refusals and fingerprint), so the same seed gives the same batches byte for byte
 ``.tar`` is one object (the train tar, or the flat validation tar); any other is a prefix whose
 top-level ``.tar`` objects are the class tars, ordered by class name as a folder's.
 
-**Ranged reads.** The headers are read through ``bucketshards.ShardFile`` readers that go forward
-only, holding their last two chunks in memory (no temporary file: the train tar is 147 GB): the
-train tar's top level (a header every class tar, 140 MB apart) in ranged GETs of ``TOP_CHUNK``
-(1 MiB, one a class tar), then each class tar's byte range in GETs of ``bucketshards.CHUNK``
-(8 MiB) counted from its start, only those holding a header (with JPEGs of 110 KB, all of them:
-the headers of a tar of small members are spread through it, so indexing reads it once; with
-members larger than a chunk, not). A flat tar whose first member is no tar is read in 8 MiB GETs.
-Every GET is sent with ``If-Match`` on the ETag listed, so an object overwritten while it is indexed
-is a one-line error, never a mix of two versions.
+**Ranged reads.** The headers are read through ``bucketshards.ShardFile`` readers, never the whole
+object in one GET: the train tar's top level (a header every class tar, 140 MB apart) goes forward
+only, in ranged GETs of ``TOP_CHUNK`` (1 MiB, one a class tar: 1 GB of ImageNet's 147), holding its
+last two chunks in memory; then each class tar's byte range (or object) in GETs of
+``bucketshards.CHUNK`` (8 MiB) counted from its start, only those holding a header (with JPEGs of
+110 KB, all of them: indexing reads the class tars once; with members larger than a chunk, not),
+``SCANS_IN_FLIGHT`` (8) class tars fetched at once ahead of the scan (``_Ahead``: their chunks in
+sparse temporary files in the index cache's ``tmp``, so up to 9 class tars' bytes, 1.3 GB for
+ImageNet). A flat tar (the validation tar: its first member is no tar) is read forward in 8 MiB
+GETs, two in memory. Every GET is sent with ``If-Match`` on the ETag listed, so an object
+overwritten while it is indexed is a one-line error, never a mix of two versions. ImageNet's own
+download tars among class tars (the train tar left beside them) are refused from the listing, before
+a byte of them is read.
 
 **Reading.** A sample is one ranged GET of its member, with If-Match on the indexed ETag, through
 the node-local byte cache and read-ahead (``bucketshards.BucketShardIndex``, whose reads these
@@ -34,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from prefetchd.sources import devkit as dk
@@ -45,11 +51,12 @@ from prefetchd.sources.base import (
     StorageChanged,
     StorageUnavailable,
     cache_path,
+    default_cache_dir,
     read_cache,
     write_cache,
 )
-from prefetchd.sources.bucketshards import CHUNK, BucketShardIndex, ShardFile
-from prefetchd.sources.tarheaders import BLOCK
+from prefetchd.sources.bucketshards import CHUNK, SCANS_IN_FLIGHT, BucketShardIndex, ShardFile
+from prefetchd.sources.tarheaders import BLOCK, walk
 
 log = logging.getLogger("prefetchd.dataset")
 
@@ -103,11 +110,58 @@ def _forward(store, url: str, size: int, etag: str, chunk: int, start: int = 0, 
     return contextlib.closing(ShardFile(store, url, size, etag, "", chunk, origin=start, end=end, keep=_KEEP))
 
 
-def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, store) -> BucketImageNetIndex:
+class _Ahead:
+    """The class tars' headers fetched ``SCANS_IN_FLIGHT`` class tars ahead of the scan, which walks
+    them in label order (``imagenet._scan_class_tars``, one at a time): each is walked first on a
+    thread, its chunks kept in a ``ShardFile``'s sparse temporary file (``tmpdir``, local disk), so
+    the scan's own walk of it fetches nothing more. A walk ahead that fails is left: the scan's
+    walk meets the same fault and says it. ``items``: (url, size, ETag, start, end) in label order."""
+
+    def __init__(self, store, items: list[tuple[str, int, str, int, int]], tmpdir: str):
+        self.store, self.items, self.tmpdir = store, items, tmpdir
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(SCANS_IN_FLIGHT, thread_name_prefix="prefetchd-index")
+        self.files: dict[int, ShardFile] = {}
+        self.futures: dict = {}
+        self.next = 0
+
+    @contextlib.contextmanager
+    def open(self, i: int):
+        while self.next < len(self.items) and self.next <= i + SCANS_IN_FLIGHT:
+            url, size, etag, start, end = self.items[self.next]
+            f = ShardFile(self.store, url, size, etag, self.tmpdir, CHUNK, stop=self.stop, origin=start, end=end)
+            self.files[self.next], self.futures[self.next] = f, self.pool.submit(_walk, f, start, end)
+            self.next += 1
+        self.futures.pop(i).result()
+        f = self.files.pop(i)
+        try:
+            yield f
+        finally:
+            f.close()
+
+    def close(self) -> None:
+        self.stop.set()  # the walks ahead stop at their next chunk
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for f in self.files.values():
+            f.close()
+
+
+def _walk(f: ShardFile, start: int, end: int) -> None:
+    try:
+        for _ in walk(f, start, end, f.url, []):
+            pass
+    except Exception:  # noqa: BLE001 - the scan's own walk of it says what is wrong
+        pass
+
+
+def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, store,
+         tmpdir: str) -> BucketImageNetIndex:
     """Index ImageNet's tars under the bucket URL ``root`` (see the module docstring)."""
     base, names, idents = objects_of(root, store, key)
     exts = tuple(e.lower().encode() for e in extensions)
     notes: list = []
+    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    ahead = None
     try:
         if names == [""]:
             size, etag = idents[""]
@@ -116,16 +170,20 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
             # ImageNet's train tar starts with a class tar; else a flat tar of images, headers throughout
             nested = head[:100].split(b"\0", 1)[0].lower().endswith(b".tar")
             with _forward(store, root, size, etag, TOP_CHUNK if nested else CHUNK) as top:
-                index = imagenet.scan_tar(root, key, top, size, (size, etag), devkit, exts, notes,
-                                          lambda start, end: _forward(store, root, size, etag, CHUNK, start, end))
+                def class_tars(ranges: list[tuple[int, int]]):  # the top level walked: each class tar's range
+                    nonlocal ahead
+                    ahead = _Ahead(store, [(root, size, etag, p, e) for p, e in ranges], tmpdir)
+                    return ahead.open
+
+                index = imagenet.scan_tar(root, key, top, size, (size, etag), devkit, exts, notes, class_tars)
         else:
             download = [n for n in names if dk.DOWNLOAD.match(n)]
-            if len(download) == len(names):  # the download folder: not one of its tars read as a class
-                imagenet._refuse_others(base, key, [(n, "one of ImageNet's download files, not a class tar")
+            if download:  # ImageNet's own tars (the train tar beside its class tars): refused before 8 GB is read
+                imagenet._refuse_others(base, key, [(n, "named as one of ImageNet's download files, not as a class")
                                                     for n in download], len(names))
-            index = imagenet.scan_tars(base, key, names, lambda a: _forward(store, f"{base}/{names[a]}",
-                                                                            *idents[names[a]], CHUNK),
-                                       devkit, exts, notes, identity={a: idents[n] for a, n in enumerate(names)},
+            ahead = _Ahead(store, [(f"{base}/{n}", *idents[n], 0, idents[n][0]) for n in names], tmpdir)
+            index = imagenet.scan_tars(base, key, names, ahead.open, devkit, exts, notes,
+                                       identity={a: idents[n] for a, n in enumerate(names)},
                                        sizes=[idents[n][0] for n in names])
     except StorageChanged:
         raise DatasetError(f"{key} {root} changed while it was being indexed (an ETag differs): is an upload still "
@@ -135,6 +193,9 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
             raise StorageUnavailable(f"{key} {root} cannot be read: the bucket did not answer "
                                      f"({e.strerror or e}); the daemon exits 75 to be started again") from None
         raise DatasetError(f"{key} {root} cannot be read: {e.strerror or e}") from None
+    finally:
+        if ahead is not None:
+            ahead.close()
     fields = {f: getattr(index, f) for f in ("classes", "blob", "offsets", "labels", "fingerprint", "layout",
                                              "archives", "archive_ids", "block", "size")}
     return BucketImageNetIndex(base, **fields, identity=tuple(idents[n] for n in names), skipped=kept_notes(notes),
@@ -202,7 +263,7 @@ def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: 
                         "the devkit" if moved is None else "other tars")
     devkit_stamp = _devkit_stamp(devkit)  # before the devkit is read: a change after it shows at the next start
     t0 = time.monotonic()
-    index = scan(root, devkit, extensions, key, store)
+    index = scan(root, devkit, extensions, key, store, os.path.join(cache_dir or default_cache_dir(), "tmp"))
     index = replace(index, scan_s=round(time.monotonic() - t0, 3))
     if use_cache:
         try:

@@ -209,8 +209,9 @@ def scan_tar(root: str, key: str, src, size: int, ident: tuple, devkit: str | No
              notes: list, opener=None) -> TarIndex:
     """The index of the tar ``root`` (of class tars, or flat with ``devkit``), read through ``src``
     (a descriptor, or a ``bucketshards.ShardFile``: ``tarheaders.pread``) of ``size`` bytes whose
-    identity is ``ident``. ``opener(start, end)``: a context giving what a class tar at that range
-    of it is read through (a bucket's: a reader of that range alone); by default ``src``."""
+    identity is ``ident``. ``opener(ranges)``: given each class tar's (start, end) in ``src``, in
+    label order, a function of a class's position giving a context of what that class tar is read
+    through (a bucket's: a reader of its range alone, fetched ahead); by default ``src``."""
     skipped: list = []
     if size < 2 * BLOCK:  # not even a header and an end-of-archive block
         raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive ({size} bytes)")
@@ -224,8 +225,11 @@ def scan_tar(root: str, key: str, src, size: int, ident: tuple, devkit: str | No
     flat = [] if tars else image_members(top, exts, True, skipped)
     warn_skipped(root, skipped, notes)
     if tars:
-        ranges = {t[2]: t[3] for t in tars}
-        open_ = (lambda a, start: opener(start, ranges[start])) if opener else (lambda a, start: nullcontext(src))
+        if opener:
+            open_i, where = opener([(t[2], t[3]) for t in tars]), {t[2]: i for i, t in enumerate(tars)}
+            open_ = lambda a, start: open_i(where[start])  # noqa: E731
+        else:
+            open_ = lambda a, start: nullcontext(src)  # noqa: E731
         index, _ = _scan_class_tars(root, key, open_, tars, exts, "tar", ("",), notes, {0: ident})
     else:
         if not flat:
