@@ -335,3 +335,44 @@ def test_the_train_tar_left_beside_its_class_tars_is_refused_before_it_is_read(s
     said = _error(f"s3://{BUCKET}/inet-beside", tmp_path, layout="imagenet_tars")
     assert "1 of its 5 tars are not class tars: ILSVRC2012_img_train.tar (named as one of ImageNet's" in said, said
     assert not [e for e in proxy.log[before:] if e[0] == "GET" and "ILSVRC2012_img_train.tar" in e[1]]
+
+
+def test_the_daemon_reads_imagenet_and_a_file_list_from_the_bucket_with_the_storage_options_alone(
+        s3, inet, uploaded, image_root, tmp_path, daemon_factory, monkeypatch):
+    """The train tar, the validation tar and its devkit in the bucket, nothing in the environment:
+    the validation labels are the devkit's; then a file list in the bucket, read by the workers with
+    the config's keys (their client was made for dataset.root and validation.root only)."""
+    import numpy as np
+    from conftest import small_config
+    from prefetchd_client import PrefetchClient
+    from s3fixture import ACCESS_KEY
+
+    for k in s3.env():
+        monkeypatch.delenv(k, raising=False)
+    objectstore._STORES.clear()
+    options = {"access_key_id": ACCESS_KEY, "secret_access_key": SECRET_KEY, "endpoint": s3.endpoint,
+               "region": "us-east-1"}
+    (tmp_path / "a").mkdir()
+    cfg = small_config(tmp_path / "a", f"{uploaded}/ILSVRC2012_img_train.tar", workers={"count": 1},
+                       dataset={"storage_options": options},
+                       validation={"enabled": True, "root": f"{uploaded}/ILSVRC2012_img_val.tar", "batch_size": 4,
+                                   "devkit": f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz"})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, split="val", timeout=60, as_numpy=True) as v:
+        labels = np.concatenate([y.copy() for _, y in v])
+    assert d.stop() == 0
+    want = sorted(inet.wnids.index(w) for w in inet.val_wnid.values())
+    assert sorted(labels.tolist()) == want and "quarantined" not in d.log()
+    shutil.copytree(image_root, tmp_path / "imgs")
+    (tmp_path / "imgs" / "list.txt").write_text(_listed(image_root, tmp_path))
+    s3.upload_tree(str(tmp_path / "imgs"), "inet-olist")
+    (tmp_path / "b").mkdir()
+    cfg = small_config(tmp_path / "b", None, workers={"count": 1},
+                       dataset={"root": None, "file_list": f"s3://{BUCKET}/inet-olist/list.txt",
+                                "storage_options": options})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=60, as_numpy=True) as c:
+        c.set_epoch(0)
+        got = sum(len(y) for _, y in c)
+    assert d.stop() == 0
+    assert got == 24 and "quarantined" not in d.log() and "unreadable" not in d.log(), d.log()[-2000:]
