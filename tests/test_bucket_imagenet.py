@@ -376,3 +376,19 @@ def test_the_daemon_reads_imagenet_and_a_file_list_from_the_bucket_with_the_stor
         got = sum(len(y) for _, y in c)
     assert d.stop() == 0
     assert got == 24 and "quarantined" not in d.log() and "unreadable" not in d.log(), d.log()[-2000:]
+
+
+def test_a_prefix_of_numbered_tars_of_images_alone_is_refused_as_a_local_folder_of_them(s3, s3_env, inet,
+                                                                                        tmp_path):
+    """Unlabelled shards or class tars? Read as class tars, each shard's number would be its label."""
+    names = sorted(os.listdir(inet.val_folder))
+    for k in range(3):
+        members = [(n, open(os.path.join(inet.val_folder, n), "rb").read()) for n in names[3 * k:3 * k + 3]]
+        data = tar_bytes([(f"img{3 * k + j}.jpg", d) for j, (_, d) in enumerate(members)])
+        (tmp_path / "local").mkdir(exist_ok=True)
+        (tmp_path / "local" / f"{k:06d}.tar").write_bytes(data)
+        s3.put(f"inet-numbered/{k:06d}.tar", data)
+    local = _error(str(tmp_path / "local"), tmp_path)
+    said = _error(f"s3://{BUCKET}/inet-numbered", tmp_path)
+    assert "holds numbered tars of images alone (000000.tar ... 000002.tar)" in said and said.split(": ", 1)[1] == \
+        local.split(": ", 1)[1].replace(str(tmp_path / "local"), f"s3://{BUCKET}/inet-numbered"), (said, local)

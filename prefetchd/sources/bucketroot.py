@@ -15,6 +15,7 @@ webdataset's).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 from prefetchd.core.configsections import IMAGE_EXTENSIONS
@@ -66,6 +67,7 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
                                "dataset per root; move the folders out, or set dataset.layout: imagefolder to read "
                                "the folders alone")
         if shards is False:
+            _refuse_numbered(store, root, tars, listed, key)
             return "imagenet_tars"
         if dirs:
             raise DatasetError(f"{key} {root} holds WebDataset shards ({tars[0]} ...) and folders ({', '.join(dirs[:3])}"
@@ -77,6 +79,25 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
     if not dirs and any(n.endswith(".parquet") for n in listed):
         return "parquet"
     return "imagefolder"
+
+
+def _refuse_numbered(store, root: str, tars: list[str], listed: dict, key: str) -> None:
+    """A prefix of numbered tars of images alone is refused as a local folder of them is
+    (``dataset._refuse_numbered_image_tars``): read as class tars, each shard's number would be its
+    samples' label. The first tar's first 16 member names: one ranged GET of 64 KiB at most."""
+    from prefetchd.sources import bucketshards, tarheaders
+
+    if not shardnames.numbered(tars):
+        return
+    f = bucketshards.ShardFile(store, f"{root.rstrip('/')}/{tars[0]}", *listed[tars[0]], "", 64 << 10, keep=2)
+    try:
+        names = [os.fsdecode(n) for n, *_ in itertools.islice(tarheaders.walk(f, 0, f.size, tars[0], []), 16)]
+    except (OSError, DatasetError):
+        return  # the scan says what is wrong with it
+    finally:
+        f.close()
+    if names:
+        shardnames.refuse_numbered_images(root, tars, tars[0], names, key)
 
 
 def _shards(store, url: str, size: int, etag: str, cache_dir: str | None) -> bool | None:

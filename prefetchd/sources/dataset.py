@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import stat
 import tarfile
 from dataclasses import replace
@@ -161,9 +160,9 @@ def _refuse_numbered_image_tars(root: str, tars: list[str], key: str) -> None:
     or ends in - _ or ., as webdataset's writers and img2dataset name them) of images
     alone whose names do not start with their tar's: unlabelled WebDataset shards as much as class
     tars, and read as class tars each shard's number would become its samples' label."""
-    found = [re.match(r"^(.*?)(\d+)\.tar$", t) for t in tars]  # 000000.tar, train-000000.tar, not n01440764.tar
-    if len(tars) < 2 or not all(found) or len({(m.group(1), len(m.group(2))) for m in found}) != 1 or (
-            found[0].group(1)[-1:] not in ("", "-", "_", ".")):
+    from prefetchd.sources import shardnames
+
+    if not shardnames.numbered(tars):
         return
     for t in tars[:_SHARD_PROBES]:
         try:
@@ -175,12 +174,7 @@ def _refuse_numbered_image_tars(root: str, tars: list[str], key: str) -> None:
             break
     else:
         return
-    stem = t[:-4]
-    if any(os.path.basename(n).startswith(stem) or not n.lower().endswith((*IMAGE_EXTENSIONS, ".webp")) for n in names):
-        return  # ImageNet's class tars name their images after the tar (n01440764.tar: n01440764_10026.JPEG)
-    raise DatasetError(f"{key} {root} holds numbered tars of images alone ({tars[0]} ... {tars[-1]}): unlabelled "
-                       "WebDataset shards or class tars (each tar's name a label)? set dataset.layout: webdataset "
-                       "(with dataset.label: none) or imagenet_tars")
+    shardnames.refuse_numbered_images(root, tars, t, names, key)
 
 
 def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -> str:
