@@ -392,3 +392,36 @@ def test_a_prefix_of_numbered_tars_of_images_alone_is_refused_as_a_local_folder_
     said = _error(f"s3://{BUCKET}/inet-numbered", tmp_path)
     assert "holds numbered tars of images alone (000000.tar ... 000002.tar)" in said and said.split(": ", 1)[1] == \
         local.split(": ", 1)[1].replace(str(tmp_path / "local"), f"s3://{BUCKET}/inet-numbered"), (said, local)
+
+
+def test_a_second_pass_over_the_train_tar_reads_the_node_local_cache_and_asks_the_bucket_nothing(
+        s3_env, inet, uploaded, proxy, tmp_path):
+    from prefetchd.sources import bytecache
+
+    try:
+        index, _ = load_index(f"{uploaded}/ILSVRC2012_img_train.tar", None, EXTS, str(tmp_path / "idx"),
+                              cache={"dir": str(tmp_path / "bytes"), "max_bytes": 1 << 30})
+        first = [index.read(i) for i in range(len(index))]
+        before = proxy.requests
+        assert [index.read(i) for i in range(len(index))] == first and proxy.requests == before
+        assert bytecache.current().stats["hits"] == len(index)
+    finally:
+        bytecache.configure(None)
+
+
+def test_check_on_a_file_list_in_the_bucket_probes_its_folder(s3, image_root, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import small_config
+
+    shutil.copytree(image_root, tmp_path / "imgs")
+    (tmp_path / "imgs" / "list.txt").write_text(_listed(image_root, tmp_path))
+    s3.upload_tree(str(tmp_path / "imgs"), "inet-clist")
+    cfg = small_config(tmp_path, None, dataset={"root": None, "file_list": f"s3://{BUCKET}/inet-clist/list.txt"})
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, **s3.env()})
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith(f"storage: s3://{BUCKET}/inet-clist as access key ...") and r.returncode == 0, r
+    assert lines[1].startswith("list: ok") and lines[2].startswith("read: ok"), r.stdout
+    assert "24 samples, 4 classes" in r.stdout and "a file list in a bucket" in r.stdout, r.stdout
