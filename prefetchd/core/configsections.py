@@ -11,6 +11,7 @@ import ipaddress
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -589,6 +590,8 @@ def lists_objects(file_list: str | None) -> bool:
     """Does the local file list ``file_list`` name objects in a bucket (its first path an ``s3://`` or
     ``gs://`` URL: ``sources/bucketlist.py``)?"""
     try:
+        if not stat.S_ISREG(os.stat(file_list or "").st_mode):
+            return False  # a FIFO (a list made on the fly): a peek would take the lines its one reader gets
         with open(file_list or "", "rb") as f:
             head = f.read(4096)
     except OSError:
