@@ -11,7 +11,6 @@ import ipaddress
 import json
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +32,7 @@ from prefetchd.core.configvalues import (
     _str,
     _unknown,
     jitter_strength,
+    lists_objects,
     parse_size,
 )
 from prefetchd.core.policyspec import (
@@ -583,21 +583,3 @@ class ValidationConfig:
             _int(self.resize, "validation.resize", 1, 1 << 14)
         if self.capacity is not None:
             _int(self.capacity, "validation.capacity", 1, 1 << 20)
-
-
-
-def lists_objects(file_list: str | None) -> bool:
-    """Does the local file list ``file_list`` name objects in a bucket (its first path an ``s3://`` or
-    ``gs://`` URL: ``sources/bucketlist.py``)?"""
-    try:
-        if not stat.S_ISREG(os.stat(file_list or "").st_mode):
-            return False  # a FIFO (a list made on the fly): a peek would take the lines its one reader gets
-        with open(file_list or "", "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return False  # the scan says why
-    for line in head.splitlines():
-        line = line.strip()
-        if line and not line.startswith(b"#"):
-            return line.startswith((b"s3://", b"gs://"))
-    return False

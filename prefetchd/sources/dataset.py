@@ -249,7 +249,7 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    from prefetchd.core.configsections import lists_objects
+    from prefetchd.core.configvalues import lists_objects
 
     if objectstore.is_url(root) or objectstore.is_url(file_list) or (
             root is None and file_list is not None and lists_objects(file_list)):  # sources/bucketroot.py
