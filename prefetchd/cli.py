@@ -162,13 +162,13 @@ def cmd_check(args) -> int:
     from prefetchd.format import batchfile
     from prefetchd.sources.classlike import class_counts, describe_classes
     from prefetchd.sources.dataset import DatasetError, load_index, val_labels
+    from prefetchd.sources.objectstore import probe
 
     try:
         cfg = _load(args.config)
-        if "://" in (cfg.dataset.root or ""):  # a bucket: who asks where, can it list, can it read (one line each)
-            from prefetchd.sources.objectstore import probe
-
-            print("\n".join(probe(cfg.dataset.root, cfg.dataset.storage_options or None)))
+        where = cfg.dataset.root or (cfg.dataset.file_list or "").rpartition("/")[0]  # a file list's folder
+        if "://" in where:  # a bucket: who asks where, can it list, can it read (one line each)
+            print("\n".join(probe(where, cfg.dataset.storage_options or None, f"dataset.{'root' if cfg.dataset.root else 'file_list'}")))
         t0 = time.monotonic()
         index, cached = load_index(cfg.dataset.root, cfg.dataset.file_list, cfg.dataset.extensions,
                                    cfg.dataset.cache_dir, **cfg.dataset.index_options())

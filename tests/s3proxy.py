@@ -5,7 +5,7 @@ Requests are forwarded unchanged (their Host header too, so SigV4 signatures sti
 ``faults(n503=, resets=)`` makes the next requests fail that way, ``outage(seconds)`` resets
 every request for a while (the endpoint gone), ``latency_s`` delays each one.
 ``requests`` and ``faulted`` count what went through, ``max_in_flight`` the most requests it held
-at once.
+at once; ``log`` holds each answered request's method, path, Range header and body size.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class FaultProxy:
         self.upstream_port = upstream_port
         self.latency_s = latency_s
         self.requests = 0
+        self.log: list[tuple[str, str, str | None, int]] = []  # (method, path, Range header, body bytes) answered
         self.faulted = 0
         self.in_flight = self.max_in_flight = 0
         self._plan: list[str] = []  # "503" or "reset", one per coming request
@@ -87,6 +88,8 @@ class FaultProxy:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
+                with proxy._lock:
+                    proxy.log.append((self.command, self.path, self.headers.get("Range"), len(data)))
 
             def _counted(self):  # the requests in flight at once: what fetching together is seen by
                 with proxy._lock:

@@ -163,11 +163,12 @@ def test_bad_bucket_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_sh
         for k in range(3):
             _add(t, f"n0144{k}.tar", bytes(1024))
     s3.put("classtars/ILSVRC2012_img_train.tar", buf.getvalue())
-    assert "not WebDataset shards" in _error(f"s3://{BUCKET}/classtars", tmp_path)
+    # ImageNet's tars now (tests/test_bucket_imagenet.py): its download folder, one line
+    assert "looks like ImageNet's download folder" in _error(f"s3://{BUCKET}/classtars", tmp_path)
     s3.upload_tree(image_root, "imgs2")
     s3.put("imgs2/backup.tar", buf.getvalue())  # an ImageFolder with a stray tar at its top
     said = _error(f"s3://{BUCKET}/imgs2", tmp_path)
-    assert "holds folders (n00000000, n00000001, n00000002 ...) and tars that are not WebDataset shards" in said, said
+    assert "holds class tars (backup.tar ...) and folders (n00000000, n00000001, n00000002 ...)" in said, said
     assert len(load_index(f"s3://{BUCKET}/imgs2", None, EXTS, str(tmp_path / "cache"), layout="imagefolder")[0]) == 48
     s3.put("empty/train-000000.tar", bytes(1024))
     assert "hold no samples" in _error(f"s3://{BUCKET}/empty", tmp_path, layout="webdataset")

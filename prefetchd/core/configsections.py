@@ -32,6 +32,7 @@ from prefetchd.core.configvalues import (
     _str,
     _unknown,
     jitter_strength,
+    lists_objects,
     parse_size,
 )
 from prefetchd.core.policyspec import (
@@ -109,7 +110,7 @@ class DatasetConfig:
         if not isinstance(c, dict) or set(c) != {"dir", "max_bytes"}:
             raise ConfigError("dataset.cache", f"must be {{dir: a folder on a local disk, max_bytes: a size such as "
                               f"100GiB}}, got {c!r}")
-        if "://" not in (self.root or ""):
+        if "://" not in (self.root or self.file_list or "") and not lists_objects(self.file_list):
             raise ConfigError("dataset.cache", "keeps a bucket's fetched bytes on a local disk, and dataset.root is "
                               "not a bucket URL: remove dataset.cache")
         size = parse_size(c["max_bytes"], "dataset.cache.max_bytes")

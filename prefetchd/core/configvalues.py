@@ -11,6 +11,7 @@ import difflib
 import math
 import os
 import re
+import stat
 from typing import Any
 
 
@@ -182,3 +183,20 @@ def _unknown(key: str, known: list[str], where: str) -> ConfigError:
     msg = f"is not a known key (did you mean {(where + '.' if where else '') + hint[0]!r}?)" if hint else (
         f"is not a known key; known keys here: {', '.join(known)}")
     return ConfigError(full, msg)
+
+
+def lists_objects(file_list: str | None) -> bool:
+    """Does the local file list ``file_list`` name objects in a bucket (its first path an ``s3://`` or
+    ``gs://`` URL: ``sources/bucketlist.py``)?"""
+    try:
+        if not stat.S_ISREG(os.stat(file_list or "").st_mode):
+            return False  # a FIFO (a list made on the fly): a peek would take the lines its one reader gets
+        with open(file_list or "", "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False  # the scan says why
+    for line in head.splitlines():
+        line = line.strip()
+        if line and not line.startswith(b"#"):
+            return line.startswith((b"s3://", b"gs://"))
+    return False

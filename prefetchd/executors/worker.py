@@ -156,18 +156,21 @@ class BatchMaker:
 
     def __init__(self, setup: WorkerSetup, worker_id: int = 0, current=None):
         self.cfg = setup.config
-        self.bucket = any("://" in (r or "") for r in (self.cfg.dataset.root, self.cfg.validation.root))
-        for root in (self.cfg.dataset.root, self.cfg.validation.root):
-            if "://" in (root or ""):  # a bucket: its client made with dataset.storage_options (both sets' roots)
-                from prefetchd.sources.objectstore import store_for
-
-                store_for(root, self.cfg.dataset.storage_options or None)
         if self.cfg.dataset.cache:  # a bucket's fetched bytes kept on local disk (sources/bytecache.py)
             from prefetchd.sources import bytecache
 
             bytecache.configure(self.cfg.dataset.cache)
         self.index = (setup.index if setup.index is not None
                       else open_index_files(setup.index_dir, setup.index_fingerprint))
+        # a bucket: its client made with dataset.storage_options; the index's root is the one a file list
+        # (of objects, even a local list of URLs) names, and a devkit's bucket may be another
+        roots = (self.cfg.dataset.root, self.cfg.validation.root, self.index.root)
+        self.bucket = any("://" in (r or "") for r in roots)
+        for root in roots:
+            if "://" in (root or ""):
+                from prefetchd.sources.objectstore import store_for
+
+                store_for(root, self.cfg.dataset.storage_options or None)
         if self.cfg.loader.shuffle == "block" and self.index.block_sizes() is not None:
             from prefetchd.sources import parquet
 

@@ -270,6 +270,8 @@ def stamp_of(path: str) -> list:
 def unchanged(fd: int, where: str, identity: tuple) -> None:
     """The archive ``fd`` is as it was (``identity``) when its scan began: else (a copy still writing
     it) its offsets, of another file, would pass every read's check and read other members."""
+    if not isinstance(fd, int):  # a bucket's object, every range of it read with If-Match: its indexed version
+        return
     now = identity_of(os.fstat(fd))
     if now != identity:
         changed = ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(FIELDS, identity, now, strict=True) if a != b)
@@ -292,9 +294,11 @@ _ARRAYS = ("blob", "offsets", "labels", "archive_ids", "block", "size")
 
 
 def stamps_valid(stamps: list) -> bool:
-    try:
-        return all(stamp_of(s[0]) == s for s in stamps)
-    except OSError:
+    from prefetchd.sources import devkit
+
+    try:  # a devkit in a bucket (validation.devkit: s3://...) beside a local set: its size and ETag
+        return all((devkit.url_stamp(s[0]) if "://" in s[0] else stamp_of(s[0])) == s for s in stamps)
+    except (OSError, ValueError):  # DatasetError, DevkitError
         return False
 
 

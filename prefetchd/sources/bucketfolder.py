@@ -87,7 +87,7 @@ class BucketIndex(Index):
             return 0
 
     def describe(self) -> str:
-        return f"{self.root}, an ImageFolder in a bucket"
+        return f"{self.root}, {'a file list' if self.kind == 'list' else 'an ImageFolder'} in a bucket"
 
 
 def stamps_valid(stamps: list) -> bool:
@@ -99,7 +99,8 @@ def open_files(cdir: str) -> BucketIndex | None:
     """The cached bucket index in ``cdir``, or None (none there, or another kind's cache)."""
     def build(meta: dict, arrays: dict) -> BucketIndex:
         return BucketIndex(meta["root"], tuple(meta["classes"]), arrays["blob"], arrays["offsets"], arrays["labels"],
-                           meta["fingerprint"], files_dir=cdir, sizes=arrays.get("sizes"), etags=arrays.get("etags"))
+                           meta["fingerprint"], files_dir=cdir, sizes=arrays.get("sizes"), etags=arrays.get("etags"),
+                           kind=meta.get("kind", "folder"))  # "list": a file list's (``bucketlist``)
 
     return read_cache(cdir, META, CACHE_VERSION, build)
 

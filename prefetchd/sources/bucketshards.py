@@ -106,38 +106,56 @@ class BucketShardIndex(TarIndex):
 class ShardFile:
     """A shard in a bucket as ``tarheaders.pread`` reads it (see the module docstring): ``pread``
     fetches the ``CHUNK``-byte chunks a read touches that are not fetched yet (ranged GETs with
-    If-Match, so the bytes are all of the listed object) into a sparse temporary file."""
+    If-Match, so the bytes are all of the listed object) into a sparse temporary file.
+
+    ``origin`` and ``end``: the byte range of the object read (a class tar inside ImageNet's train
+    tar), chunks counted from ``origin`` and none fetched past ``end``. ``keep``: hold only the
+    ``keep`` chunks last fetched, in memory, no temporary file (a reader that only goes forward,
+    as ``tarheaders.walk`` does, over an object of 100 GB)."""
 
     def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, origin: int = 0, end: int = 0, keep: int = 0):
         self.store, self.url, self.size, self.chunk = store, url, size, chunk or CHUNK
         self.stop = stop  # set: the scan was left (an error elsewhere, a stop): no more chunks fetched
         self.handle = objectstore.Handle(url, size, etag)
-        self._file = tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+        self.origin, self.end, self.keep = origin, min(end or size, size), keep
+        self._file = None if keep else tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
         self._have: set[int] = set()
+        self._held: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # keep: chunk -> bytes
         self.gets = 0
 
     def pread(self, size: int, offset: int) -> bytes:
-        end = min(offset + size, self.size)
+        end = min(offset + size, self.end)
         if end <= offset:
             return b""
-        fd = self._file.fileno()
-        c = self.chunk
-        for k in range(offset // c, (end - 1) // c + 1):
-            if k not in self._have:
+        c, o = self.chunk, self.origin
+        parts = []
+        for k in range((offset - o) // c, (end - 1 - o) // c + 1):
+            at = o + k * c
+            if k not in self._have and k not in self._held:
                 if _EXITING.is_set() or (self.stop is not None and self.stop.is_set()):
                     raise DatasetError(f"indexing {self.url} stopped")
-                want = min(c, self.size - k * c)
-                data = self.store.pread(self.handle, want, k * c, cache=False)  # no sample reads it again
+                want = min(c, self.end - at)
+                data = self.store.pread(self.handle, want, at, cache=False)  # no sample reads it again
                 self.gets += 1
                 if len(data) != want:
-                    raise OSError(errno.EIO, f"{len(data)} bytes at offset {k * c}, not {want}", self.url)
-                os.pwrite(fd, data, k * c)
-                self._have.add(k)
-        return os.pread(fd, end - offset, offset)
+                    raise OSError(errno.EIO, f"{len(data)} bytes at offset {at}, not {want}", self.url)
+                if self._file is None:
+                    self._held[k] = data
+                    while len(self._held) > self.keep:
+                        self._held.popitem(last=False)
+                else:
+                    os.pwrite(self._file.fileno(), data, at)
+                    self._have.add(k)
+            if self._file is None:
+                self._held.move_to_end(k)
+                parts.append(self._held[k][max(offset - at, 0):end - at])
+        return b"".join(parts) if self._file is None else os.pread(self._file.fileno(), end - offset, offset)
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+        self._held.clear()
 
 
 def shards_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[str], dict[str, tuple[int, str]]]:

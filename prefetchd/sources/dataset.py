@@ -25,7 +25,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import stat
 import tarfile
 from dataclasses import replace
@@ -161,9 +160,9 @@ def _refuse_numbered_image_tars(root: str, tars: list[str], key: str) -> None:
     or ends in - _ or ., as webdataset's writers and img2dataset name them) of images
     alone whose names do not start with their tar's: unlabelled WebDataset shards as much as class
     tars, and read as class tars each shard's number would become its samples' label."""
-    found = [re.match(r"^(.*?)(\d+)\.tar$", t) for t in tars]  # 000000.tar, train-000000.tar, not n01440764.tar
-    if len(tars) < 2 or not all(found) or len({(m.group(1), len(m.group(2))) for m in found}) != 1 or (
-            found[0].group(1)[-1:] not in ("", "-", "_", ".")):
+    from prefetchd.sources import shardnames
+
+    if not shardnames.numbered(tars):
         return
     for t in tars[:_SHARD_PROBES]:
         try:
@@ -175,12 +174,7 @@ def _refuse_numbered_image_tars(root: str, tars: list[str], key: str) -> None:
             break
     else:
         return
-    stem = t[:-4]
-    if any(os.path.basename(n).startswith(stem) or not n.lower().endswith((*IMAGE_EXTENSIONS, ".webp")) for n in names):
-        return  # ImageNet's class tars name their images after the tar (n01440764.tar: n01440764_10026.JPEG)
-    raise DatasetError(f"{key} {root} holds numbered tars of images alone ({tars[0]} ... {tars[-1]}): unlabelled "
-                       "WebDataset shards or class tars (each tar's name a label)? set dataset.layout: webdataset "
-                       "(with dataset.label: none) or imagenet_tars")
+    shardnames.refuse_numbered_images(root, tars, t, names, key)
 
 
 def detect(root: str | None, file_list: str | None, key: str = "dataset.root") -> str:
@@ -255,12 +249,17 @@ def load_index(root: str | None, file_list: str | None, extensions: tuple[str, .
 
     if layout not in LAYOUTS:
         raise DatasetError(f"dataset.layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    if objectstore.is_url(root) or objectstore.is_url(file_list):  # a bucket: sources/bucketroot.py
+    from prefetchd.core.configvalues import lists_objects
+
+    if objectstore.is_url(root) or objectstore.is_url(file_list) or (
+            root is None and file_list is not None and lists_objects(file_list)):  # sources/bucketroot.py
         from prefetchd.sources import bucketroot, bytecache
 
         bytecache.configure(cache)
         return bucketroot.load(root, file_list, extensions, cache_dir, use_cache, devkit, section, layout, label,
                                image_column, label_column, storage_options)
+    if objectstore.is_url(devkit):  # a local set labelled by a devkit in a bucket: the config's keys for it
+        objectstore.store_for(devkit, storage_options, "validation.devkit")
     found = detect(root, file_list, f"{section}.root") if layout == "auto" else layout
     if found == "parquet":
         if root is None or devkit:
@@ -362,10 +361,11 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
     dataset changed since (noticing that is the daemon's job, see ``Daemon._rescan``). With
     ``fingerprint``, the files must hold that index (another process may have rescanned a
     changed dataset and replaced them): ``index_files_hold`` tells beforehand."""
-    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketimagenet, bucketparquet, bucketshards, parquet
 
     index = archive.open_files(files_dir) or parquet.open_files(files_dir) or bucketfolder.open_files(files_dir) \
         or bucketshards.open_files(files_dir) or bucketparquet.open_files(files_dir) \
+        or bucketimagenet.open_files(files_dir) \
         or folder.load_cached(files_dir, validate=False)
     if index is None:
         raise DatasetError(f"the index cache in {files_dir} is missing or unreadable")
@@ -376,9 +376,9 @@ def open_index_files(files_dir: str, fingerprint: str | None = None) -> Index:
 
 def _meta_of(files_dir: str):
     """(the meta file's name, its stamps' check) of the cache in ``files_dir``, by which it holds."""
-    from prefetchd.sources import bucketfolder, bucketparquet, bucketshards, parquet
+    from prefetchd.sources import bucketfolder, bucketimagenet, bucketparquet, bucketshards, parquet
 
-    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet):
+    for mod in (archive, parquet, bucketfolder, bucketshards, bucketparquet, bucketimagenet):
         if os.path.exists(os.path.join(files_dir, mod.META)):
             return mod.META, mod.stamps_valid
     return folder.META, folder.stamps_valid

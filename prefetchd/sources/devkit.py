@@ -18,6 +18,7 @@ element form and both byte orders. We keep it instead of depending on scipy (ten
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import stat
@@ -153,10 +154,15 @@ class DevkitError(ValueError):
     pass
 
 
+_MAX_BYTES = 64 << 20  # a devkit object larger than this is another file (ImageNet's is 2.5 MB)
+
+
 def _read_files(devkit: str) -> tuple[bytes, bytes]:
     """(meta.mat, ground truth) from the devkit archive or its extracted folder."""
     want = {META: None, GROUND_TRUTH: None}
-    if os.path.isdir(devkit):
+    if "://" in devkit:
+        want.update(_read_url(devkit))
+    elif os.path.isdir(devkit):
         for dirpath, dirnames, filenames in os.walk(devkit):
             dirnames.sort()
             for rel in want:
@@ -169,21 +175,104 @@ def _read_files(devkit: str) -> tuple[bytes, bytes]:
                 raise DevkitError(f"validation.devkit {devkit} is not a regular file or a folder; give "
                                   "ILSVRC2012_devkit_t12.tar.gz or the folder it extracts to")
             with tarfile.open(devkit, "r:*") as tf:  # read by name, in memory: nothing is extracted
-                for m in tf:
-                    for rel in want:
-                        if want[rel] is None and m.isreg() and (m.name == rel or m.name.endswith("/" + rel)):
-                            f = tf.extractfile(m)
-                            want[rel] = f.read() if f is not None else None
+                want.update(_from_tar(tf))
         except FileNotFoundError:
             raise DevkitError(f"validation.devkit {devkit} does not exist") from None
         except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
             raise DevkitError(f"validation.devkit {devkit} is not a readable tar or .tar.gz archive "
-                              f"({e}); give ILSVRC2012_devkit_t12.tar.gz or the folder it extracts to") from None
+                              f"({_said(e)}); give ILSVRC2012_devkit_t12.tar.gz or the folder it extracts to") from None
     missing = [rel for rel, v in want.items() if v is None]
     if missing:
         raise DevkitError(f"validation.devkit {devkit} has no {' or '.join(missing)}; "
                           "give ILSVRC2012_devkit_t12.tar.gz or the folder it extracts to")
     return want[META], want[GROUND_TRUTH]
+
+
+def _read_url(devkit: str) -> dict[str, bytes]:
+    """{META: ..., GROUND_TRUTH: ...} of a devkit in a bucket: its archive (a ``.tar.gz``, ``.tgz`` or
+    ``.tar`` object, one GET: 2.5 MB) or the prefix it was extracted to (the two files under a
+    ``data/`` folder of it, one listing and two GETs)."""
+    from prefetchd.sources import objectstore
+    from prefetchd.sources.base import DatasetError
+
+    try:
+        store = objectstore.store_for(devkit, None, "validation.devkit")
+        if devkit.lower().endswith((".tar.gz", ".tgz", ".tar")):
+            size = store.head(devkit).size
+            if size > _MAX_BYTES:  # the train tar given as the devkit: not 147 GB read into memory
+                raise DevkitError(f"validation.devkit {devkit} is {size:,} bytes, not ImageNet's devkit (2.5 MB): "
+                                  "give ILSVRC2012_devkit_t12.tar.gz")
+            data = store.read(devkit)
+            try:
+                with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
+                    return _from_tar(tf)
+            except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+                raise DevkitError(f"validation.devkit {devkit} is not a readable tar or .tar.gz archive "
+                                  f"({_said(e)}); give ILSVRC2012_devkit_t12.tar.gz or the prefix it was "
+                                  "extracted to") from None
+        found, listed = {}, []
+        for rel, _, _ in store.list(devkit):
+            listed.append(rel)
+            for want in (META, GROUND_TRUTH):
+                if want not in found and (rel == want or rel.endswith("/" + want)):
+                    found[want] = rel
+        if not listed:
+            raise DevkitError(f"validation.devkit {devkit} lists no objects: give the URL of "
+                              "ILSVRC2012_devkit_t12.tar.gz in the bucket, or the prefix it was extracted to")
+        archives = [r for r in listed if "devkit" in r.lower() and r.lower().endswith((".tar.gz", ".tgz"))]
+        if len(found) < 2 and archives:  # the folder holding the devkit's archive
+            raise DevkitError(f"validation.devkit {devkit} is no extracted devkit, but holds "
+                              f"{archives[0]}: set validation.devkit to {devkit.rstrip('/')}/{archives[0]}")
+        return {want: store.read(f"{devkit.rstrip('/')}/{rel}") for want, rel in found.items()}
+    except FileNotFoundError:
+        raise DevkitError(f"validation.devkit {devkit} is not in the bucket (404): give the URL of "
+                          "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
+    except OSError as e:
+        raise DevkitError(f"validation.devkit {devkit} cannot be read: {e.strerror or e}") from None
+    except DatasetError as e:
+        raise DevkitError(str(e)) from None
+
+
+def _said(e: Exception) -> str:
+    """``tarfile``'s error in one line: ``r:*`` lists each compression it tried, a line each."""
+    text = str(e)
+    if "could not be opened successfully" in text:
+        return "neither a tar nor a gzip, bzip2 or xz file"
+    return " ".join(text.split())
+
+
+def _from_tar(tf: tarfile.TarFile) -> dict[str, bytes]:
+    """The devkit's two files from its archive, read by name in memory: nothing is extracted."""
+    want: dict[str, bytes] = {}
+    for m in tf:
+        for rel in (META, GROUND_TRUTH):
+            if rel not in want and m.isreg() and (m.name == rel or m.name.endswith("/" + rel)):
+                f = tf.extractfile(m)
+                if f is not None:
+                    want[rel] = f.read()
+    return want
+
+
+def url_stamp(url: str) -> list:
+    """A devkit object's cache stamp: its URL, size and ETag now (one HEAD); a prefix's: its
+    listing's names, sizes and ETags (one listing)."""
+    from prefetchd.sources import objectstore
+    from prefetchd.sources.base import DatasetError
+
+    try:
+        store = objectstore.store_for(url, None, "validation.devkit")
+        if url.lower().endswith((".tar.gz", ".tgz", ".tar")):
+            h = store.head(url)
+            return [url, h.size, h.etag]
+        return [url, *sorted(f"{rel}:{size}:{etag}" for rel, size, etag in store.list(url)
+                             if rel.endswith((META, GROUND_TRUTH)))]
+    except FileNotFoundError:
+        raise DevkitError(f"validation.devkit {url} is not in the bucket (404): give the URL of "
+                          "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
+    except OSError as e:
+        raise DevkitError(f"validation.devkit {url} cannot be read: {e.strerror or e}") from None
+    except DatasetError as e:
+        raise DevkitError(str(e)) from None
 
 
 def _scalar(v: object) -> int:

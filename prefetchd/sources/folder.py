@@ -153,7 +153,14 @@ def scan_file_list(list_path: str, key: str = "dataset.file_list") -> tuple[Inde
             lines = f.read().splitlines()
     except OSError as e:
         raise DatasetError(f"{key} {list_path}: {e.strerror}") from None
-    root = os.path.dirname(list_path)
+    rel, labels = parse_file_list(lines, list_path, key)
+    classes = [str(i) for i in range(max(labels) + 1)]
+    index = replace(build_index(os.path.dirname(list_path), classes, rel, labels), kind="list")
+    return index, [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
+
+
+def parse_file_list(lines: list[bytes], list_path: str, key: str) -> tuple[list[bytes], list[int]]:
+    """(paths, labels) of a file list's lines (``path label``; ``#`` comments and blank lines)."""
     rel: list[bytes] = []
     labels: list[int] = []
     for lineno, raw in enumerate(lines, 1):
@@ -169,9 +176,7 @@ def scan_file_list(list_path: str, key: str = "dataset.file_list") -> tuple[Inde
         raise DatasetError(f"{key} {list_path} lists no images")
     if max(labels) >= 2**31:
         raise DatasetError(f"{key} {list_path}: labels must be below 2**31")
-    classes = [str(i) for i in range(max(labels) + 1)]
-    index = replace(build_index(root, classes, rel, labels), kind="list")
-    return index, [(list_path, st.st_mtime_ns), (list_path + "#size", st.st_size)]
+    return rel, labels
 
 
 def stamps_valid(stamps: list) -> bool:

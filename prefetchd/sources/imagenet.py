@@ -93,8 +93,8 @@ def _refuse_others(root: str, key: str, others: list[tuple[str, str]], total: in
 
 def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int, int]], exts, layout_: str,
                      archives: tuple[str, ...], notes: list, identity: dict | None = None) -> tuple[TarIndex, dict]:
-    """``tars``: (class, archive number, start, end) in class order; ``opener(arch)``: a context
-    giving the archive's descriptor (a folder's tars are opened one at a time: ``ulimit -n``).
+    """``tars``: (class, archive number, start, end) in class order; ``opener(arch, start)``: a context
+    giving the archive's descriptor (or a reader, ``tarheaders.pread``) (a folder's tars are opened one at a time: ``ulimit -n``).
     Returns the index and each archive's identity (``identity_of``) as read."""
     twins = sorted({c for c, n in Counter(t[0] for t in tars).items() if n > 1})
     if twins:  # n1.tar and n1.TAR: extracted, one folder
@@ -108,7 +108,7 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
     for label, (cls, arch, start, end) in enumerate(tbar):
         where = os.path.join(root, cls + ".tar") if layout_ == "tar" else os.path.join(root, archives[arch])
         skipped: list = []
-        with opener(arch) as fd:
+        with opener(arch, start) as fd:
             if arch not in identity:
                 identity[arch] = identity_of(os.fstat(fd))
             found = unique(members(fd, start, end if end is not None else identity[arch][2], where, skipped),
@@ -205,6 +205,55 @@ def _opened(path: str):
         os.close(fd)
 
 
+def scan_tar(root: str, key: str, src, size: int, ident: tuple, devkit: str | None, exts: tuple[bytes, ...],
+             notes: list, opener=None) -> TarIndex:
+    """The index of the tar ``root`` (of class tars, or flat with ``devkit``), read through ``src``
+    (a descriptor, or a ``bucketshards.ShardFile``: ``tarheaders.pread``) of ``size`` bytes whose
+    identity is ``ident``. ``opener(ranges)``: given each class tar's (start, end) in ``src``, in
+    label order, a function of a class's position giving a context of what that class tar is read
+    through (a bucket's: a reader of its range alone, fetched ahead); by default ``src``."""
+    skipped: list = []
+    if size < 2 * BLOCK:  # not even a header and an end-of-archive block
+        raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive ({size} bytes)")
+    top = unique(members(src, 0, size, root, skipped, top=key), root, skipped)
+    tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
+                  if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
+    if tars and devkit:
+        raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
+                           "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
+                           f"{key}, or remove validation.devkit to use its class tars' labels")
+    flat = [] if tars else image_members(top, exts, True, skipped)
+    warn_skipped(root, skipped, notes)
+    if tars:
+        if opener:
+            open_i, where = opener([(t[2], t[3]) for t in tars]), {t[2]: i for i, t in enumerate(tars)}
+            open_ = lambda a, start: open_i(where[start])  # noqa: E731
+        else:
+            open_ = lambda a, start: nullcontext(src)  # noqa: E731
+        index, _ = _scan_class_tars(root, key, open_, tars, exts, "tar", ("",), notes, {0: ident})
+    else:
+        if not flat:
+            _nested(root, key, top, exts)
+        index = _flat(root, devkit, flat, "flat-tar", "", notes, key)
+    return replace(index, identity=(ident,))
+
+
+def scan_tars(root: str, key: str, names: list[str], opener, devkit: str | None, exts: tuple[bytes, ...],
+              notes: list, identity: dict | None = None, sizes: list[int] | None = None) -> TarIndex:
+    """The index of the class tars ``names`` (in class order) of the folder ``root``; ``opener(a)``:
+    a context giving the descriptor (or reader) of ``names[a]``; ``identity`` and ``sizes``: each
+    one's, when known before it is opened (a bucket's listing)."""
+    if devkit:
+        raise DatasetError(f"{key} {root} is a folder of class tars (a train set), but validation.devkit labels a "
+                           f"flat validation set: give the validation tar as {key}, or remove validation.devkit")
+    if len(names) > 65535:
+        raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
+    tars = [(name[:-4], a, 0, sizes[a] if sizes else None) for a, name in enumerate(names)]  # None: its size opened
+    index, ids = _scan_class_tars(root, key, lambda a, start: opener(a), tars, exts, "tars", tuple(names), notes,
+                                  identity)
+    return replace(index, identity=tuple(ids[a] for a in range(len(names))))
+
+
 def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = "dataset.root",
          kind: str | None = None, notes: tuple[str, ...] = ()) -> tuple[TarIndex, list]:
     """Index ``root`` (see the module docstring; ``key``: the config key naming it; ``kind``: what
@@ -214,49 +263,25 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
     exts = tuple(e.lower().encode() for e in extensions)
     kind = kind or ("tar" if os.path.isfile(root) else "tars")
     stamps = [stamp_of(root)]
+    try:  # a devkit in a bucket: its stamp before it is read, so a change after it shows
+        devkit_stamps = [dk.url_stamp(devkit)] if devkit and "://" in devkit else []
+    except dk.DevkitError as e:
+        raise DatasetError(str(e)) from None
     notes_: list = list(notes)  # what was skipped, kept with the index
     if kind == "tar":
         fd = open_archive(root, key)
         try:
             ident = identity_of(os.fstat(fd))  # before the headers are read: the offsets are this file's
-            skipped: list = []
-            if os.fstat(fd).st_size < 2 * BLOCK:  # not even a header and an end-of-archive block
-                raise DatasetError(f"{key} {root} is not a directory (an ImageFolder) nor a tar archive "
-                                   f"({os.fstat(fd).st_size} bytes)")
-            top = unique(members(fd, 0, os.fstat(fd).st_size, root, skipped, top=key), root, skipped)
-            tars = sorted((os.fsdecode(n[:-4]), 0, p, p + s) for n, (p, s) in top.items()
-                          if n.lower().endswith(b".tar") and b"/" not in n and not n.startswith(b"."))
-            if tars and devkit:
-                raise DatasetError(f"{key} {root} is a tar of class tars (a train set), but validation.devkit labels a "
-                                   "flat validation set: give the validation tar (ILSVRC2012_img_val.tar) as "
-                                   f"{key}, or remove validation.devkit to use its class tars' labels")
-            flat = [] if tars else image_members(top, exts, True, skipped)
-            warn_skipped(root, skipped, notes_)
-            if tars:
-                index, _ = _scan_class_tars(root, key, lambda a: nullcontext(fd), tars, exts, "tar", ("",), notes_,
-                                            {0: ident})
-            else:
-                if not flat:
-                    _nested(root, key, top, exts)
-                index = _flat(root, devkit, flat, "flat-tar", "", notes_, key)
+            index = scan_tar(root, key, fd, os.fstat(fd).st_size, ident, devkit, exts, notes_)
             unchanged(fd, root, ident)
-            index = replace(index, identity=(ident,))
         finally:
             os.close(fd)
     elif kind == "tars":
-        if devkit:
-            raise DatasetError(f"{key} {root} is a folder of class tars (a train set), but validation.devkit labels a "
-                               f"flat validation set: give the validation tar as {key}, or remove validation.devkit")
         names = sorted((e.name for e in os.scandir(root)
                         if e.name.lower().endswith(".tar") and not e.name.startswith(".") and e.is_file()),
                        key=lambda n: n[:-4])  # by class name: "a b.tar" after "a.tar", as folder "a b" after "a"
-        if len(names) > 65535:
-            raise DatasetError(f"{key} {root} holds {len(names)} tar files; at most 65535 are supported")
-        tars = [(name[:-4], a, 0, None) for a, name in enumerate(names)]  # end: the size when opened
-        index, ids = _scan_class_tars(root, key, lambda a: _opened(os.path.join(root, names[a])), tars, exts, "tars",
-                                      tuple(names), notes_)
-        stamps += [[os.path.join(root, name), *ids[a]] for a, name in enumerate(names)]
-        index = replace(index, identity=tuple(ids[a] for a in range(len(names))))
+        index = scan_tars(root, key, names, lambda a: _opened(os.path.join(root, names[a])), devkit, exts, notes_)
+        stamps += [[os.path.join(root, name), *index.identity[a]] for a, name in enumerate(names)]
     elif kind == "flat-folder":
         names = sorted(e.name for e in os.scandir(root) if e.is_file() and not e.name.startswith("."))
         encoded = [os.fsencode(n) for n in names]  # ordered as str, as the flat tar's members
@@ -264,7 +289,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str = 
     else:
         raise DatasetError(f"{root} is not an archive layout")  # pragma: no cover - dispatch checks first
     if devkit:
-        stamps += [stamp_of(p) for p in _devkit_files(devkit)]
+        stamps += devkit_stamps if "://" in devkit else [stamp_of(p) for p in _devkit_files(devkit)]
     return replace(index, skipped=kept_notes(notes_)), stamps
 
 

@@ -24,6 +24,7 @@ import stat
 
 import braceexpand
 
+from prefetchd.core.configsections import IMAGE_EXTENSIONS
 from prefetchd.sources.archive import stamp_of
 from prefetchd.sources.base import DatasetError
 
@@ -173,3 +174,21 @@ def resolve(root: str, key: str = "dataset.root") -> tuple[str, list[str], list]
     if absent:
         raise _missing(key, root, names, absent, "the list names")
     return base, names, [stamp_of(root)]
+
+
+def numbered(tars: list[str]) -> bool:
+    """Are ``tars`` (two or more) named as numbered shards (``dataset._refuse_numbered_image_tars``)?"""
+    found = [re.match(r"^(.*?)(\d+)\.tar$", t) for t in tars]  # 000000.tar, train-000000.tar, not n01440764.tar
+    return len(tars) >= 2 and all(found) and len({(m.group(1), len(m.group(2))) for m in found}) == 1 and (
+        found[0].group(1)[-1:] in ("", "-", "_", "."))
+
+
+def refuse_numbered_images(root: str, tars: list[str], t: str, names: list[str], key: str) -> None:
+    """The DatasetError of ``dataset._refuse_numbered_image_tars`` when the tar ``t``'s first member ``names``
+    are images not named after it (a bucket prefix's too: ``bucketroot``)."""
+    stem = t[:-4]
+    if any(os.path.basename(n).startswith(stem) or not n.lower().endswith((*IMAGE_EXTENSIONS, ".webp")) for n in names):
+        return  # ImageNet's class tars name their images after the tar (n01440764.tar: n01440764_10026.JPEG)
+    raise DatasetError(f"{key} {root} holds numbered tars of images alone ({tars[0]} ... {tars[-1]}): unlabelled "
+                       "WebDataset shards or class tars (each tar's name a label)? set dataset.layout: webdataset "
+                       "(with dataset.label: none) or imagenet_tars")
