@@ -10,6 +10,10 @@ TORCH_CPU       ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU_PIP   := -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 
+# The suite's workers (pytest-xdist): twice the CPUs this process may use, at most 8. Most tests wait
+# on a daemon or a trainer process for much of their time, so two a CPU keep the CPUs busy.
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
+
 .PHONY: venv demo test lint bench clean print-torch-cpu
 
 venv: $(VENV)/.installed
@@ -28,8 +32,11 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(PY) -m prefetchd demo
 
+# The suite in parallel, then the few tests whose subject is how the CPU is shared, alone
+# (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
 test: venv
-	$(PY) -m pytest -q --durations=40  # the slowest, in every run's log (CONTRIBUTING.md: the suite's time)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=40
+	$(PY) -m pytest -q -m serial --durations=5
 
 lint: venv
 	$(VENV)/bin/ruff check prefetchd client tests examples

@@ -22,17 +22,16 @@ for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
 
 # pytest-xdist (`make test` runs the suite on several workers, --dist loadgroup): a module whose
 # fixture is a whole system (a systemd machine, a Slurm or Ray cluster, a fresh venv) runs on one
-# worker, so that system starts once; the modules that use the S3 server (a session fixture) share
-# one worker, so one server starts
-_ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough",
-               **dict.fromkeys(("test_objectstore", "test_bucket_parquet", "test_bucket_readahead", "test_bucket_shards",
-                                "test_bytecache"), "s3")}
+# worker, so that system starts once; so do the tests that use the S3 server (a session fixture,
+# one server a worker)
+_ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = _ONE_WORKER.get(item.module.__name__ if item.module else "")
+        group = "s3" if "s3" in getattr(item, "fixturenames", ()) else \
+            _ONE_WORKER.get(item.module.__name__ if item.module else "")
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
 

@@ -74,22 +74,29 @@ def test_a_left_behind_readers_report_in_flight_never_lands_after_the_new_loader
     batch 0 to epoch 0 batch 4'). The look and the write are one step for the lane now."""
     cfg = small_config(tmp_path, image_root, loader={"epochs": 3})
     d = daemon_factory(cfg)
-    real, paused = progress.write, threading.Event()
+    real, paused, moved, landed = progress.write, threading.Event(), threading.Event(), threading.Event()
 
-    def slow(directory, p):  # the old reader's next report held between its look and its write
-        if p.epoch == 0 and threading.current_thread() is not threading.main_thread() and not paused.is_set():
+    def slow(directory, p):  # the old reader's report of a batch read ahead, held between its look and its write
+        if p.epoch == 0 and p.batch >= 2 and threading.current_thread() is not threading.main_thread() \
+                and not paused.is_set():
             paused.set()
-            threading.Event().wait(0.5)
+            moved.wait(3.0)  # until the new loader's seek is written; with the lane's lock, the seek waits instead
+            try:
+                return real(directory, p)
+            finally:
+                landed.set()
         return real(directory, p)
 
+    # before the first batch, however far the reader has read ahead by the time it is handed over
+    monkeypatch.setattr(progress, "write", slow)
     old = PrefetchClient(cfg, timeout=30, as_numpy=True)
     it = iter(old)
     next(it)
-    monkeypatch.setattr(progress, "write", slow)
     assert paused.wait(30), "the old reader reported no batch read ahead"
     with PrefetchClient(cfg, timeout=30, as_numpy=True) as new:
         new.seek(1, 0)  # while the old report is held
-        threading.Event().wait(0.7)  # the old report's write has ended either way
+        moved.set()
+        assert landed.wait(10)  # the old report's write has ended either way
         on_disk = progress.read(progress.progress_path(new.progress_dir, 0))
         assert on_disk.epoch == 1 and on_disk.pid == os.getpid(), on_disk
     it.close()

@@ -154,6 +154,7 @@ def test_the_dataloader_peer_runs_over_a_root_with_a_corrupt_file(tmp_path):
     assert "skipped 1 file Pillow cannot decode" in out, out
 
 
+@pytest.mark.serial  # its workers run at SCHED_IDLE: tests beside it would starve them
 def test_share_bench_runs_each_priority_with_ranks_bound_and_says_the_trainers_cpu_wait():
     """``bench --share`` end to end, small: each variant's line has the step ratio and the share of
     the trainer's time it waited for a CPU; ``--share-pin`` binds the ranks (two CPUs here)."""
@@ -170,6 +171,7 @@ def test_share_bench_runs_each_priority_with_ranks_bound_and_says_the_trainers_c
                          rf"step [\d.]+ x", out, re.M), out
 
 
+@pytest.mark.serial  # its workers run at SCHED_IDLE: tests beside it would starve them
 def test_share_bench_refill_reads_rank_1_paced_from_a_filled_ring_and_says_what_was_left():
     """``--share-refill``: rank 1 reads paced from a ring first filled that deep; its line gives
     its pace, its time in ``next()`` and the batches left (or that it ran dry)."""
@@ -181,6 +183,7 @@ def test_share_bench_refill_reads_rank_1_paced_from_a_filled_ring_and_says_what_
     assert "GPU-like" not in out.split("summary")[0], out  # --share-only step
 
 
+@pytest.mark.serial  # its workers run at SCHED_IDLE: tests beside it would starve them
 def test_share_bench_gpu_only_gives_the_rounds_geometric_mean_and_its_interval():
     out = _bench("--share", "--share-only", "gpu", "--share-priorities", "idle", "--repeats", "2",
                  "--images", "64", "--image-side", "64", "--batches", "4", "--step-ms", "1", "-q")
@@ -221,6 +224,7 @@ def test_each_running_phase_is_paired_with_the_stopped_phases_either_side_of_it(
     assert _paired_ratios([]) == []
 
 
+@pytest.mark.serial  # its workers run at SCHED_IDLE: tests beside it would starve them
 def test_share_bench_gpu_paired_switches_the_workers_phase_by_phase_and_pools_the_pairs():
     if os.geteuid() != 0:
         pytest.skip("switching a thread out of SCHED_IDLE needs root")
