@@ -229,3 +229,19 @@ def test_a_prefix_one_level_above_the_shards_or_parquet_files_names_the_folder_t
         assert f"the folder {folder}/ is not a class: no images, only" in said and kind in said, said
         assert f"set dataset.root to {root.rstrip('/')}/{folder}/ to read them" in said, said
         assert len(load_index(f"{root.rstrip('/')}/{folder}/", None, EXTS, str(tmp_path / "cache"))[0]) in (8, ROWS // 2)
+
+
+def test_an_endpoint_gone_while_the_footers_are_read_is_unavailable_not_a_corrupt_file(s3_env, bucket_hf, proxy,
+                                                                                       monkeypatch, tmp_path):
+    """The listing answered, then the endpoint went away past the retries while pyarrow read a
+    footer: the start said the file was 'not a readable Parquet file ... a corrupt copy?' and exited
+    78, which the shipped unit never restarts; it is the bucket not answering (exit 75)."""
+    from prefetchd.sources.base import StorageUnavailable
+
+    monkeypatch.setattr(objectstore, "_RETRY_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    proxy.outage(60.0, after_requests=3)  # auto's listing and the files' listing answer, then nothing
+    with pytest.raises(StorageUnavailable, match="train-00000-of-00002.parquet cannot be read: the bucket did not answer") as e:
+        load_index(bucket_hf, None, EXTS, str(tmp_path / "cache"))
+    assert "corrupt" not in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -51,6 +51,7 @@ from prefetchd.sources.base import (
     DatasetError,
     Index,
     StorageChanged,
+    StorageUnavailable,
     build_index,
     cache_path,
     numbered_classes,
@@ -226,7 +227,13 @@ def collect(root: str, base: str, files: list[str], opened, image_column: str, l
             except StorageChanged:  # a bucket's object overwritten while it was read (its ETag moved)
                 raise DatasetError(f"{path} changed while it was being indexed: is an upload still writing it? start "
                                    "again once it is complete") from None
-            except (pa.ArrowException, OSError) as e:
+            except OSError as e:
+                if e.errno == errno.ETIMEDOUT:  # a bucket that did not answer through its retries: not the file
+                    raise StorageUnavailable(f"{key} {path} cannot be read: the bucket did not answer "
+                                             f"({e.strerror or e}); the daemon exits 75 to be started again") from None
+                raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
+                                   "corrupt copy? write it again") from None
+            except pa.ArrowException as e:
                 raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
                                    "corrupt copy? write it again") from None
             own = _class_names(pf.schema_arrow, label_column)
