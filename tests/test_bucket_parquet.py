@@ -11,8 +11,9 @@ import os
 
 import numpy as np
 import pytest
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config
-from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -155,7 +156,7 @@ def test_bad_bucket_parquet_roots_are_one_line_each_naming_the_key(s3, s3_env, b
 def test_the_daemon_on_bucket_parquet_makes_the_local_files_batches_and_writes_no_secret(
         s3, bucket_hf, local_hf, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, local_hf[0], bucket_hf, s3.env(), daemon_factory,
-                                               "bucket-parquetmeta.json")
+                                               "bucket-parquetmeta.json", SECRET_KEY.encode())
 
 
 def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, local_hf, tmp_path):

@@ -14,8 +14,9 @@ import tarfile
 
 import numpy as np
 import pytest
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config, wait_until
-from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect, published
 from test_shards import _add, _samples, write_shards
@@ -176,7 +177,7 @@ def test_bad_bucket_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_sh
 def test_the_daemon_on_bucket_shards_makes_the_local_shards_batches_and_writes_no_secret(
         s3, bucket_shards, local_shards, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, local_shards[0], bucket_shards, s3.env(), daemon_factory,
-                                               "bucket-tarmeta.json")
+                                               "bucket-tarmeta.json", SECRET_KEY.encode())
 
 
 def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_anew(

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 import yaml
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config
-from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -152,7 +153,7 @@ def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secr
     with open(small_config(tmp_path, bucket_root)) as f:
         assert yaml.safe_load(f)["dataset"]["root"] == bucket_root
     same_batches_from_the_bucket_and_no_secret(tmp_path, image_root, bucket_root, s3.env(), daemon_factory,
-                                               "bucket-meta.json")
+                                               "bucket-meta.json", SECRET_KEY.encode())
 
 
 def test_an_s3_root_without_the_extra_is_one_line(monkeypatch, tmp_path):
