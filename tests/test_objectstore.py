@@ -169,13 +169,14 @@ def test_gs_urls_go_through_the_same_client_with_no_secret_in_what_check_says(mo
     objectstore._STORES.clear()
     store = objectstore.store_for("gs://some-bucket/train")
     assert store.scheme == "gs" and type(store.client()).__name__ == "GCSStore"
-    assert store.describe() == "the metadata server's identity, endpoint Google Cloud Storage"
+    assert store.describe() == "no GOOGLE_APPLICATION_CREDENTIALS: the metadata server's service account (a VM's " \
+                               "or pod's), endpoint Google Cloud Storage"
     missing = str(tmp_path / "sa.json")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", missing)
     objectstore._STORES.clear()
     with pytest.raises(DatasetError) as e:  # a key file that is not there: one line, before any request
         objectstore.probe("gs://some-bucket/train")
-    assert "\n" not in str(e.value) and f"service account file {missing}" in str(e.value)
+    assert "\n" not in str(e.value) and f"the credentials in GOOGLE_APPLICATION_CREDENTIALS {missing}" in str(e.value)
     assert "Unable to open service account file" in str(e.value)
 
 
