@@ -202,3 +202,13 @@ def gcs_env(gcs, monkeypatch):
     objectstore._STORES.clear()
     yield gcs.env()
     objectstore._STORES.clear()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request):
+    """A real bucket of each provider (SeaweedFS's S3, fake-gcs-server's GCS), its credentials and
+    endpoint in this process's environment: ``(server, URL scheme)``; ``server.put``, ``.env()``."""
+    server, env = {"s3": ("s3", "s3_env"), "gs": ("gcs", "gcs_env")}[request.param]
+    found = request.getfixturevalue(server)
+    request.getfixturevalue(env)
+    return found, request.param

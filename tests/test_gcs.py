@@ -4,8 +4,9 @@ three layouts' indexes and the real daemon's batches byte for byte the local roo
 check``'s lines, its one line for credentials it cannot use, ``STORAGE_EMULATOR_HOST``, and no
 line of the service account's private key in anything the daemon writes.
 
-Not tested here, because the emulator does not do it (its own test below says so): ``If-Match`` on
-a GET (GCS answers an overwritten object's ranged GET 412; the emulator serves the new bytes)."""
+The emulator ignores ``If-Match`` on a GET (GCS answers a stale one 412): the answer's ETag,
+which prefetchd checks too, is what refuses an overwritten shard here (tests/test_bucket_shards.py
+runs its overwrite tests on both providers)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config
 from gcsfixture import BUCKET, CLIENT_EMAIL, GCSServer
 
-pytest.importorskip("obstore", reason="the gcs extra (obstore) is not installed")
+obstore = pytest.importorskip("obstore", reason="the gcs extra (obstore) is not installed")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from test_parquet import _rows, hf_table  # noqa: E402
 from test_shards import _samples, write_shards  # noqa: E402
 
 from prefetchd.sources import bytecache, objectstore  # noqa: E402
-from prefetchd.sources.base import DatasetError  # noqa: E402
+from prefetchd.sources.base import DatasetError, StorageChanged  # noqa: E402
 from prefetchd.sources.dataset import load_index  # noqa: E402
 
 EXTS = (".jpeg", ".jpg", ".png")
@@ -77,14 +78,19 @@ def test_the_emulator_answers_the_calls_prefetchd_makes_with_one_etag_per_object
         bytecache.configure(None)
 
 
-def test_the_emulator_ignores_if_match_so_an_overwrite_mid_read_is_untested_on_gcs(gcs, gcs_env):
-    """What docs/object-storage.md says was not tested: the day this fails, the emulator answers
-    412 and the S3 tests' overwrite checks can run here too."""
+def test_the_emulator_ignores_if_match_and_the_answers_etag_still_tells(gcs, gcs_env):
+    """fake-gcs-server serves an overwritten object's new bytes to a ranged GET whose If-Match is
+    stale (GCS: 412): prefetchd also compares the answer's ETag with the one indexed, so a sample is
+    never read at its old offsets (tests/test_bucket_shards.py, [gs]). The day the first assert
+    fails, the emulator answers 412 itself."""
     gcs.put("ifmatch/one.tar", b"a" * 4096)
     store = objectstore.store_for(f"gs://{BUCKET}/ifmatch")
     h = store.open(f"gs://{BUCKET}/ifmatch/one.tar")
     gcs.put("ifmatch/one.tar", b"b" * 4096)
-    assert store.pread(h, 4, 0, cache=False) == b"bbbb"
+    got = obstore.get(store.client(), "ifmatch/one.tar", options={"range": (0, 4), "if_match": h.etag})
+    assert bytes(got.bytes()) == b"bbbb"  # If-Match ignored
+    with pytest.raises(StorageChanged, match="changed since it was indexed"):
+        store.pread(h, 4, 0, cache=False)
 
 
 @pytest.mark.parametrize("layout", ["folder", "shards", "parquet"])

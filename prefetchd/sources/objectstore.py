@@ -12,7 +12,8 @@ brings aiobotocore, botocore and an event loop per process.
 * ``open(url, on_open)``: a ``Handle`` of the object's size and ETag (one HEAD), the ``MAX_OPEN``
   most recently used kept; ``pread(handle, size, offset)``: one ranged GET sent with
   ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
-  ``StorageChanged`` instead of another sample's bytes;
+  ``StorageChanged`` instead of another sample's bytes (as does an answer with another ETag, from
+  a store that ignores ``If-Match``: fake-gcs-server);
 * ``identity(handle)``: ``(size, ETag)``;
 * ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client);
   ``list_top(url)``: its top level only (objects and sub-prefixes, delimited by ``/``).
@@ -93,14 +94,18 @@ def _os_error(e: Exception, url: str) -> OSError:
     from obstore import exceptions as x
 
     if isinstance(e, x.PreconditionError):
-        # (errno, message): the worker says its strerror (``executors.storage``), None without one
-        return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
-                              "in the bucket): batches from it wait; restart the daemon to index it again")
+        return _changed(url)
     status = _status(e)
     code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
         else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
     return OSError(code, _first_line(e), url)
+
+
+def _changed(url: str) -> StorageChanged:
+    # (errno, message): the worker says its strerror (``executors.storage``), None without one
+    return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
+                          "in the bucket): batches from it wait; restart the daemon to index it again")
 
 
 _STATUS = re.compile(r"status code: (\d{3})\b")
@@ -242,10 +247,19 @@ class ObjectStore:
         options = {"range": (offset, offset + size)}
         if h.etag:
             options["if_match"] = h.etag
+
+        def get():
+            got = self._obs.get(self.client(), self.object_key(h.key), options=options)
+            return bytes(got.bytes()), _etag(got.meta.get("e_tag"))
+
         try:
-            data = self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
+            data, etag = self._retry(get)
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
+        _count(bytes=len(data))
+        if h.etag and etag and etag != h.etag:
+            # a store that ignores If-Match (fake-gcs-server does) still names the version it sent
+            raise _changed(h.key)
         if kept is not None and len(data) == size:
             kept.put(where, h.etag, offset, data)
         return data
