@@ -93,19 +93,21 @@ def test_the_bucket_parquet_index_is_the_local_one_read_with_ranged_gets(s3_env,
 
 
 def test_an_overwritten_parquet_object_is_never_read_as_other_rows_and_a_start_indexes_it_anew(
-        s3, s3_env, local_hf, tmp_path, caplog):
+        bucket, local_hf, tmp_path, caplog):
+    """gs://: fake-gcs-server ignores If-Match; the answer's ETag, checked too, tells."""
+    server, scheme = bucket
     folder, rows = local_hf
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name), "rb") as f:
-            s3.put(f"hfover/{name}", f.read())
-    root = f"s3://{BUCKET}/hfover"
+            server.put(f"hfover/{name}", f.read())
+    root = f"{scheme}://{BUCKET}/hfover"
     index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
     assert index.read(len(index) - 1) == rows[-1][0]
     import io
 
     buf = io.BytesIO()
     pq.write_table(hf_table(rows[ROWS // 2:][::-1]), buf, row_group_size=GROUP)  # other rows in the same places
-    s3.put("hfover/train-00001-of-00002.parquet", buf.getvalue())
+    server.put("hfover/train-00001-of-00002.parquet", buf.getvalue())
     objectstore._STORES.clear()
     from prefetchd.sources import bucketparquet
 
