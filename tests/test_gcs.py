@@ -51,8 +51,8 @@ def gcs_roots(gcs, image_root, tmp_path_factory) -> dict:
 def test_the_emulator_answers_the_calls_prefetchd_makes_with_one_etag_per_object(gcs, gcs_env, gcs_roots,
                                                                                    tmp_path):
     """A listing gave the ETag bare, a HEAD and a GET quoted: an ImageFolder object was never kept
-    in the node-local cache (its GET's ETag never matched the listing's), a single Parquet
-    object's cached index (a HEAD's ETag) never matched the next start's listing."""
+    in the node-local cache (its GET's ETag never matched the listing's), and a shard's ranged
+    GET, whose answer's ETag is held to the listed one, would have been refused every time."""
     data = bytes(range(256)) * 64
     gcs.put("calls/a/one.bin", data)
     gcs.put("calls/two.bin", b"two")
