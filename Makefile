@@ -10,8 +10,9 @@ TORCH_CPU       ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU_PIP   := -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 
-# The suite's workers (pytest-xdist): twice the CPUs this process may use, at most 8. Most tests wait
-# on a daemon or a trainer process for much of their time, so two a CPU keep the CPUs busy.
+# The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
+# twice the CPUs this process may use, at most 8. Most tests wait on a daemon or a trainer process for
+# much of their time, so two a CPU keep the CPUs busy.
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 .PHONY: venv demo test lint bench clean print-torch-cpu
@@ -35,7 +36,7 @@ demo: venv
 # The suite in parallel, then the few tests whose subject is how the CPU is shared, alone
 # (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not serial" --durations=40
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" --durations=40
 	$(PY) -m pytest -q -m serial --durations=5
 
 lint: venv

@@ -20,21 +20,31 @@ for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
     os.environ.pop(_name, None)
 
 
-# pytest-xdist (`make test` runs the suite on several workers, --dist loadgroup): a module whose
-# fixture is a whole system (a systemd machine, a Slurm or Ray cluster, a fresh venv) runs on one
-# worker, so that system starts once; so do the tests that use the S3 server, and those that use
-# the GCS emulator (session fixtures: one server a worker)
-_ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough"}
+# pytest-xdist (`make test` runs the suite on several workers): a module whose fixture is a whole
+# system (a systemd machine, a Slurm or Ray cluster, a fresh venv) runs on one worker, so that system
+# starts once; so do the modules that use the S3 server or the GCS emulator (session fixtures: one
+# server a worker). xdist's own `--dist loadgroup` cannot do it under pytest 9.2 (it renames
+# `item._nodeid`, which pytest no longer reads), so the scheduler below groups by module name.
+_ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough",
+               **dict.fromkeys(("test_objectstore", "test_bucket_parquet", "test_bucket_readahead", "test_bucket_shards",
+                                "test_bucket_imagenet", "test_bytecache", "test_gcs"), "buckets")}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        uses = getattr(item, "fixturenames", ())
-        group = "s3" if "s3" in uses else "gcs" if "gcs" in uses else \
-            _ONE_WORKER.get(item.module.__name__ if item.module else "")
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+def worker_group(nodeid: str) -> str:
+    """The unit of work a test belongs to: its module's group, else the test alone."""
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return _ONE_WORKER.get(module, nodeid)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, when it is installed
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):  # the biggest units first (loadscope's reorder), each on one worker
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByGroup(config, log)
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):
