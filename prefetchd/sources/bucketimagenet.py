@@ -192,7 +192,8 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
         if objectstore.unavailable(e):
             raise StorageUnavailable(f"{key} {root} cannot be read: the bucket did not answer "
                                      f"({e.strerror or e}); the daemon exits 75 to be started again") from None
-        raise DatasetError(f"{key} {root} cannot be read: {e.strerror or e}") from None
+        what = f" ({e.filename})" if e.filename and e.filename != root else ""
+        raise DatasetError(f"{key} {root} cannot be read{what}: {objectstore.words(e)}") from None
     finally:
         if ahead is not None:
             ahead.close()

@@ -223,7 +223,7 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
             if objectstore.unavailable(e):
                 raise StorageUnavailable(f"the shard {url} cannot be read: the bucket did not answer "
                                          f"({e.strerror or e}); the daemon exits 75 to be started again") from None
-            raise DatasetError(f"the shard {url} cannot be read: {e.strerror or e}") from None
+            raise DatasetError(f"the shard {url} cannot be read: {objectstore.words(e)}") from None
         finally:
             f.close()
 

@@ -228,7 +228,7 @@ def _read_url(devkit: str) -> dict[str, bytes]:
         raise DevkitError(f"validation.devkit {devkit} is not in the bucket (404): give the URL of "
                           "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
     except OSError as e:
-        raise DevkitError(f"validation.devkit {devkit} cannot be read: {e.strerror or e}") from None
+        raise DevkitError(f"validation.devkit {devkit} cannot be read: {objectstore.words(e)}") from None
     except DatasetError as e:
         raise DevkitError(str(e)) from None
 
@@ -270,7 +270,7 @@ def url_stamp(url: str) -> list:
         raise DevkitError(f"validation.devkit {url} is not in the bucket (404): give the URL of "
                           "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
     except OSError as e:
-        raise DevkitError(f"validation.devkit {url} cannot be read: {e.strerror or e}") from None
+        raise DevkitError(f"validation.devkit {url} cannot be read: {objectstore.words(e)}") from None
     except DatasetError as e:
         raise DevkitError(str(e)) from None
 

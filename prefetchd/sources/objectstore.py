@@ -448,7 +448,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     try:  # its first bytes only: the first object may be a shard of gigabytes
         data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
-        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e)}") from None
+        raise DatasetError(f"{key} {url} can be listed but not read: {words(e)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
 
@@ -458,9 +458,9 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
     a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
     if unavailable(e):
         return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
-                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e)}); is {store.endpoint() or 'the endpoint'} "
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({words(e)}); is {store.endpoint() or 'the endpoint'} "
                                   "up? the daemon exits 75 to be started again")
-    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e)}")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {words(e)}")
 
 
 def unavailable(e: OSError) -> bool:
@@ -469,9 +469,13 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def _words(e: OSError) -> str:
-    """What an S3 error means, in words (the status code kept)."""
+def words(e: OSError) -> str:
+    """What an S3 error means, in words (the status code kept): a refusal says what to check, not
+    obstore's text (the request's URL, the server's XML)."""
     text = e.strerror or str(e)
+    if "ExpiredToken" in text:
+        return ("the credentials have expired (403 ExpiredToken): renew them (AWS_SESSION_TOKEN, the profile's or "
+                "the instance's role) and start again")
     if "403" in text or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
     if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):

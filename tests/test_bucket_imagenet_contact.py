@@ -1,0 +1,79 @@
+"""ImageNet's tars in a bucket as users' buckets break them (docs/object-storage.md), against the real
+S3 server (SeaweedFS, tests/s3fixture.py) and the local path as the reference: a key that expires
+while the tars are indexed, a devkit given as its extracted ``data/`` folder. Each test here failed
+before its fix."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from imagenet_archives import make_imagenet
+from s3fixture import BUCKET
+from s3proxy import FaultProxy
+
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+
+from prefetchd.sources import objectstore  # noqa: E402
+from prefetchd.sources.base import DatasetError  # noqa: E402
+from prefetchd.sources.dataset import load_index  # noqa: E402
+
+EXTS = (".jpeg", ".jpg", ".png")
+P = "inet-contact"  # this file's prefix in the session's bucket
+
+
+@pytest.fixture(scope="module")
+def inet(tmp_path_factory):
+    return make_imagenet(str(tmp_path_factory.mktemp("inet-contact")), classes=3, per_class=4, val=5, seed=11)
+
+
+@pytest.fixture(scope="module")
+def uploaded(s3, inet) -> str:
+    for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
+        with open(path, "rb") as f:
+            s3.put(f"{P}/{os.path.basename(path)}", f.read())
+    s3.upload_tree(inet.train_tars, f"{P}/train_tars")
+    s3.upload_tree(inet.devkit_folder, f"{P}/devkit")
+    return f"s3://{BUCKET}/{P}"
+
+
+@pytest.fixture
+def proxy(s3, s3_env, monkeypatch):
+    p = FaultProxy(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    objectstore._STORES.clear()
+    yield p
+    p.stop()
+
+
+def test_a_key_that_expires_while_the_tars_are_indexed_is_one_line_saying_to_renew_it(inet, uploaded, proxy,
+                                                                                        tmp_path):
+    # a session token expiring mid-index answers 403 ExpiredToken to every request from then on; the
+    # user saw obstore's text: "The operation lacked the necessary privileges ... Error performing GET
+    # http://.../ILSVRC2012_img_train.tar in 348µs - Server returned non-2xx status code: 403 Forbidden:
+    # <Error><Code>ExpiredToken</Code>...", with nothing to do
+    forms = [(f"{uploaded}/ILSVRC2012_img_train.tar", None), (f"{uploaded}/train_tars", None),
+             (f"{uploaded}/ILSVRC2012_img_val.tar", f"{uploaded}/ILSVRC2012_devkit_t12.tar.gz"),
+             (f"{uploaded}/ILSVRC2012_img_val.tar", f"{uploaded}/devkit")]
+    keys, expired = set(), 0
+    for n, (url, devkit) in enumerate(forms):
+        for after in range(1, 8):  # the listing, a HEAD, the headers' GETs, the devkit's: each in turn
+            proxy.faults(n403=1000, after_requests=proxy.requests + after)
+            section = "validation" if devkit else "dataset"
+            try:
+                load_index(url, None, EXTS, str(tmp_path / f"{n}-{after}"), devkit=devkit, section=section,
+                           layout="imagenet_tars")
+                said = ""  # indexed before the key expired
+            except DatasetError as e:
+                said = str(e)
+            proxy.faults()
+            if not said:
+                continue
+            # a HEAD's 403 has no body to tell an expired token from a wrong key: both say what to check
+            assert "\n" not in said and ("expired (403 ExpiredToken): renew them" in said or
+                                         "access denied (403): check the key pair" in said), said
+            assert "Error performing" not in said and "<Error>" not in said, said
+            keys.add(said.split(" ", 1)[0])
+            expired += "ExpiredToken" in said
+    assert expired > len(forms), expired  # the GETs' answers say so
+    assert keys == {"dataset.root", "validation.root", "validation.devkit"}, keys
