@@ -77,3 +77,24 @@ def test_a_key_that_expires_while_the_tars_are_indexed_is_one_line_saying_to_ren
             expired += "ExpiredToken" in said
     assert expired > len(forms), expired  # the GETs' answers say so
     assert keys == {"dataset.root", "validation.root", "validation.devkit"}, keys
+
+
+def test_the_devkits_data_folder_in_a_bucket_labels_as_the_local_one_and_a_change_to_it_shows(
+        s3, s3_env, inet, uploaded, tmp_path):
+    # a local devkit may be given as its extracted data/ folder; the same prefix in the bucket said
+    # "has no data/meta.mat or data/ILSVRC2012_validation_ground_truth.txt", and its cache stamp held
+    # neither file, so a ground truth rewritten there was not seen
+    data = os.path.join(inet.devkit_folder, "ILSVRC2012_devkit_t12", "data")
+    local, _ = load_index(inet.val_tar, None, EXTS, str(tmp_path / "local"), devkit=data, section="validation")
+    s3.upload_tree(data, f"{P}/dk-data/data")
+    url = f"s3://{BUCKET}/{P}/dk-data/data"
+    index, cached = load_index(f"{uploaded}/ILSVRC2012_img_val.tar", None, EXTS, str(tmp_path / "b"), devkit=url,
+                               section="validation")
+    assert not cached and index.classes == local.classes and index.fingerprint == local.fingerprint
+    assert list(index.labels) == list(local.labels)
+    with open(os.path.join(data, "ILSVRC2012_validation_ground_truth.txt"), "rb") as f:
+        truth = f.read().split()
+    s3.put(f"{P}/dk-data/data/ILSVRC2012_validation_ground_truth.txt", b"\n".join(truth[::-1]) + b"\n")
+    again, cached = load_index(f"{uploaded}/ILSVRC2012_img_val.tar", None, EXTS, str(tmp_path / "b"), devkit=url,
+                               section="validation")
+    assert not cached and list(again.labels) != list(index.labels)
