@@ -98,3 +98,22 @@ def test_the_devkits_data_folder_in_a_bucket_labels_as_the_local_one_and_a_chang
     again, cached = load_index(f"{uploaded}/ILSVRC2012_img_val.tar", None, EXTS, str(tmp_path / "b"), devkit=url,
                                section="validation")
     assert not cached and list(again.labels) != list(index.labels)
+
+
+def test_imagenets_download_folder_with_its_tars_extracted_beside_them_says_to_set_the_train_tar(
+        s3, s3_env, inet, tmp_path):
+    # the folder above the one meant: the download folder, the class tars and the devkit extracted into
+    # folders beside the tars; it said "holds class tars (ILSVRC2012_img_train.tar ...) and folders
+    # (devkit, train_tars) ...: move the folders out, or set dataset.layout: imagefolder", which reads
+    # no image (with the validation tar alone beside the folders too: "class tars (ILSVRC2012_img_val.tar ...)")
+    for name, tars in (("all", (inet.train_tar, inet.val_tar)), ("val", (inet.val_tar,))):
+        for path in (*tars, inet.devkit_tgz):
+            with open(path, "rb") as f:
+                s3.put(f"{P}/dl-{name}/{os.path.basename(path)}", f.read())
+        s3.upload_tree(inet.train_tars, f"{P}/dl-{name}/train_tars")
+        s3.upload_tree(inet.devkit_folder, f"{P}/dl-{name}/devkit")
+        with pytest.raises(DatasetError) as e:
+            load_index(f"s3://{BUCKET}/{P}/dl-{name}", None, EXTS, str(tmp_path / name))
+        said = str(e.value)
+        assert "\n" not in said and "looks like ImageNet's download folder" in said, said
+        assert "set dataset.root to the train tar (ILSVRC2012_img_train.tar)" in said, said
