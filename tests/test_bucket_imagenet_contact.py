@@ -1,7 +1,7 @@
 """ImageNet's tars in a bucket as users' buckets break them (docs/object-storage.md), against the real
 S3 server (SeaweedFS, tests/s3fixture.py) and the local path as the reference: a key that expires
-while the tars are indexed, a devkit given as its extracted ``data/`` folder. Each test here failed
-before its fix."""
+while the tars are indexed, a devkit given as its extracted ``data/`` folder, ImageNet's download
+folder given as the root, a file list rewritten before a reload. Each test here failed before its fix."""
 
 from __future__ import annotations
 
@@ -117,3 +117,32 @@ def test_imagenets_download_folder_with_its_tars_extracted_beside_them_says_to_s
         said = str(e.value)
         assert "\n" not in said and "looks like ImageNet's download folder" in said, said
         assert "set dataset.root to the train tar (ILSVRC2012_img_train.tar)" in said, said
+
+
+def test_a_reload_sees_a_file_list_rewritten_in_the_bucket_or_on_the_disk(s3, s3_env, image_root, tmp_path):
+    # a reload (SIGHUP) asks the index cache's stamps; a file list of objects had none, so lines added
+    # to the list (in the bucket, or a local list of URLs) were "unchanged, N samples (the index
+    # cache's stamps hold: not scanned again)"
+    from prefetchd.daemon.rescan import _verdict
+    from prefetchd.sources.dataset import unchanged_since_scan
+
+    names = sorted(os.listdir(os.path.join(image_root, sorted(os.listdir(image_root))[0])))[:3]
+    cls = sorted(os.listdir(image_root))[0]
+    for n in names:
+        with open(os.path.join(image_root, cls, n), "rb") as f:
+            s3.put(f"{P}/list/{cls}/{n}", f.read())
+    lines = [f"{cls}/{n} {k % 2}\n" for k, n in enumerate(names)]
+    s3.put(f"{P}/list/train.txt", "".join(lines[:2]).encode())
+    local = tmp_path / "urls.txt"
+    local.write_text("".join(f"s3://{BUCKET}/{P}/list/{line}" for line in lines[:2]))
+    for n, (list_path, rewrite) in enumerate((
+            (f"s3://{BUCKET}/{P}/list/train.txt", lambda: s3.put(f"{P}/list/train.txt", "".join(lines).encode())),
+            (str(local), lambda: local.write_text(local.read_text() + f"s3://{BUCKET}/{P}/list/{lines[2]}")))):
+        index, _ = load_index(None, list_path, EXTS, str(tmp_path / f"c{n}"))
+        assert len(index) == 2 and unchanged_since_scan(index.files_dir, index.fingerprint)
+        rewrite()
+        assert not unchanged_since_scan(index.files_dir, index.fingerprint), list_path
+        rescan = load_index(None, list_path, EXTS, str(tmp_path / f"c{n}"), use_cache=False)[0]
+        _, said = _verdict(index, lambda i=index: unchanged_since_scan(i.files_dir, i.fingerprint),
+                           lambda r=rescan: r)
+        assert "1 samples added" in said, said
