@@ -146,3 +146,25 @@ def test_a_reload_sees_a_file_list_rewritten_in_the_bucket_or_on_the_disk(s3, s3
         _, said = _verdict(index, lambda i=index: unchanged_since_scan(i.files_dir, i.fingerprint),
                            lambda r=rescan: r)
         assert "1 samples added" in said, said
+
+
+def test_a_key_that_expires_mid_run_blames_no_sample_and_the_batch_waits_saying_why(inet, uploaded, proxy,
+                                                                                      tmp_path):
+    # a sample's read answered 403 was the sample's fault (SampleUnreadable: replaced, quarantined), so a
+    # session token expiring mid-run had every sample replaced in turn and the log said "16 replacements
+    # for sample 9 could not be decoded either; is the dataset readable?"
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    for url in (f"{uploaded}/ILSVRC2012_img_train.tar", f"{uploaded}/train_tars"):
+        index, _ = load_index(url, None, EXTS, str(tmp_path / url.rsplit("/", 1)[1]))
+        assert read_sample(lambda i=index: i.read(0), index.root)  # readable before the key expires
+        proxy.faults(n403=1000)
+        with pytest.raises(StorageUnavailable) as e:
+            read_sample(lambda i=index: i.read(1), index.root, sleep=lambda s: None)
+        proxy.faults()
+        said = str(e.value)
+        assert "\n" not in said and f"the dataset root {index.root} cannot be read now" in said, said
+        assert "expired (403 ExpiredToken): renew them" in said, said
+        proxy.faults(n403=1)  # the object alone refused (an ACL), the bucket lists: the sample's own fault
+        with pytest.raises(SampleUnreadable):
+            read_sample(lambda i=index: i.read(2), index.root, sleep=lambda s: None)
