@@ -1,11 +1,15 @@
 """ImageNet's tars in a bucket as users' buckets break them (docs/object-storage.md), against the real
 S3 server (SeaweedFS, tests/s3fixture.py) and the local path as the reference: a key that expires
 while the tars are indexed, a devkit given as its extracted ``data/`` folder, ImageNet's download
-folder given as the root, a file list rewritten before a reload. Each test here failed before its fix."""
+folder given as the root, a file list rewritten before a reload, a full disk under the index cache.
+Each test here failed before its fix."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from imagenet_archives import make_imagenet
@@ -168,3 +172,30 @@ def test_a_key_that_expires_mid_run_blames_no_sample_and_the_batch_waits_saying_
         proxy.faults(n403=1)  # the object alone refused (an ACL), the bucket lists: the sample's own fault
         with pytest.raises(SampleUnreadable):
             read_sample(lambda i=index: i.read(2), index.root, sleep=lambda s: None)
+
+
+def test_a_full_disk_under_the_index_cache_is_one_line_saying_so_not_a_truncated_tar(s3_env, uploaded, tmp_path):
+    # the class tars' chunks are kept in dataset.cache_dir/tmp while they are indexed; on a full disk
+    # the write was short and unchecked, so the read back was short: "s3://.../n06126983.tar is
+    # truncated: it ends inside the header after member ... (download it again)", of a whole object.
+    # The file size limit (RLIMIT_FSIZE, in a child) makes the same short write as a full disk.
+    urls = [f"{uploaded}/train_tars", f"{uploaded}/ILSVRC2012_img_train.tar"]
+    code = textwrap.dedent(f"""
+        import resource, signal
+        from prefetchd.sources.dataset import load_index
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not killed
+        resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        for url in {urls!r}:
+            try:
+                load_index(url, None, {EXTS!r}, {str(tmp_path / "cache")!r}, use_cache=False, layout="imagenet_tars")
+                print("indexed", url)
+            except Exception as e:
+                print(type(e).__name__, e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2, r
+    for line in lines:
+        assert line.startswith("DatasetError indexing s3://") and "truncated" not in line, line
+        assert f"cannot be kept in {tmp_path / 'cache' / 'tmp'}" in line, line
+        assert "free space there or set dataset.cache_dir to a disk with room" in line, line

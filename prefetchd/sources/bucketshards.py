@@ -119,6 +119,7 @@ class ShardFile:
         self.stop = stop  # set: the scan was left (an error elsewhere, a stop): no more chunks fetched
         self.handle = objectstore.Handle(url, size, etag)
         self.origin, self.end, self.keep = origin, min(end or size, size), keep
+        self.tmpdir = tmpdir
         self._file = None if keep else tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
         self._have: set[int] = set()
         self._held: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # keep: chunk -> bytes
@@ -145,12 +146,25 @@ class ShardFile:
                     while len(self._held) > self.keep:
                         self._held.popitem(last=False)
                 else:
-                    os.pwrite(self._file.fileno(), data, at)
+                    self._keep(data, at)
                     self._have.add(k)
             if self._file is None:
                 self._held.move_to_end(k)
                 parts.append(self._held[k][max(offset - at, 0):end - at])
         return b"".join(parts) if self._file is None else os.pread(self._file.fileno(), end - offset, offset)
+
+    def _keep(self, data: bytes, at: int) -> None:
+        """Write a fetched chunk to the temporary file, whole: a disk that is full wrote part of it (a
+        short write), and the rest read back short (said as a truncated download) or as zeros."""
+        try:
+            n = os.pwrite(self._file.fileno(), data, at)
+            why = "" if n == len(data) else f"{n:,} of {len(data):,} bytes written: is it full?"
+        except OSError as e:
+            why = e.strerror or str(e)
+        if why:
+            raise DatasetError(f"indexing {self.url}: its headers' chunks cannot be kept in {self.tmpdir} ({why}); "
+                               "free space there or set dataset.cache_dir to a disk with room (indexing keeps "
+                               f"up to {SCANS_IN_FLIGHT + 1} tars' chunks there at once)")
 
     def close(self) -> None:
         if self._file is not None:
