@@ -1,7 +1,7 @@
 """ImageNet's tars in a bucket as users' buckets break them (docs/object-storage.md), against the real
 S3 server (SeaweedFS, tests/s3fixture.py) and the local path as the reference: a key that expires
 while the tars are indexed, a devkit given as its extracted ``data/`` folder, ImageNet's download
-folder given as the root, a file list rewritten before a reload, a full disk under the index cache.
+folder given as the root, a file list rewritten before a reload, a full or unwritable index cache.
 Each test here failed before its fix."""
 
 from __future__ import annotations
@@ -199,3 +199,22 @@ def test_a_full_disk_under_the_index_cache_is_one_line_saying_so_not_a_truncated
         assert line.startswith("DatasetError indexing s3://") and "truncated" not in line, line
         assert f"cannot be kept in {tmp_path / 'cache' / 'tmp'}" in line, line
         assert "free space there or set dataset.cache_dir to a disk with room" in line, line
+
+
+def test_an_index_cache_that_cannot_be_written_is_one_line_naming_dataset_cache_dir(s3_env, uploaded, tmp_path):
+    # a local root indexes with an unwritable dataset.cache_dir (a warning, the next start scans again);
+    # a bucket's tars need its tmp for their chunks: a raw "OSError: [Errno 20] Not a directory" (from
+    # the layout's probe or the scan), or on a read-only disk "dataset.root s3://... cannot be read
+    # (.../tmp/.shard-x): Read-only file system", blaming the bucket
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tmp").write_text("")  # its tmp a file: made by hand, or another tool's
+    for cache in (tmp_path / "a-file" / "cache", tmp_path / "cache"):
+        for url, layout in ((f"{uploaded}/train_tars", "auto"), (f"{uploaded}/ILSVRC2012_img_train.tar", "auto"),
+                            (f"{uploaded}/train_tars", "imagenet_tars")):
+            with pytest.raises(DatasetError) as e:
+                load_index(url, None, EXTS, str(cache), layout=layout)
+            said = str(e.value)
+            assert "\n" not in said and said.startswith(f"dataset.cache_dir: the temporary files of an index of "
+                                                         f"tars in a bucket cannot be made in {cache / 'tmp'}"), said
+            assert "set dataset.cache_dir to a folder this user can write" in said, said

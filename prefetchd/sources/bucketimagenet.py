@@ -55,7 +55,13 @@ from prefetchd.sources.base import (
     read_cache,
     write_cache,
 )
-from prefetchd.sources.bucketshards import CHUNK, SCANS_IN_FLIGHT, BucketShardIndex, ShardFile
+from prefetchd.sources.bucketshards import (
+    CHUNK,
+    SCANS_IN_FLIGHT,
+    BucketShardIndex,
+    ShardFile,
+    temp_dir,
+)
 from prefetchd.sources.tarheaders import BLOCK, walk
 
 log = logging.getLogger("prefetchd.dataset")
@@ -160,7 +166,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
     base, names, idents = objects_of(root, store, key)
     exts = tuple(e.lower().encode() for e in extensions)
     notes: list = []
-    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    temp_dir(tmpdir)
     ahead = None
     try:
         if names == [""]:

@@ -110,8 +110,7 @@ def _shards(store, url: str, size: int, etag: str, cache_dir: str | None) -> boo
     whose scan says what is wrong with it."""
     from prefetchd.sources import bucketshards, webdataset
 
-    tmp = os.path.join(cache_dir or default_cache_dir(), "tmp")
-    os.makedirs(tmp, mode=0o700, exist_ok=True)
+    tmp = bucketshards.temp_dir(os.path.join(cache_dir or default_cache_dir(), "tmp"))
     f = bucketshards.ShardFile(store, url, size, etag, tmp, _PROBE_CHUNK)
     try:
         if f.pread(512, 0)[:100].split(b"\0", 1)[0].lower().endswith(b".tar"):

@@ -103,6 +103,22 @@ class BucketShardIndex(TarIndex):
         return f"{self.root}, WebDataset shards in a bucket (indexed in {self.scan_s:.1f} s)"
 
 
+def temp_dir(tmpdir: str) -> str:
+    """``tmpdir`` (``dataset.cache_dir``'s ``tmp``), made if missing: where ``ShardFile`` keeps the
+    chunks of the tars being indexed; a one-line DatasetError when it cannot be made."""
+    try:
+        os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(tmpdir, e) from None
+    return tmpdir
+
+
+def _unwritable(tmpdir: str, e: OSError) -> DatasetError:
+    return DatasetError(f"dataset.cache_dir: the temporary files of an index of tars in a bucket cannot be made in "
+                        f"{tmpdir} ({e.strerror or e}); set dataset.cache_dir to a folder this user can write, with "
+                        f"room for {SCANS_IN_FLIGHT + 1} tars' chunks")
+
+
 class ShardFile:
     """A shard in a bucket as ``tarheaders.pread`` reads it (see the module docstring): ``pread``
     fetches the ``CHUNK``-byte chunks a read touches that are not fetched yet (ranged GETs with
@@ -120,7 +136,12 @@ class ShardFile:
         self.handle = objectstore.Handle(url, size, etag)
         self.origin, self.end, self.keep = origin, min(end or size, size), keep
         self.tmpdir = tmpdir
-        self._file = None if keep else tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+        self._file = None
+        if not keep:
+            try:
+                self._file = tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+            except OSError as e:
+                raise _unwritable(tmpdir, e) from None
         self._have: set[int] = set()
         self._held: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # keep: chunk -> bytes
         self.gets = 0
@@ -219,7 +240,7 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
     how, jkey = webdataset.parse_label(label)
     base, shards, idents = shards_of(root, store, key)
     exts = tuple(e.lower().encode() for e in extensions)
-    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    temp_dir(tmpdir)
 
     stop = threading.Event()
 
