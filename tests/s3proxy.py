@@ -25,7 +25,7 @@ class FaultProxy:
         self.log: list[tuple[str, str, str | None, int]] = []  # (method, path, Range header, body bytes) answered
         self.faulted = 0
         self.in_flight = self.max_in_flight = 0
-        self._plan: list[str] = []  # "503" or "reset", one per coming request
+        self._plan: list[str] = []  # "503", "403" or "reset", one per coming request
         self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
         self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
         self._down_until = 0.0
@@ -62,9 +62,11 @@ class FaultProxy:
                     self.connection.close()
                     self.close_connection = True
                     return
-                if fault == "503":
-                    msg = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                    self.send_response(503)
+                if fault in ("503", "403"):
+                    msg = (b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+                           if fault == "503" else
+                           b"<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message></Error>")
+                    self.send_response(int(fault))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
@@ -113,12 +115,13 @@ class FaultProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def faults(self, n503: int = 0, resets: int = 0, after_requests: int = 0) -> None:
+    def faults(self, n503: int = 0, resets: int = 0, after_requests: int = 0, n403: int = 0) -> None:
         """The next ``n503 + resets`` requests (from request number ``after_requests`` on) fail:
-        503s and resets, interleaved."""
+        503s and resets, interleaved; then ``n403`` answered 403 ExpiredToken (a key that expired)."""
         plan = []
         for i in range(max(n503, resets)):
             plan += (["503"] if i < n503 else []) + (["reset"] if i < resets else [])
+        plan += ["403"] * n403
         with self._lock:
             if after_requests > self.requests:
                 self._armed = (after_requests, plan)

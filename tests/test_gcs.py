@@ -193,9 +193,9 @@ def test_a_listing_error_says_what_to_do_for_gcs():
     import errno
 
     denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", "gs://b/x")
-    assert "roles/storage.objectViewer" in objectstore._words(denied, "gs")
-    assert "AWS_ACCESS_KEY_ID" in objectstore._words(denied, "s3")
+    assert "roles/storage.objectViewer" in objectstore.words(denied, "gs")
+    assert "AWS_ACCESS_KEY_ID" in objectstore.words(denied, "s3")
     no_token = OSError(errno.EIO, "Generic GCS error: Error performing token request: connection refused")
-    assert "gcloud auth application-default login" in objectstore._words(no_token, "gs")
+    assert "gcloud auth application-default login" in objectstore.words(no_token, "gs")
     with pytest.raises(DatasetError, match="gs://BUCKET/PREFIX"):
         objectstore.split("gcs://b/x")

@@ -14,7 +14,9 @@ fault. The rule, applied to every failed read:
   only a sample that still fails while the root is readable is the sample's fault;
 * the file is missing while the root is readable -> tried once more (the root may have just
   come back between the read and the look at the root), then the sample's fault;
-* anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once.
+* anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once; but a bucket's 403
+  while the bucket root refuses a listing too (a key that expired or was revoked mid-run) is the
+  storage's: ``StorageUnavailable``, no sample blamed.
 
 Read timeouts that hang in the kernel are not seen here: ``workers.task_timeout_s`` kills the
 worker, and a kill blames no sample (``pool``).
@@ -62,6 +64,18 @@ def root_unreadable(root: str) -> str | None:
     return None
 
 
+def _bucket_refuses(root: str) -> str | None:
+    """Why the bucket root refuses a listing now (its key expired or revoked: one request), or None
+    if it lists: a sample's 403 is then its own object's (an ACL), as a local file's EACCES."""
+    from prefetchd.sources import objectstore
+
+    try:
+        objectstore.store_for(root).first(root)
+    except OSError as e:
+        return objectstore.words(e) if e.errno == errno.EACCES else None
+    return None
+
+
 def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], None] = time.sleep) -> bytes:
     """A sample's bytes, ``read()`` (``Index.read``: a file, or a member of an archive, under
     ``root``), by the rule of the module's docstring. Raises ``StorageUnavailable`` or
@@ -79,6 +93,10 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
             raise StorageUnavailable(f"the dataset root {root} is unreadable ({why})") from None
         if isinstance(err, StorageChanged):
             raise StorageUnavailable(err.strerror) from None
+        if bucket and err.errno == errno.EACCES:
+            refused = _bucket_refuses(root)  # the key's (expired, revoked), not the sample's: nothing is readable
+            if refused is not None:
+                raise StorageUnavailable(f"the dataset root {root} cannot be read now ({refused})") from None
         if bucket and err.errno not in (*_MISSING, errno.EACCES):
             # the store already retried it for up to two minutes: the bucket's outage, not the sample's
             raise StorageUnavailable(f"the dataset root {root} cannot be read now ({err.strerror})") from None

@@ -17,6 +17,7 @@ scans again (``use_cache=False``); a bucket has no directory mtimes to tell a ch
 from __future__ import annotations
 
 import logging
+import os
 import posixpath
 from dataclasses import dataclass
 
@@ -91,7 +92,23 @@ class BucketIndex(Index):
 
 
 def stamps_valid(stamps: list) -> bool:
-    """A bucket's index is valid until a reload lists again (no directory mtimes to compare)."""
+    """A bucket's index is valid until a reload lists again (no directory mtimes to compare); a
+    file list's (``bucketlist``) while its list is the one indexed: an object's (size, ETag) by one
+    HEAD, a local file's (size, mtime)."""
+    for stamp in stamps:
+        try:
+            if stamp[0] == "list-object":
+                h = objectstore.store_for(stamp[1]).head(stamp[1])
+                now = [h.size, h.etag]
+            elif stamp[0] == "list-file":
+                st = os.stat(stamp[1])
+                now = [st.st_size, st.st_mtime_ns]
+            else:
+                return False
+        except (OSError, DatasetError):
+            return False
+        if now != list(stamp[2:]):
+            return False
     return True
 
 

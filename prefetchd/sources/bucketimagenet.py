@@ -55,7 +55,13 @@ from prefetchd.sources.base import (
     read_cache,
     write_cache,
 )
-from prefetchd.sources.bucketshards import CHUNK, SCANS_IN_FLIGHT, BucketShardIndex, ShardFile
+from prefetchd.sources.bucketshards import (
+    CHUNK,
+    SCANS_IN_FLIGHT,
+    BucketShardIndex,
+    ShardFile,
+    temp_dir,
+)
 from prefetchd.sources.tarheaders import BLOCK, walk
 
 log = logging.getLogger("prefetchd.dataset")
@@ -160,7 +166,7 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
     base, names, idents = objects_of(root, store, key)
     exts = tuple(e.lower().encode() for e in extensions)
     notes: list = []
-    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    temp_dir(tmpdir)
     ahead = None
     try:
         if names == [""]:
@@ -192,7 +198,8 @@ def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, s
         if objectstore.unavailable(e):
             raise StorageUnavailable(f"{key} {root} cannot be read: the bucket did not answer "
                                      f"({e.strerror or e}); the daemon exits 75 to be started again") from None
-        raise DatasetError(f"{key} {root} cannot be read: {e.strerror or e}") from None
+        what = f" ({e.filename})" if e.filename and e.filename != root else ""
+        raise DatasetError(f"{key} {root} cannot be read{what}: {objectstore.words(e)}") from None
     finally:
         if ahead is not None:
             ahead.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import posixpath
 
 import numpy as np
@@ -80,17 +81,20 @@ def load(list_path: str, extensions: tuple[str, ...], cache_dir: str | None, use
     if in_bucket:
         store = objectstore.store_for(list_path, storage_options, key)
         try:
-            data = store.read(list_path)
+            data, etag = store.read_tagged(list_path)
         except FileNotFoundError:
             raise DatasetError(f"{key} {list_path}: no such object in the bucket (check the bucket and the key)") \
                 from None
         except OSError as e:
             raise objectstore.listing_error(key, list_path, store, e) from None
         folder = list_path.rpartition("/")[0]
+        stamps = [["list-object", list_path, len(data), etag]]  # a reload (SIGHUP) sees the list rewritten
     else:
         try:
             with open(list_path, "rb") as f:
+                st = os.fstat(f.fileno())  # before the read: a change after it shows at the next reload
                 data = f.read()
+            stamps = [["list-file", list_path, st.st_size, st.st_mtime_ns]]
         except OSError as e:
             raise DatasetError(f"{key} {list_path}: {e.strerror}") from None
         folder = None
@@ -127,7 +131,7 @@ def load(list_path: str, extensions: tuple[str, ...], cache_dir: str | None, use
             write_cache(cdir, bucketfolder.META, {k: getattr(index, k) for k in ("blob", "offsets", "labels", "sizes",
                                                                                   "etags")},
                         {"version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-                         "fingerprint": index.fingerprint, "stamps": [], "count": len(index), "kind": "list"})
+                         "fingerprint": index.fingerprint, "stamps": stamps, "count": len(index), "kind": "list"})
             index = bucketfolder.open_files(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start lists again", cdir, e.strerror)

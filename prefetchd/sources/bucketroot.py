@@ -59,6 +59,10 @@ def detect(root: str, key: str, storage_options: dict | None, cache_dir: str | N
         raise shardnames.both_kinds(key, root, tars, parquets)
     stems = {t[:-4] for t in tars}
     dirs = sorted(f for f in folders if not f.startswith(".") and f not in _LEFTOVERS and f not in stems)
+    if tars and dirs and any(dk.DOWNLOAD.match(t) for t in tars):
+        # ImageNet's download folder, its tars perhaps extracted beside them: bucketimagenet refuses it from
+        # the listing, naming what to set (as class tars and folders, it said to read the folders alone)
+        return "imagenet_tars"
     if tars:
         shards = _shards(store, f"{root.rstrip('/')}/{tars[0]}", *listed[tars[0]], cache_dir)
         if shards is False and dirs:
@@ -106,8 +110,7 @@ def _shards(store, url: str, size: int, etag: str, cache_dir: str | None) -> boo
     whose scan says what is wrong with it."""
     from prefetchd.sources import bucketshards, webdataset
 
-    tmp = os.path.join(cache_dir or default_cache_dir(), "tmp")
-    os.makedirs(tmp, mode=0o700, exist_ok=True)
+    tmp = bucketshards.temp_dir(os.path.join(cache_dir or default_cache_dir(), "tmp"))
     f = bucketshards.ShardFile(store, url, size, etag, tmp, _PROBE_CHUNK)
     try:
         if f.pread(512, 0)[:100].split(b"\0", 1)[0].lower().endswith(b".tar"):

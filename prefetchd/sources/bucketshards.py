@@ -104,6 +104,22 @@ class BucketShardIndex(TarIndex):
         return f"{self.root}, WebDataset shards in a bucket (indexed in {self.scan_s:.1f} s)"
 
 
+def temp_dir(tmpdir: str) -> str:
+    """``tmpdir`` (``dataset.cache_dir``'s ``tmp``), made if missing: where ``ShardFile`` keeps the
+    chunks of the tars being indexed; a one-line DatasetError when it cannot be made."""
+    try:
+        os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(tmpdir, e) from None
+    return tmpdir
+
+
+def _unwritable(tmpdir: str, e: OSError) -> DatasetError:
+    return DatasetError(f"dataset.cache_dir: the temporary files of an index of tars in a bucket cannot be made in "
+                        f"{tmpdir} ({e.strerror or e}); set dataset.cache_dir to a folder this user can write, with "
+                        f"room for {SCANS_IN_FLIGHT + 1} tars' chunks")
+
+
 class ShardFile:
     """A shard in a bucket as ``tarheaders.pread`` reads it (see the module docstring): ``pread``
     fetches the ``CHUNK``-byte chunks a read touches that are not fetched yet (ranged GETs with
@@ -120,7 +136,13 @@ class ShardFile:
         self.stop = stop  # set: the scan was left (an error elsewhere, a stop): no more chunks fetched
         self.handle = objectstore.Handle(url, size, etag)
         self.origin, self.end, self.keep = origin, min(end or size, size), keep
-        self._file = None if keep else tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+        self.tmpdir = tmpdir
+        self._file = None
+        if not keep:
+            try:
+                self._file = tempfile.TemporaryFile(dir=tmpdir, prefix=".shard-")
+            except OSError as e:
+                raise _unwritable(tmpdir, e) from None
         self._have: set[int] = set()
         self._held: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # keep: chunk -> bytes
         self.gets = 0
@@ -146,12 +168,25 @@ class ShardFile:
                     while len(self._held) > self.keep:
                         self._held.popitem(last=False)
                 else:
-                    os.pwrite(self._file.fileno(), data, at)
+                    self._keep(data, at)
                     self._have.add(k)
             if self._file is None:
                 self._held.move_to_end(k)
                 parts.append(self._held[k][max(offset - at, 0):end - at])
         return b"".join(parts) if self._file is None else os.pread(self._file.fileno(), end - offset, offset)
+
+    def _keep(self, data: bytes, at: int) -> None:
+        """Write a fetched chunk to the temporary file, whole: a disk that is full wrote part of it (a
+        short write), and the rest read back short (said as a truncated download) or as zeros."""
+        try:
+            n = os.pwrite(self._file.fileno(), data, at)
+            why = "" if n == len(data) else f"{n:,} of {len(data):,} bytes written: is it full?"
+        except OSError as e:
+            why = e.strerror or str(e)
+        if why:
+            raise DatasetError(f"indexing {self.url}: its headers' chunks cannot be kept in {self.tmpdir} ({why}); "
+                               "free space there or set dataset.cache_dir to a disk with room (indexing keeps "
+                               f"up to {SCANS_IN_FLIGHT + 1} tars' chunks there at once)")
 
     def close(self) -> None:
         if self._file is not None:
@@ -206,7 +241,7 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
     how, jkey = webdataset.parse_label(label)
     base, shards, idents = shards_of(root, store, key)
     exts = tuple(e.lower().encode() for e in extensions)
-    os.makedirs(tmpdir, mode=0o700, exist_ok=True)
+    temp_dir(tmpdir)
 
     stop = threading.Event()
 
@@ -224,7 +259,7 @@ def scan(root: str, extensions: tuple[str, ...], label: str, key: str, store, tm
             if objectstore.unavailable(e):
                 raise StorageUnavailable(f"the shard {url} cannot be read: the bucket did not answer "
                                          f"({e.strerror or e}); the daemon exits 75 to be started again") from None
-            raise DatasetError(f"the shard {url} cannot be read: {e.strerror or e}") from None
+            raise DatasetError(f"the shard {url} cannot be read: {objectstore.words(e)}") from None
         finally:
             f.close()
 

@@ -213,9 +213,9 @@ def _read_url(devkit: str) -> dict[str, bytes]:
         found, listed = {}, []
         for rel, _, _ in store.list(devkit):
             listed.append(rel)
-            for want in (META, GROUND_TRUTH):
-                if want not in found and (rel == want or rel.endswith("/" + want)):
-                    found[want] = rel
+            want = _which(devkit, rel)
+            if want and want not in found:
+                found[want] = rel
         if not listed:
             raise DevkitError(f"validation.devkit {devkit} lists no objects: give the URL of "
                               "ILSVRC2012_devkit_t12.tar.gz in the bucket, or the prefix it was extracted to")
@@ -228,9 +228,20 @@ def _read_url(devkit: str) -> dict[str, bytes]:
         raise DevkitError(f"validation.devkit {devkit} is not in the bucket (404): give the URL of "
                           "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
     except OSError as e:
-        raise DevkitError(f"validation.devkit {devkit} cannot be read: {e.strerror or e}") from None
+        raise DevkitError(f"validation.devkit {devkit} cannot be read: {objectstore.words(e)}") from None
     except DatasetError as e:
         raise DevkitError(str(e)) from None
+
+
+def _which(devkit: str, rel: str) -> str | None:
+    """META or GROUND_TRUTH when ``rel``, listed under the prefix ``devkit``, is that file: under a
+    ``data/`` folder of it, or directly under it when it is that ``data/`` folder (as a local
+    devkit folder may be ``.../data``)."""
+    in_data = devkit.rstrip("/").rpartition("/")[2] == "data"
+    for want in (META, GROUND_TRUTH):
+        if rel == want or rel.endswith("/" + want) or (in_data and rel == want.rpartition("/")[2]):
+            return want
+    return None
 
 
 def _said(e: Exception) -> str:
@@ -264,13 +275,12 @@ def url_stamp(url: str) -> list:
         if url.lower().endswith((".tar.gz", ".tgz", ".tar")):
             h = store.head(url)
             return [url, h.size, h.etag]
-        return [url, *sorted(f"{rel}:{size}:{etag}" for rel, size, etag in store.list(url)
-                             if rel.endswith((META, GROUND_TRUTH)))]
+        return [url, *sorted(f"{rel}:{size}:{etag}" for rel, size, etag in store.list(url) if _which(url, rel))]
     except FileNotFoundError:
         raise DevkitError(f"validation.devkit {url} is not in the bucket (404): give the URL of "
                           "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
     except OSError as e:
-        raise DevkitError(f"validation.devkit {url} cannot be read: {e.strerror or e}") from None
+        raise DevkitError(f"validation.devkit {url} cannot be read: {objectstore.words(e)}") from None
     except DatasetError as e:
         raise DevkitError(str(e)) from None
 

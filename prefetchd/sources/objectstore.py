@@ -479,7 +479,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     try:  # its first bytes only: the first object may be a shard of gigabytes
         data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
-        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e, store.scheme)}") from None
+        raise DatasetError(f"{key} {url} can be listed but not read: {words(e, store.scheme)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
 
@@ -489,14 +489,14 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
     a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
     if unavailable(e):
         return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
-                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e, store.scheme)}); is {store.endpoint() or 'the endpoint'} "
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({words(e, store.scheme)}); is {store.endpoint() or 'the endpoint'} "
                                   "up? the daemon exits 75 to be started again")
     hint = ""
     if store.scheme == "gs" and store.endpoint() and e.errno == errno.ENOENT:
         # fake-gcs-server started without -public-host answers every XML API listing 404
         hint = (f", or {store.endpoint()} does not serve GCS's XML API (obstore lists with GET /BUCKET?list-type=2): "
                 f"start fake-gcs-server with -public-host {store.endpoint().split('://', 1)[-1]}")
-    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e, store.scheme)}{hint}")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {words(e, store.scheme)}{hint}")
 
 
 def unavailable(e: OSError) -> bool:
@@ -505,9 +505,13 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def _words(e: OSError, scheme: str = "s3") -> str:
-    """What a bucket's error means, in words (the status code kept)."""
+def words(e: OSError, scheme: str = "s3") -> str:
+    """What a bucket's error means, in words (the status code kept): a refusal says what to check, not
+    obstore's text (the request's URL, the server's XML)."""
     text = e.strerror or str(e)
+    if "ExpiredToken" in text:
+        return ("the credentials have expired (403 ExpiredToken): renew them (AWS_SESSION_TOKEN, the profile's or "
+                "the instance's role) and start again")
     if scheme == "gs":
         if any(m in text for m in _GCS_BAD_CREDENTIALS):
             return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
