@@ -30,10 +30,23 @@ _ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ra
                                 "test_bucket_imagenet", "test_bucket_imagenet_contact", "test_bytecache", "test_gcs"), "buckets")}
 
 
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+
+
 def worker_group(nodeid: str) -> str:
     """The unit of work a test belongs to: its module's group, else the test alone."""
-    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
-    return _ONE_WORKER.get(module, nodeid)
+    return _ONE_WORKER.get(_module(nodeid), nodeid)
+
+
+# Modules holding the suite's longest tests (a minute or so each: `make test`'s --durations), started
+# first, so that the parallel pass does not end on one of them running alone
+_LONG_FIRST = ("test_soak", "test_helper_faults", "test_examples", "test_client_bench", "test_kubernetes",
+               "test_sizing_memory", "test_fuzz")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: _module(item.nodeid) not in _LONG_FIRST)  # stable: each part keeps its order
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, when it is installed
