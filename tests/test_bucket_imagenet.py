@@ -11,8 +11,9 @@ import os
 import shutil
 
 import pytest
+from bucketrun import same_batches_from_the_bucket_and_no_secret
 from imagenet_archives import make_imagenet, tar_bytes
-from s3fixture import BUCKET, SECRET_KEY, same_batches_from_the_bucket_and_no_secret
+from s3fixture import BUCKET, SECRET_KEY
 from s3proxy import FaultProxy
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
@@ -177,7 +178,8 @@ def test_a_local_validation_tar_labelled_by_a_devkit_in_the_bucket(s3_env, inet,
 def test_the_daemon_on_the_train_tar_in_a_bucket_makes_the_local_tars_batches_and_writes_no_secret(
         s3, inet, uploaded, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, inet.train_tar, f"{uploaded}/ILSVRC2012_img_train.tar",
-                                               s3.env(), daemon_factory, "bucket-imagenetmeta.json")
+                                               s3.env(), daemon_factory, "bucket-imagenetmeta.json",
+                                               SECRET_KEY.encode())
 
 
 def test_the_daemon_on_a_prefix_of_class_tars_makes_the_local_folders_batches(
@@ -185,7 +187,7 @@ def test_the_daemon_on_a_prefix_of_class_tars_makes_the_local_folders_batches(
     local = tmp_path / "tars"
     shutil.copytree(inet.train_tars, local)
     same_batches_from_the_bucket_and_no_secret(tmp_path, str(local), f"{uploaded}/train_tars", s3.env(),
-                                               daemon_factory, "bucket-imagenetmeta.json")
+                                               daemon_factory, "bucket-imagenetmeta.json", SECRET_KEY.encode())
 
 
 def test_a_devkit_that_is_no_archive_is_one_line_on_a_disk_too(inet, tmp_path):
