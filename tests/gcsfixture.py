@@ -47,10 +47,12 @@ def binary() -> str | None:
 class GCSServer:
     """One fake-gcs-server process, and a service account key file in ``workdir``. ``xml_api``:
     started with ``-public-host`` (without it, as its own examples start it, every XML API
-    listing answers 404)."""
+    listing answers 404; ``public_host``: a proxy's ``host:port`` in front of it, which its XML API
+    then answers, as it answers no other host's)."""
 
-    def __init__(self, workdir: str, xml_api: bool = True):
+    def __init__(self, workdir: str, xml_api: bool = True, public_host: str | None = None):
         self.workdir, self.xml_api = workdir, xml_api
+        self.public_host = public_host  # the address clients reach it by (a proxy's): its own by default
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.log_path = os.path.join(workdir, "fake-gcs.log")
@@ -76,7 +78,7 @@ class GCSServer:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [exe, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
-             *(["-public-host", f"127.0.0.1:{self.port}"] if self.xml_api else []), "-external-url", self.endpoint,
+             *(["-public-host", self.public_host or f"127.0.0.1:{self.port}"] if self.xml_api else []), "-external-url", self.endpoint,
              "-log-level", "warn"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
         log.close()

@@ -63,6 +63,33 @@ def _account(options: dict) -> tuple[str, dict]:
     return "", {}
 
 
+_VARIABLES = ("GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+              "GOOGLE_APPLICATION_CREDENTIALS")
+_READ_TYPES = ("service_account", "authorized_user")  # the credentials JSON types obstore's GCS client reads
+_TYPES = {"external_account": "workload identity federation", "impersonated_service_account":
+          "gcloud's --impersonate-service-account", "external_account_authorized_user": "workforce identity federation"}
+
+
+def refusal(options: dict) -> str | None:
+    """Why the credentials given cannot be used, said before any request (None: none seen).
+    A variable set but empty (``GOOGLE_SERVICE_ACCOUNT=`` in a manifest) is a key file named ''
+    to obstore, where users mean it unset; a JSON of a type obstore does not read was said as
+    "names a service account's JSON key file, whole"."""
+    empty = [v for v in _VARIABLES if v in os.environ and not os.environ[v].strip()]
+    if empty:
+        what = "a key of no JSON" if empty[0].endswith("_KEY") else "a key file named ''"
+        return (f"{empty[0]} is set but empty, which the GCS client reads as {what}: unset it, or set it to a "
+                "service account's JSON key file")
+    where, fields = _account(options)
+    kind = fields.get("type")
+    if kind and kind not in _READ_TYPES:
+        return (f"{where} holds credentials of type {kind}" + (f" ({_TYPES[kind]})" if kind in _TYPES else "") +
+                ", which prefetchd's GCS client (obstore) cannot use: point it at a service account's JSON key "
+                "file or gcloud's user credentials (`gcloud auth application-default login`), or unset it to use the "
+                "metadata server's account (a VM's, GKE Workload Identity)")
+    return None
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:

@@ -174,6 +174,9 @@ class ObjectStore:
             if self.scheme == "s3" and "access_key_id" not in config:
                 config.update(aws_profile()[1])
             if self.scheme == "gs":
+                refused = gcs.refusal(self.options)
+                if refused:
+                    raise DatasetError(f"{self.key} gs://{self.bucket}: its credentials cannot be used: {refused}")
                 config.update(gcs.client_config(self.options))
             client_options.update(self.options.get("client_options", {}))
             cls = S3Store if self.scheme == "s3" else GCSStore

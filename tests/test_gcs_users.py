@@ -1,0 +1,185 @@
+"""gs:// as users meet it, against the real emulator (fake-gcs-server, tests/gcsfixture.py), no
+mock: ImageNet's tars, a devkit and a file list in a GCS bucket against the local disk byte for
+byte; the daemon through resets and an outage mid-epoch (a proxy in front of the emulator), and
+no line of the private key in anything it writes or says (status, metrics, after a SIGHUP
+reload); the credentials users really have (an empty variable, gcloud's user credentials,
+workload identity federation's external_account) said in one line naming what to change."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import numpy as np
+import pytest
+from conftest import small_config, wait_until
+from gcsfixture import BUCKET, GCSServer
+from imagenet_archives import make_imagenet
+from s3proxy import FaultProxy
+
+pytest.importorskip("obstore", reason="the gcs extra (obstore) is not installed")
+
+from test_daemon import collect  # noqa: E402
+
+from prefetchd.sources.dataset import load_index  # noqa: E402
+
+EXTS = (".jpeg", ".jpg", ".png")
+
+
+@pytest.fixture(scope="module")
+def inet(tmp_path_factory):
+    return make_imagenet(str(tmp_path_factory.mktemp("gcs-inet")), classes=4, per_class=7, val=9, seed=3)
+
+
+def _upload_imagenet(server: GCSServer, inet, prefix: str) -> str:
+    for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
+        with open(path, "rb") as f:
+            server.put(f"{prefix}/{os.path.basename(path)}", f.read())
+    server.upload_tree(inet.train_tars, f"{prefix}/train_tars")
+    server.upload_tree(inet.devkit_folder, f"{prefix}/devkit")
+    return f"gs://{BUCKET}/{prefix}"
+
+
+def test_imagenets_tars_a_devkit_and_a_file_list_in_a_gcs_bucket_are_the_local_index(gcs, gcs_env, inet,
+                                                                                     image_root, tmp_path):
+    up = _upload_imagenet(gcs, inet, "users-inet")
+    forms = [(inet.train_tar, f"{up}/ILSVRC2012_img_train.tar", None, None),
+             (inet.train_tars, f"{up}/train_tars", None, None),
+             (inet.val_tar, f"{up}/ILSVRC2012_img_val.tar", inet.devkit_tgz, f"{up}/ILSVRC2012_devkit_t12.tar.gz"),
+             (inet.val_tar, f"{up}/ILSVRC2012_img_val.tar", inet.devkit_tgz, f"{up}/devkit"),
+             (inet.val_tar, inet.val_tar, inet.devkit_tgz, f"{up}/ILSVRC2012_devkit_t12.tar.gz")]
+    for local_root, url, local_devkit, devkit in forms:
+        section = "validation" if devkit else "dataset"
+        local, _ = load_index(local_root, None, EXTS, str(tmp_path / "local"), devkit=local_devkit, section=section)
+        for fresh in (True, False):
+            index, cached = load_index(url, None, EXTS, str(tmp_path / "cache"), devkit=devkit, section=section)
+            assert cached is not fresh and index.fingerprint == local.fingerprint, url
+            assert index.classes == local.classes and list(index.labels) == list(local.labels), url
+            assert [index.relpath(i) for i in range(len(index))] == [local.relpath(i) for i in range(len(local))]
+            assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))], url
+    shutil.copytree(image_root, tmp_path / "imgs")
+    lines = [f"{c}/{n} {label}" for label, c in enumerate(sorted(os.listdir(image_root)))
+             for n in sorted(os.listdir(os.path.join(image_root, c)))[::2]]
+    (tmp_path / "imgs" / "list.txt").write_text("# path label\n" + "\n".join(lines) + "\n")
+    local, _ = load_index(None, str(tmp_path / "imgs" / "list.txt"), EXTS, str(tmp_path / "local"))
+    gcs.upload_tree(str(tmp_path / "imgs"), "users-list")
+    index, _ = load_index(None, f"gs://{BUCKET}/users-list/list.txt", EXTS, str(tmp_path / "cache"))
+    assert index.kind == "list" and index.fingerprint == local.fingerprint
+    assert list(index.labels) == list(local.labels)
+    assert [index.read(i) for i in range(len(index))] == [local.read(i) for i in range(len(local))]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_daemon_on_gcs_tars_through_resets_and_an_outage_makes_the_local_batches_and_says_no_key(
+        inet, tmp_path, daemon_factory):
+    """The train tar of class tars and a prefix of class tars in a bucket behind a proxy that resets
+    connections and then drops every request for 2 s mid-epoch; the node-local cache on. The
+    batches are the local tar's; the daemon's log, status, metrics, index cache, byte cache and
+    what a SIGHUP reload writes hold no line of the private key."""
+    proxy = FaultProxy(0)
+    server = GCSServer(str(tmp_path), public_host=f"127.0.0.1:{proxy.port}")
+    server.start()
+    proxy.upstream_port = server.port
+    try:
+        up = _upload_imagenet(server, inet, "outage")
+        env = {**server.env(), "GOOGLE_BASE_URL": proxy.endpoint}
+        for local_root, root in ((inet.train_tar, f"{up}/ILSVRC2012_img_train.tar"),
+                                 (inet.train_tars, f"{up}/train_tars")):
+            name = os.path.basename(root)
+            (tmp_path / name / "l").mkdir(parents=True)
+            cfg = small_config(tmp_path / name / "l", local_root)
+            d = daemon_factory(cfg)
+            ref = collect(cfg)
+            assert d.stop() == 0
+            work = tmp_path / name / "b"
+            work.mkdir()
+            port = _free_port()
+            cfg = small_config(work, root, metrics={"enabled": True, "port": port})
+            with open(cfg) as f:
+                text = f.read()
+            with open(cfg, "w") as f:  # the node-local cache, on this test's disk
+                f.write(text.replace("dataset:\n", f"dataset:\n  cache: {{dir: {work / 'bytes'}, max_bytes: 1GiB}}\n", 1))
+            faulted = proxy.faulted
+            proxy.faults(n503=4, resets=6, after_requests=proxy.requests + 6)
+            proxy.outage(2.0, after_requests=proxy.requests + 30)
+            d = daemon_factory(cfg, env=env)
+            got = collect(cfg)
+            assert proxy.faulted - faulted > 10
+            assert sorted(got) == sorted(ref)
+            for k in ref:
+                assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), (root, k)
+            said = [urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()]
+            os.kill(d.pid, signal.SIGHUP)
+            wait_until(lambda d=d: "reloaded:" in d.log(), 60, "the SIGHUP reload")
+            clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_EMULATOR"))}
+            said.append(subprocess.run([sys.executable, "-m", "prefetchd", "status", "--config", cfg],
+                                       capture_output=True, timeout=60, env={**clean, **env}).stdout)
+            said.append(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+            assert d.stop() == 0
+            log = d.log()
+            assert "retrying with back-off" in log and "quarantin" not in log.lower(), log
+            assert "changed since it was indexed" not in log, log
+            written = [os.path.join(p, n) for p, _, names in os.walk(work) for n in names] + [d.log_path]
+            assert any(p.endswith("bucket-imagenetmeta.json") for p in written)
+            assert any("bytes" in p for p in written)  # the node-local cache among them
+            for path in written:
+                with open(path, "rb") as f:
+                    said.append(f.read())
+            assert not [s for s in said if server.secret in s]
+    finally:
+        proxy.stop()
+        server.stop()
+
+
+def _check(cfg: str, env: dict) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_EMULATOR"))}
+    return subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True,
+                          text=True, timeout=120, env={**clean, **env})
+
+
+@pytest.mark.parametrize("empty", ["GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_KEY",
+                                   "GOOGLE_APPLICATION_CREDENTIALS"])
+def test_a_credentials_variable_set_but_empty_is_one_line_naming_it(gcs, tmp_path, empty):
+    """``GOOGLE_SERVICE_ACCOUNT=`` (a manifest's empty value) beside a good key file: check said
+    "as service account ... (GOOGLE_APPLICATION_CREDENTIALS <the good file>)" and then "Unable to
+    open service account file from : ...", naming neither the variable nor what to do; with
+    STORAGE_EMULATOR_HOST and an empty GOOGLE_APPLICATION_CREDENTIALS it said "as anonymous" and
+    failed reading the file ''."""
+    env = {**gcs.env(), empty: ""} if empty != "GOOGLE_APPLICATION_CREDENTIALS" else \
+        {"STORAGE_EMULATOR_HOST": gcs.endpoint, empty: ""}
+    gcs.put("users-empty/a/1.jpg", b"x")
+    r = _check(small_config(tmp_path, f"gs://{BUCKET}/users-empty"), env)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
+    assert f"{empty} is set but empty" in said[0] and "unset it" in said[0], said[0]
+
+
+@pytest.mark.parametrize("kind", ["external_account", "impersonated_service_account"])
+def test_credentials_of_a_type_the_client_cannot_use_are_one_line_naming_the_type(gcs, tmp_path, kind):
+    """Workload identity federation's external_account JSON (and gcloud's impersonation) in
+    GOOGLE_APPLICATION_CREDENTIALS: check said "check GOOGLE_APPLICATION_CREDENTIALS names a service
+    account's JSON key file, whole", as if the file were cut short."""
+    creds = tmp_path / "creds.json"
+    creds.write_text(json.dumps({"type": kind, "audience": "//iam.googleapis.com/projects/1/x",
+                                 "subject_token_type": "urn:ietf:params:oauth:token-type:jwt",
+                                 "token_url": "https://sts.googleapis.com/v1/token",
+                                 "credential_source": {"file": "/var/run/token"}}))
+    gcs.put("users-kind/a/1.jpg", b"x")
+    r = _check(small_config(tmp_path, f"gs://{BUCKET}/users-kind"),
+               {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(creds)})
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
+    assert f"GOOGLE_APPLICATION_CREDENTIALS {creds} holds credentials of type {kind}" in said[0], said[0]
+    assert "cannot use" in said[0] and "whole" not in said[0], said[0]
