@@ -183,3 +183,32 @@ def test_credentials_of_a_type_the_client_cannot_use_are_one_line_naming_the_typ
     assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
     assert f"GOOGLE_APPLICATION_CREDENTIALS {creds} holds credentials of type {kind}" in said[0], said[0]
     assert "cannot use" in said[0] and "whole" not in said[0], said[0]
+
+
+def test_gcloud_user_credentials_without_a_token_say_so_not_to_log_in_again(gcs, tmp_path):
+    """``gcloud auth application-default login``'s authorized_user file at an emulator, with Google's
+    token endpoint not answering (no network here, a proxy elsewhere): check said "run `gcloud auth
+    application-default login`" (done already), and a start said "is <the emulator> up?", which was."""
+    creds = tmp_path / "adc.json"
+    creds.write_text(json.dumps({"type": "authorized_user", "client_id": "1.apps.googleusercontent.com",
+                                 "client_secret": "not-a-secret", "refresh_token": "1//not-a-token"}))
+    gcs.put("users-adc/a/1.jpg", b"x")
+    env = {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(creds)}
+    cfg = small_config(tmp_path, f"gs://{BUCKET}/users-adc")
+    r = _check(cfg, env)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode != 0 and len(said) == 1, r.stdout + r.stderr
+    assert f"gcloud's user credentials in GOOGLE_APPLICATION_CREDENTIALS {creds}" in said[0], said[0]
+    assert "skip_signature: true" in said[0] and "application-default login" not in said[0], said[0]
+    assert "1//not-a-token" not in r.stdout + r.stderr
+    run = ("import sys; from prefetchd.sources import objectstore; objectstore._RETRY_TIMEOUT_S = 1.0; "
+           "from prefetchd.cli import main; sys.exit(main(['run', '--config', sys.argv[1]]))")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_EMULATOR"))}
+    r = subprocess.run([sys.executable, "-c", run, cfg], capture_output=True, text=True, timeout=120,
+                       env={**clean, **env})
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "cannot be listed" in ln]
+    if r.returncode == 75:  # no answer from the token endpoint (no network): it is the one asked about
+        assert len(said) == 1 and "is Google's token endpoint reachable" in said[0], r.stdout + r.stderr
+        assert f"is {gcs.endpoint} up" not in said[0], said[0]
+    else:  # it answered (a network): the token refused, said as above
+        assert r.returncode == 78 and len(said) == 1 and "skip_signature: true" in said[0], r.stdout + r.stderr

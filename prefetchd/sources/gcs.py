@@ -90,6 +90,12 @@ def refusal(options: dict) -> str | None:
     return None
 
 
+def user_credentials(options: dict) -> str:
+    """Where gcloud's user credentials (``authorized_user``) are given, in words; "" when those in use are not them."""
+    where, fields = _account(options)
+    return where if fields.get("type") == "authorized_user" else ""
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:

@@ -482,7 +482,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     try:  # its first bytes only: the first object may be a shard of gigabytes
         data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
-        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e, store.scheme)}") from None
+        raise DatasetError(f"{key} {url} can be listed but not read: {_words(e, store.scheme, store.options)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
 
@@ -491,15 +491,18 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
     """The one line for a prefix that cannot be listed: as whom, where, and what the answer means;
     a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
     if unavailable(e):
+        # a token endpoint not answering (gcloud's user credentials, the metadata server) is not the bucket's
+        asked = "Google's token endpoint reachable from this host" if "token request" in (e.strerror or "") else \
+            f"{store.endpoint() or 'the endpoint'} up"
         return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
-                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e, store.scheme)}); is {store.endpoint() or 'the endpoint'} "
-                                  "up? the daemon exits 75 to be started again")
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({_words(e, store.scheme, store.options)}); is {asked}"
+                                  "? the daemon exits 75 to be started again")
     hint = ""
     if store.scheme == "gs" and store.endpoint() and e.errno == errno.ENOENT:
         # fake-gcs-server started without -public-host answers every XML API listing 404
         hint = (f", or {store.endpoint()} does not serve GCS's XML API (obstore lists with GET /BUCKET?list-type=2): "
                 f"start fake-gcs-server with -public-host {store.endpoint().split('://', 1)[-1]}")
-    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e, store.scheme)}{hint}")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e, store.scheme, store.options)}{hint}")
 
 
 def unavailable(e: OSError) -> bool:
@@ -508,9 +511,15 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def _words(e: OSError, scheme: str = "s3") -> str:
+def _words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
     """What a bucket's error means, in words (the status code kept)."""
     text = e.strerror or str(e)
+    if scheme == "gs" and "token request" in text:
+        user = gcs.user_credentials(options or {})
+        if user:  # they ran `gcloud auth application-default login` already: its token endpoint did not answer
+            return f"no token for gcloud's user credentials in {user} ({text}): they get one from Google's OAuth " \
+                   "endpoint, which must be reachable from this host; at an emulator, set " \
+                   "dataset.storage_options.skip_signature: true"
     if scheme == "gs":
         if any(m in text for m in _GCS_BAD_CREDENTIALS):
             return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
