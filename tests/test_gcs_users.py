@@ -212,3 +212,31 @@ def test_gcloud_user_credentials_without_a_token_say_so_not_to_log_in_again(gcs,
         assert f"is {gcs.endpoint} up" not in said[0], said[0]
     else:  # it answered (a network): the token refused, said as above
         assert r.returncode == 78 and len(said) == 1 and "skip_signature: true" in said[0], r.stdout + r.stderr
+
+
+def test_an_imagefolder_index_cached_with_bare_etags_still_fills_the_node_local_cache(gcs, gcs_env, tmp_path):
+    """The version before the ETag quoting cached fake-gcs-server's listed ETags bare; a bucket
+    ImageFolder's cached index is used until a reload lists again, so after the upgrade no object
+    was ever kept in the node-local cache (each GET's quoted ETag never matched): every epoch read
+    the bucket again."""
+    import glob
+
+    from prefetchd.sources import bytecache
+
+    for c in range(2):
+        for i in range(3):
+            gcs.put(f"users-bare/c{c}/{i}.jpg", bytes([c, i]) * 100)
+    root, cache = f"gs://{BUCKET}/users-bare", {"dir": str(tmp_path / "bytes"), "max_bytes": 1 << 30}
+    index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"), cache=cache)
+    [path] = glob.glob(str(tmp_path / "cache" / "**" / "etags-*.npy"), recursive=True)
+    quoted = np.load(path)
+    assert all(e.startswith(b'"') for e in quoted)
+    np.save(path, np.asarray([e.strip(b'"') for e in quoted]), allow_pickle=False)  # as the version before wrote it
+    try:
+        index, cached = load_index(root, None, EXTS, str(tmp_path / "cache"), cache=cache)
+        assert cached and not index.etags[0].startswith(b'"')
+        first = [index.read(i) for i in range(len(index))]
+        assert [index.read(i) for i in range(len(index))] == first
+        assert bytecache.current().stats["hits"] == len(index), bytecache.current().stats
+    finally:
+        bytecache.configure(None)

@@ -151,6 +151,9 @@ def _etag(tag: str | None) -> str:
     return tag if tag.startswith(('"', 'W/"')) else f'"{tag}"'
 
 
+quoted = _etag  # for the indexes that keep ETags
+
+
 class ObjectStore:
     """One bucket (see the module docstring for the interface)."""
 
