@@ -240,3 +240,23 @@ def test_an_imagefolder_index_cached_with_bare_etags_still_fills_the_node_local_
         assert bytecache.current().stats["hits"] == len(index), bytecache.current().stats
     finally:
         bytecache.configure(None)
+
+
+def test_check_with_the_endpoint_down_says_so_and_exits_75_not_a_configuration_error(bucket, tmp_path):
+    """prefetchd check against an endpoint nothing listens on (either provider): it said
+    "configuration error: ... cannot be listed as ...: Generic GCS error: Error performing list
+    request: ... error sending request", exit 78, as if the config were wrong."""
+    from s3fixture import _free_ports
+
+    server, scheme = bucket
+    server.put("users-down/a/1.jpg", b"x")
+    gone = f"http://127.0.0.1:{_free_ports(1)[0]}"
+    variable = "GOOGLE_BASE_URL" if scheme == "gs" else "AWS_ENDPOINT_URL"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_EMULATOR", "AWS_"))}
+    cfg = small_config(tmp_path, f"{scheme}://{BUCKET}/users-down")
+    r = subprocess.run([sys.executable, "-m", "prefetchd", "check", "--config", cfg], capture_output=True, text=True,
+                       timeout=120, env={**clean, **server.env(), variable: gone})
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode == 75 and len(said) == 1, r.stdout + r.stderr
+    assert "the endpoint did not answer" in said[0] and f"is {gone} up?" in said[0], said[0]
+    assert "configuration error" not in r.stdout + r.stderr

@@ -478,6 +478,10 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         got = store.first(url)
         first = got[:2] if got else None
     except OSError as e:
+        if _no_answer(e):  # one request, not retried: the endpoint down is not the configuration's fault
+            raise StorageUnavailable(f"{key} {url} cannot be listed: the endpoint did not answer "
+                                     f"({_words(e, store.scheme, store.options)}); is "
+                                     f"{store.endpoint() or 'the endpoint'} up?") from None
         raise listing_error(key, url, store, e) from None
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
@@ -506,6 +510,13 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
         hint = (f", or {store.endpoint()} does not serve GCS's XML API (obstore lists with GET /BUCKET?list-type=2): "
                 f"start fake-gcs-server with -public-host {store.endpoint().split('://', 1)[-1]}")
     return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {_words(e, store.scheme, store.options)}{hint}")
+
+
+def _no_answer(e: OSError) -> bool:
+    """Did the endpoint not answer at all (refused, reset, timed out) or answer 503 (throttling)?"""
+    text = e.strerror or str(e)
+    return _status(e) in (429, 503) or (not _status(e) and "token request" not in text and (
+        "error sending request" in text or "timed out" in text.lower()))
 
 
 def unavailable(e: OSError) -> bool:
