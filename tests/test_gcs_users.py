@@ -260,3 +260,21 @@ def test_check_with_the_endpoint_down_says_so_and_exits_75_not_a_configuration_e
     assert r.returncode == 75 and len(said) == 1, r.stdout + r.stderr
     assert "the endpoint did not answer" in said[0] and f"is {gone} up?" in said[0], said[0]
     assert "configuration error" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("field", ["client_email", "type"])
+def test_a_private_key_pasted_into_another_field_is_never_said(gcs, tmp_path, field):
+    """A hand-edited key file with the PEM in client_email: check's first line named the account
+    by it, the whole key; in type, the refusal of a type obstore cannot use said it whole."""
+    with open(gcs.key_path, encoding="utf-8") as f:
+        account = json.load(f)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**account, field: account["private_key"]}))
+    gcs.put("users-pasted/a/1.jpg", b"x")
+    gcs.put("users-pasted/b/1.jpg", b"y")
+    cfg = small_config(tmp_path, f"gs://{BUCKET}/users-pasted")
+    r = _check(cfg, {**gcs.env(), "GOOGLE_APPLICATION_CREDENTIALS": str(bad)})
+    said = r.stdout + r.stderr
+    body = [ln for ln in account["private_key"].splitlines() if "-----" not in ln]
+    assert "dataset.root" in said or "storage:" in said, said
+    assert not [ln for ln in body if ln in said], said

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 GCS_URL = "https://storage.googleapis.com"
 _ADC_WELL_KNOWN = os.path.join("~", ".config", "gcloud", "application_default_credentials.json")
@@ -112,7 +113,13 @@ def _fields(text: str) -> dict:
         return {}
     if not isinstance(got, dict):
         return {}
-    return {k: got[k] for k in ("client_email", "type", "gcs_base_url") if isinstance(got.get(k), str)}
+    # each only in its own shape: a key pasted into the wrong field (a shifted or hand-edited file)
+    # was said whole in check's line or in the refusal of its "type"
+    return {k: got[k] for k, shape in _SHAPES.items() if isinstance(got.get(k), str) and shape.fullmatch(got[k])}
+
+
+_SHAPES = {"client_email": re.compile(r"[^\s@]{1,128}@[A-Za-z0-9.-]{1,253}"), "type": re.compile(r"[a-z_]{1,64}"),
+           "gcs_base_url": re.compile(r"https?://[^\s]{1,256}")}
 
 
 def _emulator() -> str:
