@@ -278,3 +278,32 @@ def test_a_private_key_pasted_into_another_field_is_never_said(gcs, tmp_path, fi
     body = [ln for ln in account["private_key"].splitlines() if "-----" not in ln]
     assert "dataset.root" in said or "storage:" in said, said
     assert not [ln for ln in body if ln in said], said
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs check as nobody: root's setpriv")
+def test_a_key_file_the_daemons_user_cannot_read_says_so_not_that_it_is_cut_short(gcs):
+    """A key file of mode 600 owned by root, the daemon run as another user: check said "check
+    GOOGLE_APPLICATION_CREDENTIALS ... names a service account's JSON key file, whole", which it did."""
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="pfd-mode-") as d:  # pytest's tmp_path is root's alone (700)
+        os.chmod(d, 0o777)
+        _check_as_nobody(gcs, pathlib.Path(d))
+
+
+def _check_as_nobody(gcs, tmp_path) -> None:
+    key = tmp_path / "sa.json"
+    shutil.copy(gcs.key_path, key)
+    key.chmod(0o600)
+    gcs.put("users-mode/a/1.jpg", b"x")
+    cfg = small_config(tmp_path, f"gs://{BUCKET}/users-mode")
+    os.chmod(cfg, 0o644)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), **gcs.env(),
+           "GOOGLE_APPLICATION_CREDENTIALS": str(key), "PYTHONPATH": os.getcwd()}
+    r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", sys.executable, "-m",
+                        "prefetchd", "check", "--config", cfg], capture_output=True, text=True, timeout=120, env=env)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
+    assert "must be readable by the user the daemon runs as" in said[0] and str(key) in said[0], said[0]
+    assert "whole" not in said[0], said[0]

@@ -535,6 +535,9 @@ def _words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
                    "endpoint, which must be reachable from this host; at an emulator, set " \
                    "dataset.storage_options.skip_signature: true"
     if scheme == "gs":
+        if "Permission denied" in text and any(m in text for m in _GCS_BAD_CREDENTIALS):
+            return f"its credentials cannot be read ({text}): the key file must be readable by the user the " \
+                   f"daemon runs as ({_user()}): chown or chmod it, or give that user a copy"
         if any(m in text for m in _GCS_BAD_CREDENTIALS):
             return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
                    "(or GOOGLE_SERVICE_ACCOUNT) names a service account's JSON key file, whole"
@@ -551,6 +554,15 @@ def _words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
     if e.errno == errno.ENOENT:
         return "not found (404)"
     return text
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
 
 
 # obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
