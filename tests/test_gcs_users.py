@@ -307,3 +307,26 @@ def _check_as_nobody(gcs, tmp_path) -> None:
     assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
     assert "must be readable by the user the daemon runs as" in said[0] and str(key) in said[0], said[0]
     assert "whole" not in said[0], said[0]
+
+
+@pytest.mark.parametrize("env_name,option", [("GOOGLE_SERVICE_ACCOUNT", "service_account_key"),
+                                             ("GOOGLE_SERVICE_ACCOUNT_KEY", "service_account")])
+def test_a_key_and_a_key_file_in_the_config_and_the_environment_is_one_line_naming_both(gcs, tmp_path, env_name,
+                                                                                        option):
+    """A base image's GOOGLE_SERVICE_ACCOUNT and the config's storage_options.service_account_key:
+    obstore refuses both ("One of service account path or service account key may be provided."),
+    which check said after naming one of them as the account used."""
+    with open(gcs.key_path, encoding="utf-8") as f:
+        key = f.read()
+    gcs.put("users-both/a/1.jpg", b"x")
+    cfg = small_config(tmp_path, f"gs://{BUCKET}/users-both")
+    with open(cfg) as f:
+        text = f.read()
+    with open(cfg, "w") as f:
+        f.write(text.replace("dataset:\n", f"dataset:\n  storage_options: {{{option}: {json.dumps(key if option.endswith('_key') else gcs.key_path)}}}\n", 1))
+    env = {"GOOGLE_BASE_URL": gcs.endpoint, env_name: key if env_name.endswith("_KEY") else gcs.key_path}
+    r = _check(cfg, env)
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+    assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
+    assert f"dataset.storage_options.{option}" in said[0] and f"unset {env_name}" in said[0], said[0]
+    assert gcs.secret.decode() not in r.stdout + r.stderr

@@ -81,6 +81,16 @@ def refusal(options: dict) -> str | None:
         what = "a key of no JSON" if empty[0].endswith("_KEY") else "a key file named ''"
         return (f"{empty[0]} is set but empty, which the GCS client reads as {what}: unset it, or set it to a "
                 "service account's JSON key file")
+    given = [next((w for w in (f"dataset.storage_options.{name}" if _option(options, name) is not None else "",
+                                env if os.environ.get(env) else "") if w), "")
+             for name, env in (("service_account_key", "GOOGLE_SERVICE_ACCOUNT_KEY"),
+                               ("service_account", "GOOGLE_SERVICE_ACCOUNT"),
+                               ("service_account_path", "GOOGLE_SERVICE_ACCOUNT_PATH"))]
+    key, path = given[0], given[1] or given[2]
+    if key and path:  # obstore said "One of service account path or service account key may be provided"
+        envs = [w for w in (key, path) if not w.startswith("dataset.")]  # the environment's gives way
+        return (f"{key} (a key) and {path} (a key file) both name a service account, and the GCS client takes one: "
+                + (f"unset {envs[-1]}" if envs else f"remove {path}"))
     where, fields = _account(options)
     kind = fields.get("type")
     if kind and kind not in _READ_TYPES:
