@@ -330,3 +330,43 @@ def test_a_key_and_a_key_file_in_the_config_and_the_environment_is_one_line_nami
     assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
     assert f"dataset.storage_options.{option}" in said[0] and f"unset {env_name}" in said[0], said[0]
     assert gcs.secret.decode() not in r.stdout + r.stderr
+
+
+def test_an_emulator_on_https_with_its_own_certificate_is_one_line_saying_so_not_an_outage(tmp_path):
+    """fake-gcs-server as its README starts it (-scheme https, a self-signed certificate): with
+    STORAGE_EMULATOR_HOST=https://... obstore says only "error sending request", which was taken
+    for the endpoint gone: check said "storage unavailable ... is it up?" (it was), and a start
+    retried it for the whole episode and exited 75, restarted forever by the shipped unit; with
+    STORAGE_EMULATOR_HOST=host:port (plain HTTP) the line was its 400 alone. What the line says to
+    set (client_options.allow_invalid_certificates) then works."""
+    from gcsfixture import binary
+
+    if binary() is None:
+        pytest.skip("fake-gcs-server is not installed (the dev extra)")
+    server = GCSServer(str(tmp_path), scheme="https")
+    server.start()
+    try:
+        server.put("tls/a/1.jpg", b"x")
+        cfg = small_config(tmp_path, f"gs://{BUCKET}/tls")
+        r = _check(cfg, {"STORAGE_EMULATOR_HOST": server.endpoint})
+        said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+        assert r.returncode == 78 and len(said) == 1, r.stdout + r.stderr
+        assert "TLS certificate is not trusted" in said[0] and "allow_invalid_certificates" in said[0], said[0]
+        run = ("import sys; from prefetchd.sources import objectstore; objectstore._RETRY_TIMEOUT_S = 3.0; "
+               "from prefetchd.cli import main; sys.exit(main(['run', '--config', sys.argv[1]]))")
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("GOOGLE_", "STORAGE_EMULATOR"))}
+        r = subprocess.run([sys.executable, "-c", run, cfg], capture_output=True, text=True, timeout=120,
+                           env={**clean, "STORAGE_EMULATOR_HOST": server.endpoint})
+        assert r.returncode == 78 and "retrying with back-off" not in r.stderr, r.stdout + r.stderr
+        r = _check(cfg, {"STORAGE_EMULATOR_HOST": f"127.0.0.1:{server.port}"})
+        said = [ln for ln in (r.stdout + r.stderr).splitlines() if "dataset.root" in ln]
+        assert r.returncode == 78 and len(said) == 1 and "the endpoint speaks HTTPS" in said[0], r.stdout + r.stderr
+        with open(cfg) as f:
+            text = f.read()
+        with open(cfg, "w") as f:
+            f.write(text.replace("dataset:\n", "dataset:\n  storage_options: {client_options: "
+                                               "{allow_invalid_certificates: true}}\n", 1))
+        r = _check(cfg, {"STORAGE_EMULATOR_HOST": server.endpoint})
+        assert r.stdout.splitlines()[1:3] and r.stdout.splitlines()[1].startswith("list: ok"), r.stdout + r.stderr
+    finally:
+        server.stop()

@@ -99,7 +99,18 @@ def _os_error(e: Exception, url: str) -> OSError:
     code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
         else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
-    return OSError(code, _first_line(e), url)
+    return OSError(code, _first_line(e) + _tls(e), url)
+
+
+_CERT = re.compile(r"InvalidCertificate\(([\s\w(]*)")
+
+
+def _tls(e: Exception) -> str:
+    """Why a TLS handshake failed, from obstore's debug text ("" when it did not): its first line
+    says only "error sending request", which was taken for an endpoint gone and retried."""
+    m = _CERT.search(str(e))
+    why = re.findall(r"\w+", m.group(1)) if m else []
+    return f" (the endpoint's TLS certificate is not trusted: {why[-1]})" if why else ""
 
 
 def _changed(url: str) -> StorageChanged:
@@ -120,7 +131,7 @@ def _status(e: Exception) -> int:
 
 def _permanent(e: Exception) -> bool:
     """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
-    return 400 <= _status(e) < 500 and _status(e) not in (408, 429)
+    return bool(_tls(e)) or (400 <= _status(e) < 500 and _status(e) not in (408, 429))
 
 
 # an AWS access key id (AKIA... long-term, ASIA... temporary) or what a server echoes in <AccessKeyId>
@@ -515,7 +526,7 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
 def _no_answer(e: OSError) -> bool:
     """Did the endpoint not answer at all (refused, reset, timed out) or answer 503 (throttling)?"""
     text = e.strerror or str(e)
-    return _status(e) in (429, 503) or (not _status(e) and "token request" not in text and (
+    return _status(e) in (429, 503) or (not _status(e) and "token request" not in text and "TLS" not in text and (
         "error sending request" in text or "timed out" in text.lower()))
 
 
@@ -547,6 +558,13 @@ def _words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
         if "403" in text or "401" in text or e.errno == errno.EACCES:
             return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
                    "the account may read the bucket (roles/storage.objectViewer)"
+    if "TLS certificate is not trusted" in text:
+        return f"{text}: add its CA to this host's trust store; for an emulator's self-signed certificate, start it " \
+               "with plain HTTP (fake-gcs-server -scheme http) or set dataset.storage_options: {client_options: " \
+               "{allow_invalid_certificates: true}}"
+    if "HTTP request to an HTTPS server" in text:
+        return f"{text}: the endpoint speaks HTTPS: write its URL https://... (STORAGE_EMULATOR_HOST too), or start " \
+               "the emulator with plain HTTP (fake-gcs-server -scheme http)"
     if "403" in text or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
     if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
