@@ -49,8 +49,8 @@ def setup_logging(level: str = "info") -> None:
 
 
 def _fail_config(err: Exception) -> int:
-    print(f"prefetchd: configuration error: {err}", file=sys.stderr)
-    return EX_CONFIG
+    print(f"prefetchd: {getattr(err, 'said', 'configuration error')}: {err}", file=sys.stderr)
+    return getattr(err, "exit_code", EX_CONFIG)  # StorageUnavailable's 75: a bucket not answering
 
 
 def _load(path: str) -> Config:

@@ -27,7 +27,8 @@ for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
 # `item._nodeid`, which pytest no longer reads), so the scheduler below groups by module name.
 _ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough",
                **dict.fromkeys(("test_objectstore", "test_bucket_parquet", "test_bucket_readahead", "test_bucket_shards",
-                                "test_bucket_imagenet", "test_bucket_imagenet_contact", "test_bytecache", "test_gcs"), "buckets")}
+                                "test_bucket_imagenet", "test_bucket_imagenet_contact", "test_bytecache", "test_gcs",
+                                "test_gcs_users"), "buckets")}
 
 
 def _module(nodeid: str) -> str:

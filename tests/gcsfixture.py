@@ -47,10 +47,12 @@ def binary() -> str | None:
 class GCSServer:
     """One fake-gcs-server process, and a service account key file in ``workdir``. ``xml_api``:
     started with ``-public-host`` (without it, as its own examples start it, every XML API
-    listing answers 404)."""
+    listing answers 404; ``public_host``: a proxy's ``host:port`` in front of it, which its XML API
+    then answers, as it answers no other host's)."""
 
-    def __init__(self, workdir: str, xml_api: bool = True):
-        self.workdir, self.xml_api = workdir, xml_api
+    def __init__(self, workdir: str, xml_api: bool = True, public_host: str | None = None, scheme: str = "http"):
+        self.workdir, self.xml_api, self.scheme = workdir, xml_api, scheme  # https: its own self-signed certificate
+        self.public_host = public_host  # the address clients reach it by (a proxy's): its own by default
         self.proc: subprocess.Popen | None = None
         self.port = 0
         self.log_path = os.path.join(workdir, "fake-gcs.log")
@@ -59,7 +61,7 @@ class GCSServer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
         return {"GOOGLE_APPLICATION_CREDENTIALS": self.key_path, "GOOGLE_BASE_URL": self.endpoint}
@@ -75,8 +77,8 @@ class GCSServer:
             self.port = s.getsockname()[1]
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [exe, "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
-             *(["-public-host", f"127.0.0.1:{self.port}"] if self.xml_api else []), "-external-url", self.endpoint,
+            [exe, "-scheme", self.scheme, "-backend", "memory", "-host", "127.0.0.1", "-port", str(self.port),
+             *(["-public-host", self.public_host or f"127.0.0.1:{self.port}"] if self.xml_api else []), "-external-url", self.endpoint,
              "-log-level", "warn"],
             stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True)
         log.close()
@@ -113,12 +115,17 @@ class GCSServer:
         except OSError:
             return ""
 
+    def _tls(self):
+        import ssl
+
+        return ssl._create_unverified_context() if self.scheme == "https" else None  # its self-signed certificate
+
     def make_bucket(self, name: str) -> None:
         """Create the bucket ``name`` (the JSON API; fine if it exists)."""
         req = urllib.request.Request(f"{self.endpoint}/storage/v1/b", data=json.dumps({"name": name}).encode(),
                                      method="POST", headers={"Content-Type": "application/json"})
         try:
-            urllib.request.urlopen(req, timeout=5).close()
+            urllib.request.urlopen(req, timeout=5, context=self._tls()).close()
         except urllib.error.HTTPError as e:
             if e.code != 409:
                 raise
@@ -128,7 +135,7 @@ class GCSServer:
         query = urllib.parse.urlencode({"uploadType": "media", "name": key})
         req = urllib.request.Request(f"{self.endpoint}/upload/storage/v1/b/{bucket}/o?{query}", data=data,
                                      method="POST", headers={"Content-Type": "application/octet-stream"})
-        urllib.request.urlopen(req, timeout=10).close()
+        urllib.request.urlopen(req, timeout=10, context=self._tls()).close()
 
     def upload_tree(self, local_root: str, prefix: str, bucket: str = BUCKET) -> int:
         """Upload every file under ``local_root`` as ``prefix/<relative path>``; returns the count."""

@@ -178,7 +178,8 @@ def test_a_local_validation_tar_labelled_by_a_devkit_in_the_bucket(s3_env, inet,
 def test_the_daemon_on_the_train_tar_in_a_bucket_makes_the_local_tars_batches_and_writes_no_secret(
         s3, inet, uploaded, tmp_path, daemon_factory):
     same_batches_from_the_bucket_and_no_secret(tmp_path, inet.train_tar, f"{uploaded}/ILSVRC2012_img_train.tar",
-                                               s3.env(), daemon_factory, "bucket-imagenetmeta.json", SECRET_KEY.encode())
+                                               s3.env(), daemon_factory, "bucket-imagenetmeta.json",
+                                               SECRET_KEY.encode())
 
 
 def test_the_daemon_on_a_prefix_of_class_tars_makes_the_local_folders_batches(

@@ -47,7 +47,9 @@ def numbered_classes(top: int, key: str, root: str, where: str) -> list[str]:
 class StorageUnavailable(DatasetError):
     """A bucket that did not answer at start for the whole retry episode (its endpoint down, a
     network not up yet at boot, throttling): not the configuration's fault, so ``prefetchd run``
-    exits 75 (EX_TEMPFAIL), which a service manager restarts, not 78."""
+    exits 75 (EX_TEMPFAIL), which a service manager restarts, not 78; ``prefetchd check`` too."""
+
+    said, exit_code = "storage unavailable", 75
 
 
 class StorageChanged(OSError):

@@ -11,11 +11,13 @@ it in the node-local cache (``bytecache``, ``dataset.cache``) when there is one.
 
 Listing a large prefix takes minutes: the index is cached like a local one (the same
 ``meta.json`` and ``.npy`` files, written with no credential in them) and kept until a reload
-scans again (``use_cache=False``); a bucket has no directory mtimes to tell a change cheaply.
+(SIGHUP) lists again and finds the objects changed (``stamps_valid``): the next start scans. A
+bucket has no directory mtimes to tell a change cheaply.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import posixpath
@@ -63,7 +65,9 @@ class BucketIndex(Index):
         overwritten since is read as it is now, and not cached under the listed ETag)."""
         store = objectstore.store_for(self.root)
         kept = bytecache.current() if self.etags is not None else None
-        etag = self.etags[i].decode() if kept is not None else ""
+        # quoted as a GET's is: an index cache from before the quoting (bare, as fake-gcs-server lists
+        # them) is kept until a reload lists again, and its objects were never kept in the cache
+        etag = objectstore.quoted(self.etags[i].decode()) if kept is not None else ""
         if kept is not None and etag:
             data = kept.get(store.cache_key(self.path(i)), etag, 0, int(self.sizes[i]))
             if data is not None:
@@ -91,10 +95,9 @@ class BucketIndex(Index):
         return f"{self.root}, {'a file list' if self.kind == 'list' else 'an ImageFolder'} in a bucket"
 
 
-def stamps_valid(stamps: list) -> bool:
-    """A bucket's index is valid until a reload lists again (no directory mtimes to compare); a
-    file list's (``bucketlist``) while its list is the one indexed: an object's (size, ETag) by one
-    HEAD, a local file's (size, mtime)."""
+def _list_stamps_valid(stamps: list) -> bool:
+    """A file list's index (``bucketlist``) is valid while its list is the one indexed: an object's
+    (size, ETag) by one HEAD, a local file's (size, mtime)."""
     for stamp in stamps:
         try:
             if stamp[0] == "list-object":
@@ -110,6 +113,40 @@ def stamps_valid(stamps: list) -> bool:
         if now != list(stamp[2:]):
             return False
     return True
+
+
+def stamps_valid(stamps) -> bool:
+    """Still the objects indexed (a reload asks)? A file list's: its list unchanged
+    (``_list_stamps_valid``). An ImageFolder's: the root listed again (a bucket has no directory
+    mtimes to compare): it returned True without asking, so a reload said "unchanged" of a bucket
+    with images added. A change found marks the cache (``_RELIST``) for the next start to scan, as
+    the reload's line tells the user to restart for: it was used as it was, the new images unseen."""
+    if isinstance(stamps, list):
+        return _list_stamps_valid(stamps)
+    if not isinstance(stamps, dict):  # a cache from before: cannot tell, scan
+        return False
+    try:
+        now = scan(stamps["root"], tuple(stamps["extensions"]))
+    except (OSError, DatasetError):
+        return False
+    if _digest(now) == stamps["digest"]:
+        return True
+    try:
+        with open(os.path.join(stamps["dir"], _RELIST), "w", encoding="utf-8"):
+            pass
+    except OSError:
+        pass
+    return False
+
+
+_RELIST = "relist"  # in an index cache's folder: the bucket changed since (a reload saw it), the next start scans
+
+
+def _digest(index: BucketIndex) -> str:
+    h = hashlib.sha256(index.fingerprint.encode())
+    for a in (index.sizes, index.etags):
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
 
 
 def open_files(cdir: str) -> BucketIndex | None:
@@ -190,16 +227,20 @@ def load(root: str, extensions: tuple[str, ...], cache_dir: str | None, use_cach
     endpoint = store.endpoint()
     cdir = cache_path(cache_dir, root.rstrip("/") + (f" at {endpoint}" if endpoint else ""), "bucket-folder",
                       extensions)
-    if use_cache:
-        cached = open_files(cdir)  # valid until a reload lists again
+    relist = os.path.join(cdir, _RELIST)
+    if use_cache and not os.path.exists(relist):
+        cached = open_files(cdir)  # valid until a reload lists again (``stamps_valid``)
         if cached is not None:
             return cached, True
     index = scan(root, extensions, f"{section}.root", storage_options)
     if use_cache:
         try:
+            stamps = {"root": root, "extensions": list(extensions), "dir": cdir, "digest": _digest(index)}
             write_cache(cdir, META, {k: getattr(index, k) for k in ("blob", "offsets", "labels", "sizes", "etags")},
                         {"version": CACHE_VERSION, "root": index.root, "classes": list(index.classes),
-                         "fingerprint": index.fingerprint, "stamps": [], "count": len(index)})
+                         "fingerprint": index.fingerprint, "stamps": stamps, "count": len(index)})
+            if os.path.exists(relist):
+                os.unlink(relist)
             index = open_files(cdir) or index
         except OSError as e:
             log.warning("cannot write the index cache in %s (%s); the next start lists again", cdir, e.strerror)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 GCS_URL = "https://storage.googleapis.com"
 _ADC_WELL_KNOWN = os.path.join("~", ".config", "gcloud", "application_default_credentials.json")
@@ -63,6 +64,49 @@ def _account(options: dict) -> tuple[str, dict]:
     return "", {}
 
 
+_VARIABLES = ("GOOGLE_SERVICE_ACCOUNT_KEY", "GOOGLE_SERVICE_ACCOUNT", "GOOGLE_SERVICE_ACCOUNT_PATH",
+              "GOOGLE_APPLICATION_CREDENTIALS")
+_READ_TYPES = ("service_account", "authorized_user")  # the credentials JSON types obstore's GCS client reads
+_TYPES = {"external_account": "workload identity federation", "impersonated_service_account":
+          "gcloud's --impersonate-service-account", "external_account_authorized_user": "workforce identity federation"}
+
+
+def refusal(options: dict) -> str | None:
+    """Why the credentials given cannot be used, said before any request (None: none seen).
+    A variable set but empty (``GOOGLE_SERVICE_ACCOUNT=`` in a manifest) is a key file named ''
+    to obstore, where users mean it unset; a JSON of a type obstore does not read was said as
+    "names a service account's JSON key file, whole"."""
+    empty = [v for v in _VARIABLES if v in os.environ and not os.environ[v].strip()]
+    if empty:
+        what = "a key of no JSON" if empty[0].endswith("_KEY") else "a key file named ''"
+        return (f"{empty[0]} is set but empty, which the GCS client reads as {what}: unset it, or set it to a "
+                "service account's JSON key file")
+    given = [next((w for w in (f"dataset.storage_options.{name}" if _option(options, name) is not None else "",
+                                env if os.environ.get(env) else "") if w), "")
+             for name, env in (("service_account_key", "GOOGLE_SERVICE_ACCOUNT_KEY"),
+                               ("service_account", "GOOGLE_SERVICE_ACCOUNT"),
+                               ("service_account_path", "GOOGLE_SERVICE_ACCOUNT_PATH"))]
+    key, path = given[0], given[1] or given[2]
+    if key and path:  # obstore said "One of service account path or service account key may be provided"
+        envs = [w for w in (key, path) if not w.startswith("dataset.")]  # the environment's gives way
+        return (f"{key} (a key) and {path} (a key file) both name a service account, and the GCS client takes one: "
+                + (f"unset {envs[-1]}" if envs else f"remove {path}"))
+    where, fields = _account(options)
+    kind = fields.get("type")
+    if kind and kind not in _READ_TYPES:
+        return (f"{where} holds credentials of type {kind}" + (f" ({_TYPES[kind]})" if kind in _TYPES else "") +
+                ", which prefetchd's GCS client (obstore) cannot use: point it at a service account's JSON key "
+                "file or gcloud's user credentials (`gcloud auth application-default login`), or unset it to use the "
+                "metadata server's account (a VM's, GKE Workload Identity)")
+    return None
+
+
+def user_credentials(options: dict) -> str:
+    """Where gcloud's user credentials (``authorized_user``) are given, in words; "" when those in use are not them."""
+    where, fields = _account(options)
+    return where if fields.get("type") == "authorized_user" else ""
+
+
 def _read(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -79,7 +123,13 @@ def _fields(text: str) -> dict:
         return {}
     if not isinstance(got, dict):
         return {}
-    return {k: got[k] for k in ("client_email", "type", "gcs_base_url") if isinstance(got.get(k), str)}
+    # each only in its own shape: a key pasted into the wrong field (a shifted or hand-edited file)
+    # was said whole in check's line or in the refusal of its "type"
+    return {k: got[k] for k, shape in _SHAPES.items() if isinstance(got.get(k), str) and shape.fullmatch(got[k])}
+
+
+_SHAPES = {"client_email": re.compile(r"[^\s@]{1,128}@[A-Za-z0-9.-]{1,253}"), "type": re.compile(r"[a-z_]{1,64}"),
+           "gcs_base_url": re.compile(r"https?://[^\s]{1,256}")}
 
 
 def _emulator() -> str:

@@ -99,7 +99,18 @@ def _os_error(e: Exception, url: str) -> OSError:
     code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
         else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
-    return OSError(code, _first_line(e), url)
+    return OSError(code, _first_line(e) + _tls(e), url)
+
+
+_CERT = re.compile(r"InvalidCertificate\(([\s\w(]*)")
+
+
+def _tls(e: Exception) -> str:
+    """Why a TLS handshake failed, from obstore's debug text ("" when it did not): its first line
+    says only "error sending request", which was taken for an endpoint gone and retried."""
+    m = _CERT.search(str(e))
+    why = re.findall(r"\w+", m.group(1)) if m else []
+    return f" (the endpoint's TLS certificate is not trusted: {why[-1]})" if why else ""
 
 
 def _changed(url: str) -> StorageChanged:
@@ -120,7 +131,7 @@ def _status(e: Exception) -> int:
 
 def _permanent(e: Exception) -> bool:
     """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
-    return 400 <= _status(e) < 500 and _status(e) not in (408, 429)
+    return bool(_tls(e)) or (400 <= _status(e) < 500 and _status(e) not in (408, 429))
 
 
 # an AWS access key id (AKIA... long-term, ASIA... temporary) or what a server echoes in <AccessKeyId>
@@ -151,6 +162,9 @@ def _etag(tag: str | None) -> str:
     return tag if tag.startswith(('"', 'W/"')) else f'"{tag}"'
 
 
+quoted = _etag  # for the indexes that keep ETags
+
+
 class ObjectStore:
     """One bucket (see the module docstring for the interface)."""
 
@@ -174,6 +188,9 @@ class ObjectStore:
             if self.scheme == "s3" and "access_key_id" not in config:
                 config.update(aws_profile()[1])
             if self.scheme == "gs":
+                refused = gcs.refusal(self.options)
+                if refused:
+                    raise DatasetError(f"{self.key} gs://{self.bucket}: its credentials cannot be used: {refused}")
                 config.update(gcs.client_config(self.options))
             client_options.update(self.options.get("client_options", {}))
             cls = S3Store if self.scheme == "s3" else GCSStore
@@ -472,6 +489,10 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
         got = store.first(url)
         first = got[:2] if got else None
     except OSError as e:
+        if _no_answer(e):  # one request, not retried: the endpoint down is not the configuration's fault
+            raise StorageUnavailable(f"{key} {url} cannot be listed: the endpoint did not answer "
+                                     f"({words(e, store.scheme, store.options)}); is "
+                                     f"{store.endpoint() or 'the endpoint'} up?") from None
         raise listing_error(key, url, store, e) from None
     if first is None:
         raise DatasetError(f"{key} {url} lists no objects (a missing bucket or an empty prefix) as {store.describe()}")
@@ -479,7 +500,7 @@ def probe(url: str, storage_options: dict | None = None, key: str = "dataset.roo
     try:  # its first bytes only: the first object may be a shard of gigabytes
         data = store.pread(store.head(url.rstrip("/") + "/" + first[0]), _PROBE_BYTES, 0, cache=False)
     except OSError as e:
-        raise DatasetError(f"{key} {url} can be listed but not read: {words(e, store.scheme)}") from None
+        raise DatasetError(f"{key} {url} can be listed but not read: {words(e, store.scheme, store.options)}") from None
     lines.append(f"read: ok ({len(data):,} bytes of {first[0]})")
     return lines
 
@@ -488,15 +509,25 @@ def listing_error(key: str, url: str, store: ObjectStore, e: OSError) -> Dataset
     """The one line for a prefix that cannot be listed: as whom, where, and what the answer means;
     a ``StorageUnavailable`` when the bucket did not answer through the whole retry episode."""
     if unavailable(e):
+        # a token endpoint not answering (gcloud's user credentials, the metadata server) is not the bucket's
+        asked = "Google's token endpoint reachable from this host" if "token request" in (e.strerror or "") else \
+            f"{store.endpoint() or 'the endpoint'} up"
         return StorageUnavailable(f"{key} {url} cannot be listed: the bucket did not answer for "
-                                  f"{_RETRY_TIMEOUT_S:.0f} s ({words(e, store.scheme)}); is {store.endpoint() or 'the endpoint'} "
-                                  "up? the daemon exits 75 to be started again")
+                                  f"{_RETRY_TIMEOUT_S:.0f} s ({words(e, store.scheme, store.options)}); is {asked}"
+                                  "? the daemon exits 75 to be started again")
     hint = ""
     if store.scheme == "gs" and store.endpoint() and e.errno == errno.ENOENT:
         # fake-gcs-server started without -public-host answers every XML API listing 404
         hint = (f", or {store.endpoint()} does not serve GCS's XML API (obstore lists with GET /BUCKET?list-type=2): "
                 f"start fake-gcs-server with -public-host {store.endpoint().split('://', 1)[-1]}")
-    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {words(e, store.scheme)}{hint}")
+    return DatasetError(f"{key} {url} cannot be listed as {store.describe()}: {words(e, store.scheme, store.options)}{hint}")
+
+
+def _no_answer(e: OSError) -> bool:
+    """Did the endpoint not answer at all (refused, reset, timed out) or answer 503 (throttling)?"""
+    text = e.strerror or str(e)
+    return _status(e) in (429, 503) or (not _status(e) and "token request" not in text and "TLS" not in text and (
+        "error sending request" in text or "timed out" in text.lower()))
 
 
 def unavailable(e: OSError) -> bool:
@@ -505,14 +536,23 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def words(e: OSError, scheme: str = "s3") -> str:
+def words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
     """What a bucket's error means, in words (the status code kept): a refusal says what to check, not
     obstore's text (the request's URL, the server's XML)."""
     text = e.strerror or str(e)
     if "ExpiredToken" in text:
         return ("the credentials have expired (403 ExpiredToken): renew them (AWS_SESSION_TOKEN, the profile's or "
                 "the instance's role) and start again")
+    if scheme == "gs" and "token request" in text:
+        user = gcs.user_credentials(options or {})
+        if user:  # they ran `gcloud auth application-default login` already: its token endpoint did not answer
+            return f"no token for gcloud's user credentials in {user} ({text}): they get one from Google's OAuth " \
+                   "endpoint, which must be reachable from this host; at an emulator, set " \
+                   "dataset.storage_options.skip_signature: true"
     if scheme == "gs":
+        if "Permission denied" in text and any(m in text for m in _GCS_BAD_CREDENTIALS):
+            return f"its credentials cannot be read ({text}): the key file must be readable by the user the " \
+                   f"daemon runs as ({_user()}): chown or chmod it, or give that user a copy"
         if any(m in text for m in _GCS_BAD_CREDENTIALS):
             return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
                    "(or GOOGLE_SERVICE_ACCOUNT) names a service account's JSON key file, whole"
@@ -522,6 +562,13 @@ def words(e: OSError, scheme: str = "s3") -> str:
         if "403" in text or "401" in text or e.errno == errno.EACCES:
             return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
                    "the account may read the bucket (roles/storage.objectViewer)"
+    if "TLS certificate is not trusted" in text:
+        return f"{text}: add its CA to this host's trust store; for an emulator's self-signed certificate, start it " \
+               "with plain HTTP (fake-gcs-server -scheme http) or set dataset.storage_options: {client_options: " \
+               "{allow_invalid_certificates: true}}"
+    if "HTTP request to an HTTPS server" in text:
+        return f"{text}: the endpoint speaks HTTPS: write its URL https://... (STORAGE_EMULATOR_HOST too), or start " \
+               "the emulator with plain HTTP (fake-gcs-server -scheme http)"
     if "403" in text or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
     if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
@@ -529,6 +576,15 @@ def words(e: OSError, scheme: str = "s3") -> str:
     if e.errno == errno.ENOENT:
         return "not found (404)"
     return text
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
 
 
 # obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
