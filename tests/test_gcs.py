@@ -199,3 +199,25 @@ def test_a_listing_error_says_what_to_do_for_gcs():
     assert "gcloud auth application-default login" in objectstore.words(no_token, "gs")
     with pytest.raises(DatasetError, match="gs://BUCKET/PREFIX"):
         objectstore.split("gcs://b/x")
+
+
+def test_a_keys_json_given_where_a_path_is_meant_is_never_said(monkeypatch):
+    """GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT) set to a key's JSON itself, not its
+    file's path, as CI secrets often are: ``describe`` said the variable's value, private key and all,
+    in ``prefetchd check``'s line and in every listing error the daemon logs."""
+    body = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQ"
+    key = json.dumps({"type": "service_account", "client_email": CLIENT_EMAIL,
+                      "private_key": f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"})
+    for k in ("GOOGLE_BASE_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT",
+              "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_SERVICE_ACCOUNT_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for var in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT"):
+        monkeypatch.setenv(var, key)
+        objectstore._STORES.clear()
+        with pytest.raises(DatasetError) as e:  # obstore cannot open the "file": no request is sent
+            objectstore.probe(f"gs://{BUCKET}/x", {"base_url": "http://127.0.0.1:9"})
+        said = [objectstore.ObjectStore("gs", BUCKET).describe(), str(e.value)]
+        for line in said:
+            assert body not in line and "\n" not in line, line
+        assert CLIENT_EMAIL in said[0] and var in said[0], said[0]
+        monkeypatch.delenv(var)

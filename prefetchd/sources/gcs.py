@@ -54,8 +54,8 @@ def _account(options: dict) -> tuple[str, dict]:
             value, where = os.environ[env], env
         if value is None:
             continue
-        if inline:
-            return f"the key in {where}", _fields(str(value))
+        if inline or str(value).lstrip().startswith("{"):  # a key's JSON itself, even where a path is meant
+            return f"the key in {where}", _fields(str(value))  # never said: it holds the private key
         return f"{where} {value}", _fields(_read(str(value)))
     well_known = os.path.expanduser(_ADC_WELL_KNOWN)
     if os.path.exists(well_known):
