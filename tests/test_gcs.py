@@ -221,3 +221,17 @@ def test_a_keys_json_given_where_a_path_is_meant_is_never_said(monkeypatch):
             assert body not in line and "\n" not in line, line
         assert CLIENT_EMAIL in said[0] and var in said[0], said[0]
         monkeypatch.delenv(var)
+
+
+def test_a_gs_objects_refusal_met_while_indexing_or_reading_gives_gcs_advice_not_aws():
+    """The shards' and ImageNet's scans, the devkit's read and a sample's read say a refusal by
+    ``objectstore.words(e)`` with no scheme: a gs:// object's 403 said 'check the key pair
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)'."""
+    import errno
+
+    # as ``_os_error`` makes it: the URL is the filename
+    denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", f"gs://{BUCKET}/n01.tar")
+    said = objectstore.words(denied)
+    assert "roles/storage.objectViewer" in said and "AWS" not in said, said
+    s3_denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", "s3://b/n01.tar")
+    assert "AWS_ACCESS_KEY_ID" in objectstore.words(s3_denied)

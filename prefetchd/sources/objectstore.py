@@ -505,10 +505,13 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def words(e: OSError, scheme: str = "s3") -> str:
+def words(e: OSError, scheme: str | None = None) -> str:
     """What a bucket's error means, in words (the status code kept): a refusal says what to check, not
-    obstore's text (the request's URL, the server's XML)."""
+    obstore's text (the request's URL, the server's XML). ``scheme``: by default the one of the URL
+    the error names (``_os_error``'s filename)."""
     text = e.strerror or str(e)
+    if scheme is None:
+        scheme = "gs" if str(e.filename or "").startswith("gs://") else "s3"
     if "ExpiredToken" in text:
         return ("the credentials have expired (403 ExpiredToken): renew them (AWS_SESSION_TOKEN, the profile's or "
                 "the instance's role) and start again")
