@@ -235,3 +235,22 @@ def test_a_gs_objects_refusal_met_while_indexing_or_reading_gives_gcs_advice_not
     assert "roles/storage.objectViewer" in said and "AWS" not in said, said
     s3_denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", "s3://b/n01.tar")
     assert "AWS_ACCESS_KEY_ID" in objectstore.words(s3_denied)
+
+
+def test_a_stores_endpoint_is_the_one_its_client_was_made_for_read_once(gcs, gcs_env, tmp_path, monkeypatch):
+    """``cache_key`` (every sample's read: the node-local cache's key) found a gs:// endpoint anew
+    each time, reading and parsing the service account's key file (80 us a read, ten times s3://'s);
+    and a key file rewritten mid-run moved the key off the endpoint the client still reads."""
+    with open(gcs.key_path, encoding="utf-8") as f:
+        key = json.load(f)
+    path = tmp_path / "sa.json"
+    path.write_text(json.dumps({**key, "gcs_base_url": gcs.endpoint}))
+    monkeypatch.delenv("GOOGLE_BASE_URL")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    store = objectstore.ObjectStore("gs", BUCKET)
+    assert store.endpoint() == gcs.endpoint  # before the client is made: found
+    store.client()
+    before = store.cache_key(f"gs://{BUCKET}/x")
+    assert before.startswith(gcs.endpoint + "|"), before
+    path.write_text(json.dumps({**key, "gcs_base_url": "http://127.0.0.1:9"}))
+    assert store.cache_key(f"gs://{BUCKET}/x") == before

@@ -161,6 +161,7 @@ class ObjectStore:
         self._store = None
         self._pid = 0
         self._handles: dict[str, Handle] = {}
+        self._endpoint = ""
 
     def client(self):
         """This process's client (made on first use, again in a forked child)."""
@@ -168,7 +169,8 @@ class ObjectStore:
             from obstore.store import GCSStore, S3Store
 
             client_options = {"timeout": "30s", "connect_timeout": "5s"}
-            if self.endpoint().startswith("http://"):
+            self._endpoint = self._find_endpoint()
+            if self._endpoint.startswith("http://"):
                 client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
             config = {k: v for k, v in self.options.items() if k != "client_options"}
             if self.scheme == "s3" and "access_key_id" not in config:
@@ -350,7 +352,14 @@ class ObjectStore:
 
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
-        the same bucket name on two endpoints is two buckets (the index caches key on it)."""
+        the same bucket name on two endpoints is two buckets (the index caches key on it). Once
+        this process's client is made, the one it was made for: ``cache_key`` asks at every read,
+        and a gs:// endpoint may come from the key file (read and parsed: 80 us)."""
+        if self._store is not None and self._pid == os.getpid():
+            return self._endpoint
+        return self._find_endpoint()
+
+    def _find_endpoint(self) -> str:
         if self.scheme == "gs":
             return gcs.endpoint(self.options)
         given = {k.lower(): v for k, v in self.options.items() if isinstance(v, str)}
