@@ -5,7 +5,8 @@ Requests are forwarded unchanged (their Host header too, so SigV4 signatures sti
 ``faults(n503=, resets=)`` makes the next requests fail that way, ``outage(seconds)`` resets
 every request for a while (the endpoint gone), ``latency_s`` delays each one.
 ``requests`` and ``faulted`` count what went through, ``max_in_flight`` the most requests it held
-at once; ``log`` holds each answered request's method, path, Range header and body size.
+at once; ``log`` holds each answered request's method, path, Range header and body size,
+``refused`` each faulted request's path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class FaultProxy:
         self.requests = 0
         self.log: list[tuple[str, str, str | None, int]] = []  # (method, path, Range header, body bytes) answered
         self.faulted = 0
+        self.refused: list[str] = []  # the path of each request answered with a fault
         self.in_flight = self.max_in_flight = 0
         self._plan: list[str] = []  # "503", "403" or "reset", one per coming request
         self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
@@ -55,6 +57,8 @@ class FaultProxy:
                     if fault is None and time.monotonic() < proxy._down_until:
                         fault = "reset"  # the endpoint gone: every connection reset
                     proxy.faulted += fault is not None
+                    if fault is not None:
+                        proxy.refused.append(self.path)
                 if proxy.latency_s:
                     threading.Event().wait(proxy.latency_s)
                 if fault == "reset":

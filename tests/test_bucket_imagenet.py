@@ -427,3 +427,32 @@ def test_check_on_a_file_list_in_the_bucket_probes_its_folder(s3, image_root, tm
     assert lines[0].startswith(f"storage: s3://{BUCKET}/inet-clist as access key ...") and r.returncode == 0, r
     assert lines[1].startswith("list: ok") and lines[2].startswith("read: ok"), r.stdout
     assert "24 samples, 4 classes" in r.stdout and "a file list in a bucket" in r.stdout, r.stdout
+
+
+def test_a_tar_of_images_alone_as_the_root_says_how_to_read_it_as_a_shard(s3, s3_env, tmp_path):
+    """One .tar object of images alone (an unlabelled WebDataset shard) was read as shards from a
+    bucket until ImageNet's tars were; now, as on a disk, it is a flat set of images, refused with
+    advice for ImageNet only: the line did not say that dataset.layout: webdataset reads it."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from imagenet_archives import jpeg_bytes, photo_like
+
+    rng = np.random.default_rng(0)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for i in range(4):
+            data = jpeg_bytes(photo_like(rng, 40, 40), rng)
+            info = tarfile.TarInfo(f"s{i:04d}.jpg")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    s3.put("solo/shard-000000.tar", buf.getvalue())
+    local = tmp_path / "shard-000000.tar"
+    local.write_bytes(buf.getvalue())
+    for root in (str(local), f"s3://{BUCKET}/solo/shard-000000.tar"):
+        with pytest.raises(DatasetError) as e:
+            load_index(root, None, EXTS, str(tmp_path / "cache"), label="none")
+        assert "set dataset.layout: webdataset (dataset.label: none)" in str(e.value), str(e.value)
+        index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"), label="none", layout="webdataset")
+        assert len(index) == 4

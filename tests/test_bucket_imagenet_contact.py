@@ -1,10 +1,10 @@
 """ImageNet's tars in a bucket as users' buckets break them (docs/object-storage.md), against the real
 S3 server (SeaweedFS, tests/s3fixture.py) and the local path as the reference: a key that expires
 while the tars are indexed, a devkit given as its extracted ``data/`` folder, ImageNet's download
-folder given as the root, a file list rewritten before a reload, a full or unwritable index cache.
-Each test here failed before its fix, but the last: generated tars (GNU, PAX, long and non-UTF-8
-names, links, padding, cut short) read in chunks of a few hundred bytes index as the local tars
-do, which held, kept so that the chunked reader stays the local one's equal."""
+folder given as the root, a file list rewritten before a reload, a full or unwritable index cache,
+an endpoint gone while the class tars are indexed. Each test here failed before its fix, but one:
+generated tars (GNU, PAX, long and non-UTF-8 names, links, padding, cut short) read in chunks of
+a few hundred bytes index as the local tars do, which held, kept so that the chunked reader stays the local one's equal."""
 
 from __future__ import annotations
 
@@ -295,3 +295,22 @@ def test_generated_train_and_class_tars_index_in_a_bucket_as_on_a_disk_in_small_
         for local, url in ((folder / "ILSVRC2012_img_train.tar", f"s3://{BUCKET}/{P}/gen/{seed}/ILSVRC2012_img_train.tar"),
                            (folder / "tars", f"s3://{BUCKET}/{P}/gen/{seed}/tars")):
             assert _outcome(url, str(folder / "b")) == _outcome(str(local), str(folder / "l")), (seed, url)
+
+
+def test_an_endpoint_gone_while_class_tars_are_indexed_is_said_after_one_retry_episode(s3, proxy, tmp_path,
+                                                                                        monkeypatch):
+    """Eight class tars are walked ahead at once and a ninth waits for a thread. When the endpoint
+    went away, the first walk ahead to give up (a whole retry episode) freed its thread for the
+    ninth, which began an episode of its own, and the scan walked the first class tar again through
+    another: exit 75 came after two episodes (four minutes), not one."""
+    from prefetchd.sources.base import StorageUnavailable
+
+    inet = make_imagenet(str(tmp_path / "inet"), classes=10, per_class=2, val=2, seed=4)
+    s3.upload_tree(inet.train_tars, f"{P}/gone")
+    monkeypatch.setattr(objectstore, "_RETRY_TIMEOUT_S", 1.0)
+    objectstore._STORES.clear()
+    proxy.outage(600.0, after_requests=proxy.requests + 2)  # the listing answers, then nothing
+    with pytest.raises(StorageUnavailable, match="the bucket did not answer"):
+        load_index(f"s3://{BUCKET}/{P}/gone", None, EXTS, str(tmp_path / "cache"), layout="imagenet_tars")
+    ninth = sorted(os.listdir(inet.train_tars))[8]
+    assert proxy.refused and not [p for p in proxy.refused if p.endswith("/" + ninth)], proxy.refused

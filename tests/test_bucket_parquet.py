@@ -248,3 +248,18 @@ def test_an_endpoint_gone_while_the_footers_are_read_is_unavailable_not_a_corrup
     with pytest.raises(StorageUnavailable, match="train-00000-of-00002.parquet cannot be read: the bucket did not answer") as e:
         load_index(bucket_hf, None, EXTS, str(tmp_path / "cache"))
     assert "corrupt" not in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_key_that_expires_while_the_footers_are_read_is_said_as_the_key_not_a_corrupt_file(s3_env, bucket_hf, proxy,
+                                                                                              monkeypatch, tmp_path):
+    """The listings answered, then the session token expired (403 ExpiredToken) while pyarrow read a
+    footer: the start blamed the file ('not a readable Parquet file ... a corrupt copy? write it
+    again'), as ImageNet's tars in a bucket no longer do (they say to renew the credentials)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    proxy.faults(n403=1000, after_requests=3)  # auto's listing and the files' listing answer, then 403s
+    with pytest.raises(DatasetError) as e:
+        load_index(bucket_hf, None, EXTS, str(tmp_path / "cache"))
+    said = str(e.value)
+    assert "corrupt" not in said and "\n" not in said, said
+    assert "expired (403 ExpiredToken): renew them" in said and "train-00000-of-00002.parquet" in said, said

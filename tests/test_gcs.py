@@ -199,3 +199,58 @@ def test_a_listing_error_says_what_to_do_for_gcs():
     assert "gcloud auth application-default login" in objectstore.words(no_token, "gs")
     with pytest.raises(DatasetError, match="gs://BUCKET/PREFIX"):
         objectstore.split("gcs://b/x")
+
+
+def test_a_keys_json_given_where_a_path_is_meant_is_never_said(monkeypatch):
+    """GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT) set to a key's JSON itself, not its
+    file's path, as CI secrets often are: ``describe`` said the variable's value, private key and all,
+    in ``prefetchd check``'s line and in every listing error the daemon logs."""
+    body = "MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQ"
+    key = json.dumps({"type": "service_account", "client_email": CLIENT_EMAIL,
+                      "private_key": f"-----BEGIN PRIVATE KEY-----\n{body}\n-----END PRIVATE KEY-----\n"})
+    for k in ("GOOGLE_BASE_URL", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT",
+              "GOOGLE_SERVICE_ACCOUNT_PATH", "GOOGLE_SERVICE_ACCOUNT_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for var in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_SERVICE_ACCOUNT"):
+        monkeypatch.setenv(var, key)
+        objectstore._STORES.clear()
+        with pytest.raises(DatasetError) as e:  # obstore cannot open the "file": no request is sent
+            objectstore.probe(f"gs://{BUCKET}/x", {"base_url": "http://127.0.0.1:9"})
+        said = [objectstore.ObjectStore("gs", BUCKET).describe(), str(e.value)]
+        for line in said:
+            assert body not in line and "\n" not in line, line
+        assert CLIENT_EMAIL in said[0] and var in said[0], said[0]
+        monkeypatch.delenv(var)
+
+
+def test_a_gs_objects_refusal_met_while_indexing_or_reading_gives_gcs_advice_not_aws():
+    """The shards' and ImageNet's scans, the devkit's read and a sample's read say a refusal by
+    ``objectstore.words(e)`` with no scheme: a gs:// object's 403 said 'check the key pair
+    (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY)'."""
+    import errno
+
+    # as ``_os_error`` makes it: the URL is the filename
+    denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", f"gs://{BUCKET}/n01.tar")
+    said = objectstore.words(denied)
+    assert "roles/storage.objectViewer" in said and "AWS" not in said, said
+    s3_denied = OSError(errno.EACCES, "Server returned non-2xx status code: 403 Forbidden", "s3://b/n01.tar")
+    assert "AWS_ACCESS_KEY_ID" in objectstore.words(s3_denied)
+
+
+def test_a_stores_endpoint_is_the_one_its_client_was_made_for_read_once(gcs, gcs_env, tmp_path, monkeypatch):
+    """``cache_key`` (every sample's read: the node-local cache's key) found a gs:// endpoint anew
+    each time, reading and parsing the service account's key file (80 us a read, ten times s3://'s);
+    and a key file rewritten mid-run moved the key off the endpoint the client still reads."""
+    with open(gcs.key_path, encoding="utf-8") as f:
+        key = json.load(f)
+    path = tmp_path / "sa.json"
+    path.write_text(json.dumps({**key, "gcs_base_url": gcs.endpoint}))
+    monkeypatch.delenv("GOOGLE_BASE_URL")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    store = objectstore.ObjectStore("gs", BUCKET)
+    assert store.endpoint() == gcs.endpoint  # before the client is made: found
+    store.client()
+    before = store.cache_key(f"gs://{BUCKET}/x")
+    assert before.startswith(gcs.endpoint + "|"), before
+    path.write_text(json.dumps({**key, "gcs_base_url": "http://127.0.0.1:9"}))
+    assert store.cache_key(f"gs://{BUCKET}/x") == before

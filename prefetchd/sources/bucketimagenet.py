@@ -121,7 +121,8 @@ class _Ahead:
     them in label order (``imagenet._scan_class_tars``, one at a time): each is walked first on a
     thread, its chunks kept in a ``ShardFile``'s sparse temporary file (``tmpdir``, local disk), so
     the scan's own walk of it fetches nothing more. A walk ahead that fails is left: the scan's
-    walk meets the same fault and says it. ``items``: (url, size, ETag, start, end) in label order."""
+    walk meets the same fault and says it; but the bucket's not answering is said at once, and
+    stops the other walks ahead (each would wait through a retry episode of its own). ``items``: (url, size, ETag, start, end) in label order."""
 
     def __init__(self, store, items: list[tuple[str, int, str, int, int]], tmpdir: str):
         self.store, self.items, self.tmpdir = store, items, tmpdir
@@ -130,16 +131,20 @@ class _Ahead:
         self.files: dict[int, ShardFile] = {}
         self.futures: dict = {}
         self.next = 0
+        self.failed: OSError | None = None  # the bucket did not answer a walk ahead: the scan says it
 
     @contextlib.contextmanager
     def open(self, i: int):
         while self.next < len(self.items) and self.next <= i + SCANS_IN_FLIGHT:
             url, size, etag, start, end = self.items[self.next]
             f = ShardFile(self.store, url, size, etag, self.tmpdir, CHUNK, stop=self.stop, origin=start, end=end)
-            self.files[self.next], self.futures[self.next] = f, self.pool.submit(_walk, f, start, end)
+            self.files[self.next], self.futures[self.next] = f, self.pool.submit(self._walk, f, start, end)
             self.next += 1
         self.futures.pop(i).result()
         f = self.files.pop(i)
+        if self.failed is not None:  # at once: the scan's own walk would wait through another retry episode
+            f.close()
+            raise self.failed
         try:
             yield f
         finally:
@@ -151,13 +156,18 @@ class _Ahead:
         for f in self.files.values():
             f.close()
 
-
-def _walk(f: ShardFile, start: int, end: int) -> None:
-    try:
-        for _ in walk(f, start, end, f.url, []):
+    def _walk(self, f: ShardFile, start: int, end: int) -> None:
+        """Walk a class tar ahead. The bucket's not answering through a retry episode
+        (``objectstore.unavailable``) stops every walk ahead, and those queued never start one."""
+        try:
+            for _ in walk(f, start, end, f.url, []):
+                pass
+        except OSError as e:
+            if objectstore.unavailable(e) and self.failed is None:
+                self.failed = e
+                self.stop.set()
+        except Exception:  # noqa: BLE001 - the scan's own walk of it says what is wrong
             pass
-    except Exception:  # noqa: BLE001 - the scan's own walk of it says what is wrong
-        pass
 
 
 def scan(root: str, devkit: str | None, extensions: tuple[str, ...], key: str, store,

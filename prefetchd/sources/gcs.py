@@ -26,6 +26,7 @@ and where it was found, and an error naming a credentials file names its path on
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -55,8 +56,8 @@ def _account(options: dict) -> tuple[str, dict]:
             value, where = os.environ[env], env
         if value is None:
             continue
-        if inline:
-            return f"the key in {where}", _fields(str(value))
+        if inline or str(value).lstrip().startswith("{"):  # a key's JSON itself, even where a path is meant
+            return f"the key in {where}", _fields(str(value))  # never said: it holds the private key
         return f"{where} {value}", _fields(_read(str(value)))
     well_known = os.path.expanduser(_ADC_WELL_KNOWN)
     if os.path.exists(well_known):
@@ -184,3 +185,39 @@ def describe(options: dict) -> str:
     else:
         who = "no GOOGLE_APPLICATION_CREDENTIALS: the metadata server's service account (a VM's or pod's)"
     return f"{who}, endpoint {endpoint(options) or 'Google Cloud Storage'}"
+
+
+# obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
+_BAD_CREDENTIALS = ("service account file", "Invalid RSA key", "credentials file", "Unable to decode")
+
+
+def words(e: OSError, text: str, options: dict) -> str | None:
+    """What a gs:// bucket's refusal means, in words (``objectstore.words`` for GCS); None where
+    it is no credentials' or access's matter."""
+    user = user_credentials(options) if "token request" in text else None
+    if user:  # they ran `gcloud auth application-default login` already: its token endpoint did not answer
+        return f"no token for gcloud's user credentials in {user} ({text}): they get one from Google's OAuth " \
+               "endpoint, which must be reachable from this host; at an emulator, set " \
+               "dataset.storage_options.skip_signature: true"
+    if any(m in text for m in _BAD_CREDENTIALS):
+        if "Permission denied" in text:
+            return f"its credentials cannot be read ({text}): the key file must be readable by the user the " \
+                   f"daemon runs as ({_user()}): chown or chmod it, or give that user a copy"
+        return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
+               "(or GOOGLE_SERVICE_ACCOUNT) names a service account's JSON key file, whole"
+    if "token request" in text:
+        return f"no token for it ({text}): set GOOGLE_APPLICATION_CREDENTIALS to a service account's " \
+               "JSON key file, or run `gcloud auth application-default login`"
+    if "403" in text or "401" in text or e.errno == errno.EACCES:
+        return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
+               "the account may read the bucket (roles/storage.objectViewer)"
+    return None
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"

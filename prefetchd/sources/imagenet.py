@@ -142,6 +142,10 @@ def _scan_class_tars(root: str, key: str, opener, tars: list[tuple[str, int, int
     return out.index(root, classes, layout_, archives), identity
 
 
+# a tar of images alone is an unlabelled WebDataset shard as much as a flat set (webdataset.looks_like_shards)
+_SHARD_HINT = "; or, if it is a WebDataset shard of images alone, set dataset.layout: webdataset (dataset.label: none)"
+
+
 def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], layout_: str, archive: str,
           notes: list, key: str) -> TarIndex:
     if not devkit:
@@ -150,7 +154,8 @@ def _flat(root: str, devkit: str | None, names: list[tuple[bytes, int, int]], la
             raise DatasetError(f"{key} {root} is a flat set of {len(names)} images with no class tars or folders"
                                f"{' (ILSVRC2012_val_ names: ImageNet' + chr(39) + 's validation set)' if val else ''}"
                                f": a train set needs class folders ({key}/<class>/<image>) or class tars; a "
-                               "validation set goes in validation.root, labelled by validation.devkit")
+                               "validation set goes in validation.root, labelled by validation.devkit"
+                               f"{_SHARD_HINT if root.lower().endswith('.tar') and not val else ''}")
         raise DatasetError(f"{key} {root} is a flat set of {len(names)} images with no class tars or folders: set "
                            "validation.devkit to label it (ImageNet's validation set), or give per-class tars")
     try:

@@ -175,6 +175,7 @@ class ObjectStore:
         self._store = None
         self._pid = 0
         self._handles: dict[str, Handle] = {}
+        self._endpoint = ""
 
     def client(self):
         """This process's client (made on first use, again in a forked child)."""
@@ -182,7 +183,8 @@ class ObjectStore:
             from obstore.store import GCSStore, S3Store
 
             client_options = {"timeout": "30s", "connect_timeout": "5s"}
-            if self.endpoint().startswith("http://"):
+            self._endpoint = self._find_endpoint()
+            if self._endpoint.startswith("http://"):
                 client_options["allow_http"] = True  # an S3-compatible store on a private network or loopback
             config = {k: v for k, v in self.options.items() if k != "client_options"}
             if self.scheme == "s3" and "access_key_id" not in config:
@@ -367,7 +369,14 @@ class ObjectStore:
 
     def endpoint(self) -> str:
         """The endpoint requests go to when it is not the provider's own ("" for AWS S3 and GCS):
-        the same bucket name on two endpoints is two buckets (the index caches key on it)."""
+        the same bucket name on two endpoints is two buckets (the index caches key on it). Once
+        this process's client is made, the one it was made for: ``cache_key`` asks at every read,
+        and a gs:// endpoint may come from the key file (read and parsed: 80 us)."""
+        if self._store is not None and self._pid == os.getpid():
+            return self._endpoint
+        return self._find_endpoint()
+
+    def _find_endpoint(self) -> str:
         if self.scheme == "gs":
             return gcs.endpoint(self.options)
         given = {k.lower(): v for k, v in self.options.items() if isinstance(v, str)}
@@ -536,32 +545,19 @@ def unavailable(e: OSError) -> bool:
     return e.errno == errno.ETIMEDOUT
 
 
-def words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
+def words(e: OSError, scheme: str | None = None, options: dict | None = None) -> str:
     """What a bucket's error means, in words (the status code kept): a refusal says what to check, not
-    obstore's text (the request's URL, the server's XML)."""
+    obstore's text (the request's URL, the server's XML). ``scheme``: by default the one of the URL
+    the error names (``_os_error``'s filename)."""
     text = e.strerror or str(e)
+    if scheme is None:
+        scheme = "gs" if str(e.filename or "").startswith("gs://") else "s3"
     if "ExpiredToken" in text:
         return ("the credentials have expired (403 ExpiredToken): renew them (AWS_SESSION_TOKEN, the profile's or "
                 "the instance's role) and start again")
-    if scheme == "gs" and "token request" in text:
-        user = gcs.user_credentials(options or {})
-        if user:  # they ran `gcloud auth application-default login` already: its token endpoint did not answer
-            return f"no token for gcloud's user credentials in {user} ({text}): they get one from Google's OAuth " \
-                   "endpoint, which must be reachable from this host; at an emulator, set " \
-                   "dataset.storage_options.skip_signature: true"
-    if scheme == "gs":
-        if "Permission denied" in text and any(m in text for m in _GCS_BAD_CREDENTIALS):
-            return f"its credentials cannot be read ({text}): the key file must be readable by the user the " \
-                   f"daemon runs as ({_user()}): chown or chmod it, or give that user a copy"
-        if any(m in text for m in _GCS_BAD_CREDENTIALS):
-            return f"its credentials cannot be used ({text}): check GOOGLE_APPLICATION_CREDENTIALS " \
-                   "(or GOOGLE_SERVICE_ACCOUNT) names a service account's JSON key file, whole"
-        if "token request" in text:
-            return f"no token for it ({text}): set GOOGLE_APPLICATION_CREDENTIALS to a service account's " \
-                   "JSON key file, or run `gcloud auth application-default login`"
-        if "403" in text or "401" in text or e.errno == errno.EACCES:
-            return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
-                   "the account may read the bucket (roles/storage.objectViewer)"
+    said = gcs.words(e, text, options or {}) if scheme == "gs" else None
+    if said:
+        return said
     if "TLS certificate is not trusted" in text:
         return f"{text}: add its CA to this host's trust store; for an emulator's self-signed certificate, start it " \
                "with plain HTTP (fake-gcs-server -scheme http) or set dataset.storage_options: {client_options: " \
@@ -576,16 +572,3 @@ def words(e: OSError, scheme: str = "s3", options: dict | None = None) -> str:
     if e.errno == errno.ENOENT:
         return "not found (404)"
     return text
-
-
-def _user() -> str:
-    import pwd
-
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return f"uid {os.geteuid()}"
-
-
-# obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
-_GCS_BAD_CREDENTIALS = ("service account file", "Invalid RSA key", "credentials file", "Unable to decode")

@@ -231,6 +231,11 @@ def collect(root: str, base: str, files: list[str], opened, image_column: str, l
                 if e.errno == errno.ETIMEDOUT:  # a bucket that did not answer through its retries: not the file
                     raise StorageUnavailable(f"{key} {path} cannot be read: the bucket did not answer "
                                              f"({e.strerror or e}); the daemon exits 75 to be started again") from None
+                if "://" in path and e.errno in (errno.EACCES, errno.ENOENT):  # the key's refusal, a deleted object
+                    from prefetchd.sources import objectstore
+
+                    raise DatasetError(f"{key} {path} cannot be read: "
+                                       f"{objectstore.words(e, path.split('://', 1)[0])}") from None
                 raise DatasetError(f"{path} is not a readable Parquet file ({str(e).splitlines()[0]}): a cut or "
                                    "corrupt copy? write it again") from None
             except pa.ArrowException as e:
