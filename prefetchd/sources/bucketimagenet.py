@@ -60,6 +60,7 @@ from prefetchd.sources.bucketshards import (
     SCANS_IN_FLIGHT,
     BucketShardIndex,
     ShardFile,
+    ahead_for,
     temp_dir,
 )
 from prefetchd.sources.tarheaders import BLOCK, walk
@@ -113,7 +114,8 @@ def objects_of(root: str, store, key: str = "dataset.root") -> tuple[str, list[s
 
 
 def _forward(store, url: str, size: int, etag: str, chunk: int, start: int = 0, end: int = 0):
-    return contextlib.closing(ShardFile(store, url, size, etag, "", chunk, origin=start, end=end, keep=_KEEP))
+    return contextlib.closing(ShardFile(store, url, size, etag, "", chunk, origin=start, end=end, keep=_KEEP,
+                                        ahead=ahead_for(chunk)))
 
 
 class _Ahead:
