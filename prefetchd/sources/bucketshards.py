@@ -137,19 +137,20 @@ class ShardFile:
     ``keep`` chunks last fetched, in memory, no temporary file (a reader that only goes forward,
     as ``tarheaders.walk`` does, over an object of 100 GB).
 
-    ``ahead`` (with ``keep``): while the reads go through the chunks in a row (a read starts in the
-    chunk the last one ended in, or the next), the GETs of the next chunks are sent before they are
-    read, on ``ahead`` threads: one chunk ahead after one chunk read in a row, two after two, up to
-    ``ahead``; a read that skips (the walk jumps over a large member) fetches nothing ahead until
-    it reads in a row again. So a walk that reads every chunk waits on one request's latency every
+    ``ahead`` (with ``keep``): GETs are sent on ``ahead`` threads. A read spanning several chunks
+    (``tarheaders.walk``'s window grows to 256 KiB over small members) sends theirs at once. While
+    the reads go through the chunks in a row (a read starts in the chunk the last one ended in, or
+    the next), the GETs of the next chunks are sent before they are read: one chunk ahead after one
+    chunk read in a row, two after two, up to ``ahead``; a read that skips (the walk jumps over a
+    large member) fetches nothing ahead until it reads in a row again. So a walk that reads every chunk waits on one request's latency every
     ``ahead`` chunks, not every chunk; one whose headers are chunks apart fetches what it did
     sequentially; and the chunks fetched are those a sequential reader fetches plus, where a run in
     a row ends in a skip, at most as many as the run's length and ``ahead``, never past ``end``.
-    Memory: the ``keep`` chunks held, the ``ahead`` fetched or in flight, and up to ``ahead`` no
-    longer wanted whose GET is ending. Each GET is the sequential one (If-Match on the ETag, the
-    answer's ETag checked, faults retried by ``store.pread``), its error raised when its chunk is
-    read (never, if the walk skips it); a stop or ``close`` sends none more, cancels those not
-    started and ``close`` waits for those started."""
+    Memory: the ``keep`` chunks held, the chunks of the read under way, the ``ahead`` fetched or in
+    flight, and up to ``ahead`` no longer wanted whose GET is ending. Each GET is the sequential
+    one (If-Match on the ETag, the answer's ETag checked, faults retried by ``store.pread``), its
+    error raised when its chunk is read (never, if the walk skips it); a stop or ``close`` sends
+    none more, cancels those not started and ``close`` waits for those started."""
 
     def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0,
                  stop: threading.Event | None = None, origin: int = 0, end: int = 0, keep: int = 0,
@@ -183,6 +184,7 @@ class ShardFile:
         first, last = (offset - o) // c, (end - 1 - o) // c
         if self.ahead:
             self._moved(first)
+            self._send(range(first + 1, last + 1))  # a read of several chunks (a 256 KiB window): at once
         parts = []
         for k in range(first, last + 1):
             at = o + k * c
@@ -234,11 +236,14 @@ class ShardFile:
         the ``min(run, ahead)`` chunks after ``last`` fetched or in flight (not past ``end``)."""
         self._run = self._run + last - self._last if self._row else 0  # a skip's own chunks start no run
         self._last = last
-        if not self._run:
-            return
+        self._send(range(last + 1, last + 1 + min(self._run, self.ahead)))
+
+    def _send(self, chunks: range) -> None:
+        """Send the GETs of ``chunks`` not held nor in flight (none past ``end``, none after a stop)."""
         n_chunks = -(-(self.end - self.origin) // self.chunk)
-        for k in range(last + 1, min(last + 1 + min(self._run, self.ahead), n_chunks)):
-            if k in self._flight or k in self._held or _EXITING.is_set() or (self.stop and self.stop.is_set()):
+        for k in chunks:
+            if k >= n_chunks or k in self._flight or k in self._held or _EXITING.is_set() or (
+                    self.stop is not None and self.stop.is_set()):
                 continue
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.ahead, thread_name_prefix="prefetchd-ahead")
