@@ -43,7 +43,7 @@ import posixpath
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 from prefetchd.sources import objectstore, readahead, shardnames, webdataset
@@ -65,6 +65,8 @@ META = "bucket-tarmeta.json"  # not archive's tarmeta.json: ``dataset.open_index
 _VERSION = 1
 CHUNK = 8 << 20  # bytes of a shard one GET of the scan fetches
 SCANS_IN_FLIGHT = 8  # shards indexed at once
+AHEAD_BYTES = 32 << 20  # bytes a forward reader fetches ahead while it reads its chunks in a row
+MAX_AHEAD = 8  # chunks it keeps in flight at most (4 of 8 MiB, 8 of 1 MiB)
 # set as the interpreter exits, before concurrent.futures joins its threads: a daemon stopped while
 # it indexes (on a thread it does not wait for) waits for no shard's remaining chunks
 _EXITING = threading.Event()
@@ -114,6 +116,11 @@ def temp_dir(tmpdir: str) -> str:
     return tmpdir
 
 
+def ahead_for(chunk: int) -> int:
+    """The chunks a forward reader of ``chunk``-byte chunks fetches ahead (``ShardFile``'s ``ahead``)."""
+    return min(MAX_AHEAD, max(1, AHEAD_BYTES // chunk))  # MAX_AHEAD 0: none (sequential)
+
+
 def _unwritable(tmpdir: str, e: OSError) -> DatasetError:
     return DatasetError(f"dataset.cache_dir: the temporary files of an index of tars in a bucket cannot be made in "
                         f"{tmpdir} ({e.strerror or e}); set dataset.cache_dir to a folder this user can write, with "
@@ -128,10 +135,26 @@ class ShardFile:
     ``origin`` and ``end``: the byte range of the object read (a class tar inside ImageNet's train
     tar), chunks counted from ``origin`` and none fetched past ``end``. ``keep``: hold only the
     ``keep`` chunks last fetched, in memory, no temporary file (a reader that only goes forward,
-    as ``tarheaders.walk`` does, over an object of 100 GB)."""
+    as ``tarheaders.walk`` does, over an object of 100 GB).
+
+    ``ahead`` (with ``keep``): GETs are sent on ``ahead`` threads. A read spanning several chunks
+    (``tarheaders.walk``'s window grows to 256 KiB over small members) sends theirs at once. While
+    the reads go through the chunks in a row (a read starts in the chunk the last one ended in, or
+    the next), the GETs of the next chunks are sent before they are read: one chunk ahead after one
+    chunk read in a row, two after two, up to ``ahead``; a read that skips (the walk jumps over a
+    large member) fetches nothing ahead until it reads in a row again. So a walk that reads every chunk waits on one request's latency every
+    ``ahead`` chunks, not every chunk; one whose headers are chunks apart fetches what it did
+    sequentially; and the chunks fetched are those a sequential reader fetches plus, where a run in
+    a row ends in a skip, at most as many as the run's length and ``ahead``, never past ``end``.
+    Memory: the ``keep`` chunks held, the chunks of the read under way, the ``ahead`` fetched or in
+    flight, and up to ``ahead`` no longer wanted whose GET is ending. Each GET is the sequential
+    one (If-Match on the ETag, the answer's ETag checked, faults retried by ``store.pread``), its
+    error raised when its chunk is read (never, if the walk skips it); a stop or ``close`` sends
+    none more, cancels those not started and ``close`` waits for those started."""
 
     def __init__(self, store, url: str, size: int, etag: str, tmpdir: str, chunk: int = 0,
-                 stop: threading.Event | None = None, origin: int = 0, end: int = 0, keep: int = 0):
+                 stop: threading.Event | None = None, origin: int = 0, end: int = 0, keep: int = 0,
+                 ahead: int = 0):
         self.store, self.url, self.size, self.chunk = store, url, size, chunk or CHUNK
         self.stop = stop  # set: the scan was left (an error elsewhere, a stop): no more chunks fetched
         self.handle = objectstore.Handle(url, size, etag)
@@ -146,21 +169,32 @@ class ShardFile:
         self._have: set[int] = set()
         self._held: collections.OrderedDict[int, bytes] = collections.OrderedDict()  # keep: chunk -> bytes
         self.gets = 0
+        self.ahead = ahead if keep else 0
+        self._flight: dict[int, Future] = {}  # chunk -> its GET sent ahead
+        self._pool: ThreadPoolExecutor | None = None
+        self._last = -2  # the chunk the last read ended in (-2: none yet)
+        self._run = 0  # chunks entered by reads in a row since the last skip: how far ahead to fetch
+        self._row = False  # the read under way started in a row with the last one
 
     def pread(self, size: int, offset: int) -> bytes:
         end = min(offset + size, self.end)
         if end <= offset:
             return b""
         c, o = self.chunk, self.origin
+        first, last = (offset - o) // c, (end - 1 - o) // c
+        if self.ahead:
+            self._moved(first)
+            self._send(range(first + 1, last + 1))  # a read of several chunks (a 256 KiB window): at once
         parts = []
-        for k in range((offset - o) // c, (end - 1 - o) // c + 1):
+        for k in range(first, last + 1):
             at = o + k * c
             if k not in self._have and k not in self._held:
-                if _EXITING.is_set() or (self.stop is not None and self.stop.is_set()):
-                    raise DatasetError(f"indexing {self.url} stopped")
+                self._check_stop()
                 want = min(c, self.end - at)
-                data = self.store.pread(self.handle, want, at, cache=False)  # no sample reads it again
-                self.gets += 1
+                sent = self._flight.pop(k, None)
+                if sent is None:
+                    self.gets += 1
+                data = sent.result() if sent is not None else self._get(k)
                 if len(data) != want:
                     raise OSError(errno.EIO, f"{len(data)} bytes at offset {at}, not {want}", self.url)
                 if self._file is None:
@@ -173,7 +207,48 @@ class ShardFile:
             if self._file is None:
                 self._held.move_to_end(k)
                 parts.append(self._held[k][max(offset - at, 0):end - at])
+        if self.ahead:
+            self._send_ahead(last)
         return b"".join(parts) if self._file is None else os.pread(self._file.fileno(), end - offset, offset)
+
+    def _check_stop(self) -> None:
+        if _EXITING.is_set() or (self.stop is not None and self.stop.is_set()):
+            raise DatasetError(f"indexing {self.url} stopped")
+
+    def _get(self, k: int) -> bytes:
+        """Chunk ``k``'s ranged GET (If-Match, the answer's ETag checked, faults retried: ``store.pread``)."""
+        at = self.origin + k * self.chunk
+        return self.store.pread(self.handle, min(self.chunk, self.end - at), at, cache=False)  # no sample reads it again
+
+    def _ahead_get(self, k: int) -> bytes:
+        self._check_stop()  # a GET sent ahead and not started before a stop: none sent
+        return self._get(k)
+
+    def _moved(self, first: int) -> None:
+        """A read starts in chunk ``first``: in a row with the last read (in its last chunk or the
+        next), or a skip, which ends the run."""
+        self._row = first in (self._last, self._last + 1)
+        for k in [k for k in self._flight if k < first]:  # skipped over: not wanted
+            self._flight.pop(k).cancel()
+
+    def _send_ahead(self, last: int) -> None:
+        """The read in a row ended in chunk ``last``: the run grows by the chunks it entered; have
+        the ``min(run, ahead)`` chunks after ``last`` fetched or in flight (not past ``end``)."""
+        self._run = self._run + last - self._last if self._row else 0  # a skip's own chunks start no run
+        self._last = last
+        self._send(range(last + 1, last + 1 + min(self._run, self.ahead)))
+
+    def _send(self, chunks: range) -> None:
+        """Send the GETs of ``chunks`` not held nor in flight (none past ``end``, none after a stop)."""
+        n_chunks = -(-(self.end - self.origin) // self.chunk)
+        for k in chunks:
+            if k >= n_chunks or k in self._flight or k in self._held or _EXITING.is_set() or (
+                    self.stop is not None and self.stop.is_set()):
+                continue
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.ahead, thread_name_prefix="prefetchd-ahead")
+            self._flight[k] = self._pool.submit(self._ahead_get, k)
+            self.gets += 1
 
     def _keep(self, data: bytes, at: int) -> None:
         """Write a fetched chunk to the temporary file, whole: a disk that is full wrote part of it (a
@@ -189,6 +264,11 @@ class ShardFile:
                                f"up to {SCANS_IN_FLIGHT + 1} tars' chunks there at once)")
 
     def close(self) -> None:
+        for sent in self._flight.values():
+            sent.cancel()
+        self._flight.clear()
+        if self._pool is not None:  # the GETs started end (one request each); no thread is left
+            self._pool.shutdown(wait=True, cancel_futures=True)
         if self._file is not None:
             self._file.close()
         self._held.clear()
