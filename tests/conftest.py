@@ -28,7 +28,7 @@ for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
 _ONE_WORKER = {"test_systemd": "systemd", "test_slurm": "slurm", "test_ray": "ray", "test_walkthrough": "walkthrough",
                **dict.fromkeys(("test_objectstore", "test_bucket_parquet", "test_bucket_readahead", "test_bucket_shards",
                                 "test_bucket_imagenet", "test_bucket_imagenet_contact", "test_bytecache", "test_gcs",
-                                "test_gcs_users"), "buckets")}
+                                "test_gcs_users", "test_bucket_imagenet_ahead"), "buckets")}
 
 
 def _module(nodeid: str) -> str:
@@ -191,7 +191,8 @@ def s3(tmp_path_factory):
     try:
         server.start()
     except (RuntimeError, OSError) as e:
-        pytest.skip(f"weed server cannot run here: {e}")
+        # installed but not starting (a port taken, a changed flag): a failure, never a quiet skip
+        pytest.fail(f"weed server did not start: {e}")
     yield server
     server.stop()
 
@@ -220,7 +221,7 @@ def gcs(tmp_path_factory):
     try:
         server.start()
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        pytest.skip(f"fake-gcs-server cannot run here: {e}")
+        pytest.fail(f"fake-gcs-server did not start: {e}")  # installed: as the S3 server's
     yield server
     server.stop()
 

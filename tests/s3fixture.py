@@ -5,7 +5,7 @@ test session with an identity that has a key pair (``-s3.config``), so a request
 another key is refused: credentials are really checked. ``S3Server.env()`` is what a daemon or a
 client needs (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, a region),
 ``put`` uploads an object with obstore. A test is skipped, with the reason, only when the
-binary is not installed or cannot run here.
+binary is not installed; one installed that does not start fails its tests.
 """
 
 from __future__ import annotations
