@@ -33,11 +33,11 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	$(PY) -m prefetchd demo
 
-# The suite in parallel, then the few tests whose subject is how the CPU is shared, alone
-# (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
+# The suite in parallel, then the few tests whose subject is how the CPU is shared, alone, collected
+# from the files that mark them (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
 test: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" --durations=40
-	$(PY) -m pytest -q -m serial --durations=5
+	$(PY) -m pytest -q -m serial --durations=5 $$(grep -l 'pytest.mark.serial' tests/test_*.py)
 
 lint: venv
 	$(VENV)/bin/ruff check prefetchd client tests examples
