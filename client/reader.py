@@ -127,10 +127,7 @@ class ReadAhead:
                     if not announced:  # a wait, not a handover: the daemon counts it while it lasts
                         announced = self._client._say_waiting(time.time() - clock.tick(), block=False)
                     if self.stop.is_set():
-                        raise PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), "
-                                            "close() or a newer iteration of the same client, or by another "
-                                            f"PrefetchClient of rank {self._client.rank} moving in this "
-                                            "process") from None
+                        raise self._ended() from None
                     if not self._thread.is_alive() and self._q.empty():
                         raise PrefetchError(f"the reader thread ended without rank {self._client.rank} epoch "
                                             f"{self.epoch} batch {batch}") from None
@@ -142,12 +139,19 @@ class ReadAhead:
                         raise PrefetchTimeout(self._client._timeout_message(self.epoch, batch, clock, limit,
                                                                             self.in_hand(batch))) from None
                     continue
+                if self.stop.is_set():  # put by a reader that checked just before close() drained the queue
+                    raise self._ended()
                 if kind == "error":
                     raise value
                 return value
         finally:
             self.waited = clock.tick(final=True)
             self.announced = announced
+
+    def _ended(self) -> PrefetchError:
+        return PrefetchError("this iteration was ended by seek(), load_state_dict(), set_epoch(), close() or a "
+                             "newer iteration of the same client, or by another PrefetchClient of rank "
+                             f"{self._client.rank} moving in this process")
 
     def close(self) -> None:
         self.stop.set()

@@ -8,6 +8,7 @@ batches the new loader waits for, and the trainer would time out."""
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import threading
 
@@ -102,4 +103,34 @@ def test_a_left_behind_readers_report_in_flight_never_lands_after_the_new_loader
     it.close()
     old.close()
     assert "jumped back" not in d.log(), d.log()
+    assert d.stop() == 0
+
+
+def test_a_batch_put_after_its_iteration_was_ended_is_never_handed_over(tmp_path, image_root, daemon_factory):
+    """close() sets the reader's stop, drops what it read ahead and waits a while for its thread. A
+    reader that looked at stop just before, slowed by a loaded machine past that wait, put its batch
+    after the drop, and next() on the ended iteration handed that stale batch over instead of saying
+    it was ended (CI, five test workers on two cores: 'DID NOT RAISE PrefetchError'). Here the late
+    put is made by hand, after the newer iteration ended the old one."""
+    from conftest import wait_until
+    from prefetchd_client import PrefetchError
+
+    cfg = small_config(tmp_path, image_root, loader={"epochs": 3})
+    d = daemon_factory(cfg)
+    with PrefetchClient(cfg, timeout=30, as_numpy=True) as c:
+        it = iter(c)
+        next(it)
+        reader = c._reader
+        wait_until(lambda: reader._q.qsize() > 0, 30, "a batch read ahead")
+        late = reader._q.queue[0]
+        newer = iter(c)  # a newer iteration of the same client ends the held one
+        next(newer)
+        assert reader.stop.is_set()
+        try:  # the slow reader's put, landing after the drop
+            reader._q.put_nowait(late)
+        except queue.Full:  # the reader thread made one itself, just as in the race
+            pass
+        with pytest.raises(PrefetchError, match="ended by"):
+            next(it)
+        del newer
     assert d.stop() == 0
