@@ -11,10 +11,10 @@ TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 TORCH_CPU_PIP   := -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
 
 # The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
-# twice the CPUs this process may use and one, at most 8. Most tests wait on a daemon or a trainer
-# process for much of their time: on 2 cores, 5 workers ran the parallel pass in 8 min 2 s, 4 in
-# 8 min 50 s (CONTRIBUTING.md).
-TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0)) + 1))')
+# twice the CPUs this process may use, at most 8. Most tests wait on a daemon or a trainer process for
+# much of their time, so two a CPU keep the CPUs busy; on 2 cores 5 were no faster than 4 (8 min 2 s
+# and 8 min 51 s against 8 min 50 s, CONTRIBUTING.md), and load more.
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 .PHONY: venv demo test lint bench clean print-torch-cpu
 
