@@ -237,3 +237,20 @@ def test_each_docs_page_opens_with_what_it_is_for_and_the_readme_stays_short():
         assert first[0].isalpha() and first.endswith(".") and not first.startswith(("- ", "|", "```")), \
             f"{page.name}: the first paragraph is not a sentence saying what the page is for: {first[:80]!r}"
         assert f"docs/{page.name}" in readme, f"the README's table of where to go next does not name docs/{page.name}"
+
+
+def test_every_module_that_uses_a_bucket_server_shares_one_worker():
+    """`make test`'s workers each start the S3 server and the GCS emulator their tests ask for
+    (session fixtures): a module using them that `conftest._ONE_WORKER` does not put in the
+    "buckets" group starts them again on another worker, unseen."""
+    import conftest
+
+    servers = {"s3", "s3_env", "gcs", "gcs_env"}
+    using = set()
+    for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and servers & {a.arg for a in node.args.args}:
+                using.add(path.stem)
+                break
+    assert using and all(conftest._ONE_WORKER.get(m) == "buckets" for m in using), \
+        sorted(m for m in using if conftest._ONE_WORKER.get(m) != "buckets")
