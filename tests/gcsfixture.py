@@ -27,6 +27,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from s3fixture import LocalServer
+
 BUCKET = "pfd-images"
 CLIENT_EMAIL = "prefetchd-test@pfd-test.iam.gserviceaccount.com"
 _START_TIMEOUT_S = 30.0
@@ -44,7 +46,7 @@ def binary() -> str | None:
         return None
 
 
-class GCSServer:
+class GCSServer(LocalServer):
     """One fake-gcs-server process, and a service account key file in ``workdir``. ``xml_api``:
     started with ``-public-host`` (without it, as its own examples start it, every XML API
     listing answers 404; ``public_host``: a proxy's ``host:port`` in front of it, which its XML API
@@ -108,13 +110,6 @@ class GCSServer:
                        "private_key": pem, "client_email": CLIENT_EMAIL, "client_id": "1",
                        "token_uri": "https://oauth2.googleapis.com/token"}, f)
 
-    def _log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-2000:].decode(errors="replace")
-        except OSError:
-            return ""
-
     def _tls(self):
         import ssl
 
@@ -136,23 +131,3 @@ class GCSServer:
         req = urllib.request.Request(f"{self.endpoint}/upload/storage/v1/b/{bucket}/o?{query}", data=data,
                                      method="POST", headers={"Content-Type": "application/octet-stream"})
         urllib.request.urlopen(req, timeout=10, context=self._tls()).close()
-
-    def upload_tree(self, local_root: str, prefix: str, bucket: str = BUCKET) -> int:
-        """Upload every file under ``local_root`` as ``prefix/<relative path>``; returns the count."""
-        n = 0
-        for dirpath, _, files in os.walk(local_root):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                with open(path, "rb") as f:
-                    self.put(f"{prefix}/{os.path.relpath(path, local_root)}", f.read(), bucket)
-                n += 1
-        return n
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)

@@ -45,7 +45,45 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-class S3Server:
+class LocalServer:
+    """What the tests' local object stores share (this S3 server, ``gcsfixture.GCSServer``): a
+    process with its log at ``log_path``; a subclass's ``put`` uploads one object."""
+
+    proc: subprocess.Popen | None = None
+    log_path = ""
+
+    def put(self, key: str, data: bytes, bucket: str = BUCKET) -> None:
+        raise NotImplementedError
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-2000:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def upload_tree(self, local_root: str, prefix: str, bucket: str = BUCKET) -> int:
+        """Upload every file under ``local_root`` as ``prefix/<relative path>``; returns the count."""
+        n = 0
+        for dirpath, _, files in os.walk(local_root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                with open(path, "rb") as f:
+                    self.put(f"{prefix}/{os.path.relpath(path, local_root)}", f.read(), bucket)
+                n += 1
+        return n
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+class S3Server(LocalServer):
     """One ``weed server -s3`` process with its data in ``workdir``."""
 
     def __init__(self, workdir: str):
@@ -108,13 +146,6 @@ class S3Server:
         except Exception:  # noqa: BLE001 - not up yet: connection refused, 5xx while the filer starts
             return False
 
-    def _log_tail(self) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-2000:].decode(errors="replace")
-        except OSError:
-            return ""
-
     def make_bucket(self, name: str) -> None:
         """Create the bucket ``name`` (an S3 CreateBucket signed with the test identity; ok if it exists)."""
         _create_bucket(self.endpoint, name)
@@ -130,26 +161,6 @@ class S3Server:
         import obstore
 
         obstore.put(self.store(bucket), key, data)
-
-    def upload_tree(self, local_root: str, prefix: str, bucket: str = BUCKET) -> int:
-        """Upload every file under ``local_root`` as ``prefix/<relative path>``; returns the count."""
-        n = 0
-        for dirpath, _, files in os.walk(local_root):
-            for name in files:
-                path = os.path.join(dirpath, name)
-                with open(path, "rb") as f:
-                    self.put(f"{prefix}/{os.path.relpath(path, local_root)}", f.read(), bucket)
-                n += 1
-        return n
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
 
 
 def _create_bucket(endpoint: str, name: str) -> None:
