@@ -18,6 +18,7 @@ element form and both byte orders. We keep it instead of depending on scipy (ten
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -193,9 +194,8 @@ def _read_url(devkit: str) -> dict[str, bytes]:
     ``.tar`` object, one GET: 2.5 MB) or the prefix it was extracted to (the two files under a
     ``data/`` folder of it, one listing and two GETs)."""
     from prefetchd.sources import objectstore
-    from prefetchd.sources.base import DatasetError
 
-    try:
+    with _bucket_errors(devkit):
         store = objectstore.store_for(devkit, None, "validation.devkit")
         if devkit.lower().endswith((".tar.gz", ".tgz", ".tar")):
             size = store.head(devkit).size
@@ -224,11 +224,21 @@ def _read_url(devkit: str) -> dict[str, bytes]:
             raise DevkitError(f"validation.devkit {devkit} is no extracted devkit, but holds "
                               f"{archives[0]}: set validation.devkit to {devkit.rstrip('/')}/{archives[0]}")
         return {want: store.read(f"{devkit.rstrip('/')}/{rel}") for want, rel in found.items()}
+
+
+@contextlib.contextmanager
+def _bucket_errors(url: str):
+    """A devkit in a bucket that cannot be read, in one line: ``DevkitError``."""
+    from prefetchd.sources import objectstore
+    from prefetchd.sources.base import DatasetError
+
+    try:
+        yield
     except FileNotFoundError:
-        raise DevkitError(f"validation.devkit {devkit} is not in the bucket (404): give the URL of "
+        raise DevkitError(f"validation.devkit {url} is not in the bucket (404): give the URL of "
                           "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
     except OSError as e:
-        raise DevkitError(f"validation.devkit {devkit} cannot be read: {objectstore.words(e)}") from None
+        raise DevkitError(f"validation.devkit {url} cannot be read: {objectstore.words(e)}") from None
     except DatasetError as e:
         raise DevkitError(str(e)) from None
 
@@ -268,21 +278,13 @@ def url_stamp(url: str) -> list:
     """A devkit object's cache stamp: its URL, size and ETag now (one HEAD); a prefix's: its
     listing's names, sizes and ETags (one listing)."""
     from prefetchd.sources import objectstore
-    from prefetchd.sources.base import DatasetError
 
-    try:
+    with _bucket_errors(url):
         store = objectstore.store_for(url, None, "validation.devkit")
         if url.lower().endswith((".tar.gz", ".tgz", ".tar")):
             h = store.head(url)
             return [url, h.size, h.etag]
         return [url, *sorted(f"{rel}:{size}:{etag}" for rel, size, etag in store.list(url) if _which(url, rel))]
-    except FileNotFoundError:
-        raise DevkitError(f"validation.devkit {url} is not in the bucket (404): give the URL of "
-                          "ILSVRC2012_devkit_t12.tar.gz there, or a local path") from None
-    except OSError as e:
-        raise DevkitError(f"validation.devkit {url} cannot be read: {objectstore.words(e)}") from None
-    except DatasetError as e:
-        raise DevkitError(str(e)) from None
 
 
 def _scalar(v: object) -> int:
