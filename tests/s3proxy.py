@@ -6,7 +6,8 @@ Requests are forwarded unchanged (their Host header too, so SigV4 signatures sti
 every request for a while (the endpoint gone), ``latency_s`` delays each one.
 ``requests`` and ``faulted`` count what went through, ``max_in_flight`` the most requests it held
 at once; ``log`` holds each answered request's method, path, Range header and body size,
-``refused`` each faulted request's path.
+``refused`` each faulted request's path. ``deny(suffix)`` answers 403 AccessDenied to every read
+(GET, HEAD) of an object whose key ends so, while listings answer: an object's own ACL.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class FaultProxy:
         self._armed: tuple[int, list[str]] | None = None  # (after this many requests, that plan)
         self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
         self._down_until = 0.0
+        self._denied: tuple[str, ...] = ()  # key suffixes whose objects refuse reads (``deny``)
         self._lock = threading.Lock()
         proxy = self
 
@@ -54,6 +56,9 @@ class FaultProxy:
                     if proxy._outage is not None and proxy.requests >= proxy._outage[0]:
                         proxy._down_until, proxy._outage = time.monotonic() + proxy._outage[1], None
                     fault = proxy._plan.pop(0) if proxy._plan else None
+                    key = self.path.split("?", 1)[0]
+                    if fault is None and "?" not in self.path and key.endswith(proxy._denied or ("\0",)):
+                        fault = "denied"  # the object's ACL: a listing (a query string) still answers
                     if fault is None and time.monotonic() < proxy._down_until:
                         fault = "reset"  # the endpoint gone: every connection reset
                     proxy.faulted += fault is not None
@@ -66,11 +71,12 @@ class FaultProxy:
                     self.connection.close()
                     self.close_connection = True
                     return
-                if fault in ("503", "403"):
+                if fault in ("503", "403", "denied"):
                     msg = (b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
                            if fault == "503" else
-                           b"<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message></Error>")
-                    self.send_response(int(fault))
+                           b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>" if fault == "denied"
+                           else b"<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message></Error>")
+                    self.send_response(403 if fault == "denied" else int(fault))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
@@ -131,6 +137,12 @@ class FaultProxy:
                 self._armed = (after_requests, plan)
             else:
                 self._plan = plan
+
+    def deny(self, *suffixes: str) -> None:
+        """Reads of the objects whose keys end with one of ``suffixes`` answer 403 AccessDenied from now
+        on (none: all answer again); listings are not refused."""
+        with self._lock:
+            self._denied = tuple(suffixes)
 
     def outage(self, seconds: float, after_requests: int = 0) -> None:
         """From request number ``after_requests`` on, every request for ``seconds`` is reset."""

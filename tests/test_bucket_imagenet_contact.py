@@ -179,6 +179,37 @@ def test_a_key_that_expires_mid_run_blames_no_sample_and_the_batch_waits_saying_
             read_sample(lambda i=index: i.read(2), index.root, sleep=lambda s: None)
 
 
+def test_a_root_that_is_one_object_refused_by_its_acl_is_the_roots_refusal_not_each_samples(inet, uploaded, proxy,
+                                                                                             tmp_path):
+    # the check of a sample's 403 asked with a listing, which a bucket still answers when only the train
+    # tar's ACL refuses it: every sample was then blamed in turn (quarantined, replaced by others that
+    # failed the same way), though none of them could be read. A root of one object is asked with a HEAD.
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    tar = f"{uploaded}/ILSVRC2012_img_train.tar"
+    index, _ = load_index(tar, None, EXTS, str(tmp_path / "one"))
+    proxy.deny("/ILSVRC2012_img_train.tar")
+    try:
+        with pytest.raises(StorageUnavailable) as e:
+            read_sample(lambda: index.read(1), index.root, sleep=lambda s: None)
+    finally:
+        proxy.deny()
+    said = str(e.value)
+    assert "\n" not in said and f"the dataset root {tar} cannot be read now (access denied (403)" in said, said
+    assert read_sample(lambda: index.read(1), index.root)  # the ACL mended: read again, nothing quarantined
+    # a prefix of class tars, one refused: the samples in it are theirs to blame, as files a local
+    # folder cannot open (the others are read)
+    prefix = load_index(f"{uploaded}/train_tars", None, EXTS, str(tmp_path / "prefix"))[0]
+    first = prefix.read(0)
+    proxy.deny(".tar")
+    try:
+        with pytest.raises(SampleUnreadable):
+            read_sample(lambda: prefix.read(len(prefix) - 1), prefix.root, sleep=lambda s: None)
+    finally:
+        proxy.deny()
+    assert read_sample(lambda: prefix.read(0), prefix.root) == first
+
+
 def test_a_full_disk_under_the_index_cache_is_one_line_saying_so_not_a_truncated_tar(s3_env, uploaded, tmp_path):
     # the class tars' chunks are kept in dataset.cache_dir/tmp while they are indexed; on a full disk
     # the write was short and unchecked, so the read back was short: "s3://.../n06126983.tar is

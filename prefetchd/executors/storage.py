@@ -65,12 +65,16 @@ def root_unreadable(root: str) -> str | None:
 
 
 def _bucket_refuses(root: str) -> str | None:
-    """Why the bucket root refuses a listing now (its key expired or revoked: one request), or None
-    if it lists: a sample's 403 is then its own object's (an ACL), as a local file's EACCES."""
+    """Why the bucket root refuses to be read now, or None if a sample's 403 is its own object's (an
+    ACL), as a local file's EACCES. A root that is a prefix is asked with a listing (a key expired or
+    revoked: one request); a root that is one object (a train tar, one shard: it lists nothing under
+    it) with a HEAD of that object, since its refusal refuses every sample."""
     from prefetchd.sources import objectstore
 
+    store = objectstore.store_for(root)
     try:
-        objectstore.store_for(root).first(root)
+        if store.first(root) is None:
+            store.head(root)  # one object, or an empty prefix (whose HEAD's 404 is not a refusal)
     except OSError as e:
         return objectstore.words(e) if e.errno == errno.EACCES else None
     return None
