@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from urllib.parse import unquote
 
 import pytest
 from bucketrun import same_batches_from_the_bucket_and_no_secret
@@ -226,6 +227,41 @@ def test_a_file_list_in_the_bucket_or_of_urls_is_the_local_lists_index(s3, s3_en
     by_url, _ = load_index(None, str(urls), EXTS, str(tmp_path / "cache"))
     assert by_url.root == f"s3://{BUCKET}/inet-list"
     _same_plain(by_url, local)
+
+
+def test_a_file_list_lists_only_the_folders_its_images_lie_in(s3, s3_env, image_root, tmp_path, proxy):
+    # the list's paths were checked against one listing of everything under the list's folder: for a
+    # list at a bucket's top, the whole bucket. Now each folder named is listed at its own level.
+    classes = sorted(os.listdir(image_root))
+    kept = classes[1:3]
+    text = "".join(f"{cls}/{n} {label}\n" for label, cls in enumerate(kept)
+                   for n in sorted(os.listdir(os.path.join(image_root, cls)))[:3])
+    s3.upload_tree(image_root, "inet-flist")
+    s3.put("inet-flist/list.txt", text.encode())
+    (tmp_path / "imgs").mkdir()
+    for cls in kept:
+        shutil.copytree(os.path.join(image_root, cls), tmp_path / "imgs" / cls)
+    (tmp_path / "imgs" / "list.txt").write_text(text)
+    local, _ = load_index(None, str(tmp_path / "imgs" / "list.txt"), EXTS, str(tmp_path / "local"))
+    before = len(proxy.log)
+    index, _ = load_index(None, f"s3://{BUCKET}/inet-flist/list.txt", EXTS, str(tmp_path / "cache"))
+    _same_plain(index, local)
+    listings = sorted(unquote(path) for _, path, _, _ in proxy.log[before:] if "list-type" in path)
+    assert len(listings) == 2 and all("delimiter=/" in p for p in listings), listings
+    assert [p.split("prefix=")[1].split("&")[0] for p in listings] == [f"inet-flist/{c}/" for c in kept], listings
+    # an image a folder (more folders than the listed objects' pages, and over 64): one listing of all
+    many = tmp_path / "many"
+    for i in range(65):
+        (many / f"d{i:02d}").mkdir(parents=True)
+        shutil.copy(os.path.join(image_root, kept[0], sorted(os.listdir(os.path.join(image_root, kept[0])))[0]),
+                    many / f"d{i:02d}" / "x.jpg")
+    (many / "list.txt").write_text("".join(f"d{i:02d}/x.jpg {i % 2}\n" for i in range(65)))
+    s3.upload_tree(str(many), "inet-flist-many")
+    before = len(proxy.log)
+    wide, _ = load_index(None, f"s3://{BUCKET}/inet-flist-many/list.txt", EXTS, str(tmp_path / "cache"))
+    assert len(wide) == 65 and wide.read(64) == wide.read(0)
+    listings = [unquote(path) for _, path, _, _ in proxy.log[before:] if "list-type" in path]
+    assert len(listings) == 1 and "delimiter" not in listings[0], listings
 
 
 def _same_plain(index, local) -> None:

@@ -12,9 +12,9 @@ blank lines, non-negative integer labels, classes ``0`` .. the largest label):
 The index is a ``bucketfolder.BucketIndex`` (a sample is one GET of its object, read ahead and
 through the node-local cache as an ImageFolder's): its root is the list's folder when every path
 lies under it (so a list uploaded beside its images gives the local list's paths, labels and
-fingerprint: the same batches), else the deepest folder holding them all. One listing of that
-folder gives each object's size and ETag; paths that name no object are one line, before any
-batch. The index is cached keyed on the list's bytes (a list rewritten is indexed anew), the
+fingerprint: the same batches), else the deepest folder holding them all. A listing of each folder
+the paths lie in (its own level; or, with very many folders, one of everything under the root) gives
+each object's size and ETag; paths that name no object are one line, before any batch. The index is cached keyed on the list's bytes (a list rewritten is indexed anew), the
 root and the endpoint.
 """
 
@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import posixpath
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -73,6 +74,27 @@ def _root(urls: list[str], folder: str | None, where: str, key: str) -> str:
     return f"{scheme}://{common or bucket}"
 
 
+_PAGE = 1000  # the objects a listing's page holds (S3's and GCS's most)
+_FOLDERS_IN_FLIGHT = 8
+
+
+def _listed(store: objectstore.ObjectStore, root: str, rel: list[str]) -> dict[str, tuple[int, str]]:
+    """``{path under root: (size, ETag)}`` of the objects in the folders the list's paths lie in: each
+    folder's own level, listed apart (8 at once), where that takes no more requests than the
+    listed objects' own pages would, so a list of a few images at a bucket's top does not list the
+    whole bucket; else (an image a folder) one listing of everything under ``root``."""
+    folders = sorted({posixpath.dirname(r) for r in rel})
+    if len(folders) > max(64, -(-len(rel) // _PAGE)):
+        return {name: (size, etag) for name, size, etag in store.list(root)}
+
+    def level(folder: str) -> list[tuple[str, int, str]]:
+        objects, _ = store.list_top(f"{root}/{folder}" if folder else root)
+        return [(f"{folder}/{name}" if folder else name, size, etag) for name, size, etag in objects]
+
+    with ThreadPoolExecutor(min(_FOLDERS_IN_FLIGHT, len(folders)), thread_name_prefix="prefetchd-list") as pool:
+        return {name: (size, etag) for got in pool.map(level, folders) for name, size, etag in got}
+
+
 def load(list_path: str, extensions: tuple[str, ...], cache_dir: str | None, use_cache: bool = True,
          section: str = "dataset", storage_options: dict | None = None) -> tuple[bucketfolder.BucketIndex, bool]:
     """(index, from_cache) of the file list ``list_path`` (an ``s3://`` URL, or a local list of them)."""
@@ -112,7 +134,7 @@ def load(list_path: str, extensions: tuple[str, ...], cache_dir: str | None, use
             return cached, True
     rel = [u[len(root) + 1:] for u in urls]
     try:
-        listed = {name: (size, etag) for name, size, etag in store.list(root)}
+        listed = _listed(store, root, rel)
     except OSError as e:
         raise objectstore.listing_error(key, root, store, e) from None
     missing = [r for r in rel if r not in listed]
