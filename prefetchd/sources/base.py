@@ -206,6 +206,35 @@ def read_cache(cdir: str, meta_name: str, version: int, build, stamps_valid=None
         return None
 
 
+def cached_or_scanned(cdir: str, meta_name: str, use_cache: bool, load_cached, changed, scan, cache_of):
+    """``(index, from_cache)`` of a bucket's layout: the index cached in ``cdir`` when ``changed(cached)``
+    (one listing: are the objects still those indexed?) says None, else its warning's words and a new
+    ``scan()``, timed (its ``scan_s``) and cached (``cache_of(index)``: its arrays and meta) unless
+    ``use_cache`` is false; a cache that cannot be written is a warning (the next start scans again)."""
+    import logging
+    import time
+    from dataclasses import replace
+
+    log = logging.getLogger("prefetchd.dataset")
+    if use_cache:
+        cached = load_cached(cdir)
+        if cached is not None:
+            why = changed(cached)
+            if why is None:
+                return cached, True
+            log.warning("%s", why)
+    t0 = time.monotonic()
+    index = scan()
+    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
+    if use_cache:
+        try:
+            write_cache(cdir, meta_name, *cache_of(index))
+            index = load_cached(cdir) or index
+        except OSError as e:
+            log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
+    return index, False
+
+
 def open_cached(files_dir: str, meta_name: str, load_cached):
     """The cached index in ``files_dir`` whose meta file is ``meta_name`` (what workers open, by
     ``load_cached(files_dir, validate=False)``), None if the cache is another kind's; a

@@ -38,12 +38,10 @@ root (a HEAD of a single object) and the devkit's stamp (its size and ETag, or a
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefetchd.sources import devkit as dk
 from prefetchd.sources import imagenet, objectstore
@@ -53,9 +51,9 @@ from prefetchd.sources.base import (
     StorageChanged,
     StorageUnavailable,
     cache_path,
+    cached_or_scanned,
     default_cache_dir,
     read_cache,
-    write_cache,
 )
 from prefetchd.sources.bucketshards import (
     CHUNK,
@@ -66,8 +64,6 @@ from prefetchd.sources.bucketshards import (
     temp_dir,
 )
 from prefetchd.sources.tarheaders import BLOCK, walk
-
-log = logging.getLogger("prefetchd.dataset")
 
 META = "bucket-imagenetmeta.json"  # ``dataset.open_index_files`` tells the kinds apart by it
 _VERSION = 1
@@ -272,34 +268,28 @@ def load(root: str, devkit: str | None, extensions: tuple[str, ...], cache_dir: 
     endpoint = store.endpoint()
     cdir = cache_path(cache_dir, f"{root}|devkit={devkit or ''}" + (f" at {endpoint}" if endpoint else ""),
                       "bucket-imagenet", extensions)
-    if use_cache:
-        cached = load_cached(cdir)
-        if cached is not None:
-            listing = objects_of(root, store, key)  # one listing: still the objects indexed?
-            moved = objectstore.moved_since(cached.root, cached.archives, cached.identity, listing)
-            if moved is None and _cached_devkit(cdir) == _devkit_stamp(devkit):
-                return cached, True
-            log.warning("%s changed since it was indexed (%s): indexing it again", root,
-                        f"{len(moved)} overwritten, e.g. {moved[0] or root}" if moved else
-                        "the devkit" if moved is None else "other tars")
     devkit_stamp = _devkit_stamp(devkit)  # before the devkit is read: a change after it shows at the next start
-    t0 = time.monotonic()
-    index = scan(root, devkit, extensions, key, store, os.path.join(cache_dir or default_cache_dir(), "tmp"))
-    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
-    if use_cache:
-        try:
-            write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
-                        {"version": _VERSION, "layout": index.layout, "root": index.root,
-                         "classes": list(index.classes), "archives": list(index.archives),
-                         "fingerprint": index.fingerprint, "count": len(index), "scan_s": index.scan_s,
-                         "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
-                         "stamps": {"root": root, "devkit": devkit, "devkit_stamp": devkit_stamp,
-                                    "objects": [[n, *x] for n, x in zip(index.archives, index.identity,
-                                                                        strict=True)]}})
-            index = load_cached(cdir) or index
-        except OSError as e:
-            log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
-    return index, False
+
+    def changed(cached: BucketImageNetIndex) -> str | None:
+        listing = objects_of(root, store, key)  # one listing: still the objects indexed?
+        moved = objectstore.moved_since(cached.root, cached.archives, cached.identity, listing)
+        if moved is None and _cached_devkit(cdir) == devkit_stamp:
+            return None
+        return f"{root} changed since it was indexed (" + (
+            f"{len(moved)} overwritten, e.g. {moved[0] or root}" if moved else
+            "the devkit" if moved is None else "other tars") + "): indexing it again"
+
+    def cache_of(index: BucketImageNetIndex) -> tuple[dict, dict]:
+        return {k: getattr(index, k) for k in _ARRAYS}, {
+            "version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
+            "archives": list(index.archives), "fingerprint": index.fingerprint, "count": len(index),
+            "scan_s": index.scan_s, "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
+            "stamps": {"root": root, "devkit": devkit, "devkit_stamp": devkit_stamp,
+                       "objects": [[n, *x] for n, x in zip(index.archives, index.identity, strict=True)]}}
+
+    tmp = os.path.join(cache_dir or default_cache_dir(), "tmp")
+    return cached_or_scanned(cdir, META, use_cache, load_cached, changed,
+                             lambda: scan(root, devkit, extensions, key, store, tmp), cache_of)
 
 
 def _cached_devkit(cdir: str) -> list | None:

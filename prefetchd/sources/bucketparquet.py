@@ -32,16 +32,18 @@ import contextlib
 import errno
 import fnmatch
 import io
-import logging
 import os
 import posixpath
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefetchd.sources import objectstore, parquet, readahead
-from prefetchd.sources.base import DatasetError, StorageChanged, cache_path, read_cache, write_cache
-
-log = logging.getLogger("prefetchd.dataset")
+from prefetchd.sources.base import (
+    DatasetError,
+    StorageChanged,
+    cache_path,
+    cached_or_scanned,
+    read_cache,
+)
 
 META = "bucket-parquetmeta.json"  # not parquet's: ``dataset.open_index_files`` tells the kinds apart by it
 _VERSION = 1
@@ -223,27 +225,21 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
     endpoint = store.endpoint()
     cdir = cache_path(cache_dir, f"{root}|{image_column}|{label_column}" + (f" at {endpoint}" if endpoint else ""),
                       "bucket-parquet", ())
-    if use_cache:
-        cached = load_cached(cdir)
-        if cached is not None:
-            moved = objectstore.moved_since(cached.root, cached.files, cached.identity,
-                                            files_of(root, store, key))  # one listing: still the files indexed?
-            if moved is None:
-                return cached, True
-            log.warning("the Parquet files under %s changed since they were indexed (%s): indexing them again", root,
-                        f"{len(moved)} overwritten, e.g. {moved[0]}" if moved else "other files")
-    t0 = time.monotonic()
-    index = scan(root, image_column, label_column, key, store)
-    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
-    if use_cache:
-        try:
-            write_cache(cdir, META, {k: getattr(index, k) for k in parquet._ARRAYS},
-                        {"version": _VERSION, "root": index.root, "classes": list(index.classes),
-                         "fingerprint": index.fingerprint, "count": len(index), "skipped": list(index.skipped),
-                         "files_": list(index.files), "identity": [list(x) for x in index.identity],
-                         "image_column": index.image_column, "scan_s": index.scan_s,
-                         "stamps": objectstore.listing_stamps(root, index.root, index.files, index.identity)})
-            index = load_cached(cdir) or index
-        except OSError as e:
-            log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
-    return index, False
+
+    def changed(cached: BucketParquetIndex) -> str | None:
+        moved = objectstore.moved_since(cached.root, cached.files, cached.identity,
+                                        files_of(root, store, key))  # one listing: still the files indexed?
+        return None if moved is None else (
+            f"the Parquet files under {root} changed since they were indexed ("
+            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else 'other files'}): indexing them again")
+
+    def cache_of(index: BucketParquetIndex) -> tuple[dict, dict]:
+        return {k: getattr(index, k) for k in parquet._ARRAYS}, {
+            "version": _VERSION, "root": index.root, "classes": list(index.classes),
+            "fingerprint": index.fingerprint, "count": len(index), "skipped": list(index.skipped),
+            "files_": list(index.files), "identity": [list(x) for x in index.identity],
+            "image_column": index.image_column, "scan_s": index.scan_s,
+            "stamps": objectstore.listing_stamps(root, index.root, index.files, index.identity)}
+
+    return cached_or_scanned(cdir, META, use_cache, load_cached, changed,
+                             lambda: scan(root, image_column, label_column, key, store), cache_of)

@@ -37,14 +37,12 @@ import collections
 import contextlib
 import errno
 import itertools
-import logging
 import os
 import posixpath
 import tempfile
 import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from prefetchd.sources import objectstore, readahead, shardnames, webdataset
 from prefetchd.sources.archive import TarIndex
@@ -53,13 +51,11 @@ from prefetchd.sources.base import (
     StorageChanged,
     StorageUnavailable,
     cache_path,
+    cached_or_scanned,
     default_cache_dir,
     read_cache,
-    write_cache,
 )
 from prefetchd.sources.tarheaders import BLOCK
-
-log = logging.getLogger("prefetchd.dataset")
 
 META = "bucket-tarmeta.json"  # not archive's tarmeta.json: ``dataset.open_index_files`` tells the kinds apart by it
 _VERSION = 1
@@ -421,28 +417,21 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
     endpoint = store.endpoint()
     cdir = cache_path(cache_dir, f"{root}|label={label}" + (f" at {endpoint}" if endpoint else ""),
                       "bucket-webdataset", extensions)
-    if use_cache:
-        cached = load_cached(cdir)
-        if cached is not None:
-            moved = objectstore.moved_since(cached.root, cached.archives, cached.identity,
-                                            shards_of(root, store, key))  # one listing: still the shards indexed?
-            if moved is None:
-                return cached, True
-            log.warning("the shards under %s changed since they were indexed (%s): indexing them again", root,
-                        f"{len(moved)} overwritten, e.g. {moved[0]}" if moved else "other shards")
-    t0 = time.monotonic()
-    index = scan(root, extensions, label, key, store, os.path.join(cache_dir or default_cache_dir(), "tmp"))
-    index = replace(index, scan_s=round(time.monotonic() - t0, 3))
-    if use_cache:
-        try:
-            write_cache(cdir, META, {k: getattr(index, k) for k in _ARRAYS},
-                        {"version": _VERSION, "layout": index.layout, "root": index.root,
-                         "classes": list(index.classes), "archives": list(index.archives),
-                         "fingerprint": index.fingerprint, "count": len(index), "scan_s": index.scan_s,
-                         "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
-                         "kind": index.kind,
-                         "stamps": objectstore.listing_stamps(root, index.root, index.archives, index.identity)})
-            index = load_cached(cdir) or index
-        except OSError as e:
-            log.warning("cannot write the index cache in %s (%s); the next start indexes again", cdir, e.strerror)
-    return index, False
+
+    def changed(cached: BucketShardIndex) -> str | None:
+        moved = objectstore.moved_since(cached.root, cached.archives, cached.identity,
+                                        shards_of(root, store, key))  # one listing: still the shards indexed?
+        return None if moved is None else (
+            f"the shards under {root} changed since they were indexed ("
+            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else 'other shards'}): indexing them again")
+
+    def cache_of(index: BucketShardIndex) -> tuple[dict, dict]:
+        return {k: getattr(index, k) for k in _ARRAYS}, {
+            "version": _VERSION, "layout": index.layout, "root": index.root, "classes": list(index.classes),
+            "archives": list(index.archives), "fingerprint": index.fingerprint, "count": len(index),
+            "scan_s": index.scan_s, "identity": [list(x) for x in index.identity], "skipped": list(index.skipped),
+            "kind": index.kind, "stamps": objectstore.listing_stamps(root, index.root, index.archives, index.identity)}
+
+    tmp = os.path.join(cache_dir or default_cache_dir(), "tmp")
+    return cached_or_scanned(cdir, META, use_cache, load_cached, changed,
+                             lambda: scan(root, extensions, label, key, store, tmp), cache_of)
