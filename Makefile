@@ -36,9 +36,13 @@ demo: venv
 
 # The suite in parallel, then the few tests whose subject is how the CPU is shared, alone, collected
 # from the files that mark them (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
+# Python's own default of writing bytecode, where the environment turned it off
+# (PYTHONDONTWRITEBYTECODE): the suite starts over a thousand Python processes (daemons, trainers,
+# `prefetchd` commands) that otherwise compile the project's modules, and pytest its rewritten
+# test modules, afresh each time.
 test: venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" --durations=40
-	$(PY) -m pytest -q -m serial --durations=5 $$(grep -l 'pytest.mark.serial' tests/test_*.py)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" --durations=40
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m serial --durations=5 $$(grep -l 'pytest.mark.serial' tests/test_*.py)
 
 lint: venv
 	$(VENV)/bin/ruff check prefetchd client tests examples
