@@ -37,7 +37,7 @@ demo: venv
 # The suite in parallel, then the few tests whose subject is how the CPU is shared, alone, collected
 # from the files that mark them (CONTRIBUTING.md: the suite's time); the slowest 40, in every run's log
 # Python's own default of writing bytecode, where the environment turned it off
-# (PYTHONDONTWRITEBYTECODE): the suite starts over a thousand Python processes (daemons, trainers,
+# (PYTHONDONTWRITEBYTECODE): the suite starts many Python processes (daemons, their forkservers, trainers,
 # `prefetchd` commands) that otherwise compile the project's modules, and pytest its rewritten
 # test modules, afresh each time.
 test: venv

@@ -32,14 +32,16 @@ from s3proxy import FaultProxy  # noqa: E402
 
 from prefetchd.tools.samples import make_image_folder  # noqa: E402
 
+SMALL = {"output_size": 112, "scale_min": 128, "scale_max": 160}  # the generated images' recipe
 
-def _config(d: str, root: str, batch: int, tasks: int = 2, **dataset) -> str:
+
+def _config(d: str, root: str, batch: int, tasks: int = 2, augment: dict | None = None, **dataset) -> str:
     cfg = {"dataset": {"root": root, "cache_dir": os.path.join(d, "cache"), **dataset},
            "loader": {"batch_size": batch, "seed": 7, "epochs": 2},
            "workers": {"count": 2, "max_tasks_in_flight": tasks},
            "buffer": {"dir": os.path.join(d, "buffer"), "capacity": 8, "refill_at": 6, "max_bytes": "256MiB",
                       "min_free_bytes": "1MiB"},
-           "augment": {"output_size": 112, "scale_min": 128, "scale_max": 160}}
+           "augment": SMALL if augment is None else augment}
     path = os.path.join(d, "cfg.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(cfg, f)
@@ -125,10 +127,14 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--tasks", type=int, default=2, help="workers.max_tasks_in_flight: how far a worker reads ahead")
     ap.add_argument("--cache", action="store_true", help="with dataset.cache: a second bucket run over the warm cache")
+    ap.add_argument("--root", help="an ImageFolder of your own (../shared/bench/make_corpus.py's, say), read with the "
+                                   "daemon's default recipe (shorter side 256..480, crop 224), not generated images")
     a = ap.parse_args()
+    augment = {} if a.root else None
     with tempfile.TemporaryDirectory() as tmp:
-        root = os.path.join(tmp, "images")
-        make_image_folder(root, classes=a.classes, per_class=a.per_class, seed=3, long_side=256)
+        root = a.root or os.path.join(tmp, "images")
+        if not a.root:
+            make_image_folder(root, classes=a.classes, per_class=a.per_class, seed=3, long_side=256)
         server = S3Server(os.path.join(tmp, "s3"))
         os.makedirs(server.workdir)
         server.start()
@@ -138,7 +144,7 @@ def main() -> None:
             os.makedirs(os.path.join(tmp, "local"))
             os.makedirs(os.path.join(tmp, "bucket"))
             print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-            t_local, n_local, ref, cpu = _run(_config(os.path.join(tmp, "local"), root, a.batch, a.tasks), {})
+            t_local, n_local, ref, cpu = _run(_config(os.path.join(tmp, "local"), root, a.batch, a.tasks, augment), {})
             local_rate, local_cpu = n_local / t_local, cpu[0] / n_local
             _say("local disk", n_local, t_local, cpu, local_rate, local_cpu, 0, True)
             env = {**server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
@@ -150,7 +156,8 @@ def main() -> None:
             for name, d, extra in runs:
                 os.makedirs(d, exist_ok=True)
                 before = proxy.requests
-                t, n, got, cpu = _run(_config(d, f"s3://{BUCKET}/bench", a.batch, a.tasks, **extra), env, weed)
+                t, n, got, cpu = _run(_config(d, f"s3://{BUCKET}/bench", a.batch, a.tasks, augment, **extra), env,
+                                    weed)
                 same = len(ref) == len(got) and all(np.array_equal(p[0], q[0]) and np.array_equal(p[1], q[1])
                                                     for p, q in zip(ref, got, strict=True))
                 _say(f"{name} ({a.latency_ms:g} ms a request)", n, t, cpu, local_rate, local_cpu,

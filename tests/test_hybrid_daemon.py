@@ -175,9 +175,11 @@ def test_hybrid_restart_mid_run_is_bit_identical(tmp_path, mixed_root, daemon_fa
     with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True, decoder=CountingDecoder()) as c:
         first = _collect(c, stop_after=3)
         state = c.state_dict()
-        # batches ahead of the trainer are in the ring, compact ones among them, when the daemon stops
-        wait_until(lambda: any(_is_compact(os.path.join(buf, n)) for n in os.listdir(buf) if n.endswith(".batch")),
-                   what="a compact batch in the ring")
+    # batches ahead of the trainer are in the ring, compact ones among them, when the daemon stops.
+    # Looked for once the client is closed: before, its reader could still read the batch seen here
+    # (the daemon deletes a batch once it is read), leaving the ring empty at the stop (a CI run did)
+    wait_until(lambda: any(_is_compact(os.path.join(buf, n)) for n in os.listdir(buf) if n.endswith(".batch")),
+               what="a compact batch in the ring")
     assert d.stop() == 0
     d2 = daemon_factory(cfg)
     wait_until(lambda: status.daemon_alive(buf), what="the second daemon")
