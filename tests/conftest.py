@@ -61,6 +61,28 @@ def pytest_xdist_make_scheduler(config, log):
     return ByGroup(config, log)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """``PREFETCHD_TEST_CPU=FILE``: each test's CPU seconds appended to FILE, a ``seconds nodeid``
+    line: this process's and its children's once reaped (the daemons, trainers and commands it
+    started), set-up and teardown included. Where the suite's CPU goes, which ``--durations`` (wall
+    time, most of it waiting) does not say (CONTRIBUTING.md)."""
+    path = os.environ.get("PREFETCHD_TEST_CPU")
+    if not path:
+        yield
+        return
+    import resource
+
+    def cpu() -> float:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+    t0 = cpu()
+    yield
+    with open(path, "a") as f:
+        f.write(f"{cpu() - t0:.2f} {item.nodeid}\n")
+
+
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):
     """Poll ``cond`` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout
