@@ -64,6 +64,39 @@ def published(buffer_dir: str) -> list[str]:
         return []
 
 
+def same_batches(got: dict, ref: dict) -> None:
+    """``got`` holds every batch of ``ref`` (``reference_batches``), images and labels byte for byte."""
+    assert sorted(got) == sorted(ref)
+    for key in ref:
+        assert np.array_equal(got[key][0], ref[key][0]) and np.array_equal(got[key][1], ref[key][1]), key
+
+
+def read_across_a_restart(cfg: str, daemon_factory, after: int = 3) -> dict:
+    """Rank 0's batches of epochs 0 and 1 as a trainer reads them when the daemon is stopped after
+    its first ``after`` and started again, the trainer resuming from its ``state_dict`` (both daemons
+    stop cleanly, with no traceback)."""
+    buf = load_config(cfg).buffer.dir
+    d = daemon_factory(cfg)
+    got = {}
+    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
+        for b, (x, y) in enumerate(c.iter_epoch(0)):
+            got[(0, 0, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+            if b + 1 == after:
+                break
+        state = c.state_dict()
+    assert d.stop() == 0
+    d2 = daemon_factory(cfg)
+    wait_until(lambda: status.daemon_alive(buf), 60, "the second daemon")
+    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
+        c.load_state_dict(state)
+        for e in (0, 1):
+            for b, (x, y) in enumerate(c.iter_epoch(e), start=c.batch if e == c.epoch else 0):
+                got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+    assert d2.stop() == 0
+    assert "Traceback" not in d.log() + d2.log()
+    return got
+
+
 def test_two_epochs_arrive_in_order_with_correct_labels_and_bytes(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)

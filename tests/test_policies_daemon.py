@@ -6,12 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import small_config, wait_until
-from prefetchd_client import PrefetchClient
-from test_daemon import collect, reference_batches
-
-from prefetchd.core.config import load as load_config
-from prefetchd.format import status
+from conftest import small_config
+from test_daemon import collect, read_across_a_restart, reference_batches, same_batches
 
 POLICY_AUGMENTS = {
     "randaugment": {"policy": "randaugment", "policy_args": {"num_ops": 2, "magnitude": 9},
@@ -21,12 +17,6 @@ POLICY_AUGMENTS = {
     "autoaugment": {"policy": "autoaugment"},
     "timm": {"policy": "rand-m9-mstd0.5-inc1", "random_erasing": {"p": 0.25, "mode": "pixel"}},
 }
-
-
-def _same(got, ref):
-    assert sorted(got) == sorted(ref)
-    for key in ref:
-        assert np.array_equal(got[key][0], ref[key][0]) and np.array_equal(got[key][1], ref[key][1]), key
 
 
 def _cfg(tmp_path, image_root, policy, workers=2):
@@ -45,9 +35,9 @@ def test_a_policy_gives_the_same_batches_with_one_and_two_workers(tmp_path, imag
         got.append(collect(cfg))
         assert d.stop() == 0
         assert "Traceback" not in d.log()
-    _same(got[0], got[1])
+    same_batches(got[0], got[1])
     ref, _ = reference_batches(cfg)  # made in this process, one sample after another
-    _same(got[1], ref)
+    same_batches(got[1], ref)
     # the policy is in the pixels: the same config without it gives other batches
     plain = tmp_path / "plain"
     plain.mkdir()
@@ -58,25 +48,4 @@ def test_a_policy_gives_the_same_batches_with_one_and_two_workers(tmp_path, imag
 @pytest.mark.parametrize("policy", ["randaugment", "trivialaugment"])
 def test_a_daemon_restart_mid_epoch_with_a_policy_is_bit_identical(tmp_path, image_root, daemon_factory, policy):
     cfg = _cfg(tmp_path, image_root, policy)
-    buf = load_config(cfg).buffer.dir
-    d = daemon_factory(cfg)
-    first = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
-        for b, (x, y) in enumerate(c.iter_epoch(0)):
-            first[(0, 0, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
-            if b == 2:
-                break
-        state = c.state_dict()
-    assert d.stop() == 0
-    d2 = daemon_factory(cfg)
-    wait_until(lambda: status.daemon_alive(buf), 60, "the second daemon")
-    rest = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
-        c.load_state_dict(state)
-        for e in (0, 1):
-            for b, (x, y) in enumerate(c.iter_epoch(e), start=c.batch if e == c.epoch else 0):
-                rest[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
-    assert d2.stop() == 0
-    ref, _ = reference_batches(cfg)
-    _same({**first, **rest}, ref)
-    assert "Traceback" not in d.log() + d2.log()
+    same_batches(read_across_a_restart(cfg, daemon_factory), reference_batches(cfg)[0])

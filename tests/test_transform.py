@@ -17,7 +17,7 @@ import pytest
 from conftest import small_config, wait_until
 from PIL import Image
 from prefetchd_client import PrefetchClient, PrefetchError
-from test_daemon import collect, published, reference_batches
+from test_daemon import collect, published, read_across_a_restart, reference_batches, same_batches
 
 from prefetchd.core.augment import transform
 from prefetchd.core.augment.seeds import sample_key
@@ -357,12 +357,6 @@ def test_the_fingerprint_covers_the_factory_and_its_arguments_and_not_the_unused
 # --- the real daemon ----------------------------------------------------------------------------------
 
 
-def _same(got, ref):
-    assert sorted(got) == sorted(ref)
-    for key in ref:
-        assert np.array_equal(got[key][0], ref[key][0]) and np.array_equal(got[key][1], ref[key][1]), key
-
-
 def test_a_user_transform_gives_the_same_batches_with_one_and_two_workers(tmp_path, image_root, daemon_factory):
     digests = []
     for workers in (1, 2):
@@ -374,9 +368,9 @@ def test_a_user_transform_gives_the_same_batches_with_one_and_two_workers(tmp_pa
         assert d.stop() == 0
         assert "augment.transform: ux_workers:make (" in d.log() and "Traceback" not in d.log()
         digests.append(got)
-    _same(digests[0], digests[1])
+    same_batches(digests[0], digests[1])
     ref, _ = reference_batches(cfg)  # made in this process, one sample after another
-    _same(digests[1], ref)
+    same_batches(digests[1], ref)
     # the transform's randomness is in the batches: two epochs of the same images differ
     assert not np.array_equal(ref[(0, 0, 0)][0], ref[(0, 1, 0)][0])
 
@@ -384,28 +378,7 @@ def test_a_user_transform_gives_the_same_batches_with_one_and_two_workers(tmp_pa
 def test_a_daemon_restart_mid_epoch_with_a_user_transform_is_bit_identical(tmp_path, image_root, daemon_factory):
     pytest.importorskip("torch")
     cfg = small_config(tmp_path, image_root, **_aug(tmp_path, "ux_restart", "make_torch"))
-    buf = load_config(cfg).buffer.dir
-    d = daemon_factory(cfg)
-    first = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
-        for b, (x, y) in enumerate(c.iter_epoch(0)):
-            first[(0, 0, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
-            if b == 2:
-                break
-        state = c.state_dict()
-    assert d.stop() == 0
-    d2 = daemon_factory(cfg)
-    wait_until(lambda: status.daemon_alive(buf), 60, "the second daemon")
-    rest = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
-        c.load_state_dict(state)
-        for e in (0, 1):
-            for b, (x, y) in enumerate(c.iter_epoch(e), start=c.batch if e == c.epoch else 0):
-                rest[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
-    assert d2.stop() == 0
-    ref, _ = reference_batches(cfg)
-    _same({**first, **rest}, ref)
-    assert "Traceback" not in d.log() + d2.log()
+    same_batches(read_across_a_restart(cfg, daemon_factory), reference_batches(cfg)[0])
 
 
 def test_a_resume_across_an_edited_transform_is_refused_naming_the_module_file(tmp_path, image_root, daemon_factory):
@@ -472,7 +445,7 @@ def test_a_transform_raising_on_one_sample_is_replaced_in_each_draw_and_training
         f"sample {i} ({victim}), epoch {e}: {reason}; a deterministic replacement stands in for it"
         for i, e in [(int(said[0].split("sample ")[1].split()[0]), 0), (int(said[0].split("sample ")[1].split()[0]), 1)]]
     ref, _ = reference_batches(cfg)  # the replacement is deterministic: as made in this process
-    _same(got, ref)
+    same_batches(got, ref)
 
 
 def test_a_float_output_transform_stops_the_daemon_at_start_with_exit_78_and_one_line(tmp_path, image_root,
