@@ -52,6 +52,8 @@ class GCSServer(LocalServer):
     listing answers 404; ``public_host``: a proxy's ``host:port`` in front of it, which its XML API
     then answers, as it answers no other host's)."""
 
+    url_scheme = "gs"
+
     def __init__(self, workdir: str, xml_api: bool = True, public_host: str | None = None, scheme: str = "http"):
         self.workdir, self.xml_api, self.scheme = workdir, xml_api, scheme  # https: its own self-signed certificate
         self.public_host = public_host  # the address clients reach it by (a proxy's): its own by default

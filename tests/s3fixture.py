@@ -51,6 +51,7 @@ class LocalServer:
 
     proc: subprocess.Popen | None = None
     log_path = ""
+    url_scheme = "s3"  # of the dataset URLs naming its objects
 
     def put(self, key: str, data: bytes, bucket: str = BUCKET) -> None:
         raise NotImplementedError
@@ -72,6 +73,17 @@ class LocalServer:
                     self.put(f"{prefix}/{os.path.relpath(path, local_root)}", f.read(), bucket)
                 n += 1
         return n
+
+    def upload_imagenet(self, inet, prefix: str) -> str:
+        """ImageNet's archives as ``imagenet_archives.make_imagenet`` wrote them, under ``prefix``:
+        the train and validation tars and the devkit's archive at its top, the class tars under
+        ``train_tars``, the devkit's folder under ``devkit``; returns the prefix's URL."""
+        for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
+            with open(path, "rb") as f:
+                self.put(f"{prefix}/{os.path.basename(path)}", f.read())
+        self.upload_tree(inet.train_tars, f"{prefix}/train_tars")
+        self.upload_tree(inet.devkit_folder, f"{prefix}/devkit")
+        return f"{self.url_scheme}://{BUCKET}/{prefix}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

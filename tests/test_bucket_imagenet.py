@@ -35,12 +35,7 @@ def inet(tmp_path_factory):
 @pytest.fixture(scope="session")
 def uploaded(s3, inet) -> str:
     """The archives under ``s3://BUCKET/inet``: the train and validation tars, the devkit, the class tars."""
-    for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
-        with open(path, "rb") as f:
-            s3.put(f"{P}/{os.path.basename(path)}", f.read())
-    s3.upload_tree(inet.train_tars, f"{P}/train_tars")
-    s3.upload_tree(inet.devkit_folder, f"{P}/devkit")
-    return f"s3://{BUCKET}/{P}"
+    return s3.upload_imagenet(inet, P)
 
 
 @pytest.fixture

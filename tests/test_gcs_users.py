@@ -36,18 +36,9 @@ def inet(tmp_path_factory):
     return make_imagenet(str(tmp_path_factory.mktemp("gcs-inet")), classes=4, per_class=7, val=9, seed=3)
 
 
-def _upload_imagenet(server: GCSServer, inet, prefix: str) -> str:
-    for path in (inet.train_tar, inet.val_tar, inet.devkit_tgz):
-        with open(path, "rb") as f:
-            server.put(f"{prefix}/{os.path.basename(path)}", f.read())
-    server.upload_tree(inet.train_tars, f"{prefix}/train_tars")
-    server.upload_tree(inet.devkit_folder, f"{prefix}/devkit")
-    return f"gs://{BUCKET}/{prefix}"
-
-
 def test_imagenets_tars_a_devkit_and_a_file_list_in_a_gcs_bucket_are_the_local_index(gcs, gcs_env, inet,
                                                                                      image_root, tmp_path):
-    up = _upload_imagenet(gcs, inet, "users-inet")
+    up = gcs.upload_imagenet(inet, "users-inet")
     forms = [(inet.train_tar, f"{up}/ILSVRC2012_img_train.tar", None, None),
              (inet.train_tars, f"{up}/train_tars", None, None),
              (inet.val_tar, f"{up}/ILSVRC2012_img_val.tar", inet.devkit_tgz, f"{up}/ILSVRC2012_devkit_t12.tar.gz"),
@@ -93,7 +84,7 @@ def test_the_daemon_on_gcs_tars_through_resets_and_an_outage_makes_the_local_bat
     server.start()
     proxy.upstream_port = server.port
     try:
-        up = _upload_imagenet(server, inet, "outage")
+        up = server.upload_imagenet(inet, "outage")
         env = {**server.env(), "GOOGLE_BASE_URL": proxy.endpoint}
         for local_root, root in ((inet.train_tar, f"{up}/ILSVRC2012_img_train.tar"),
                                  (inet.train_tars, f"{up}/train_tars")):
