@@ -15,8 +15,10 @@ fault. The rule, applied to every failed read:
 * the file is missing while the root is readable -> tried once more (the root may have just
   come back between the read and the look at the root), then the sample's fault;
 * anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once; but a bucket's 403
-  while the bucket root refuses a listing too (a key that expired or was revoked mid-run) is the
-  storage's: ``StorageUnavailable``, no sample blamed.
+  while the bucket root refuses too (a key that expired or was revoked mid-run; the ACL of the one
+  object the dataset is) is the storage's: ``StorageUnavailable``, no sample blamed; a 403 while the
+  root reads is tried once more (an ACL mended between the read, perhaps a read-ahead's of seconds
+  before, and the look at the root), then the sample's fault.
 
 Read timeouts that hang in the kernel are not seen here: ``workers.task_timeout_s`` kills the
 worker, and a kill blames no sample (``pool``).
@@ -85,7 +87,7 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
     ``root``), by the rule of the module's docstring. Raises ``StorageUnavailable`` or
     ``SampleUnreadable``."""
     pauses = iter(TRANSIENT_PAUSES_S)
-    missing_retried = False
+    retried = False  # a file missing, or a bucket's 403, while the root reads: tried once more
     while True:
         try:
             return read()
@@ -111,7 +113,7 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
                 continue
             raise SampleUnreadable(err.errno, f"{err.strerror} (also when tried again after "
                                    f"{sum(TRANSIENT_PAUSES_S):.1f} s)") from None
-        if err.errno in _MISSING and not missing_retried:
-            missing_retried = True
+        if (err.errno in _MISSING or (bucket and err.errno == errno.EACCES)) and not retried:
+            retried = True
             continue
         raise SampleUnreadable(err.errno, err.strerror) from None
