@@ -462,3 +462,26 @@ def test_one_shard_refused_by_its_acl_mid_run_waits_blaming_no_sample_and_resume
     assert got.keys() == ref.keys()
     for k in ref:
         assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+
+
+def test_one_shard_deleted_mid_run_is_the_roots_absence_not_each_samples(s3, s3_env, local_shards, tmp_path):
+    # a sample's 404 was the sample's own (a file gone from a folder that is still there), though the one
+    # object the dataset is was gone: every sample blamed in turn, where a local root gone waits for it
+    import obstore
+
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    for k, p in enumerate(local_shards[1]):
+        with open(p, "rb") as f:
+            s3.put(f"gone/train-{k:06d}.tar", f.read())
+    one = f"s3://{BUCKET}/gone/train-000001.tar"
+    index, _ = load_index(one, None, EXTS, str(tmp_path / "one"))
+    prefix, _ = load_index(f"s3://{BUCKET}/gone", None, EXTS, str(tmp_path / "prefix"))
+    obstore.delete(s3.store(), "gone/train-000001.tar")
+    with pytest.raises(StorageUnavailable) as e:
+        read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
+    assert f"the dataset root {one} cannot be read now (not found (404))" in str(e.value), e.value
+    # of several shards, the samples of the one deleted are theirs to blame, as files gone from a folder
+    with pytest.raises(SampleUnreadable):
+        read_sample(lambda: prefix.read(12), prefix.refusal_root, sleep=lambda s: None)
+    assert read_sample(lambda: prefix.read(0), prefix.refusal_root)
