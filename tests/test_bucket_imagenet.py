@@ -522,3 +522,21 @@ def test_an_image_deleted_from_a_bucket_imagefolder_is_its_samples_fault_not_a_w
             obstore.delete(client, f"gone-if/{index.relpath(i)}")
     with pytest.raises(StorageUnavailable, match=r"cannot be read now \(not found \(404\)\)"):
         read_sample(lambda: index.read(0), index.refusal_root, sleep=lambda s: None)
+
+
+def test_a_file_lists_folder_listing_that_finds_the_endpoint_gone_starts_no_other_folders(s3, s3_env, proxy,
+                                                                                          monkeypatch, tmp_path):
+    # the folders' listings were 8 threads of a pool left to run to its end: one that gave up after a whole
+    # retry episode (the endpoint gone) freed its thread for the next folder's, which began an episode of its
+    # own: a list of 64 folders said "did not answer" after 8 episodes (16 minutes), not one
+    names = [f"f{k:02d}/x.jpg" for k in range(20)]
+    for n in names:
+        s3.put(f"flist-gone/{n}", b"x")
+    s3.put("flist-gone/list.txt", "".join(f"{n} 0\n" for n in names).encode())
+    monkeypatch.setattr(objectstore, "_RETRY_TIMEOUT_S", 1.0)
+    proxy.outage(600.0, after_requests=proxy.requests + 2)  # the list is read, then nothing answers
+    with pytest.raises(DatasetError, match="did not answer") as e:
+        load_index(None, f"s3://{BUCKET}/flist-gone/list.txt", EXTS, str(tmp_path / "cache"))
+    assert "\n" not in str(e.value) and str(e.value).startswith("dataset.file_list "), e.value
+    asked = {unquote(p).split("prefix=")[1].split("&")[0] for p in proxy.refused if "prefix=" in p}
+    assert 0 < len(asked) <= 8, sorted(asked)
