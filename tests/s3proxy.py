@@ -80,7 +80,8 @@ class FaultProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
-                    self.wfile.write(msg)
+                    if self.command != "HEAD":  # a HEAD's answer has no body: one sent is read as the next answer
+                        self.wfile.write(msg)
                     return
                 up = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
                 try:

@@ -487,3 +487,51 @@ def test_a_tar_of_images_alone_as_the_root_says_how_to_read_it_as_a_shard(s3, s3
         assert "set dataset.layout: webdataset (dataset.label: none)" in str(e.value), str(e.value)
         index, _ = load_index(root, None, EXTS, str(tmp_path / "cache"), label="none", layout="webdataset")
         assert len(index) == 4
+
+
+def test_an_image_deleted_from_a_bucket_imagefolder_is_its_samples_fault_not_a_wait_for_none(bucket, image_root,
+                                                                                              tmp_path):
+    # obstore raises a GET's 404 as the builtin FileNotFoundError, with no errno: the read was taken for the
+    # bucket's outage, and the batch waited for good, saying "the dataset root ... cannot be read now (None)"
+    import obstore
+
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    server, scheme = bucket
+    (tmp_path / "if").mkdir()
+    for cls in sorted(os.listdir(image_root))[:2]:
+        shutil.copytree(os.path.join(image_root, cls), tmp_path / "if" / cls)
+    for dirpath, _, files in os.walk(tmp_path / "if"):
+        for f in files:
+            with open(os.path.join(dirpath, f), "rb") as fh:
+                server.put(f"gone-if/{os.path.relpath(os.path.join(dirpath, f), tmp_path / 'if')}", fh.read())
+    index, _ = load_index(f"{scheme}://{BUCKET}/gone-if", None, EXTS, str(tmp_path / "c"))
+    client = objectstore.store_for(index.root).client()
+    obstore.delete(client, f"gone-if/{index.relpath(1)}")
+    with pytest.raises(SampleUnreadable) as e:
+        read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
+    assert "404" in e.value.strerror or "not found" in e.value.strerror.lower(), e.value.strerror
+    assert read_sample(lambda: index.read(0), index.refusal_root)
+    for i in range(len(index)):  # the prefix emptied: the root gone, as a local folder removed, waits
+        if i != 1:
+            obstore.delete(client, f"gone-if/{index.relpath(i)}")
+    with pytest.raises(StorageUnavailable, match=r"cannot be read now \(not found \(404\)\)"):
+        read_sample(lambda: index.read(0), index.refusal_root, sleep=lambda s: None)
+
+
+def test_a_file_lists_folder_listing_that_finds_the_endpoint_gone_starts_no_other_folders(s3, s3_env, proxy,
+                                                                                          monkeypatch, tmp_path):
+    # the folders' listings were 8 threads of a pool left to run to its end: one that gave up after a whole
+    # retry episode (the endpoint gone) freed its thread for the next folder's, which began an episode of its
+    # own: a list of 64 folders said "did not answer" after 8 episodes (16 minutes), not one
+    names = [f"f{k:02d}/x.jpg" for k in range(20)]
+    for n in names:
+        s3.put(f"flist-gone/{n}", b"x")
+    s3.put("flist-gone/list.txt", "".join(f"{n} 0\n" for n in names).encode())
+    monkeypatch.setattr(objectstore, "_RETRY_TIMEOUT_S", 1.0)
+    proxy.outage(600.0, after_requests=proxy.requests + 2)  # the list is read, then nothing answers
+    with pytest.raises(DatasetError, match="did not answer") as e:
+        load_index(None, f"s3://{BUCKET}/flist-gone/list.txt", EXTS, str(tmp_path / "cache"))
+    assert "\n" not in str(e.value) and str(e.value).startswith("dataset.file_list "), e.value
+    asked = {unquote(p).split("prefix=")[1].split("&")[0] for p in proxy.refused if "prefix=" in p}
+    assert 0 < len(asked) <= 8, sorted(asked)

@@ -157,7 +157,7 @@ def test_a_key_that_expires_mid_run_blames_no_sample_and_the_batch_waits_saying_
     # a sample's read answered 403 was the sample's fault (SampleUnreadable: replaced, quarantined), so a
     # session token expiring mid-run had every sample replaced in turn and the log said "16 replacements
     # for sample 9 could not be decoded either; is the dataset readable?"
-    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+    from prefetchd.executors.storage import StorageUnavailable, read_sample
 
     for url in (f"{uploaded}/ILSVRC2012_img_train.tar", f"{uploaded}/train_tars"):
         index, _ = load_index(url, None, EXTS, str(tmp_path / url.rsplit("/", 1)[1]))
@@ -169,9 +169,11 @@ def test_a_key_that_expires_mid_run_blames_no_sample_and_the_batch_waits_saying_
         said = str(e.value)
         assert "\n" not in said and f"the dataset root {index.root} cannot be read now" in said, said
         assert "expired (403 ExpiredToken): renew them" in said, said
-        proxy.faults(n403=1)  # the object alone refused (an ACL), the bucket lists: the sample's own fault
-        with pytest.raises(SampleUnreadable):
-            read_sample(lambda i=index: i.read(2), index.root, sleep=lambda s: None)
+        # one 403, and the bucket lists: read once more (an ACL mended between the read, perhaps a read-ahead's
+        # seconds before, and the look at the root had the sample quarantined for good); a 403 that stays is the
+        # sample's fault (the next test)
+        proxy.faults(n403=1)
+        assert read_sample(lambda i=index: i.read(2), index.root, sleep=lambda s: None) == index.read(2)
 
 
 def test_a_root_that_is_one_object_refused_by_its_acl_is_the_roots_refusal_not_each_samples(inet, uploaded, proxy,

@@ -263,3 +263,31 @@ def test_a_key_that_expires_while_the_footers_are_read_is_said_as_the_key_not_a_
     said = str(e.value)
     assert "corrupt" not in said and "\n" not in said, said
     assert "expired (403 ExpiredToken): renew them" in said and "train-00000-of-00002.parquet" in said, said
+
+
+def test_one_parquet_file_refused_by_its_acl_is_the_roots_refusal_not_each_rows(s3_env, bucket_hf, proxy, monkeypatch,
+                                                                                tmp_path):
+    # the 403 was asked of the index's root, the file's folder, which still lists: every row of the one file
+    # the dataset is was blamed in turn. The refusal is asked of the file (a HEAD); of a folder of files, a
+    # refused file's rows are its own fault.
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    one = f"{bucket_hf}/train-00001-of-00002.parquet"
+    index, _ = load_index(one, None, EXTS, str(tmp_path / "one"))
+    proxy.deny("/train-00001-of-00002.parquet")
+    try:
+        with pytest.raises(StorageUnavailable) as e:
+            read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
+    finally:
+        proxy.deny()
+    assert f"the dataset root {one} cannot be read now (access denied (403)" in str(e.value), e.value
+    both, _ = load_index(bucket_hf, None, EXTS, str(tmp_path / "both"))
+    assert both.refusal_root == both.root == bucket_hf
+    proxy.deny("-00001-of-00002.parquet")
+    try:
+        with pytest.raises(SampleUnreadable):
+            read_sample(lambda: both.read(len(both) - 1), both.refusal_root, sleep=lambda s: None)
+    finally:
+        proxy.deny()

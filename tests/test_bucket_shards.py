@@ -422,3 +422,66 @@ def test_a_brace_pattern_or_an_imagefolder_listed_through_503s_and_an_outage_at_
             proxy.outage(fault["outage"]) if "outage" in fault else proxy.faults(**fault)
             index, _ = load_index(root, None, EXTS, str(tmp_path / f"{k}{layout}"), layout=layout)
             _same(index, load_index(local, None, EXTS, str(tmp_path / "local"), layout=layout)[0])
+
+
+def test_one_shard_refused_by_its_acl_mid_run_waits_blaming_no_sample_and_resumes_once_mended(
+        s3, bucket_shards, local_shards, tmp_path, daemon_factory):
+    # a sample's 403 was asked of the index's root, the shard's folder, which still lists: every sample
+    # of the one shard the dataset is was blamed in turn (quarantined, replaced by others refused alike)
+    one = os.path.basename(local_shards[1][1])
+    (tmp_path / "l").mkdir()
+    local_cfg = small_config(tmp_path / "l", local_shards[1][1], loader={"epochs": 4})
+    d = daemon_factory(local_cfg)
+    ref = collect(local_cfg, epochs=range(4))
+    assert d.stop() == 0
+    (tmp_path / "b").mkdir()
+    cfg = small_config(tmp_path / "b", f"{bucket_shards}/{one}", loader={"epochs": 4})
+    proxy = FaultProxy(s3.port)
+    try:
+        d = daemon_factory(cfg, env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint})
+        wait_until(lambda: len(published(str(tmp_path / "b" / "buffer"))) >= 4, 60, "a full buffer")
+        proxy.deny(f"/{one}")
+        from prefetchd_client import PrefetchClient
+
+        got = {}
+        with PrefetchClient(cfg, timeout=60, as_numpy=True) as loader:
+            for e in range(4):
+                for b, (x, y) in enumerate(loader.iter_epoch(e)):
+                    got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+                if e == 1:  # the batches made before the ACL changed are read; the next wait for it
+                    wait_until(lambda: "cannot be read now" in d.log(), 60, "the daemon to say the root is refused")
+                    proxy.deny()
+        assert d.stop() == 0
+    finally:
+        proxy.stop()
+    log = d.log()
+    said = [ln for ln in log.splitlines() if "cannot be read now" in ln]
+    assert len(said) == 1 and f"{bucket_shards}/{one} cannot be read now (access denied (403)" in said[0], said
+    assert "quarantin" not in log.lower().replace("no sample is quarantined", ""), log
+    assert "readable again" in log
+    assert got.keys() == ref.keys()
+    for k in ref:
+        assert np.array_equal(got[k][0], ref[k][0]) and np.array_equal(got[k][1], ref[k][1]), k
+
+
+def test_one_shard_deleted_mid_run_is_the_roots_absence_not_each_samples(s3, s3_env, local_shards, tmp_path):
+    # a sample's 404 was the sample's own (a file gone from a folder that is still there), though the one
+    # object the dataset is was gone: every sample blamed in turn, where a local root gone waits for it
+    import obstore
+
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    for k, p in enumerate(local_shards[1]):
+        with open(p, "rb") as f:
+            s3.put(f"gone/train-{k:06d}.tar", f.read())
+    one = f"s3://{BUCKET}/gone/train-000001.tar"
+    index, _ = load_index(one, None, EXTS, str(tmp_path / "one"))
+    prefix, _ = load_index(f"s3://{BUCKET}/gone", None, EXTS, str(tmp_path / "prefix"))
+    obstore.delete(s3.store(), "gone/train-000001.tar")
+    with pytest.raises(StorageUnavailable) as e:
+        read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
+    assert f"the dataset root {one} cannot be read now (not found (404))" in str(e.value), e.value
+    # of several shards, the samples of the one deleted are theirs to blame, as files gone from a folder
+    with pytest.raises(SampleUnreadable):
+        read_sample(lambda: prefix.read(12), prefix.refusal_root, sleep=lambda s: None)
+    assert read_sample(lambda: prefix.read(0), prefix.refusal_root)

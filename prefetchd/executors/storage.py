@@ -13,10 +13,14 @@ fault. The rule, applied to every failed read:
   (EIO, ESTALE, a timeout, ...) -> tried again after each pause of ``TRANSIENT_PAUSES_S``;
   only a sample that still fails while the root is readable is the sample's fault;
 * the file is missing while the root is readable -> tried once more (the root may have just
-  come back between the read and the look at the root), then the sample's fault;
+  come back between the read and the look at the root), then the sample's fault; a bucket's 404
+  while the root is gone too (the one object the dataset is deleted, its prefix emptied) is the
+  storage's, as a local root gone;
 * anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once; but a bucket's 403
-  while the bucket root refuses a listing too (a key that expired or was revoked mid-run) is the
-  storage's: ``StorageUnavailable``, no sample blamed.
+  while the bucket root refuses too (a key that expired or was revoked mid-run; the ACL of the one
+  object the dataset is) is the storage's: ``StorageUnavailable``, no sample blamed; a 403 while the
+  root reads is tried once more (an ACL mended between the read, perhaps a read-ahead's of seconds
+  before, and the look at the root), then the sample's fault.
 
 Read timeouts that hang in the kernel are not seen here: ``workers.task_timeout_s`` kills the
 worker, and a kill blames no sample (``pool``).
@@ -65,8 +69,8 @@ def root_unreadable(root: str) -> str | None:
 
 
 def _bucket_refuses(root: str) -> str | None:
-    """Why the bucket root refuses to be read now, or None if a sample's 403 is its own object's (an
-    ACL), as a local file's EACCES. A root that is a prefix is asked with a listing (a key expired or
+    """Why the bucket root refuses to be read now (or is gone), or None if a sample's 403 or 404 is its
+    own object's (an ACL, an object deleted), as a local file's EACCES or ENOENT. A root that is a prefix is asked with a listing (a key expired or
     revoked: one request); a root that is one object (a train tar, one shard: it lists nothing under
     it) with a HEAD of that object, since its refusal refuses every sample."""
     from prefetchd.sources import objectstore
@@ -74,9 +78,9 @@ def _bucket_refuses(root: str) -> str | None:
     store = objectstore.store_for(root)
     try:
         if store.first(root) is None:
-            store.head(root)  # one object, or an empty prefix (whose HEAD's 404 is not a refusal)
+            store.head(root)  # one object; an empty prefix's 404: the root gone
     except OSError as e:
-        return objectstore.words(e) if e.errno == errno.EACCES else None
+        return objectstore.words(e) if e.errno in (errno.EACCES, errno.ENOENT) else None
     return None
 
 
@@ -85,7 +89,7 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
     ``root``), by the rule of the module's docstring. Raises ``StorageUnavailable`` or
     ``SampleUnreadable``."""
     pauses = iter(TRANSIENT_PAUSES_S)
-    missing_retried = False
+    retried = False  # a file missing, or a bucket's 403, while the root reads: tried once more
     while True:
         try:
             return read()
@@ -97,7 +101,7 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
             raise StorageUnavailable(f"the dataset root {root} is unreadable ({why})") from None
         if isinstance(err, StorageChanged):
             raise StorageUnavailable(err.strerror) from None
-        if bucket and err.errno == errno.EACCES:
+        if bucket and err.errno in (errno.EACCES, *_MISSING):
             refused = _bucket_refuses(root)  # the key's (expired, revoked), not the sample's: nothing is readable
             if refused is not None:
                 raise StorageUnavailable(f"the dataset root {root} cannot be read now ({refused})") from None
@@ -111,7 +115,7 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
                 continue
             raise SampleUnreadable(err.errno, f"{err.strerror} (also when tried again after "
                                    f"{sum(TRANSIENT_PAUSES_S):.1f} s)") from None
-        if err.errno in _MISSING and not missing_retried:
-            missing_retried = True
+        if (err.errno in _MISSING or (bucket and err.errno == errno.EACCES)) and not retried:
+            retried = True
             continue
         raise SampleUnreadable(err.errno, err.strerror) from None

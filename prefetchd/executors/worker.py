@@ -222,7 +222,7 @@ class BatchMaker:
         if _HANG_ON:
             _hang_once(path)
         try:  # a storage hiccup raises StorageUnavailable: no sample is blamed (storage.py)
-            data = read_sample(lambda: self.index.read(i), self.index.root)
+            data = read_sample(lambda: self.index.read(i), self.index.refusal_root)
         except SampleUnreadable as e:
             raise augment.SampleError(f"cannot read: {e.strerror}") from None
         if not data:

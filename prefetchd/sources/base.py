@@ -75,6 +75,12 @@ class Index:
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def refusal_root(self) -> str:
+        """What a read's refusal is asked of (``executors.storage``): the root; a bucket index whose
+        samples all lie in one object (one shard, one Parquet file), that object."""
+        return self.root
+
     def relpath(self, i: int) -> str:
         return os.fsdecode(self.blob[self.offsets[i]: self.offsets[i + 1]].tobytes())
 

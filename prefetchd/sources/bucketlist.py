@@ -87,8 +87,16 @@ def _listed(store: objectstore.ObjectStore, root: str, rel: list[str]) -> dict[s
     if len(folders) > max(64, -(-len(rel) // _PAGE)):
         return {name: (size, etag) for name, size, etag in store.list(root)}
 
+    failed: list[OSError] = []
+
     def level(folder: str) -> list[tuple[str, int, str]]:
-        objects, _ = store.list_top(f"{root}/{folder}" if folder else root)
+        if failed:  # a listing gave up (a whole retry episode: the endpoint gone): no other folder's starts one
+            raise failed[0]
+        try:
+            objects, _ = store.list_top(f"{root}/{folder}" if folder else root)
+        except OSError as e:
+            failed.append(e)
+            raise
         return [(f"{folder}/{name}" if folder else name, size, etag) for name, size, etag in objects]
 
     with ThreadPoolExecutor(min(_FOLDERS_IN_FLIGHT, len(folders)), thread_name_prefix="prefetchd-list") as pool:

@@ -90,6 +90,10 @@ class BucketParquetIndex(parquet.ParquetIndex):
     def file(self, i: int) -> str:
         return f"{self.root}/{self.files[int(self.file_ids[i])]}"
 
+    @property
+    def refusal_root(self) -> str:  # one file: its ACL's 403 refuses every sample, the root's refusal
+        return f"{self.root}/{self.files[0]}" if len(self.files) == 1 else self.root
+
     def path(self, i: int) -> str:
         return f"{self.root}/{self.relpath(i)}"
 

@@ -95,6 +95,10 @@ class BucketShardIndex(TarIndex):
     def archive(self, i: int) -> str:
         return f"{self.root}/{self.archives[0 if self.archive_ids is None else int(self.archive_ids[i])]}"
 
+    @property
+    def refusal_root(self) -> str:  # one shard: its ACL's 403 refuses every sample, the root's refusal
+        return f"{self.root}/{self.archives[0]}" if len(self.archives) == 1 else self.root
+
     def path(self, i: int) -> str:
         return f"{self.root}/{self.relpath(i)}"
 

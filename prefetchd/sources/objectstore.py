@@ -96,7 +96,7 @@ def _os_error(e: Exception, url: str) -> OSError:
     if isinstance(e, x.PreconditionError):
         return _changed(url)
     status = _status(e)
-    code = errno.ENOENT if isinstance(e, x.NotFoundError) or status == 404 else (
+    code = errno.ENOENT if isinstance(e, (x.NotFoundError, FileNotFoundError)) or status == 404 else (
         errno.EACCES if isinstance(e, (x.PermissionDeniedError, x.UnauthenticatedError)) or status in (401, 403)
         else errno.ETIMEDOUT if getattr(e, "retried_out", False) else errno.EIO)
     return OSError(code, _first_line(e) + _tls(e), url)
@@ -172,6 +172,8 @@ class ObjectStore:
         self.scheme, self.bucket, self.key = scheme, bucket, key
         self.options = dict(storage_options or {})
         self._obs = _obstore(scheme, key)
+        # obstore raises a GET's or HEAD's 404 as the builtin FileNotFoundError (no errno), not as one of its own
+        self._errors = (self._obs.exceptions.BaseError, FileNotFoundError)
         self._store = None
         self._pid = 0
         self._handles: dict[str, Handle] = {}
@@ -215,7 +217,7 @@ class ObjectStore:
     def read(self, url: str) -> bytes:
         try:
             return self._retry(lambda: bytes(self._obs.get(self.client(), self.object_key(url)).bytes()))
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
 
     def read_tagged(self, url: str) -> tuple[bytes, str]:
@@ -226,7 +228,7 @@ class ObjectStore:
 
         try:
             data, etag = self._retry(get)
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
         _count(bytes=len(data))
         return data, etag
@@ -234,7 +236,7 @@ class ObjectStore:
     def head(self, url: str) -> Handle:
         try:
             meta = self._retry(lambda: self._obs.head(self.client(), self.object_key(url)))
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
         return Handle(url, int(meta["size"]), _etag(meta.get("e_tag")))
 
@@ -273,7 +275,7 @@ class ObjectStore:
 
         try:
             data, etag = self._retry(get)
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, h.key) from None
         _count(bytes=len(data))
         if h.etag and etag and etag != h.etag:
@@ -336,14 +338,14 @@ class ObjectStore:
         or an outage at start failed a brace pattern's or an ImageFolder's listing at once)."""
         try:
             return self._retry(lambda: list(self._listing(url)))
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
 
     def first(self, url: str) -> tuple[str, int, str] | None:
         """The first object under the prefix ``url`` names (one request, not retried: ``probe``'s)."""
         try:
             return next(self._listing(url), None)
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
 
     def _listing(self, url: str):
@@ -361,7 +363,7 @@ class ObjectStore:
         base = prefix + "/" if prefix else ""
         try:
             got = self._retry(lambda: self._obs.list_with_delimiter(self.client(), prefix=prefix or None))
-        except self._obs.exceptions.BaseError as e:
+        except self._errors as e:
             raise _os_error(e, url) from None
         objects = [(m["path"][len(base):], int(m["size"]), _etag(m.get("e_tag"))) for m in got["objects"]
                    if m["path"].startswith(base)]
