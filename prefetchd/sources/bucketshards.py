@@ -97,7 +97,9 @@ class BucketShardIndex(TarIndex):
 
     @property
     def refusal_root(self) -> str:  # one shard: its ACL's 403 refuses every sample, the root's refusal
-        return f"{self.root}/{self.archives[0]}" if len(self.archives) == 1 else self.root
+        if len(self.archives) != 1:
+            return self.root
+        return f"{self.root}/{self.archives[0]}" if self.archives[0] else self.root  # "": the root is the object
 
     def path(self, i: int) -> str:
         return f"{self.root}/{self.relpath(i)}"
