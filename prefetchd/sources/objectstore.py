@@ -567,9 +567,11 @@ def words(e: OSError, scheme: str | None = None, options: dict | None = None) ->
     if "HTTP request to an HTTPS server" in text:
         return f"{text}: the endpoint speaks HTTPS: write its URL https://... (STORAGE_EMULATOR_HOST too), or start " \
                "the emulator with plain HTTP (fake-gcs-server -scheme http)"
-    if "403" in text or e.errno == errno.EACCES:
+    said = gcs.answer(text)  # not the URL, key or time: an object of a bucket named "...bucket..." was "no such bucket"
+    if re.search(r"\b403\b", said) or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
-    if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
+    if "NoSuchBucket" in said or "bucket does not exist" in said.lower() or (
+            e.errno == errno.ENOENT and scheme == "s3" and "list request" in said):  # a prefix lists empty, not 404
         return "no such bucket (404)"
     if e.errno == errno.ENOENT:
         return "not found (404)"
