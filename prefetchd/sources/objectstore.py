@@ -298,8 +298,8 @@ class ObjectStore:
                 out = call()
                 if isinstance(out, bytes):
                     _count(bytes=len(out))
-            except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
-                    x.InvalidPathError, x.NotSupportedError):
+            except (x.NotFoundError, FileNotFoundError, x.PermissionDeniedError, x.UnauthenticatedError,
+                    x.PreconditionError, x.InvalidPathError, x.NotSupportedError):  # a GET's 404: the builtin
                 _count(errors=1)
                 raise
             except x.BaseError as e:
