@@ -472,6 +472,15 @@ def moved_since(cached_root: str, cached_names, cached_identity: tuple, listing:
     return [n for n, was, is_ in zip(cached_names, cached_identity, now, strict=False) if was != is_]
 
 
+def changed_words(root: str, what: str, others: str, moved: list[str] | None) -> str | None:
+    """A cached bucket index's warning, None when ``moved`` (``moved_since``) is: the ``what`` under
+    ``root`` changed since they were indexed (those overwritten, or ``others``)."""
+    if moved is None:
+        return None
+    return (f"the {what} under {root} changed since they were indexed ("
+            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else others}): indexing them again")
+
+
 def listing_stamps(root: str, base: str, names, identity) -> list:
     """A bucket index cache's stamps: the root listed, and each object's (size, ETag) as indexed."""
     return [["list", root]] + [[f"{base}/{n}", *ident] for n, ident in zip(names, identity, strict=True)]
