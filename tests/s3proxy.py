@@ -12,6 +12,7 @@ at once; ``log`` holds each answered request's method, path, Range header and bo
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -144,6 +145,15 @@ class FaultProxy:
         on (none: all answer again); listings are not refused."""
         with self._lock:
             self._denied = tuple(suffixes)
+
+    @contextlib.contextmanager
+    def denying(self, *suffixes: str):
+        """``deny(*suffixes)`` for the ``with`` block; every object answers again after it."""
+        self.deny(*suffixes)
+        try:
+            yield self
+        finally:
+            self.deny()
 
     def outage(self, seconds: float, after_requests: int = 0) -> None:
         """From request number ``after_requests`` on, every request for ``seconds`` is reset."""

@@ -535,3 +535,23 @@ def test_a_file_lists_folder_listing_that_finds_the_endpoint_gone_starts_no_othe
     assert "\n" not in str(e.value) and str(e.value).startswith("dataset.file_list "), e.value
     asked = {unquote(p).split("prefix=")[1].split("&")[0] for p in proxy.refused if "prefix=" in p}
     assert 0 < len(asked) <= 8, sorted(asked)
+
+
+def test_an_imagefolder_at_a_buckets_top_emptied_mid_run_waits_as_a_root_gone(s3, s3_env, image_root, tmp_path):
+    # an emptied prefix is the root gone (a HEAD of it answers 404); at a bucket's top the HEAD of no key
+    # asked the bucket, which answered: every image's 404 was then its own, each sample blamed in turn
+    import obstore
+
+    from prefetchd.executors.storage import StorageUnavailable, read_sample
+
+    s3.make_bucket("top-emptied")
+    names = [f"{cls}/{sorted(os.listdir(os.path.join(image_root, cls)))[0]}" for cls in sorted(os.listdir(image_root))[:2]]
+    for n in names:
+        with open(os.path.join(image_root, n), "rb") as f:
+            s3.put(n, f.read(), "top-emptied")
+    obstore.delete(s3.store("top-emptied"), ".prefetchd-probe")
+    index, _ = load_index("s3://top-emptied", None, EXTS, str(tmp_path / "c"))
+    for n in names:
+        obstore.delete(s3.store("top-emptied"), n)
+    with pytest.raises(StorageUnavailable, match=r"the dataset root s3://top-emptied cannot be read now"):
+        read_sample(lambda: index.read(0), index.refusal_root, sleep=lambda s: None)

@@ -185,26 +185,21 @@ def test_a_root_that_is_one_object_refused_by_its_acl_is_the_roots_refusal_not_e
 
     tar = f"{uploaded}/ILSVRC2012_img_train.tar"
     index, _ = load_index(tar, None, EXTS, str(tmp_path / "one"))
-    proxy.deny("/ILSVRC2012_img_train.tar")
-    try:
+    assert index.refusal_root == tar  # what a worker asks (its archives are ("",): the root itself), not "tar/"
+    with proxy.denying("/ILSVRC2012_img_train.tar"):
         with pytest.raises(StorageUnavailable) as e:
-            read_sample(lambda: index.read(1), index.root, sleep=lambda s: None)
-    finally:
-        proxy.deny()
+            read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
     said = str(e.value)
     assert "\n" not in said and f"the dataset root {tar} cannot be read now (access denied (403)" in said, said
-    assert read_sample(lambda: index.read(1), index.root)  # the ACL mended: read again, nothing quarantined
+    assert read_sample(lambda: index.read(1), index.refusal_root)  # the ACL mended: read again, nothing quarantined
     # a prefix of class tars, one refused: the samples in it are theirs to blame, as files a local
     # folder cannot open (the others are read)
     prefix = load_index(f"{uploaded}/train_tars", None, EXTS, str(tmp_path / "prefix"))[0]
     first = prefix.read(0)
-    proxy.deny(".tar")
-    try:
+    with proxy.denying(".tar"):
         with pytest.raises(SampleUnreadable):
-            read_sample(lambda: prefix.read(len(prefix) - 1), prefix.root, sleep=lambda s: None)
-    finally:
-        proxy.deny()
-    assert read_sample(lambda: prefix.read(0), prefix.root) == first
+            read_sample(lambda: prefix.read(len(prefix) - 1), prefix.refusal_root, sleep=lambda s: None)
+    assert read_sample(lambda: prefix.read(0), prefix.refusal_root) == first
 
 
 def test_a_full_disk_under_the_index_cache_is_one_line_saying_so_not_a_truncated_tar(s3_env, uploaded, tmp_path):

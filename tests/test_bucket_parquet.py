@@ -276,18 +276,12 @@ def test_one_parquet_file_refused_by_its_acl_is_the_roots_refusal_not_each_rows(
     objectstore._STORES.clear()
     one = f"{bucket_hf}/train-00001-of-00002.parquet"
     index, _ = load_index(one, None, EXTS, str(tmp_path / "one"))
-    proxy.deny("/train-00001-of-00002.parquet")
-    try:
+    with proxy.denying("/train-00001-of-00002.parquet"):
         with pytest.raises(StorageUnavailable) as e:
             read_sample(lambda: index.read(1), index.refusal_root, sleep=lambda s: None)
-    finally:
-        proxy.deny()
     assert f"the dataset root {one} cannot be read now (access denied (403)" in str(e.value), e.value
     both, _ = load_index(bucket_hf, None, EXTS, str(tmp_path / "both"))
     assert both.refusal_root == both.root == bucket_hf
-    proxy.deny("-00001-of-00002.parquet")
-    try:
+    with proxy.denying("-00001-of-00002.parquet"):
         with pytest.raises(SampleUnreadable):
             read_sample(lambda: both.read(len(both) - 1), both.refusal_root, sleep=lambda s: None)
-    finally:
-        proxy.deny()

@@ -7,6 +7,7 @@ byte for byte."""
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -485,3 +486,30 @@ def test_one_shard_deleted_mid_run_is_the_roots_absence_not_each_samples(s3, s3_
     with pytest.raises(SampleUnreadable):
         read_sample(lambda: prefix.read(12), prefix.refusal_root, sleep=lambda s: None)
     assert read_sample(lambda: prefix.read(0), prefix.refusal_root)
+
+
+def test_a_deleted_shard_of_a_bucket_named_bucket_is_said_not_found_not_no_such_bucket(s3, s3_env, local_shards,
+                                                                                      tmp_path):
+    # the words looked for "bucket" and "403" anywhere in obstore's line, whose request URL names the
+    # bucket and whose time may read "in 1.403ms": the one shard of s3://train-bucket deleted mid-run
+    # waited saying "cannot be read now (no such bucket (404))"; a 404 in 1.403 ms was "access denied (403)"
+    from prefetchd.executors.storage import StorageUnavailable, read_sample
+
+    s3.make_bucket("train-bucket")
+    with open(local_shards[1][0], "rb") as f:
+        s3.put("one/train-000000.tar", f.read(), "train-bucket")
+    one = "s3://train-bucket/one/train-000000.tar"
+    index, _ = load_index(one, None, EXTS, str(tmp_path / "one"))
+    import obstore
+
+    obstore.delete(s3.store("train-bucket"), "one/train-000000.tar")
+    with pytest.raises(StorageUnavailable) as e:
+        read_sample(lambda: index.read(0), index.refusal_root, sleep=lambda s: None)
+    assert str(e.value).endswith(f"the dataset root {one} cannot be read now (not found (404))"), e.value
+    took = OSError(errno.ENOENT, "Object at location one/x.tar not found: Error performing GET http://127.0.0.1:40312/"
+                   "b/one/x.tar in 1.403ms - Server returned non-2xx status code: 404 Not Found: ", one)
+    assert objectstore.words(took) == "not found (404)" and objectstore.words(took, "gs") == "not found (404)"
+    listed = OSError(errno.ENOENT, "Generic S3 error: Error performing list request: Error performing GET http://127.0.0.1:"
+                     "60529/pfd-nothere?list-type=2&prefix=p%2F in 1.486446ms - Server returned non-2xx status code: "
+                     "404 Not Found: ", "s3://pfd-nothere/p")  # a prefix lists empty: a listing's 404 is the bucket's
+    assert objectstore.words(listed) == "no such bucket (404)"

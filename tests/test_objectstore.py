@@ -379,3 +379,15 @@ def test_the_endpoint_is_read_under_each_of_obstores_spellings(monkeypatch):
     assert objectstore.ObjectStore("s3", "b").endpoint() == ""
     monkeypatch.setenv("AWS_ENDPOINT", "http://10.0.0.2:9000")
     assert objectstore.ObjectStore("s3", "b").endpoint() == "http://10.0.0.2:9000"
+
+
+def test_a_gets_or_heads_404_counts_as_an_error(s3, s3_env):
+    # obstore raises a GET's or HEAD's 404 as the builtin FileNotFoundError, which the retry loop's count of
+    # errors (status, metrics) did not catch: an object deleted mid-run showed requests and no error
+    store = objectstore.store_for(f"s3://{BUCKET}/x")
+    for call in (store.read, store.head):
+        before = objectstore.counts() or (0,) * 7  # () before the first request
+        with pytest.raises(FileNotFoundError):
+            call(f"s3://{BUCKET}/no-such/object.jpg")
+        after = objectstore.counts()
+        assert after[1] == before[1] + 1 and after[3] == before[3] + 1, (call.__name__, before, after)

@@ -78,6 +78,8 @@ def _bucket_refuses(root: str) -> str | None:
     store = objectstore.store_for(root)
     try:
         if store.first(root) is None:
+            if not objectstore.split(root)[2]:  # the bucket's top emptied (a HEAD of no key asks the bucket: there)
+                return "it lists no objects"
             store.head(root)  # one object; an empty prefix's 404: the root gone
     except OSError as e:
         return objectstore.words(e) if e.errno in (errno.EACCES, errno.ENOENT) else None

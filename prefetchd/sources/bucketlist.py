@@ -80,9 +80,10 @@ _FOLDERS_IN_FLIGHT = 8
 
 def _listed(store: objectstore.ObjectStore, root: str, rel: list[str]) -> dict[str, tuple[int, str]]:
     """``{path under root: (size, ETag)}`` of the objects in the folders the list's paths lie in: each
-    folder's own level, listed apart (8 at once), where that takes no more requests than the
-    listed objects' own pages would, so a list of a few images at a bucket's top does not list the
-    whole bucket; else (an image a folder) one listing of everything under ``root``."""
+    folder's own level, listed apart (8 at once), so a list of a few images at a bucket's top does not
+    list the whole bucket; but where the paths lie in more than 64 folders and in more folders than
+    the list has pages of 1,000 paths (an image a folder, say), one listing of everything under
+    ``root``."""
     folders = sorted({posixpath.dirname(r) for r in rel})
     if len(folders) > max(64, -(-len(rel) // _PAGE)):
         return {name: (size, etag) for name, size, etag in store.list(root)}

@@ -231,11 +231,9 @@ def load(root: str, image_column: str, label_column: str, cache_dir: str | None,
                       "bucket-parquet", ())
 
     def changed(cached: BucketParquetIndex) -> str | None:
-        moved = objectstore.moved_since(cached.root, cached.files, cached.identity,
-                                        files_of(root, store, key))  # one listing: still the files indexed?
-        return None if moved is None else (
-            f"the Parquet files under {root} changed since they were indexed ("
-            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else 'other files'}): indexing them again")
+        listing = files_of(root, store, key)  # one listing: still the files indexed?
+        return objectstore.changed_words(root, "Parquet files", "other files", objectstore.moved_since(
+            cached.root, cached.files, cached.identity, listing))
 
     def cache_of(index: BucketParquetIndex) -> tuple[dict, dict]:
         return {k: getattr(index, k) for k in parquet._ARRAYS}, {

@@ -97,7 +97,9 @@ class BucketShardIndex(TarIndex):
 
     @property
     def refusal_root(self) -> str:  # one shard: its ACL's 403 refuses every sample, the root's refusal
-        return f"{self.root}/{self.archives[0]}" if len(self.archives) == 1 else self.root
+        if len(self.archives) != 1:
+            return self.root
+        return f"{self.root}/{self.archives[0]}" if self.archives[0] else self.root  # "": the root is the object
 
     def path(self, i: int) -> str:
         return f"{self.root}/{self.relpath(i)}"
@@ -423,11 +425,9 @@ def load(root: str, extensions: tuple[str, ...], label: str, cache_dir: str | No
                       "bucket-webdataset", extensions)
 
     def changed(cached: BucketShardIndex) -> str | None:
-        moved = objectstore.moved_since(cached.root, cached.archives, cached.identity,
-                                        shards_of(root, store, key))  # one listing: still the shards indexed?
-        return None if moved is None else (
-            f"the shards under {root} changed since they were indexed ("
-            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else 'other shards'}): indexing them again")
+        listing = shards_of(root, store, key)  # one listing: still the shards indexed?
+        return objectstore.changed_words(root, "shards", "other shards", objectstore.moved_since(
+            cached.root, cached.archives, cached.identity, listing))
 
     def cache_of(index: BucketShardIndex) -> tuple[dict, dict]:
         return {k: getattr(index, k) for k in _ARRAYS}, {

@@ -187,6 +187,16 @@ def describe(options: dict) -> str:
     return f"{who}, endpoint {endpoint(options) or 'Google Cloud Storage'}"
 
 
+# what an error's text says of the answer, without the request's URL, the object's key and the time it took
+# (``answer``): a bucket named "...bucket...", port 40312 or "in 1.403ms" say nothing of a 403 or a missing bucket
+_NOT_THE_ANSWER = re.compile(r"\S+://\S+|location \S*|\bin [\d.]+\S*?s\b")
+
+
+def answer(text: str) -> str:
+    """``text`` without what names the request (see ``_NOT_THE_ANSWER``)."""
+    return _NOT_THE_ANSWER.sub("", text)
+
+
 # obstore's words for a GCS credentials file it cannot use: unreadable, not JSON, a key that is not RSA
 _BAD_CREDENTIALS = ("service account file", "Invalid RSA key", "credentials file", "Unable to decode")
 
@@ -208,8 +218,9 @@ def words(e: OSError, text: str, options: dict) -> str | None:
     if "token request" in text:
         return f"no token for it ({text}): set GOOGLE_APPLICATION_CREDENTIALS to a service account's " \
                "JSON key file, or run `gcloud auth application-default login`"
-    if "403" in text or "401" in text or e.errno == errno.EACCES:
-        return f"access denied ({'401' if '401' in text else '403'}): check the credentials and that " \
+    status = re.search(r"\b40[13]\b", answer(text))
+    if status or e.errno == errno.EACCES:
+        return f"access denied ({status.group(0) if status else '403'}): check the credentials and that " \
                "the account may read the bucket (roles/storage.objectViewer)"
     return None
 

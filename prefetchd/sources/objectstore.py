@@ -298,8 +298,8 @@ class ObjectStore:
                 out = call()
                 if isinstance(out, bytes):
                     _count(bytes=len(out))
-            except (x.NotFoundError, x.PermissionDeniedError, x.UnauthenticatedError, x.PreconditionError,
-                    x.InvalidPathError, x.NotSupportedError):
+            except (x.NotFoundError, FileNotFoundError, x.PermissionDeniedError, x.UnauthenticatedError,
+                    x.PreconditionError, x.InvalidPathError, x.NotSupportedError):  # a GET's 404: the builtin
                 _count(errors=1)
                 raise
             except x.BaseError as e:
@@ -472,6 +472,15 @@ def moved_since(cached_root: str, cached_names, cached_identity: tuple, listing:
     return [n for n, was, is_ in zip(cached_names, cached_identity, now, strict=False) if was != is_]
 
 
+def changed_words(root: str, what: str, others: str, moved: list[str] | None) -> str | None:
+    """A cached bucket index's warning, None when ``moved`` (``moved_since``) is: the ``what`` under
+    ``root`` changed since they were indexed (those overwritten, or ``others``)."""
+    if moved is None:
+        return None
+    return (f"the {what} under {root} changed since they were indexed ("
+            f"{f'{len(moved)} overwritten, e.g. {moved[0]}' if moved else others}): indexing them again")
+
+
 def listing_stamps(root: str, base: str, names, identity) -> list:
     """A bucket index cache's stamps: the root listed, and each object's (size, ETag) as indexed."""
     return [["list", root]] + [[f"{base}/{n}", *ident] for n, ident in zip(names, identity, strict=True)]
@@ -567,9 +576,11 @@ def words(e: OSError, scheme: str | None = None, options: dict | None = None) ->
     if "HTTP request to an HTTPS server" in text:
         return f"{text}: the endpoint speaks HTTPS: write its URL https://... (STORAGE_EMULATOR_HOST too), or start " \
                "the emulator with plain HTTP (fake-gcs-server -scheme http)"
-    if "403" in text or e.errno == errno.EACCES:
+    said = gcs.answer(text)  # not the URL, key or time: an object of a bucket named "...bucket..." was "no such bucket"
+    if re.search(r"\b403\b", said) or e.errno == errno.EACCES:
         return "access denied (403): check the key pair (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) and its policy"
-    if "NoSuchBucket" in text or ("404" in text and "bucket" in text.lower()):
+    if "NoSuchBucket" in said or "bucket does not exist" in said.lower() or (
+            e.errno == errno.ENOENT and scheme == "s3" and "list request" in said):  # a prefix lists empty, not 404
         return "no such bucket (404)"
     if e.errno == errno.ENOENT:
         return "not found (404)"
