@@ -71,27 +71,33 @@ def same_batches(got: dict, ref: dict) -> None:
         assert np.array_equal(got[key][0], ref[key][0]) and np.array_equal(got[key][1], ref[key][1]), key
 
 
-def read_across_a_restart(cfg: str, daemon_factory, after: int = 3) -> dict:
+def _hwc(x, y) -> tuple:
+    return np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy()
+
+
+def read_across_a_restart(cfg: str, daemon_factory, after: int = 3, take=_hwc, **client) -> dict:
     """Rank 0's batches of epochs 0 and 1 as a trainer reads them when the daemon is stopped after
     its first ``after`` and started again, the trainer resuming from its ``state_dict`` (both daemons
-    stop cleanly, with no traceback)."""
+    stop cleanly, with no traceback): ``take(images, labels)`` of each, read by a ``PrefetchClient``
+    with ``client``'s options (default ``as_numpy=True``)."""
     buf = load_config(cfg).buffer.dir
+    client = {"as_numpy": True, **client}
     d = daemon_factory(cfg)
     got = {}
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
+    with PrefetchClient(cfg, rank=0, timeout=60, **client) as c:
         for b, (x, y) in enumerate(c.iter_epoch(0)):
-            got[(0, 0, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+            got[(0, 0, b)] = take(x, y)
             if b + 1 == after:
                 break
         state = c.state_dict()
     assert d.stop() == 0
     d2 = daemon_factory(cfg)
     wait_until(lambda: status.daemon_alive(buf), 60, "the second daemon")
-    with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
+    with PrefetchClient(cfg, rank=0, timeout=60, **client) as c:
         c.load_state_dict(state)
         for e in (0, 1):
             for b, (x, y) in enumerate(c.iter_epoch(e), start=c.batch if e == c.epoch else 0):
-                got[(0, e, b)] = (np.ascontiguousarray(x.transpose(0, 2, 3, 1)), y.copy())
+                got[(0, e, b)] = take(x, y)
     assert d2.stop() == 0
     assert "Traceback" not in d.log() + d2.log()
     return got

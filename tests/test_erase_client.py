@@ -16,10 +16,10 @@ from statistics import NormalDist
 import numpy as np
 import pytest
 import torch
-from conftest import small_config, wait_until
+from conftest import small_config
 from prefetchd_client import ConfigError as ClientConfigError
 from prefetchd_client import PrefetchClient
-from test_daemon import reference_batches
+from test_daemon import read_across_a_restart, reference_batches
 from test_hybrid_daemon import CountingDecoder, mixed_root  # noqa: F401 - a fixture
 from test_hybrid_daemon import _reference as hybrid_reference
 
@@ -166,24 +166,8 @@ def test_client_erasing_is_the_same_with_one_or_two_workers_and_across_a_restart
     two = tmp_path / "two"
     two.mkdir()
     cfg2 = _cfg(two, image_root, "pixel", workers=2)
-    buf = load_config(cfg2).buffer.dir
-    d = daemon_factory(cfg2)
-    resumed = {}
-    with PrefetchClient(cfg2, rank=0, timeout=60, normalize=True) as c:
-        for b, (x, _) in enumerate(c.iter_epoch(0)):
-            resumed[(0, 0, b)] = x.numpy().copy()
-            if b == 2:
-                break
-        state = c.state_dict()
-    assert d.stop() == 0
-    d = daemon_factory(cfg2)
-    wait_until(lambda: status.daemon_alive(buf), 60, "the restarted daemon")
-    with PrefetchClient(cfg2, rank=0, timeout=60, normalize=True) as c:
-        c.load_state_dict(state)
-        for e in (0, 1):
-            for b, (x, _) in enumerate(c.iter_epoch(e), start=c.batch if e == c.epoch else 0):
-                resumed[(0, e, b)] = x.numpy().copy()
-    assert d.stop() == 0
+    resumed = read_across_a_restart(cfg2, daemon_factory, take=lambda x, y: x.numpy().copy(), as_numpy=False,
+                                    normalize=True)
     assert sorted(resumed) == sorted(straight)
     for key, (x, _) in straight.items():
         assert x.tobytes() == resumed[key].tobytes(), key
