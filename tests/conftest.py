@@ -231,6 +231,21 @@ def s3_env(s3, monkeypatch):
     objectstore._STORES.clear()
 
 
+@pytest.fixture
+def s3_proxy(s3, monkeypatch):
+    """The test proxy (tests/s3proxy.py: latency and faults) in front of ``s3``, this process's
+    ``AWS_ENDPOINT_URL`` pointed at it and no store client kept; stopped after the test."""
+    from s3proxy import FaultProxy
+
+    from prefetchd.sources import objectstore
+
+    p = FaultProxy(s3.port)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    objectstore._STORES.clear()
+    yield p
+    p.stop()
+
+
 @pytest.fixture(scope="session")
 def gcs(tmp_path_factory):
     """A GCS emulator on loopback (fake-gcs-server: tests/gcsfixture.py), one per session."""

@@ -39,12 +39,8 @@ def uploaded(s3, inet) -> str:
 
 
 @pytest.fixture
-def proxy(s3, monkeypatch):
-    p = FaultProxy(s3.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
-    objectstore._STORES.clear()
-    yield p
-    p.stop()
+def proxy(s3_proxy):
+    return s3_proxy
 
 
 def _same(index, local) -> None:

@@ -19,7 +19,6 @@ import textwrap
 import pytest
 from imagenet_archives import make_imagenet
 from s3fixture import BUCKET
-from s3proxy import FaultProxy
 
 pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
 
@@ -42,12 +41,8 @@ def uploaded(s3, inet) -> str:
 
 
 @pytest.fixture
-def proxy(s3, s3_env, monkeypatch):
-    p = FaultProxy(s3.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
-    objectstore._STORES.clear()
-    yield p
-    p.stop()
+def proxy(s3_env, s3_proxy):
+    return s3_proxy
 
 
 def test_a_key_that_expires_while_the_tars_are_indexed_is_one_line_saying_to_renew_it(inet, uploaded, proxy,

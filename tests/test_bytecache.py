@@ -42,12 +42,8 @@ def cshards(s3, tmp_path_factory):
 
 
 @pytest.fixture
-def proxied(s3, s3_env, monkeypatch):
-    p = FaultProxy(s3.port)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
-    objectstore._STORES.clear()
-    yield p
-    p.stop()
+def proxied(s3_env, s3_proxy):
+    yield s3_proxy
     bytecache.configure(None)
 
 

@@ -245,7 +245,7 @@ def test_every_module_that_uses_a_bucket_server_shares_one_worker():
     "buckets" group starts them again on another worker, unseen."""
     import conftest
 
-    servers = {"s3", "s3_env", "gcs", "gcs_env"}
+    servers = {"s3", "s3_env", "s3_proxy", "gcs", "gcs_env"}
     using = set()
     for path in sorted(pathlib.Path(__file__).parent.glob("test_*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
