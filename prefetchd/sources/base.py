@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 import xxhash
@@ -217,10 +219,6 @@ def cached_or_scanned(cdir: str, meta_name: str, use_cache: bool, load_cached, c
     (one listing: are the objects still those indexed?) says None, else its warning's words and a new
     ``scan()``, timed (its ``scan_s``) and cached (``cache_of(index)``: its arrays and meta) unless
     ``use_cache`` is false; a cache that cannot be written is a warning (the next start scans again)."""
-    import logging
-    import time
-    from dataclasses import replace
-
     log = logging.getLogger("prefetchd.dataset")
     if use_cache:
         cached = load_cached(cdir)

@@ -13,9 +13,10 @@ The index is a ``bucketfolder.BucketIndex`` (a sample is one GET of its object, 
 through the node-local cache as an ImageFolder's): its root is the list's folder when every path
 lies under it (so a list uploaded beside its images gives the local list's paths, labels and
 fingerprint: the same batches), else the deepest folder holding them all. A listing of each folder
-the paths lie in (its own level; or, with very many folders, one of everything under the root) gives
-each object's size and ETag; paths that name no object are one line, before any batch. The index is cached keyed on the list's bytes (a list rewritten is indexed anew), the
-root and the endpoint.
+the paths lie in (its own level; or, with very many folders, one of everything under the root)
+gives each object's size and ETag; paths that name no object are one line, before any batch. The
+index is cached keyed on the list's bytes (a list rewritten is indexed anew), the root and the
+endpoint.
 """
 
 from __future__ import annotations
