@@ -8,7 +8,12 @@ PY        := $(VENV)/bin/python
 # tests/test_install.py dry-runs both with pip's resolver: no CUDA wheel may be pulled.
 TORCH_CPU       ?= torch==2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
-TORCH_CPU_PIP   := -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
+TORCH_CPU_PIP   := -m pip install -q --no-compile --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH_CPU)
+# pip compiles every module it installs to bytecode, by default: half the set-up's minute (torch's and
+# Ray's thousands of modules, most never imported here). The set-up skips that and imports what the
+# suite's processes import, once, so Python compiles only those (CONTRIBUTING.md: the suite's time).
+PIP_NOCOMPILE   := -m pip install -q --no-compile
+WARM_IMPORTS    := import numpy, PIL.Image, yaml, watchdog.observers, psutil, torch, cv2, pytest, hypothesis, xdist
 
 # The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
 # twice the CPUs this process may use, at most 8. Most tests wait on a daemon or a trainer process for
@@ -24,11 +29,12 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	if ! command -v nvidia-smi >/dev/null 2>&1; then \
-	  $(PY) $(TORCH_CPU_PIP) || $(PY) -m pip install -q $(TORCH_CPU); fi
-	$(PY) -m pip install -q -e '.[torch,dev,ray]'
+	  $(PY) $(TORCH_CPU_PIP) || $(PY) $(PIP_NOCOMPILE) $(TORCH_CPU); fi
+	$(PY) $(PIP_NOCOMPILE) -e '.[torch,dev,ray]'
 	# timm's own RandAugment parser and ops for tests/test_policies_timm.py: its auto_augment.py needs
 	# only Pillow and numpy, so no dependencies (timm's torchvision would replace the CPU torch)
-	$(PY) -m pip install -q --no-deps 'timm>=1,<2'
+	$(PY) $(PIP_NOCOMPILE) --no-deps 'timm>=1,<2'
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_IMPORTS); import prefetchd.cli, prefetchd_client'
 	touch $@
 
 demo: venv
