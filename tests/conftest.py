@@ -19,6 +19,13 @@ from prefetchd.tools.samples import make_image_folder
 for _name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
     os.environ.pop(_name, None)
 
+# The suite started in the background of a non-interactive shell (`make test &`) inherits SIGINT
+# ignored (POSIX), and Python then never raises KeyboardInterrupt, neither here nor in the processes
+# the tests start (an ignored signal stays ignored across exec): the tests of Ctrl-C would fail
+# for that alone. A handled one is reset to the default at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 # pytest-xdist (`make test` runs the suite on several workers): a module whose fixture is a whole
 # system (a systemd machine, a Slurm or Ray cluster, a fresh venv) runs on one worker, so that system
