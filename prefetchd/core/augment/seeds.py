@@ -47,9 +47,9 @@ def sample_draws(seed: int, epoch: int, index: int, view: int | None = None) -> 
 def seed_sample(seed: int, epoch: int, index: int, torch=None, rng: bool = False) -> np.random.Generator | None:
     """Seed Python's ``random``, numpy's global generator and (``torch``: the module, when the
     process has loaded it) torch's CPU generator from the sample's key; ``rng``: also return the
-    sample's own generator. As costly as the built-in draws (0.1 to 0.3 ms here); not
-    ``torch.manual_seed``, which also seeds every device's generator and costs some 0.8 ms: a
-    worker's transform runs on the CPU."""
+    sample's own generator. About 20 us a sample here (BENCHMARKS.md), under 1% of a
+    torchvision recipe's; not ``torch.manual_seed``, which also seeds every device's generator and
+    costs some 0.8 ms: a worker's transform runs on the CPU."""
     key = sample_key(seed, epoch, index)
     words = key.generate_state(9, np.uint64)  # 0-3 are PCG64's seed (below); the rest are the globals'
     random.seed(int(words[4]) << 64 | int(words[5]))

@@ -91,10 +91,15 @@ def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int,
                    erase_mode: str = "const") -> dict[str, list[float]]:
     """CPU time per sample in this one process (``time.process_time``, so other processes'
     load counts less than in wall time): the fast path's ``make_sample`` against Pillow's open
-    and torchvision's transform, in alternated blocks of ``samples``."""
+    and torchvision's transform, in alternated blocks of ``samples``. On one torch thread, as
+    both the daemon's and the DataLoader's workers run (torch's own threads would count their
+    spinning: 5.4 against 4.4 ms a deit sample here)."""
     import io
 
+    import torch
     from PIL import Image
+
+    torch.set_num_threads(1)
 
     from prefetchd.core.augment import modes
     from prefetchd.core.configsections import AugmentConfig
@@ -152,14 +157,21 @@ def main(argv=None) -> int:
         rows["DataLoader"].append(dataloader_img_s(paths, args.workers, args.batch_size, args.recipe, args.epochs))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} img/s" for k, v in rows.items()), flush=True)
     fast = statistics.median(rows["fast path"])
+    # the transform's own limit: N workers doing nothing but open, decode and transform, N cores
+    tv_ms = statistics.median(per_sample_cpu(paths, args.recipe, 100, 3, args.erase_mode)["torchvision"])
+    limit = args.workers * 1e3 / tv_ms
     print(f"\n{args.recipe}: {len(paths)} images, {args.workers} workers, batch {args.batch_size}, "
           f"{args.rounds} rounds (median)")
     for k, v in rows.items():
         med = statistics.median(v)
-        print(f"  {k:15s} {med:8.1f} img/s  (runs {', '.join(f'{x:.1f}' for x in v)})  fast path / this: {fast / med:.2f}x")
+        print(f"  {k:15s} {med:8.1f} img/s  (runs {', '.join(f'{x:.1f}' for x in v)})  fast path / this: {fast / med:.2f}x"
+              + ("" if k == "fast path" else f", {med / limit:.0%} of the transform's limit"))
+    print(f"  the transform's limit: {limit:.1f} img/s ({args.workers} x one process's {tv_ms:.2f} ms of CPU a "
+          "sample: open, decode and torchvision's transform, one torch thread)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"recipe": args.recipe, "images": len(paths), "workers": args.workers, "rows": rows}, f, indent=1)
+            json.dump({"recipe": args.recipe, "images": len(paths), "workers": args.workers, "rows": rows,
+                       "transform_ms": tv_ms, "limit_img_s": limit}, f, indent=1)
     return 0
 
 
