@@ -391,3 +391,53 @@ def test_a_gets_or_heads_404_counts_as_an_error(s3, s3_env):
             call(f"s3://{BUCKET}/no-such/object.jpg")
         after = objectstore.counts()
         assert after[1] == before[1] + 1 and after[3] == before[3] + 1, (call.__name__, before, after)
+
+
+def test_the_look_at_the_root_after_a_samples_403_or_404_counts_its_request(s3, s3_env):
+    # ``first`` (one listing, not retried: the look at the root, and ``probe``'s) was not counted
+    store = objectstore.store_for(f"s3://{BUCKET}/x")
+    before = objectstore.counts() or (0,) * 7
+    store.first(f"s3://{BUCKET}/folder")
+    after = objectstore.counts()
+    assert after[1] == before[1] + 1 and after[3] == before[3], (before, after)
+
+
+def test_a_samples_403_or_404_while_the_look_at_the_root_fails_blames_no_sample(s3, proxy, bucket_root,
+                                                                               monkeypatch):
+    # after a sample's 403 or 404 the root is looked at (one listing) to tell whose fault it is; a look
+    # that met a 503 or a reset passed for "the root reads", and the sample was blamed: replaced for the
+    # rest of the run, the stream changed, for the bucket's hiccup. Now the batch waits until it can tell.
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    name = sorted(n for n, _, _ in store.list(bucket_root))[-1]
+    url = f"{bucket_root}/{name}"
+    want = store.read(url)
+
+    def read():
+        return store.read(url)
+
+    for denied in (True, False):  # its ACL (a 403), then the object deleted (a 404: another name)
+        if not denied:
+            url = f"{bucket_root}/{name}.deleted"
+        with proxy.denying(name if denied else "\0"):
+            n = proxy.requests
+            with pytest.raises(OSError):
+                read()
+            per_read = proxy.requests - n
+            for fault in ("n503", "resets"):  # past obstore's own two tries
+                proxy.faults(**{fault: 3}, after_requests=proxy.requests + per_read + 1)
+                with pytest.raises(StorageUnavailable) as e:
+                    read_sample(read, bucket_root, sleep=lambda s: None)
+                said = str(e.value)
+                assert "\n" not in said and f"the dataset root {bucket_root} cannot be read now (asking it failed: " \
+                    in said, said
+                proxy.faults()
+            with pytest.raises(SampleUnreadable):  # the root answers: the object's own fault, as before
+                read_sample(read, bucket_root, sleep=lambda s: None)
+    url = f"{bucket_root}/{name}"
+    assert read_sample(read, bucket_root) == want

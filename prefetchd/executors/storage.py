@@ -18,7 +18,8 @@ fault. The rule, applied to every failed read:
   storage's, as a local root gone;
 * anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once; but a bucket's 403
   while the bucket root refuses too (a key that expired or was revoked mid-run; the ACL of the one
-  object the dataset is) is the storage's: ``StorageUnavailable``, no sample blamed; a 403 while the
+  object the dataset is), or while the look at the root fails (a 503, a reset), is the storage's:
+  ``StorageUnavailable``, no sample blamed; a 403 while the
   root reads is tried once more (an ACL mended between the read, perhaps a read-ahead's of seconds
   before, and the look at the root), then the sample's fault.
 
@@ -82,7 +83,11 @@ def _bucket_refuses(root: str) -> str | None:
                 return "it lists no objects"
             store.head(root)  # one object; an empty prefix's 404: the root gone
     except OSError as e:
-        return objectstore.words(e) if e.errno in (errno.EACCES, errno.ENOENT) else None
+        if e.errno in (errno.EACCES, errno.ENOENT):
+            return objectstore.words(e)
+        # the look itself met a fault (a 503, a reset, the endpoint gone): whose the 403 or 404 is cannot
+        # be told now, and a sample blamed is lost for the run; the batch waits until it can be told
+        return f"asking it failed: {objectstore.words(e)}"
     return None
 
 

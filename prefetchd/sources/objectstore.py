@@ -342,10 +342,13 @@ class ObjectStore:
             raise _os_error(e, url) from None
 
     def first(self, url: str) -> tuple[str, int, str] | None:
-        """The first object under the prefix ``url`` names (one request, not retried: ``probe``'s)."""
+        """The first object under the prefix ``url`` names (one request, not retried: ``probe``'s, and
+        the look at a root after a sample's 403 or 404, which waits instead)."""
+        _count(requests=1)
         try:
             return next(self._listing(url), None)
         except self._errors as e:
+            _count(errors=1)
             raise _os_error(e, url) from None
 
     def _listing(self, url: str):
