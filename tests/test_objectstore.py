@@ -436,6 +436,11 @@ def test_a_samples_403_or_404_while_the_look_at_the_root_fails_blames_no_sample(
                 said = str(e.value)
                 assert "\n" not in said and f"the dataset root {bucket_root} cannot be read now (asking it failed: " \
                     in said, said
+                # what the look got, in words: not the request's URL (the endpoint, the query) nor the XML cut short
+                assert said.endswith("(asking it failed: it answered 503 SlowDown)" if fault == "n503" else
+                                     "(asking it failed: the endpoint did not answer (the connection reset, "
+                                     "refused or timed out))"), said
+                assert proxy.endpoint.split("//")[1] not in said and "<" not in said, said
                 proxy.faults()
             with pytest.raises(SampleUnreadable):  # the root answers: the object's own fault, as before
                 read_sample(read, bucket_root, sleep=lambda s: None)

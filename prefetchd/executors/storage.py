@@ -87,7 +87,7 @@ def _bucket_refuses(root: str) -> str | None:
             return objectstore.words(e)
         # the look itself met a fault (a 503, a reset, the endpoint gone): whose the 403 or 404 is cannot
         # be told now, and a sample blamed is lost for the run; the batch waits until it can be told
-        return f"asking it failed: {objectstore.words(e)}"
+        return f"asking it failed: {objectstore.fault_words(e)}"
     return None
 
 

@@ -553,6 +553,16 @@ def _no_answer(e: OSError) -> bool:
         "error sending request" in text or "timed out" in text.lower()))
 
 
+def fault_words(e: OSError) -> str:
+    """A fault's words (a 5xx, a reset): its status and the server's code, or no answer; not obstore's text
+    (the request's URL, the server's XML cut short). ``words``' own for a refusal, a certificate, a token."""
+    text, said, code = e.strerror or str(e), words(e), re.search(r"<Code>([^<]+)</Code>", e.strerror or "")
+    if said != text or not (_status(e) or _no_answer(e)):  # ``words`` says more; or neither: without the URL
+        return said if said != text else " ".join(gcs.answer(text).split())
+    return f"it answered {_status(e)}" + (f" {code.group(1)}" if code else "") if _status(e) else \
+        "the endpoint did not answer (the connection reset, refused or timed out)"
+
+
 def unavailable(e: OSError) -> bool:
     """Did ``e`` end a transient fault's whole retry episode (an outage, throttling), not a refusal
     or a key file that cannot be read (``_retry`` marks it; ``_os_error`` makes it ETIMEDOUT)?"""
