@@ -129,7 +129,7 @@ def _status(e: Exception) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _permanent(e: Exception) -> bool:
+def permanent(e: Exception) -> bool:
     """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
     return bool(_tls(e)) or (400 <= _status(e) < 500 and _status(e) not in (408, 429))
 
@@ -304,7 +304,7 @@ class ObjectStore:
                 raise
             except x.BaseError as e:
                 _count(errors=1)
-                if _permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
+                if permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
                     raise
                 now = time.monotonic()
                 if start is None:
