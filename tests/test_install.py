@@ -67,3 +67,48 @@ def test_the_cuda_pattern_knows_what_the_cuda_build_pulls():
         assert _CUDA.match(n), n
     for n in ("nvidia-nvimgcodec-cu13", "nvidia-nvjpeg", "torch", "numpy"):
         assert not _CUDA.match(n), n
+
+
+# installed packages the set-up's warm-up leaves out, each with why: nvImageCodec's import prints
+# nvTIFF's "[ERROR] Failed to load nvTIFF library" on a machine without it, for a few small modules
+_NOT_WARMED = {"nvidia"}
+
+
+def _imported_tops() -> set[str]:
+    """The top-level names tests/, examples/ and the project import (``importorskip`` too)."""
+    import ast
+    import glob
+
+    names = set()
+    for f in [p for d in ("tests", "examples", "prefetchd", "client") for p in glob.glob(f"{ROOT}/{d}/**/*.py", recursive=True)]:
+        for node in ast.walk(ast.parse(open(f, encoding="utf-8").read())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+            elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "importorskip" and node.args
+                  and isinstance(node.args[0], ast.Constant)):
+                names.add(node.args[0].value.split(".")[0])
+    return names
+
+
+def test_the_set_up_compiles_every_installed_package_the_suite_imports():
+    """`make venv` installs without compiling (pip's --no-compile) and then imports WARM_IMPORTS once
+    to compile what the suite runs: a package left out is compiled afresh by every process that
+    imports it where PYTHONDONTWRITEBYTECODE is set (lightning: each trainer of test_examples.py)."""
+    import importlib.util
+
+    line = subprocess.run(["make", "-s", "print-warm-imports"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    warmed = {m.strip().split(".")[0] for m in line.strip().removeprefix("import ").split(",")}
+    installed = set()
+    for name in _imported_tops():
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        where = (spec.origin or next(iter(spec.submodule_search_locations or []), "")) if spec else ""
+        if "site-packages" in (where or ""):
+            installed.add(name)
+    assert "torch" in installed and "numpy" in installed, installed  # the scan sees the venv's packages
+    assert not installed - warmed - _NOT_WARMED, f"the Makefile's WARM_IMPORTS leaves out {sorted(installed - warmed - _NOT_WARMED)}"

@@ -436,8 +436,38 @@ def test_a_samples_403_or_404_while_the_look_at_the_root_fails_blames_no_sample(
                 said = str(e.value)
                 assert "\n" not in said and f"the dataset root {bucket_root} cannot be read now (asking it failed: " \
                     in said, said
+                # what the look got, in words: not the request's URL (the endpoint, the query) nor the XML cut short
+                assert said.endswith("(asking it failed: it answered 503 SlowDown)" if fault == "n503" else
+                                     "(asking it failed: the endpoint did not answer (the connection reset, "
+                                     "refused or timed out))"), said
+                assert proxy.endpoint.split("//")[1] not in said and "<" not in said, said
                 proxy.faults()
             with pytest.raises(SampleUnreadable):  # the root answers: the object's own fault, as before
                 read_sample(read, bucket_root, sleep=lambda s: None)
     url = f"{bucket_root}/{name}"
     assert read_sample(read, bucket_root) == want
+
+
+def test_a_samples_404_while_listings_are_refused_for_good_blames_the_sample_not_a_wait_forever(
+        s3, proxy, bucket_root, monkeypatch):
+    # a gateway that answers every listing 501 (or 400) while objects read: asking the root again gets the
+    # same answer, so waiting for it to answer otherwise waited forever (the batch never made, the trainer
+    # stalled on it) for an object deleted mid-run, which was replaced before the look's faults were waited on
+    from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
+
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    name = sorted(n for n, _, _ in store.list(bucket_root))[-1]
+    gone = f"{bucket_root}/{name}.deleted"
+    for status in (501, 400):
+        proxy.list_status = status
+        with pytest.raises(SampleUnreadable):
+            read_sample(lambda: store.read(gone), bucket_root, sleep=lambda s: None)
+        assert store.read(f"{bucket_root}/{name}")  # the objects read all along
+    proxy.list_status = 0
+    proxy.faults(n503=3, after_requests=proxy.requests + 2)  # a 503 past obstore's tries: still a wait
+    with pytest.raises(StorageUnavailable):
+        read_sample(lambda: store.read(gone), bucket_root, sleep=lambda s: None)

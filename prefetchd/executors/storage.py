@@ -18,7 +18,8 @@ fault. The rule, applied to every failed read:
   storage's, as a local root gone;
 * anything else (EACCES on the file, EISDIR, ...) -> the sample's fault at once; but a bucket's 403
   while the bucket root refuses too (a key that expired or was revoked mid-run; the ACL of the one
-  object the dataset is), or while the look at the root fails (a 503, a reset), is the storage's:
+  object the dataset is), or while the look at the root fails (a 503, a reset: not an answer that
+  asking again gets the same, a listing's 400 or 501), is the storage's:
   ``StorageUnavailable``, no sample blamed; a 403 while the
   root reads is tried once more (an ACL mended between the read, perhaps a read-ahead's of seconds
   before, and the look at the root), then the sample's fault.
@@ -85,9 +86,13 @@ def _bucket_refuses(root: str) -> str | None:
     except OSError as e:
         if e.errno in (errno.EACCES, errno.ENOENT):
             return objectstore.words(e)
+        if objectstore.permanent(e) or "status code: 501" in (e.strerror or ""):
+            # a listing refused for good (a gateway without ListObjectsV2: 501; 400): asking again gets the
+            # same answer, and a wait would never end; the root is taken as readable, as a look that answers
+            return None
         # the look itself met a fault (a 503, a reset, the endpoint gone): whose the 403 or 404 is cannot
         # be told now, and a sample blamed is lost for the run; the batch waits until it can be told
-        return f"asking it failed: {objectstore.words(e)}"
+        return f"asking it failed: {objectstore.fault_words(e)}"
     return None
 
 

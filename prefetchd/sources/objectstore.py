@@ -129,7 +129,7 @@ def _status(e: Exception) -> int:
     return int(m.group(1)) if m else 0
 
 
-def _permanent(e: Exception) -> bool:
+def permanent(e: Exception) -> bool:
     """A 4xx other than a timeout (408) or throttling (429): asking again gets the same answer."""
     return bool(_tls(e)) or (400 <= _status(e) < 500 and _status(e) not in (408, 429))
 
@@ -304,7 +304,7 @@ class ObjectStore:
                 raise
             except x.BaseError as e:
                 _count(errors=1)
-                if _permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
+                if permanent(e):  # a listing's 403 (a wrong key) or 404 (no such bucket): said at once
                     raise
                 now = time.monotonic()
                 if start is None:
@@ -551,6 +551,16 @@ def _no_answer(e: OSError) -> bool:
     text = e.strerror or str(e)
     return _status(e) in (429, 503) or (not _status(e) and "token request" not in text and "TLS" not in text and (
         "error sending request" in text or "timed out" in text.lower()))
+
+
+def fault_words(e: OSError) -> str:
+    """A fault's words (a 5xx, a reset): its status and the server's code, or no answer; not obstore's text
+    (the request's URL, the server's XML cut short). ``words``' own for a refusal, a certificate, a token."""
+    text, said, code = e.strerror or str(e), words(e), re.search(r"<Code>([^<]+)</Code>", e.strerror or "")
+    if said != text or not (_status(e) or _no_answer(e)):  # ``words`` says more; or neither: without the URL
+        return said if said != text else " ".join(gcs.answer(text).split())
+    return f"it answered {_status(e)}" + (f" {code.group(1)}" if code else "") if _status(e) else \
+        "the endpoint did not answer (the connection reset, refused or timed out)"
 
 
 def unavailable(e: OSError) -> bool:
