@@ -266,3 +266,43 @@ def test_a_temporary_folder_too_long_for_the_forkserver_socket_is_said_once_and_
     assert log.count("(TMPDIR) is ") == 1 and "the workers' sockets go in /tmp instead" in log, log
     assert "AF_UNIX" not in log and "Traceback" not in log
     assert not list(long_tmp.iterdir())
+
+
+_BOTH_REPLACED_UNSEEN = """
+import json, logging, os, signal, sys
+from prefetchd.executors import helpers
+logging.basicConfig(level=logging.ERROR, format="%(message)s", stream=sys.stdout)
+h = helpers.Helpers()
+helpers.ensure_helpers()
+h._watch()
+old = h.pids()
+for name in (helpers.TRACKER, helpers.FORKSERVER):
+    os.kill(old[name], signal.SIGKILL)
+assert all(helpers.wait_exited(fd, 20) for fd in h.waitables())
+helpers.ensure_helpers()  # a worker's start: multiprocessing reaps both and starts two others, without a word
+new = h.pids()
+assert all(new[n] not in (None, old[n]) for n in new), (old, new)
+h.check()
+print(json.dumps({"restarts": h.restarts, "kept": h.pids() == new}))
+helpers.stop_helpers()
+"""
+
+
+def test_helpers_that_multiprocessing_replaced_before_the_check_are_each_counted_said_and_kept(tmp_path):
+    # every child killed at once: a worker's start (multiprocessing's ensure_running) replaced the tracker and
+    # the forkserver before the daemon's check saw them die; the check counted the tracker, then watched the
+    # helpers again, the forkserver under its new pid, and its death went uncounted and unsaid (status's
+    # forkserver_restarts stayed 0; tests/test_helper_faults.py's all-children case timed out waiting for it)
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _BOTH_REPLACED_UNSEEN], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.strip().splitlines()
+    got = json.loads(lines[-1])
+    assert got == {"restarts": {"forkserver": 1, "resource tracker": 1}, "kept": True}, r.stdout
+    said = lines[:-1]
+    assert len(said) == 2 and said[0].startswith("the resource tracker (pid ") and \
+        said[1].startswith("the forkserver (pid ") and "; started a new one (pid " in said[1], said

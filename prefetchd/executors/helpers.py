@@ -207,17 +207,25 @@ class Helpers:
             del self._watched[name]
             os.close(fd)
             self.restarts[name] += 1
-            if name == FORKSERVER:
-                _discard_forkserver()
-            try:
-                _ensure_running(name)
+            if _pid(name) not in (None, pid):
+                # multiprocessing started a new one itself (its ensure_running at a worker's start reaps
+                # a dead one and starts another without a word): counted and said here, and kept
                 done = f"started a new one (pid {_pid(name)})"
-            except Exception as e:  # noqa: BLE001 -- the next worker start tries again
-                done = f"cannot start a new one yet ({type(e).__name__}: {e}); trying again at the next worker start"
+            else:
+                if name == FORKSERVER:
+                    _discard_forkserver()
+                try:
+                    _ensure_running(name)
+                    done = f"started a new one (pid {_pid(name)})"
+                except Exception as e:  # noqa: BLE001 -- the next worker start tries again
+                    done = f"cannot start a new one yet ({type(e).__name__}: {e}); trying again at the next worker start"
             if name == FORKSERVER:
                 done += "; the workers it started go on"
             log.error("the %s (pid %s) %s; %s", name, pid, how, done)
-            self._watch()
+        # once both were looked at: watched again in the loop, after the tracker's restart, a forkserver that
+        # multiprocessing had already replaced was watched under its new pid before its death was seen, and
+        # that death went uncounted and unsaid (forkserver_restarts 0 after every child was killed)
+        self._watch()
 
     def spawn(self, start: Callable[[], None]) -> None:
         """Run ``start`` (a worker's ``Process.start``) with a deadline on the forkserver's
