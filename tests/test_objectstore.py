@@ -402,6 +402,16 @@ def test_the_look_at_the_root_after_a_samples_403_or_404_counts_its_request(s3, 
     assert after[1] == before[1] + 1 and after[3] == before[3], (before, after)
 
 
+def _through_proxy(s3, proxy, bucket_root, monkeypatch):
+    """The bucket's store reached through ``proxy``, and the name of the root's last object."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    objectstore._STORES.clear()
+    store = objectstore.store_for(bucket_root)
+    return store, sorted(n for n, _, _ in store.list(bucket_root))[-1]
+
+
 def test_a_samples_403_or_404_while_the_look_at_the_root_fails_blames_no_sample(s3, proxy, bucket_root,
                                                                                monkeypatch):
     # after a sample's 403 or 404 the root is looked at (one listing) to tell whose fault it is; a look
@@ -409,12 +419,7 @@ def test_a_samples_403_or_404_while_the_look_at_the_root_fails_blames_no_sample(
     # rest of the run, the stream changed, for the bucket's hiccup. Now the batch waits until it can tell.
     from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    objectstore._STORES.clear()
-    store = objectstore.store_for(bucket_root)
-    name = sorted(n for n, _, _ in store.list(bucket_root))[-1]
+    store, name = _through_proxy(s3, proxy, bucket_root, monkeypatch)
     url = f"{bucket_root}/{name}"
     want = store.read(url)
 
@@ -455,12 +460,7 @@ def test_a_samples_404_while_listings_are_refused_for_good_blames_the_sample_not
     # stalled on it) for an object deleted mid-run, which was replaced before the look's faults were waited on
     from prefetchd.executors.storage import SampleUnreadable, StorageUnavailable, read_sample
 
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
-    objectstore._STORES.clear()
-    store = objectstore.store_for(bucket_root)
-    name = sorted(n for n, _, _ in store.list(bucket_root))[-1]
+    store, name = _through_proxy(s3, proxy, bucket_root, monkeypatch)
     gone = f"{bucket_root}/{name}.deleted"
     for status in (501, 400):
         proxy.list_status = status
