@@ -46,8 +46,9 @@ def main(argv=None) -> int:
         store = S3Store(BUCKET, config={"access_key_id": env["AWS_ACCESS_KEY_ID"], "region": "us-east-1",
                                         "secret_access_key": env["AWS_SECRET_ACCESS_KEY"],
                                         "endpoint": env["AWS_ENDPOINT_URL"]}, client_options={"allow_http": True})
-        keys = [m["path"] for page in obstore.list(store, prefix="gets", chunk_size=1000) for m in page]
-        keys = keys[:args.objects]
+        listed = [(m["path"], int(m["size"])) for page in obstore.list(store, prefix="gets", chunk_size=1000)
+                  for m in page][:args.objects]
+        keys = [k for k, _ in listed]
 
         def get(k):
             return len(bytes(obstore.get(store, k).bytes()))
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
 
         ways = [(f"pool of {n}", pool(n)) for n in args.in_flight]
         ways += [(f"asyncio, {args.in_flight[0]} in flight", aio), ("one at a time", lambda: sum(map(get, keys)))]
-        print(f"{len(keys)} objects, {sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(args.root) for f in fs) // max(1, sum(len(fs) for _, _, fs in os.walk(args.root))) // 1000} KB each on average")
+        print(f"{len(keys)} objects, {sum(n for _, n in listed) / max(1, len(listed)) / 1000:.1f} KB each on average")
         for r in range(args.rounds):
             for name, run in ways:
                 c, t = _cpu(), time.perf_counter()
