@@ -444,3 +444,19 @@ def test_a_bucket_roots_read_faults_are_the_samples_or_the_buckets_never_a_stat_
     else:
         with pytest.raises(storage.StorageUnavailable, match="cannot be read now"):
             storage.read_sample(read, "s3://bucket/train", sleep=lambda s: None)
+
+
+def test_a_bucket_outage_past_the_retries_is_said_as_what_came_back_not_obstores_text(monkeypatch):
+    # the batch's line carried obstore's text: the endpoint's URL and query, the retries' count, the XML
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    monkeypatch.setattr(storage, "_bucket_refuses", lambda root: None)
+    raw = ("Generic S3 error: Error performing GET http://10.0.0.7:8333/b/train/n01/x.jpg in 120.4s, after 10 "
+           "retries, max_retries: 10, retry_timeout: 120s - Server returned non-2xx status code: 503 Service "
+           "Unavailable: <Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>")
+
+    def read():
+        raise OSError(errno.ETIMEDOUT, raw, "s3://b/train/n01/x.jpg")
+
+    with pytest.raises(storage.StorageUnavailable) as e:
+        storage.read_sample(read, "s3://b/train", sleep=lambda s: None)
+    assert str(e.value) == "the dataset root s3://b/train cannot be read now (it answered 503 SlowDown)", e.value

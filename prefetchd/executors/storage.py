@@ -118,8 +118,11 @@ def read_sample(read: Callable[[], bytes], root: str, sleep: Callable[[float], N
             if refused is not None:
                 raise StorageUnavailable(f"the dataset root {root} cannot be read now ({refused})") from None
         if bucket and err.errno not in (*_MISSING, errno.EACCES):
-            # the store already retried it for up to two minutes: the bucket's outage, not the sample's
-            raise StorageUnavailable(f"the dataset root {root} cannot be read now ({err.strerror})") from None
+            # the store already retried it for up to two minutes: the bucket's outage, not the sample's (said as
+            # what came back, not obstore's text: the request's URL, the server's XML cut short)
+            from prefetchd.sources.objectstore import fault_words
+
+            raise StorageUnavailable(f"the dataset root {root} cannot be read now ({fault_words(err)})") from None
         if err.errno in TRANSIENT_ERRNOS:
             pause = next(pauses, None)
             if pause is not None:
