@@ -198,10 +198,12 @@ class Helpers:
         new forkserver needs it); not once the daemon is stopping (``stop_helpers`` reaps it)."""
         if self.stopping():
             return
+        restarted = False
         for name in (TRACKER, FORKSERVER):
             pid, fd = self._watched.get(name, (None, None))
             if fd is None or not has_exited(fd):
                 continue
+            restarted = True
             code = child_status(fd, keep=True)
             how = "died" if code is None else describe_exit(code)
             del self._watched[name]
@@ -225,7 +227,8 @@ class Helpers:
         # once both were looked at: watched again in the loop, after the tracker's restart, a forkserver that
         # multiprocessing had already replaced was watched under its new pid before its death was seen, and
         # that death went uncounted and unsaid (forkserver_restarts 0 after every child was killed)
-        self._watch()
+        if restarted:
+            self._watch()
 
     def spawn(self, start: Callable[[], None]) -> None:
         """Run ``start`` (a worker's ``Process.start``) with a deadline on the forkserver's
