@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -38,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, nargs="+", default=[32, 8], help="the pools' sizes, and asyncio's (the first)")
     args = ap.parse_args(argv)
-    srv = S3Server(tempfile.mkdtemp(prefix="prefetchd-s3gets-"))
+    data = tempfile.mkdtemp(prefix="prefetchd-s3gets-")
+    srv = S3Server(data)
     srv.start()
     try:
         srv.upload_tree(args.root, "gets")
@@ -80,6 +82,7 @@ def main(argv=None) -> int:
                       f"{len(keys) / (time.perf_counter() - t):,.0f} GETs/s", flush=True)
     finally:
         srv.stop()
+        shutil.rmtree(data, ignore_errors=True)
     return 0
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -53,6 +55,34 @@ _LONG_FIRST = ("test_soak", "test_helper_faults", "test_examples", "test_client_
                "test_sizing_memory", "test_fuzz")
 
 
+# What the suite's processes leave in $TMPDIR goes in one directory of the run's own, removed at its end:
+# multiprocessing's pymp-* (a forkserver's socket) outlives each daemon a test kills outright, about 45
+# a whole run. Made by the run's first process (xdist's controller); its workers and every process a
+# test starts inherit it. Mode 1777 like /tmp: some tests hand a directory in it to another user.
+_SUITE_TMP = "PREFETCHD_SUITE_TMPDIR"
+
+
+def pytest_configure(config):
+    if os.environ.get(_SUITE_TMP):
+        return
+    tempfile.gettempdir()  # this process's, where pytest puts tmp_path, stays the usual one
+    d = tempfile.mkdtemp(prefix="prefetchd-tests-")
+    os.chmod(d, 0o1777)
+    config._prefetchd_suite_tmp = (d, os.environ.get("TMPDIR"))
+    os.environ["TMPDIR"] = os.environ[_SUITE_TMP] = d
+
+
+def pytest_unconfigure(config):
+    d, before = getattr(config, "_prefetchd_suite_tmp", (None, None))
+    if d:
+        shutil.rmtree(d, ignore_errors=True)
+        del os.environ[_SUITE_TMP]
+        if before is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = before
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: _module(item.nodeid) not in _LONG_FIRST)  # stable: each part keeps its order
 
@@ -70,10 +100,11 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """``PREFETCHD_TEST_CPU=FILE``: each test's CPU seconds appended to FILE, a ``seconds nodeid``
-    line: this process's and its children's once reaped (the daemons, trainers and commands it
-    started), set-up and teardown included. Where the suite's CPU goes, which ``--durations`` (wall
-    time, most of it waiting) does not say (CONTRIBUTING.md)."""
+    """``PREFETCHD_TEST_CPU=FILE``: each test's CPU seconds appended to FILE, a ``seconds nodeid
+    worker start end`` line: this process's and its children's once reaped (the daemons, trainers and
+    commands it started), set-up and teardown included; then the xdist worker that ran it and its
+    wall-clock start and end (Unix time). Where the suite's CPU goes, which ``--durations`` (wall
+    time, most of it waiting) does not say, and when each worker was busy (CONTRIBUTING.md)."""
     path = os.environ.get("PREFETCHD_TEST_CPU")
     if not path:
         yield
@@ -84,10 +115,11 @@ def pytest_runtest_protocol(item, nextitem):
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
-    t0 = cpu()
+    t0, w0 = cpu(), time.time()
     yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(path, "a") as f:
-        f.write(f"{cpu() - t0:.2f} {item.nodeid}\n")
+        f.write(f"{cpu() - t0:.2f} {item.nodeid} {worker} {w0:.2f} {time.time():.2f}\n")
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,30 +121,10 @@ def per_sample_cpu(paths: list[str], recipe: str, samples: int, rounds: int,
     return out
 
 
-def main(argv=None) -> int:
-    from prefetchd.tools.bench.throughput import _buffer_parent, daemon_run, list_images
+def _compare(args, paths: list[str], work: str) -> int:
+    """The three rows, alternated round by round, and the transform's own limit; ``work`` holds the runs."""
+    from prefetchd.tools.bench.throughput import _buffer_parent, daemon_run
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--root", required=True, help="an ImageFolder")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--epochs", type=int, default=1, help="epochs per daemon row")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--recipe", choices=("deit", "trivialaugment"), default="deit")
-    ap.add_argument("--erase-mode", choices=("const", "pixel"), default="const",
-                    help="the fast path's erasing fill: const (torchvision's value=0, as the other rows) or pixel")
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--cpu-only", action="store_true", help="only the per-sample CPU time in one process")
-    args = ap.parse_args(argv)
-    paths = list_images(args.root)
-    if args.cpu_only:
-        ms = per_sample_cpu(paths, args.recipe, 100, args.rounds, args.erase_mode)
-        f, t = statistics.median(ms["fast path"]), statistics.median(ms["torchvision"])
-        print(f"{args.recipe}: CPU ms per sample, one process, {args.rounds} alternated rounds of 100 (median): "
-              f"fast path {f:.2f} (runs {', '.join(f'{x:.1f}' for x in ms['fast path'])}), torchvision {t:.2f} "
-              f"(runs {', '.join(f'{x:.1f}' for x in ms['torchvision'])}): {t / f:.2f}x")
-        return 0
-    work = tempfile.mkdtemp(prefix="prefetchd-recipes-")
     parent = _buffer_parent()
     user = {"mode": "random_resized_crop", "output_size": 224,
             "transform": "prefetchd.tools.bench.recipes:torchvision_recipe", "transform_args": {"recipe": args.recipe}}
@@ -173,6 +154,36 @@ def main(argv=None) -> int:
             json.dump({"recipe": args.recipe, "images": len(paths), "workers": args.workers, "rows": rows,
                        "transform_ms": tv_ms, "limit_img_s": limit}, f, indent=1)
     return 0
+
+
+def main(argv=None) -> int:
+    from prefetchd.tools.bench.throughput import list_images
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", required=True, help="an ImageFolder")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per daemon row")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recipe", choices=("deit", "trivialaugment"), default="deit")
+    ap.add_argument("--erase-mode", choices=("const", "pixel"), default="const",
+                    help="the fast path's erasing fill: const (torchvision's value=0, as the other rows) or pixel")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--cpu-only", action="store_true", help="only the per-sample CPU time in one process")
+    args = ap.parse_args(argv)
+    paths = list_images(args.root)
+    if args.cpu_only:
+        ms = per_sample_cpu(paths, args.recipe, 100, args.rounds, args.erase_mode)
+        f, t = statistics.median(ms["fast path"]), statistics.median(ms["torchvision"])
+        print(f"{args.recipe}: CPU ms per sample, one process, {args.rounds} alternated rounds of 100 (median): "
+              f"fast path {f:.2f} (runs {', '.join(f'{x:.1f}' for x in ms['fast path'])}), torchvision {t:.2f} "
+              f"(runs {', '.join(f'{x:.1f}' for x in ms['torchvision'])}): {t / f:.2f}x")
+        return 0
+    work = tempfile.mkdtemp(prefix="prefetchd-recipes-")
+    try:
+        return _compare(args, paths, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
