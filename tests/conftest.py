@@ -100,9 +100,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """``PREFETCHD_TEST_CPU=FILE``: each test's CPU seconds appended to FILE, a ``seconds nodeid
-    worker start end`` line: this process's and its children's once reaped (the daemons, trainers and
-    commands it started), set-up and teardown included; then the xdist worker that ran it and its
+    """``PREFETCHD_TEST_CPU=FILE``: each test's CPU seconds appended to FILE, a ``seconds worker
+    start end nodeid`` line: this process's and its children's once reaped (the daemons, trainers and
+    commands it started), set-up and teardown included; the xdist worker that ran it, and its
     wall-clock start and end (Unix time). Where the suite's CPU goes, which ``--durations`` (wall
     time, most of it waiting) does not say, and when each worker was busy (CONTRIBUTING.md)."""
     path = os.environ.get("PREFETCHD_TEST_CPU")
@@ -119,7 +119,7 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     worker = os.environ.get("PYTEST_XDIST_WORKER", "-")
     with open(path, "a") as f:
-        f.write(f"{cpu() - t0:.2f} {item.nodeid} {worker} {w0:.2f} {time.time():.2f}\n")
+        f.write(f"{cpu() - t0:.2f} {worker} {w0:.2f} {time.time():.2f} {item.nodeid}\n")
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 20.0, what: str = "condition", interval: float = 0.01):

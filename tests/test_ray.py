@@ -42,9 +42,10 @@ def ray_temp_dir():
     import tempfile
 
     d = tempfile.mkdtemp(prefix="pfray", dir="/tmp")  # short: Ray's socket paths live under it
-    # a head writes its address to /tmp/ray/ray_current_cluster whatever its temp_dir, but makes
-    # /tmp/ray only for the default one: on a machine where Ray never ran, the start failed
-    os.makedirs("/tmp/ray", exist_ok=True)
+    # a head writes its address to $TMPDIR/ray/ray_current_cluster (Ray's default temp dir: RAY_TMPDIR,
+    # else TMPDIR, else /tmp) whatever its temp_dir, but makes that directory only when it is the
+    # temp_dir: where Ray never ran (or in the suite's own TMPDIR: conftest.py), the start failed
+    os.makedirs(os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray"), exist_ok=True)
     yield d
     _kill_scoped(d)
     shutil.rmtree(d, ignore_errors=True)
