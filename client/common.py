@@ -1,4 +1,5 @@
-"""What every module of the client shares: its errors, ``BatchInfo``, and its timing constants.
+"""What every module of the client shares: its errors, ``BatchInfo``, its timing constants, and
+torch imported at first use (``torch_or_none``, ``torch``).
 
 The bottom of the client's imports: it imports nothing of the client, so the modules above it
 (memory, normalize, reader, loader) make no cycle.
@@ -82,6 +83,34 @@ class ConfigError(PrefetchError, _ConfigError):
         err = cls("", str(e))
         err.key = e.key
         return err
+
+
+_NO_TORCH = []  # one failed import of torch is enough: not retried at each batch
+
+
+def torch_or_none():
+    """torch, imported at the first call that needs it (a second or more of CPU and hundreds of
+    MB: a trainer that asks for numpy arrays never pays it); None where it is not installed."""
+    if _NO_TORCH:
+        return None
+    try:
+        import torch
+    except ImportError:
+        _NO_TORCH.append(True)
+        return None
+    return torch
+
+
+class _LazyTorch:
+    """``torch`` for the client's modules: imported at its first use, not with the client."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+
+torch = _LazyTorch()
 
 
 class _Stopped(Exception):

@@ -52,6 +52,8 @@ from .common import (
     _Stopped,
     _take_lane,
     config_from_env,
+    torch,
+    torch_or_none,
 )
 from .erasing import check_client as check_erasing
 from .erasing import from_meta as erasing_from_meta
@@ -61,11 +63,6 @@ from .memory import CudaTransfer, _PinnedPool
 from .reader import BatchFiles, ReadAhead
 from .shapes import DataLoaderShape, check_batch_size, normalize_constants
 from .state import LoaderState
-
-try:
-    import torch
-except ImportError:  # numpy arrays only
-    torch = None
 
 _log = logging.getLogger("prefetchd_client")
 
@@ -158,12 +155,12 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
         check_erasing(self.cfg, self.normalize, split)  # erase_on: client erases the normalised batch
         if dtype is not None and not self.normalize:
             raise ValueError("dtype= is the dtype of normalized images; pass normalize=True with it")
-        self.as_numpy = as_numpy or torch is None
+        self.as_numpy = as_numpy or torch_or_none() is None
         self._transfer = transfer if transfer is not None else CudaTransfer()
         self.device = None
         self._copy = False  # copy to the device through the transfer (pinned buffers, side stream)
         if device is not None:
-            if torch is None:
+            if torch_or_none() is None:
                 raise PrefetchError("device= needs torch; install prefetchd[torch] or leave device=None")
             self.device = torch.device(device)
             self.as_numpy = False
@@ -445,7 +442,7 @@ class PrefetchClient(DataLoaderShape, LoaderState, BatchFiles, Lifetime):
         self._device_resolved = True
 
     def _make_stage(self, device):
-        if torch is None:
+        if torch_or_none() is None:
             raise PrefetchError(f"augment.decode: {self.cfg.augment.decode} needs torch in the trainer; "
                                 "install prefetchd[torch,gpu] or set augment.decode: cpu")
         from .gpudecode import GPU_EXTRA_HINT, DecodeStage, DecodeUnavailable

@@ -14,12 +14,7 @@ import time
 from typing import Any
 
 from .clock import WaitClock
-from .common import _POLL_MAX_S, _POLL_MIN_S, PrefetchTimeout, _Stopped
-
-try:
-    import torch
-except ImportError:  # numpy arrays only
-    torch = None
+from .common import _POLL_MAX_S, _POLL_MIN_S, PrefetchTimeout, _Stopped, torch, torch_or_none
 
 
 class CudaTransfer:
@@ -42,7 +37,8 @@ class CudaTransfer:
     """
 
     def available(self) -> bool:
-        return torch is not None and torch.cuda.is_available()
+        t = torch_or_none()
+        return t is not None and t.cuda.is_available()
 
     def resolve(self, device):
         if device.type == "cuda" and device.index is None:

@@ -42,17 +42,13 @@ from .common import (
     PrefetchError,
     PrefetchTimeout,
     _Stopped,
+    torch,
 )
 from .memory import _NoContext
 from .normalize import _normalize_numpy, _normalize_torch
 
 if TYPE_CHECKING:
     from .loader import PrefetchClient
-
-try:
-    import torch
-except ImportError:  # numpy arrays only
-    torch = None
 
 
 class ReadAhead:

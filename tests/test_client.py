@@ -172,3 +172,18 @@ def test_an_iteration_left_unfinished_past_the_with_block_ends_quietly_and_the_r
     progress = [os.path.join(dp, f) for dp, _, fs in os.walk(tmp_path) for f in fs if f.startswith("progress-r")]
     assert progress, list(os.walk(tmp_path))
     assert all(json.load(open(p))["closed"] is True for p in progress), [open(p).read() for p in progress]
+
+
+def test_a_trainer_reading_numpy_arrays_never_imports_torch_and_one_reading_tensors_does(tmp_path, image_root,
+                                                                                       daemon_factory):
+    """torch costs a trainer process a second or more of CPU and hundreds of MB at import: a JAX or
+    numpy trainer (``as_numpy=True``) never pays it; the default still yields torch tensors."""
+    cfg = small_config(tmp_path, image_root)
+    daemon_factory(cfg)
+    code = ("import sys\nfrom prefetchd_client import PrefetchClient\n"
+            "with PrefetchClient(sys.argv[1], timeout=60, as_numpy=sys.argv[2] == 'numpy') as c:\n"
+            "    x, y = next(iter(c.iter_epoch(0)))\n"
+            "print(type(x).__module__, type(y).__module__, 'torch' in sys.modules)\n")
+    for kind, want in (("numpy", "numpy numpy False"), ("tensors", "torch torch True")):
+        r = subprocess.run([sys.executable, "-c", code, cfg, kind], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.split() == want.split(), (kind, r.stdout + r.stderr[-2000:])

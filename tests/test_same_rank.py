@@ -15,16 +15,31 @@ from conftest import small_config
 from prefetchd.daemon.sessions import Sessions
 from prefetchd.format.progress import VAL_LANE, Progress
 
+# Both trainers have their loader before either reads, and both keep it open until both are done
+# (barriers of files): else, on a loaded machine, one could read both epochs and close before the
+# other read at all, and the other's moves were then a restart of the rank, rightly not called two
+# trainers by the daemon (the other was gone)
 _TRAINER = """
-import json, sys, time
+import json, os, sys, time
 from prefetchd_client import PrefetchClient
+
+def barrier(name):
+    open(os.path.join(sys.argv[2], f"{name}-{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + 60
+    while sum(f.startswith(name) for f in os.listdir(sys.argv[2])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
 got = []
 try:
     with PrefetchClient(sys.argv[1], timeout=6, as_numpy=True) as c:
-        for e in range(2):
-            for x, y in c.iter_epoch(e):
-                got.append(c.last_batch.batch)
-                time.sleep(0.05)
+        barrier("ready")
+        try:
+            for e in range(2):
+                for x, y in c.iter_epoch(e):
+                    got.append(c.last_batch.batch)
+                    time.sleep(0.05)
+        finally:
+            barrier("done")
     print(json.dumps({"ok": True, "n": len(got)}))
 except Exception as ex:
     print(json.dumps({"ok": False, "n": len(got), "err": str(ex)}))
@@ -35,7 +50,9 @@ def test_two_trainers_of_one_rank_are_said_by_the_daemon_and_to_the_trainer_that
         tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root)
     d = daemon_factory(cfg)
-    ps = [subprocess.Popen([sys.executable, "-c", _TRAINER, cfg], stdout=subprocess.PIPE, text=True)
+    barriers = tmp_path / "barriers"
+    barriers.mkdir()
+    ps = [subprocess.Popen([sys.executable, "-c", _TRAINER, cfg, str(barriers)], stdout=subprocess.PIPE, text=True)
           for _ in range(2)]
     outs = [json.loads(p.communicate(timeout=180)[0].strip().splitlines()[-1]) for p in ps]
     failed = [o for o in outs if not o["ok"]]
