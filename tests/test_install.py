@@ -93,7 +93,7 @@ def _imported_tops() -> set[str]:
 
 
 def test_the_set_up_compiles_every_installed_package_the_suite_imports():
-    """`make venv` installs without compiling (pip's --no-compile) and then imports WARM_IMPORTS once
+    """`make venv` installs without compiling (pip's --no-compile) and then imports WARM_TORCH and WARM_REST once
     to compile what the suite runs: a package left out is compiled afresh by every process that
     imports it where PYTHONDONTWRITEBYTECODE is set (lightning: each trainer of test_examples.py)."""
     import importlib.util
@@ -111,4 +111,4 @@ def test_the_set_up_compiles_every_installed_package_the_suite_imports():
         if "site-packages" in (where or ""):
             installed.add(name)
     assert "torch" in installed and "numpy" in installed, installed  # the scan sees the venv's packages
-    assert not installed - warmed - _NOT_WARMED, f"the Makefile's WARM_IMPORTS leaves out {sorted(installed - warmed - _NOT_WARMED)}"
+    assert not installed - warmed - _NOT_WARMED, f"the Makefile's warm-up (WARM_TORCH, WARM_REST) leaves out {sorted(installed - warmed - _NOT_WARMED)}"
