@@ -84,30 +84,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    first = [item for item in items if _module(item.nodeid) in _LONG_FIRST]
-    items[:] = first + _interleaved([item for item in items if _module(item.nodeid) not in _LONG_FIRST])
-
-
-def _module_scoped(item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    return any(d.scope == "module" for defs in (info.name2fixturedefs.values() if info else ()) for d in defs)
-
-
-def _interleaved(items: list) -> list:
-    """The rest of the suite, the modules taken in turns, one test of each a turn: a module whose tests
-    mostly wait (a trainer paused for three timeouts, a stop's 10-s deadline) no longer runs as one
-    stretch beside others like it while the CPUs sit idle. A module with a module-scoped fixture goes
-    whole at its first turn (one set-up); the groups of one worker are units of their own anyway."""
-    modules: dict[str, list] = {}
-    for item in items:
-        modules.setdefault(_module(item.nodeid), []).append(item)
-    turns = [[tests] if any(map(_module_scoped, tests)) else [[t] for t in tests] for tests in modules.values()]
-    out = []
-    for k in range(max(map(len, turns), default=0)):
-        for chunks in turns:
-            if k < len(chunks):
-                out += chunks[k]
-    return out
+    items.sort(key=lambda item: _module(item.nodeid) not in _LONG_FIRST)  # stable: each part keeps its order
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, when it is installed
