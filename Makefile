@@ -26,7 +26,7 @@ WARM_PROJECT    := import prefetchd.cli, prefetchd_client, prefetchd.daemon.loop
 # The suite's workers (pytest-xdist; tests/conftest.py keeps the tests that share a whole system on one):
 # twice the CPUs this process may use, at most 8. Most tests wait on a daemon or a trainer process for
 # much of their time, so two a CPU keep the CPUs busy; on 2 cores 5 were no faster than 4 (8 min 2 s
-# and 8 min 51 s against 8 min 50 s, CONTRIBUTING.md), and load more.
+# and 8 min 51 s against 8 min 50 s; 8 min 18 s against 8 min 23 s, CONTRIBUTING.md), and load more.
 TEST_WORKERS ?= $(shell python3 -c 'import os; print(min(8, 2 * len(os.sched_getaffinity(0))))')
 
 .PHONY: venv demo test lint bench clean print-torch-cpu print-warm-imports
