@@ -23,14 +23,15 @@ of the client).
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from .child import DaemonStartError, serve
 from .common import BatchInfo, ConfigError, PrefetchError, PrefetchTimeout
 from .normalize import IMAGENET_MEAN, IMAGENET_STD, _normalize_numpy, _normalize_torch
 
-# Imported at first use: they import torch (seconds, hundreds of MB), which `prefetchd launch`
-# and `serve()` (this package's ``child``) do not need.
+# Imported at first use (`prefetchd launch` and `serve()`, this package's ``child``, need neither);
+# torch itself is imported only where a batch needs it (common.torch_or_none).
 _LAZY = {"PrefetchClient": ".loader", "CudaTransfer": ".memory"}
 
 
@@ -63,10 +64,8 @@ def normalize(images: Any, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype: Any = No
         from .shapes import normalize_constants
 
         mean, std = normalize_constants(True, mean, std)
-    try:
-        import torch
-    except ImportError:
-        torch = None
-    if torch is not None and isinstance(images, torch.Tensor):
+    # a tensor means torch is loaded: a numpy trainer's call imports none (seconds, hundreds of MB)
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    if tensor is not None and isinstance(images, tensor):
         return _normalize_torch(images, dtype, mean, std)
     return _normalize_numpy(images, dtype, mean, std)

@@ -187,3 +187,17 @@ def test_a_trainer_reading_numpy_arrays_never_imports_torch_and_one_reading_tens
     for kind, want in (("numpy", "numpy numpy False"), ("tensors", "torch torch True")):
         r = subprocess.run([sys.executable, "-c", code, cfg, kind], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.split() == want.split(), (kind, r.stdout + r.stderr[-2000:])
+
+
+def test_normalize_of_numpy_arrays_imports_no_torch_and_of_a_tensor_gives_a_tensor():
+    """``prefetchd_client.normalize`` on the numpy arrays of an ``as_numpy=True`` trainer costs no
+    torch import either; a torch tensor, once the trainer has torch, is still normalised as one."""
+    code = ("import sys, numpy as np\nimport prefetchd_client as p\n"
+            "x = np.arange(2 * 3 * 4 * 4, dtype=np.uint8).reshape(2, 3, 4, 4)\n"
+            "a = p.normalize(x)\n"
+            "print(type(a).__module__, 'torch' in sys.modules)\n"
+            "import torch\n"
+            "t = p.normalize(torch.from_numpy(x))\n"
+            "print(type(t).__module__, bool(abs(t.numpy() - a).max() < 1e-5))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["numpy", "False", "torch", "True"], r.stdout + r.stderr[-2000:]
