@@ -222,8 +222,11 @@ class Cluster:
         return int(kids[0]) if kids else None
 
     def run(self, *cmd: str, timeout: float = 60, check: bool = False) -> subprocess.CompletedProcess:
+        # TMPDIR: the suite's own (conftest.py), where a job killed outright leaves its daemon's
+        # forkserver socket and torchrun its logs, as on a node, instead of in /tmp
         env = {"PATH": f"{BIN}:/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": "/run/slurm/slurm.conf",
-               "HOME": os.environ.get("HOME", "/root"), "NPROC_PER_NODE": "2"}
+               "HOME": os.environ.get("HOME", "/root"), "NPROC_PER_NODE": "2",
+               "TMPDIR": os.environ.get("TMPDIR", "/tmp")}
         r = subprocess.run(["nsenter", "-t", str(self.pid), "-a", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
                             *cmd], capture_output=True, text=True, timeout=timeout)
         if check and r.returncode:
