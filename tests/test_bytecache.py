@@ -138,8 +138,10 @@ def test_a_cache_in_the_ring_on_tmpfs_or_for_a_local_root_is_one_line(tmp_path):
 
     if not os.path.isdir("/dev/shm") or not is_tmpfs("/dev/shm"):
         pytest.skip("no tmpfs at /dev/shm to try")
-    with pytest.raises(DatasetError, match="dataset.cache.dir /dev/shm/pfd-test-bytes is on tmpfs"):
-        bytecache.configure({"dir": "/dev/shm/pfd-test-bytes", "max_bytes": 1 << 30})
+    refused = f"/dev/shm/pfd-test-bytes-{os.getpid()}/cache"
+    with pytest.raises(DatasetError, match=f"dataset.cache.dir {refused} is on tmpfs"):
+        bytecache.configure({"dir": refused, "max_bytes": 1 << 30})
+    assert not os.path.exists(os.path.dirname(refused))  # refused, and nothing made in RAM
 
 
 def test_the_daemons_second_run_over_a_warm_cache_makes_the_same_batches_with_no_sample_get(

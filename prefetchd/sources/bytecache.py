@@ -182,6 +182,14 @@ def configure(cache: dict | None, key: str = "dataset.cache") -> ByteCache | Non
     d = cache["dir"]
     if _CURRENT is not None and (_CURRENT.dir, _CURRENT.max_bytes) == (d, int(cache["max_bytes"])):
         return _CURRENT
+    # refused before it is made: else a refused dir stayed behind in RAM (a dir not made yet would be
+    # on the file system of its nearest parent that exists)
+    on = os.path.abspath(d)
+    while not os.path.exists(on):
+        on = os.path.dirname(on)
+    if is_tmpfs(on):
+        raise DatasetError(f"{key}.dir {d} is on tmpfs (RAM), where it would take the memory the batch ring needs: "
+                           "set it to a folder on a local disk")
     try:
         os.makedirs(d, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -193,8 +201,5 @@ def configure(cache: dict | None, key: str = "dataset.cache") -> ByteCache | Non
     except OSError as e:
         raise DatasetError(f"{key}.dir {d} is not writable by this user ({e.strerror}): give it to the user the "
                            "daemon runs as (chown), or set it to a folder that user can write") from None
-    if is_tmpfs(d):
-        raise DatasetError(f"{key}.dir {d} is on tmpfs (RAM), where it would take the memory the batch ring needs: "
-                           "set it to a folder on a local disk")
     _CURRENT = ByteCache(d, int(cache["max_bytes"]))
     return _CURRENT
