@@ -42,8 +42,11 @@ $(VENV)/.installed: pyproject.toml
 	# timm's own RandAugment parser and ops for tests/test_policies_timm.py: its auto_augment.py needs
 	# only Pillow and numpy, so no dependencies (timm's torchvision would replace the CPU torch)
 	$(PY) $(PIP_NOCOMPILE) --no-deps 'timm>=1,<2'
+	# the first half in the background, stopped with the recipe (Ctrl-C, or the other half failing)
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_TORCH)' & torch=$$!; \
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_REST); $(WARM_PROJECT)' && wait $$torch
+	trap 'kill $$torch 2>/dev/null' INT TERM; \
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c '$(WARM_REST); $(WARM_PROJECT)' || { kill $$torch 2>/dev/null; exit 1; }; \
+	wait $$torch
 	touch $@
 
 demo: venv
