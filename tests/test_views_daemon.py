@@ -5,6 +5,7 @@ tensors (normalised each); a multi-crop stream trains a small model."""
 
 from __future__ import annotations
 
+import os
 import textwrap
 
 import numpy as np
@@ -186,13 +187,16 @@ def test_the_client_yields_each_view_as_numpy_cpu_pinned_and_device_tensors(tmp_
 def test_a_single_view_stream_still_yields_images_and_labels(tmp_path, image_root, daemon_factory):
     cfg = small_config(tmp_path, image_root, loader={"epochs": 1})
     d = daemon_factory(cfg)
+    buf = load_config(cfg).buffer.dir
     with PrefetchClient(cfg, rank=0, timeout=60, as_numpy=True) as c:
         batch = next(iter(c))
-    assert len(batch) == 2 and batch[0].shape == (6, 3, 64, 64)
-    name = sorted(n for n in __import__("os").listdir(load_config(cfg).buffer.dir) if n.endswith(".batch"))
-    if name:  # what is still in the buffer is version 1
-        with open(f"{load_config(cfg).buffer.dir}/{name[0]}", "rb") as f:
+        # a batch this trainer has not consumed stays while it stays here (one it has could be
+        # evicted between listing and opening it): its file is version 1, a single-view file
+        ahead = wait_until(lambda: sorted(n for n in os.listdir(buf) if n.endswith(".batch")
+                                          and not n.endswith("-b00000000.batch")), 30, "batch 1's file")
+        with open(os.path.join(buf, ahead[0]), "rb") as f:
             assert int.from_bytes(f.read(10)[8:10], "little") == batchfile.VERSION
+    assert len(batch) == 2 and batch[0].shape == (6, 3, 64, 64)
     assert d.stop() == 0
 
 
