@@ -182,12 +182,9 @@ def configure(cache: dict | None, key: str = "dataset.cache") -> ByteCache | Non
     d = cache["dir"]
     if _CURRENT is not None and (_CURRENT.dir, _CURRENT.max_bytes) == (d, int(cache["max_bytes"])):
         return _CURRENT
-    # refused before it is made: else a refused dir stayed behind in RAM (a dir not made yet would be
-    # on the file system of its nearest parent that exists)
-    on = os.path.abspath(d)
-    while not os.path.exists(on):
-        on = os.path.dirname(on)
-    if is_tmpfs(on):
+    # refused before it is made: else a refused dir stayed behind in RAM (is_tmpfs reads the mount
+    # table by the path, so it answers for a dir not made yet)
+    if is_tmpfs(d):
         raise DatasetError(f"{key}.dir {d} is on tmpfs (RAM), where it would take the memory the batch ring needs: "
                            "set it to a folder on a local disk")
     try:
